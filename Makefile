@@ -1,0 +1,33 @@
+# Set-up and entry points. Every target creates or reuses .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A range-satisfying torch is installed first so that pip does not pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+# Tests keep every cache and temporary file inside the working tree and never touch the network.
+TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	mkdir -p .cache/hf .cache/tmp
+	$(TEST_ENV) $(PY) -m hf_powernorm.demo
+
+test: install
+	mkdir -p .cache/hf .cache/tmp
+	$(TEST_ENV) $(PY) -m pytest -q tests
+
+bench: install
+	$(PY) -m hf_powernorm.bench_norms
+
+clean:
+	rm -rf .cache .pytest_cache build *.egg-info
