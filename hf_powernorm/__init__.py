@@ -14,10 +14,51 @@ from .normalization import (
     normalize_norm_name,
 )
 
+from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
+from .modeling_powernorm import (
+    PowerNormTransformerForCausalLM,
+    PowerNormTransformerForConditionalGeneration,
+    PowerNormTransformerForSequenceClassification,
+    PowerNormTransformerModel,
+    PowerNormTransformerPreTrainedModel,
+    register_for_auto_classes,
+)
+
 __version__ = "0.1.0"
+
+
+def _register() -> None:
+    """Register the family with the Auto classes here and, through `auto_map`, for remote code."""
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+    )
+
+    AutoConfig.register(PowerNormTransformerConfig.model_type, PowerNormTransformerConfig, exist_ok=True)
+    for auto, cls in (
+        (AutoModel, PowerNormTransformerModel),
+        (AutoModelForSeq2SeqLM, PowerNormTransformerForConditionalGeneration),
+        (AutoModelForCausalLM, PowerNormTransformerForCausalLM),
+        (AutoModelForSequenceClassification, PowerNormTransformerForSequenceClassification),
+    ):
+        auto.register(PowerNormTransformerConfig, cls, exist_ok=True)
+    register_for_auto_classes()
+
+
+_register()
 
 __all__ = [
     "NORM_CLASSES",
+    "PRESETS",
+    "PowerNormTransformerConfig",
+    "PowerNormTransformerForCausalLM",
+    "PowerNormTransformerForConditionalGeneration",
+    "PowerNormTransformerForSequenceClassification",
+    "PowerNormTransformerModel",
+    "PowerNormTransformerPreTrainedModel",
     "GroupNorm",
     "Identity",
     "LayerNorm",

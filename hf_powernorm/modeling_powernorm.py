@@ -1,0 +1,837 @@
+"""The PowerNorm Transformer family (Shen et al., ICML 2020, Section 5 and Appendix B).
+
+A fairseq-style Transformer (Vaswani et al.) whose norm at every position is chosen from the norm
+registry: PN in the encoder and LN in the decoder for translation (Table 2), PN everywhere for
+language modelling (Table 3), pre-norm or post-norm. Every norm receives the padding mask so that
+batch statistics are taken over real tokens only. Heads: encoder-decoder translation, decoder-only
+language model, encoder-only sequence classifier.
+
+In eval, PN, PN-V and BN are a per-channel affine map after group scaling (`powernorm-notes.md`,
+"Inference"); `fold_norms()` moves that map into the linear layers that read the norm's output.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+    SequenceClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+from .configuration_powernorm import PowerNormTransformerConfig
+from .normalization import GroupNorm, LayerNorm, MaskedBatchNorm, PowerNorm, PowerNormV, RMSNorm, build_norm, group_scale
+
+logger = logging.get_logger(__name__)
+
+# Norms that are a per-channel affine map after group scaling in eval, hence foldable.
+FOLDABLE_NORMS = ("powernorm", "powernorm_v", "batchnorm")
+# Which options of the config give each foldable norm its group scaling.
+_FOLDED_GROUP_NUM = {"powernorm": "powernorm_group_num"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class GroupScale(nn.Module):
+    """Parameter-free group scaling: what is left of a folded PN (`group_num=None`: identity)."""
+
+    def __init__(self, group_num: int | None) -> None:
+        super().__init__()
+        self.group_num = group_num
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return group_scale(hidden_states, self.group_num).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"group_num={self.group_num}"
+
+
+def build_position_norm(config: PowerNormTransformerConfig, norm_type: str, foldable_position: bool) -> nn.Module:
+    """The norm of one position; a `GroupScale` where `fold_norms()` has folded it away."""
+    if config.norms_folded and foldable_position and norm_type in FOLDABLE_NORMS:
+        option = _FOLDED_GROUP_NUM.get(norm_type)
+        return GroupScale(getattr(config, option) if option else None)
+    return build_norm(norm_type, config.hidden_size, **config.norm_kwargs(norm_type))
+
+
+def sinusoidal_embedding(position_ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """fairseq's sinusoidal positions: sines in the first half of the channels, cosines in the second."""
+    half = dim // 2
+    frequencies = torch.exp(
+        torch.arange(half, dtype=torch.float32, device=position_ids.device) * -(math.log(10000.0) / max(half - 1, 1))
+    )
+    angles = position_ids.float().unsqueeze(-1) * frequencies  # (batch, seq, half)
+    embedding = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    if dim % 2:
+        embedding = F.pad(embedding, (0, 1))
+    return embedding.to(dtype)
+
+
+def position_ids_from_mask(
+    attention_mask: torch.Tensor | None, batch_size: int, seq_length: int, past_length: int, device: torch.device
+) -> torch.Tensor:
+    """Positions count real tokens only, so left padding does not shift them. Shape (batch, seq)."""
+    if attention_mask is None:
+        return torch.arange(past_length, past_length + seq_length, device=device).expand(batch_size, -1)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return positions[:, -seq_length:]
+
+
+def shift_tokens_right(input_ids: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Decoder inputs from labels: prepend the start token, drop the last one, map -100 to padding."""
+    shifted = input_ids.new_zeros(input_ids.shape)
+    shifted[:, 1:] = input_ids[:, :-1].clone()
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+class PowerNormTransformerEmbeddings(nn.Module):
+    """Token embedding (scaled by sqrt(hidden) when `scale_embedding`) plus positions, then dropout."""
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_scale = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
+        self.position_embedding_type = config.position_embedding_type
+        self.max_positions = config.max_position_embeddings
+        if self.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.dropout = config.dropout
+
+    def forward(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden_states = inputs_embeds * self.embed_scale
+        if self.position_embedding_type == "learned":
+            if int(position_ids.max()) >= self.max_positions:
+                raise ValueError(
+                    f"position {int(position_ids.max())} exceeds max_position_embeddings={self.max_positions}"
+                )
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        else:
+            hidden_states = hidden_states + sinusoidal_embedding(position_ids, hidden_states.shape[-1],
+                                                                 hidden_states.dtype)
+        return F.dropout(hidden_states, p=self.dropout, training=self.training)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (batch, heads, q, k)
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class PowerNormTransformerAttention(nn.Module):
+    """Multi-head attention through Transformers' attention interface (eager, sdpa, ...)."""
+
+    def __init__(self, config: PowerNormTransformerConfig, layer_idx: int, is_causal: bool = False,
+                 is_cross_attention: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = is_causal
+        self.is_cross_attention = is_cross_attention
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def _project(self, proj: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+        return proj(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (batch, heads, seq, dim)
+
+    def _keys_values(self, hidden_states, key_value_states, past_key_values):
+        if past_key_values is None:
+            source = key_value_states if self.is_cross_attention else hidden_states
+            return self._project(self.k_proj, source), self._project(self.v_proj, source)
+        if self.is_cross_attention:
+            # The encoder output is fixed during generation: project it once, then reuse it.
+            cache = past_key_values.cross_attention_cache
+            if past_key_values.is_updated.get(self.layer_idx):
+                return cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+            past_key_values.is_updated[self.layer_idx] = True
+            source = key_value_states
+        else:
+            cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) \
+                else past_key_values
+            source = hidden_states
+        keys, values = self._project(self.k_proj, source), self._project(self.v_proj, source)
+        return cache.update(keys, values, self.layer_idx)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self._project(self.q_proj, hidden_states)
+        keys, values = self._keys_values(hidden_states, key_value_states, past_key_values)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query, keys, values, attention_mask,
+            dropout=self.dropout if self.training else 0.0, scaling=self.scaling, **kwargs,
+        )
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return self.out_proj(attn_output), attn_weights
+
+
+class PowerNormTransformerFeedForward(nn.Module):
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.activation_fn = ACT2FN[config.activation_function]
+        self.activation_dropout = config.activation_dropout
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.activation_fn(self.fc1(hidden_states))
+        hidden_states = F.dropout(hidden_states, p=self.activation_dropout, training=self.training)
+        return self.fc2(hidden_states)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class PowerNormTransformerLayerBase(GradientCheckpointingLayer):
+    """Residual sub-layers with the norm before (pre-norm) or after (post-norm) each of them."""
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__()
+        self.normalize_before = config.normalize_before
+        self.dropout = config.dropout
+
+    def _sublayer(self, norm: nn.Module, block: Callable, hidden_states: torch.Tensor,
+                  padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = hidden_states
+        if self.normalize_before:
+            hidden_states = norm(hidden_states, padding_mask)
+        hidden_states, weights = block(hidden_states)
+        hidden_states = residual + F.dropout(hidden_states, p=self.dropout, training=self.training)
+        if not self.normalize_before:
+            hidden_states = norm(hidden_states, padding_mask)
+        return hidden_states, weights
+
+    def _ffn_block(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.ffn(hidden_states), None
+
+
+class PowerNormTransformerEncoderLayer(PowerNormTransformerLayerBase):
+    def __init__(self, config: PowerNormTransformerConfig, layer_idx: int) -> None:
+        super().__init__(config)
+        norm = config.encoder_norm_type
+        self.self_attn = PowerNormTransformerAttention(config, layer_idx)
+        self.self_attn_norm = build_position_norm(config, norm, config.normalize_before)
+        self.ffn = PowerNormTransformerFeedForward(config)
+        self.ffn_norm = build_position_norm(config, norm, config.normalize_before)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def attend(states):
+            return self.self_attn(states, attention_mask=attention_mask, **kwargs)
+
+        hidden_states, attn_weights = self._sublayer(self.self_attn_norm, attend, hidden_states, padding_mask)
+        hidden_states, _ = self._sublayer(self.ffn_norm, self._ffn_block, hidden_states, padding_mask)
+        return hidden_states, attn_weights
+
+
+class PowerNormTransformerDecoderLayer(PowerNormTransformerLayerBase):
+    def __init__(self, config: PowerNormTransformerConfig, layer_idx: int, cross_attention: bool) -> None:
+        super().__init__(config)
+        norm = config.decoder_norm_type
+        self.self_attn = PowerNormTransformerAttention(config, layer_idx, is_causal=True)
+        self.self_attn_norm = build_position_norm(config, norm, config.normalize_before)
+        if cross_attention:
+            self.encoder_attn = PowerNormTransformerAttention(config, layer_idx, is_cross_attention=True)
+            self.cross_attn_norm = build_position_norm(config, norm, config.normalize_before)
+        self.ffn = PowerNormTransformerFeedForward(config)
+        self.ffn_norm = build_position_norm(config, norm, config.normalize_before)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        def attend(states):
+            return self.self_attn(states, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+
+        def cross_attend(states):
+            return self.encoder_attn(states, attention_mask=encoder_attention_mask,
+                                     key_value_states=encoder_hidden_states, past_key_values=past_key_values,
+                                     **kwargs)
+
+        hidden_states, self_weights = self._sublayer(self.self_attn_norm, attend, hidden_states, padding_mask)
+        cross_weights = None
+        if encoder_hidden_states is not None:
+            hidden_states, cross_weights = self._sublayer(self.cross_attn_norm, cross_attend, hidden_states,
+                                                          padding_mask)
+        hidden_states, _ = self._sublayer(self.ffn_norm, self._ffn_block, hidden_states, padding_mask)
+        return hidden_states, self_weights, cross_weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Pretrained base: weights, norm folding
+
+
+class PowerNormTransformerPreTrainedModel(PreTrainedModel):
+    config_class = PowerNormTransformerConfig
+    config: PowerNormTransformerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _no_split_modules = ["PowerNormTransformerEncoderLayer", "PowerNormTransformerDecoderLayer"]
+    # Running statistics stay float32 when loading with dtype=torch.bfloat16 / float16.
+    _keep_in_fp32_modules_strict = ["running_phi", "running_nu", "running_mean", "running_var"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, (PowerNorm, PowerNormV, MaskedBatchNorm, LayerNorm, RMSNorm, GroupNorm)):
+            self._init_norm(module)
+
+    @staticmethod
+    def _init_norm(module: nn.Module) -> None:
+        """weight 1, bias 0, and the initial running statistics (phi 1, nu 0, mean 0, var 1, counter 0)."""
+        for name, value in (("weight", 1), ("bias", 0), ("running_phi", 1), ("running_nu", 0),
+                            ("running_mean", 0), ("running_var", 1), ("num_batches_tracked", 0)):
+            tensor = getattr(module, name, None)
+            if tensor is not None:
+                (init.ones_ if value == 1 else init.zeros_)(tensor)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as usual; the `auto_map` names every Auto class so one directory loads through each."""
+        if getattr(type(self), "_auto_class", None) is not None:
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **_full_auto_map()}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def fold_norms(self) -> int:
+        """Fold every eval-mode PN / PN-V / BN affine map into the linear layers that read it.
+
+        Pre-norm only: the norm in front of self-attention goes into `q_proj`, `k_proj`, `v_proj`,
+        the one in front of cross-attention into `q_proj`, the one in front of the feed-forward
+        block into `fc1`; each norm becomes its group scaling. Final norms are left alone (their
+        output is the encoder output and the input of the tied output projection). The model is
+        for inference afterwards; `config.norms_folded` records it so that it saves and reloads.
+        Returns the number of norms folded.
+        """
+        if self.config.norms_folded:
+            raise ValueError("the norms of this model are already folded (config.norms_folded=True)")
+        if not self.config.normalize_before:
+            raise ValueError("fold_norms needs normalize_before=True: a post-norm output also feeds the residual")
+        folded = 0
+        for layer in self.modules():
+            if isinstance(layer, (PowerNormTransformerEncoderLayer, PowerNormTransformerDecoderLayer)):
+                folded += _fold_layer(layer)
+        if folded == 0:
+            raise ValueError(f"no foldable norm ({', '.join(FOLDABLE_NORMS)}) in this model")
+        self.config.norms_folded = True
+        return folded
+
+
+def _fold_into(norm: nn.Module, linears: list[nn.Linear]) -> nn.Module:
+    """`W (s * z + b) + c = (W diag(s)) z + (W b + c)` for each linear; returns the GroupScale left."""
+    scale, shift = norm.affine_after_group_scale()
+    for linear in linears:
+        weight = linear.weight.float()
+        linear.bias.copy_((linear.bias.float() + weight @ shift).to(linear.bias.dtype))
+        linear.weight.copy_((weight * scale).to(linear.weight.dtype))
+    return GroupScale(getattr(norm, "group_num", None))
+
+
+def _fold_layer(layer: nn.Module) -> int:
+    targets = {"self_attn_norm": lambda: [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+               "ffn_norm": lambda: [layer.ffn.fc1]}
+    if hasattr(layer, "encoder_attn"):
+        targets["cross_attn_norm"] = lambda: [layer.encoder_attn.q_proj]
+    folded = 0
+    for name, linears in targets.items():
+        norm = getattr(layer, name)
+        if hasattr(norm, "affine_after_group_scale"):
+            setattr(layer, name, _fold_into(norm, linears()))
+            folded += 1
+    return folded
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoder and decoder stacks
+
+
+class PowerNormTransformerEncoder(PowerNormTransformerPreTrainedModel):
+    """`encoder_layers` layers with `encoder_norm_type` norms; bidirectional attention."""
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__(config)
+        self.embeddings = PowerNormTransformerEmbeddings(config)
+        self.layers = nn.ModuleList(
+            [PowerNormTransformerEncoderLayer(config, i) for i in range(config.encoder_layers)]
+        )
+        self.final_norm = build_position_norm(config, config.encoder_norm_type, False) \
+            if config.normalize_before else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        reference = input_ids if input_ids is not None else inputs_embeds
+        batch_size, seq_length = reference.shape[:2]
+        position_ids = position_ids_from_mask(attention_mask, batch_size, seq_length, 0, reference.device)
+        hidden_states = self.embeddings(input_ids, inputs_embeds, position_ids)
+        attn_mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                              attention_mask=attention_mask)
+        all_hidden, all_attn = [], []
+        for layer in self.layers:
+            all_hidden.append(hidden_states)
+            hidden_states, weights = layer(hidden_states, attn_mask, attention_mask, **_attention_kwargs(kwargs))
+            all_attn.append(weights)
+        if self.final_norm is not None:
+            hidden_states = self.final_norm(hidden_states, attention_mask)
+        all_hidden.append(hidden_states)
+        return BaseModelOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_attn) if output_attentions else None,
+        )
+
+
+def _attention_kwargs(kwargs: dict) -> dict:
+    """Keyword arguments meant for the attention functions; generation bookkeeping is dropped."""
+    dropped = ("return_dict", "use_cache", "position_ids", "cache_position", "output_attentions",
+               "output_hidden_states")
+    return {k: v for k, v in kwargs.items() if k not in dropped}
+
+
+class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
+    """`decoder_layers` causal layers with `decoder_norm_type` norms; cross-attention in seq2seq."""
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__(config)
+        self.embeddings = PowerNormTransformerEmbeddings(config)
+        self.layers = nn.ModuleList(
+            [PowerNormTransformerDecoderLayer(config, i, config.is_encoder_decoder)
+             for i in range(config.decoder_layers)]
+        )
+        self.final_norm = build_position_norm(config, config.decoder_norm_type, False) \
+            if config.normalize_before else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.embed_tokens = value
+
+    def _new_cache(self) -> Cache:
+        if self.config.is_encoder_decoder:
+            return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = self._new_cache()
+        reference = input_ids if input_ids is not None else inputs_embeds
+        batch_size, seq_length = reference.shape[:2]
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = position_ids_from_mask(attention_mask, batch_size, seq_length, past_length, reference.device)
+        hidden_states = self.embeddings(input_ids, inputs_embeds, position_ids)
+        # The norms see the mask of the new tokens only: (batch, seq).
+        padding_mask = attention_mask[:, -seq_length:] if attention_mask is not None else None
+        self_attn_cache = past_key_values.self_attention_cache \
+            if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+        causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states,
+                                         attention_mask=attention_mask, past_key_values=self_attn_cache)
+        cross_mask = None
+        if encoder_hidden_states is not None:
+            cross_mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                                   attention_mask=encoder_attention_mask,
+                                                   encoder_hidden_states=encoder_hidden_states)
+        all_hidden, all_self, all_cross = [], [], []
+        for layer in self.layers:
+            all_hidden.append(hidden_states)
+            hidden_states, self_weights, cross_weights = layer(
+                hidden_states, causal_mask, encoder_hidden_states, cross_mask, padding_mask,
+                past_key_values=past_key_values, **_attention_kwargs(kwargs),
+            )
+            all_self.append(self_weights)
+            all_cross.append(cross_weights)
+        if self.final_norm is not None:
+            hidden_states = self.final_norm(hidden_states, padding_mask)
+        all_hidden.append(hidden_states)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_self) if output_attentions else None,
+            cross_attentions=tuple(all_cross) if output_attentions and encoder_hidden_states is not None else None,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and heads
+
+
+class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
+    """Encoder-decoder base. With `tie_word_embeddings`, the decoder shares the encoder's embedding."""
+
+    _tied_weights_keys = {"decoder.embeddings.embed_tokens.weight": "encoder.embeddings.embed_tokens.weight"}
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__(config)
+        self.encoder = PowerNormTransformerEncoder(config)
+        self.decoder = PowerNormTransformerDecoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.encoder.set_input_embeddings(value)
+        if self.config.tie_word_embeddings:
+            self.decoder.set_input_embeddings(value)
+
+    def get_encoder(self) -> PowerNormTransformerEncoder:
+        return self.encoder
+
+    def get_decoder(self) -> PowerNormTransformerDecoder:
+        return self.decoder
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+                                           output_hidden_states=output_hidden_states, **kwargs)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values, inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, **kwargs,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTrainedModel, GenerationMixin):
+    """Translation: the encoder-decoder with an output projection (tied to the embeddings by default)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.encoder.embeddings.embed_tokens.weight"}
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__(config)
+        self.model = PowerNormTransformerModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_encoder(self) -> PowerNormTransformerEncoder:
+        return self.model.encoder
+
+    def get_decoder(self) -> PowerNormTransformerDecoder:
+        return self.model.decoder
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        r"""`labels` (batch, target_len): next tokens, -100 ignored; decoder inputs are derived from them."""
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        outputs = self.model(
+            input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, **kwargs,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+
+def _decoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransformerConfig:
+    config = copy.deepcopy(config)
+    config.is_encoder_decoder = False
+    config.is_decoder = True
+    return config
+
+
+class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, GenerationMixin):
+    """Decoder-only language model (no cross-attention): `decoder_layers` layers."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.embed_tokens.weight"}
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        config = _decoder_only_config(config)
+        super().__init__(config)
+        self.model = PowerNormTransformerDecoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def get_decoder(self) -> PowerNormTransformerDecoder:
+        return self.model
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithCrossAttentions:
+        r"""`labels` (batch, seq): the input ids themselves (shifted inside), -100 ignored."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                                   ignore_index=-100)
+        return CausalLMOutputWithCrossAttentions(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrainedModel):
+    """Encoder-only classifier: mean over real tokens of the encoder output, dropout, linear."""
+
+    def __init__(self, config: PowerNormTransformerConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = PowerNormTransformerEncoder(config)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        r"""`labels` (batch,): class ids (float targets for regression / multi-label, per `problem_type`)."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                             **kwargs)
+        hidden_states = outputs.last_hidden_state  # (batch, seq, hidden)
+        if attention_mask is None:
+            pooled = hidden_states.mean(1)
+        else:
+            weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)
+            pooled = (hidden_states * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        logits = self.classifier(self.dropout(pooled))
+        loss = self._loss(logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                        attentions=outputs.attentions)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            single = self.num_labels > 1 and labels.dtype in (torch.long, torch.int)
+            self.config.problem_type = "regression" if self.num_labels == 1 else (
+                "single_label_classification" if single else "multi_label_classification")
+        if self.config.problem_type == "regression":
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+        if self.config.problem_type == "single_label_classification":
+            return F.cross_entropy(logits.float().view(-1, self.num_labels), labels.view(-1))
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+AUTO_CLASSES = {
+    "AutoModel": PowerNormTransformerModel,
+    "AutoModelForSeq2SeqLM": PowerNormTransformerForConditionalGeneration,
+    "AutoModelForCausalLM": PowerNormTransformerForCausalLM,
+    "AutoModelForSequenceClassification": PowerNormTransformerForSequenceClassification,
+}
+
+
+def _full_auto_map() -> dict[str, str]:
+    module = __name__.rsplit(".", 1)[-1]
+    auto_map = {"AutoConfig": f"configuration_powernorm.{PowerNormTransformerConfig.__name__}"}
+    auto_map.update({auto: f"{module}.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()})
+    return auto_map
+
+
+def register_for_auto_classes() -> None:
+    """Make `save_pretrained` copy the code files and write a full `auto_map` into `config.json`."""
+    PowerNormTransformerConfig.register_for_auto_class()
+    for auto, cls in AUTO_CLASSES.items():
+        cls.register_for_auto_class(auto)
+
+
+__all__ = [
+    "AUTO_CLASSES",
+    "GroupScale",
+    "PowerNormTransformerDecoder",
+    "PowerNormTransformerEncoder",
+    "PowerNormTransformerForCausalLM",
+    "PowerNormTransformerForConditionalGeneration",
+    "PowerNormTransformerForSequenceClassification",
+    "PowerNormTransformerModel",
+    "PowerNormTransformerPreTrainedModel",
+    "register_for_auto_classes",
+]
