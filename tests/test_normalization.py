@@ -1,0 +1,474 @@
+"""Tests of the norm family against independent float64 references of the formulas.
+
+The PowerNorm reference below restates `powernorm-notes.md` step by step with gathered real tokens
+and autograd for group scaling; it shares no code with `hf_powernorm.normalization`.
+"""
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from hf_powernorm import NORM_CLASSES, PowerNorm, build_norm, group_scale, normalize_norm_name
+
+HIDDEN = 12
+GROUPS = 4
+BATCH_NORMS = ("powernorm", "powernorm_v", "batchnorm")
+
+
+def _options(name: str) -> dict:
+    return {"group_num": GROUPS} if name == "groupnorm" else {}
+
+
+def _batch(seed: int, batch: int = 3, seq: int = 5, hidden: int = HIDDEN, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, hidden, generator=gen, dtype=dtype) * 2 + 0.5
+    dy = torch.randn(batch, seq, hidden, generator=gen, dtype=dtype)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq - 2 :] = 0
+    mask[-1, 1:] = 0
+    return x, mask, dy
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent float64 reference of PN (powernorm-notes.md, "PN, training step t")
+
+
+def _reference_group_scale(x: torch.Tensor, groups: int | None) -> torch.Tensor:
+    if groups is None:
+        return x
+    parts = x.reshape(x.shape[0], groups, -1)
+    rms = torch.sqrt((parts**2).mean(dim=2, keepdim=True) + 1e-5)
+    return (parts / rms).reshape(x.shape)
+
+
+class ReferencePN:
+    def __init__(self, hidden, eps=1e-5, alpha_fwd=0.9, alpha_bkw=0.9, warmup=0, groups=1, denominator="running"):
+        self.eps, self.a_f, self.a_b, self.warmup = eps, alpha_fwd, alpha_bkw, warmup
+        self.groups, self.denominator = groups, denominator
+        self.phi = torch.ones(hidden, dtype=torch.float64)
+        self.nu = torch.zeros(hidden, dtype=torch.float64)
+        self.t = 0
+
+    def step(self, x, real, dy, gamma, beta):
+        """One training step on tokens `x` (N, C); `real` (N,) bool. Returns y, dx, dgamma, dbeta."""
+        x = x.detach().clone().requires_grad_(True)
+        z0 = _reference_group_scale(x, self.groups)
+        v = (z0.detach()[real] ** 2).mean(dim=0)
+        self.t += 1
+        in_warmup = self.t <= self.warmup
+        s = torch.sqrt(v + self.eps) if in_warmup else torch.sqrt(self.phi + self.eps)
+        z = z0.detach() / s
+        y = gamma * z + beta
+        if in_warmup:
+            self.phi = self.phi + (v - self.phi) / self.t
+        else:
+            self.phi = self.a_f * self.phi + (1 - self.a_f) * v
+        g = gamma * dy
+        g_tilde = g.clone()
+        g_tilde[real] = g[real] - self.nu * z[real]
+        s_b = s if self.denominator == "running" else torch.sqrt(v + self.eps)
+        dz0 = g_tilde / s_b
+        big_gamma = (z[real] ** 2).mean(dim=0)
+        big_lambda = (g[real] * z[real]).mean(dim=0)
+        self.nu = self.nu * (1 - (1 - self.a_b) * big_gamma) + (1 - self.a_b) * big_lambda
+        (dx,) = torch.autograd.grad(z0, x, dz0)
+        return y, dx, (dy * z).sum(0), dy.sum(0)
+
+
+@pytest.mark.parametrize("denominator", ["running", "batch"])
+@pytest.mark.parametrize("groups", [None, 1, GROUPS])
+@pytest.mark.parametrize("padded", [False, True])
+def test_powernorm_matches_reference_across_warmup(denominator, groups, padded):
+    warmup = 2
+    norm = PowerNorm(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup_steps=warmup, group_num=groups,
+                     backward_denominator=denominator).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
+        norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
+    ref = ReferencePN(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup=warmup, groups=groups, denominator=denominator)
+    for step in range(5):  # steps 1-2 in warmup, 3-5 after
+        x, mask, dy = _batch(step)
+        if not padded:
+            mask = torch.ones_like(mask)
+        x.requires_grad_(True)
+        norm.zero_grad()
+        y = norm(x, mask)
+        y.backward(dy)
+        real = mask.reshape(-1).bool()
+        y_ref, dx_ref, dgamma_ref, dbeta_ref = ref.step(
+            x.detach().reshape(-1, HIDDEN), real, dy.reshape(-1, HIDDEN), norm.weight.detach(), norm.bias.detach()
+        )
+        tol = dict(rtol=1e-5, atol=1e-6)  # buffers are float32; the reference keeps float64
+        torch.testing.assert_close(y.reshape(-1, HIDDEN), y_ref, **tol)
+        torch.testing.assert_close(x.grad.reshape(-1, HIDDEN), dx_ref, **tol)
+        torch.testing.assert_close(norm.weight.grad, dgamma_ref, **tol)
+        torch.testing.assert_close(norm.bias.grad, dbeta_ref, **tol)
+        torch.testing.assert_close(norm.running_phi.double(), ref.phi, **tol)
+        torch.testing.assert_close(norm.running_nu.double(), ref.nu, **tol)
+        assert int(norm.num_batches_tracked) == step + 1
+
+
+def test_powernorm_after_warmup_output_of_a_token_ignores_its_batch():
+    x, mask, _ = _batch(0, dtype=torch.float32)
+    x_other = x.clone()
+    x_other[1:] = x_other[1:] * 7 + 3  # the other sequences of the batch change
+    outputs = []
+    for batch in (x, x_other):
+        norm = PowerNorm(HIDDEN, warmup_steps=1)
+        norm(x, mask)  # the same warmup step for both
+        outputs.append(norm(batch, mask)[0])  # first step after warmup: divides by phi of step 1
+    torch.testing.assert_close(outputs[0], outputs[1])
+    warm = PowerNorm(HIDDEN, warmup_steps=1)
+    assert not torch.allclose(warm(x, mask)[0], PowerNorm(HIDDEN, warmup_steps=1)(x_other, mask)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# gradcheck where the gradient is exact
+
+
+@pytest.mark.parametrize("name", ["powernorm_v", "batchnorm", "layernorm", "rmsnorm", "groupnorm"])
+def test_gradcheck_exact_norms(name):
+    norm = build_norm(name, HIDDEN, **_options(name)).double()
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x, mask, _ = _batch(1, batch=2, seq=4)
+    x.requires_grad_(True)
+    params = tuple(norm.parameters())
+    assert torch.autograd.gradcheck(lambda inp, *ps: norm(inp, mask), (x, *params))
+
+
+def test_gradcheck_group_scale():
+    x = torch.randn(6, HIDDEN, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: group_scale(t, GROUPS), (x,))
+
+
+@pytest.mark.parametrize("groups", [1, GROUPS])
+def test_gradcheck_powernorm_where_exact(groups):
+    # With a frozen running statistic (alpha_fwd=1, no warmup) and nu frozen at 0 (alpha_bkw=1),
+    # the approximate backward is the exact gradient of weight * GS(x) / sqrt(phi + eps) + bias.
+    norm = PowerNorm(HIDDEN, alpha_fwd=1.0, alpha_bkw=1.0, group_num=groups).double()
+    with torch.no_grad():
+        norm.running_phi.uniform_(0.5, 2.0)
+        norm.weight.uniform_(0.5, 1.5)
+    x, mask, _ = _batch(2, batch=2, seq=4)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda inp, w, b: norm(inp, mask), (x, norm.weight, norm.bias))
+    assert float(norm.running_nu.abs().max()) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Padding
+
+
+@pytest.mark.parametrize("name", sorted(NORM_CLASSES))
+def test_padding_never_changes_real_tokens_or_statistics(name):
+    x, mask, dy = _batch(3, dtype=torch.float32)
+    results = []
+    for pad_value in (0.0, 1e3):
+        torch.manual_seed(0)
+        norm = build_norm(name, HIDDEN, **_options(name))
+        xi = x.clone()
+        xi[mask == 0] = pad_value + torch.randn_like(xi[mask == 0])
+        xi.requires_grad_(True)
+        y = norm(xi, mask)
+        (y * dy * mask[..., None]).sum().backward()
+        real = mask.bool()
+        results.append((y[real].detach(), xi.grad[real], [b.clone() for b in norm.buffers()],
+                        [p.grad.clone() for p in norm.parameters()]))
+    (y0, g0, b0, p0), (y1, g1, b1, p1) = results
+    torch.testing.assert_close(y0, y1)
+    torch.testing.assert_close(g0, g1)
+    for a, b in zip(b0 + p0, b1 + p1):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_statistics_exclude_padding(name):
+    x, mask, _ = _batch(4, dtype=torch.float32)
+    norm = build_norm(name, HIDDEN)
+    norm(x, mask)
+    real_only = build_norm(name, HIDDEN)
+    real_only(x[mask.bool()])  # (N_real, C): the same tokens, no padding at all
+    for a, b in zip(norm.buffers(), real_only.buffers()):
+        torch.testing.assert_close(a, b)
+
+
+def test_powernorm_padding_gets_no_nu_correction():
+    norm = PowerNorm(HIDDEN, group_num=None)
+    norm.running_nu.fill_(0.5)
+    x, mask, dy = _batch(5, dtype=torch.float32)
+    x.requires_grad_(True)
+    norm(x, mask).backward(dy)
+    pad = mask == 0
+    s = torch.sqrt(torch.ones(HIDDEN) + norm.eps)  # running statistic before the step (phi = 1)
+    torch.testing.assert_close(x.grad[pad], (norm.weight.detach() * dy[pad]) / s)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(NORM_CLASSES))
+def test_low_precision_inputs_keep_float32_statistics(name, dtype):
+    x, mask, dy = _batch(6, dtype=torch.float32)
+    x_low = x.to(dtype)
+    norm = build_norm(name, HIDDEN, **_options(name))
+    twin = build_norm(name, HIDDEN, **_options(name))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x_low, mask)
+    y_twin = twin(x_low.float(), mask)  # the same values, computed in float32
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), y_twin.to(dtype).float())
+    for name_, buf in norm.named_buffers():
+        if buf.is_floating_point():
+            assert buf.dtype == torch.float32, name_
+            torch.testing.assert_close(buf, dict(twin.named_buffers())[name_], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_cast_to_bfloat16_keeps_running_buffers_float32(name):
+    norm = build_norm(name, HIDDEN)
+    x, mask, _ = _batch(7, dtype=torch.float32)
+    norm(x, mask)
+    before = {k: v.clone() for k, v in norm.named_buffers()}
+    norm.to(torch.bfloat16)
+    assert norm.weight.dtype == torch.bfloat16
+    for key, buf in norm.named_buffers():
+        assert torch.equal(buf, before[key]), key
+        assert buf.dtype == before[key].dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# When running statistics update
+
+
+def test_running_statistics_update_once_per_training_forward_and_never_in_eval():
+    norm = PowerNorm(HIDDEN)
+    x, mask, dy = _batch(8, dtype=torch.float32)
+    norm(x, mask).backward(dy)
+    norm(x, mask).backward(dy)
+    assert int(norm.num_batches_tracked) == 2
+    state = {k: v.clone() for k, v in norm.state_dict().items()}
+    norm.eval()
+    x.requires_grad_(True)
+    norm(x, mask).backward(dy)
+    for key, value in norm.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_activation_checkpointing_updates_statistics_once(name, use_reentrant):
+    x, mask, dy = _batch(9, dtype=torch.float32)
+    plain, ckpt = build_norm(name, HIDDEN), build_norm(name, HIDDEN)
+    grads = []
+    for norm, wrap in ((plain, False), (ckpt, True)):
+        for step in range(3):
+            xi = (x + step).requires_grad_(True)
+            inp = xi * 1.0  # a non-leaf so that reentrant checkpointing has a graph to follow
+            y = checkpoint(norm, inp, mask, use_reentrant=use_reentrant) if wrap else norm(inp, mask)
+            y.backward(dy)
+        grads.append(xi.grad)
+    assert int(ckpt.num_batches_tracked) == 3
+    for (key, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=key)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_batch_without_real_tokens_changes_nothing(name):
+    norm = build_norm(name, HIDDEN)
+    x, mask, dy = _batch(10, dtype=torch.float32)
+    norm(x, mask).backward(dy)
+    state = {k: v.clone() for k, v in norm.state_dict().items()}
+    x.requires_grad_(True)
+    y = norm(x, torch.zeros_like(mask))
+    y.backward(dy)
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    for key, value in norm.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_non_finite_input_never_poisons_buffers(name, bad):
+    norm = build_norm(name, HIDDEN)
+    x, mask, dy = _batch(11, dtype=torch.float32)
+    norm(x, mask).backward(dy)
+    state = {k: v.clone() for k, v in norm.state_dict().items()}
+    x_bad = x.clone()
+    x_bad[0, 0, 0] = bad
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        norm(x_bad, mask).backward(dy)
+    for key, value in norm.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+def test_non_finite_gradient_never_poisons_nu():
+    norm = PowerNorm(HIDDEN)
+    x, mask, dy = _batch(12, dtype=torch.float32)
+    dy[0, 0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="gradient statistic"):
+        norm(x, mask).backward(dy)
+    assert torch.equal(norm.running_nu, torch.zeros(HIDDEN))
+
+
+# ----------------------------------------------------------------------------------------------
+# Eval and state dicts
+
+
+def test_eval_uses_only_the_running_statistic():
+    norm = PowerNorm(HIDDEN, group_num=GROUPS)
+    with torch.no_grad():
+        norm.running_phi.uniform_(0.5, 2.0)
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-1, 1)
+    norm.eval()
+    x, mask, _ = _batch(13, dtype=torch.float64)
+    y = norm(x.float(), mask).double()
+    z0 = _reference_group_scale(x.reshape(-1, HIDDEN), GROUPS).reshape(x.shape)
+    expected = norm.weight.double() * z0 / torch.sqrt(norm.running_phi.double() + 1e-5) + norm.bias.double()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm(x[:1].float())[0], norm(x.float())[0])  # no batch dependence
+
+
+@pytest.mark.parametrize("name", sorted(NORM_CLASSES))
+def test_state_dict_round_trips_exactly(name):
+    norm = build_norm(name, HIDDEN, **_options(name))
+    x, mask, dy = _batch(14, dtype=torch.float32)
+    x.requires_grad_(True)
+    for _ in range(2):
+        norm(x, mask).backward(dy)
+    clone = build_norm(name, HIDDEN, **_options(name))
+    clone.load_state_dict(norm.state_dict())
+    for (key, a), b in zip(norm.state_dict().items(), clone.state_dict().values()):
+        assert torch.equal(a, b) and a.dtype == b.dtype, key
+    norm.eval(), clone.eval()
+    assert torch.equal(norm(x, mask), clone(x, mask))
+
+
+def test_powernorm_buffers_have_the_documented_layout():
+    norm = PowerNorm(HIDDEN)
+    state = norm.state_dict()
+    assert set(state) == {"weight", "bias", "running_phi", "running_nu", "num_batches_tracked"}
+    assert state["running_phi"].dtype == torch.float32 and torch.equal(state["running_phi"], torch.ones(HIDDEN))
+    assert state["running_nu"].dtype == torch.float32 and torch.equal(state["running_nu"], torch.zeros(HIDDEN))
+    assert state["num_batches_tracked"].dtype == torch.int64 and state["num_batches_tracked"].dim() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry and input checks
+
+
+@pytest.mark.parametrize("spelling", ["PowerNorm", "power_norm", "powernorm", "POWER-NORM", "pn"])
+def test_norm_names_are_normalised(spelling):
+    assert normalize_norm_name(spelling) == "powernorm"
+    assert isinstance(build_norm(spelling, HIDDEN), PowerNorm)
+
+
+def test_every_registry_name_builds_and_keeps_shape():
+    x, mask, _ = _batch(15, dtype=torch.float32)
+    for name in NORM_CLASSES:
+        assert build_norm(name, HIDDEN, **_options(name))(x, mask).shape == x.shape
+        assert build_norm(name, HIDDEN, **_options(name))(x.reshape(-1, HIDDEN)).shape == (15, HIDDEN)
+
+
+def test_unknown_norm_name_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown norm 'batch_renorm'.*layernorm"):
+        build_norm("batch_renorm", HIDDEN)
+
+
+def test_unknown_option_is_rejected_by_name():
+    with pytest.raises(TypeError, match="alpha_fwd"):
+        build_norm("layernorm", HIDDEN, alpha_fwd=0.9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(group_num=5), "group_num=5 must divide hidden_size=12"),
+        (dict(alpha_fwd=1.5), "alpha_fwd must be a number in \\[0, 1\\], got 1.5"),
+        (dict(warmup_steps=-1), "warmup_steps must be a non-negative integer, got -1"),
+        (dict(backward_denominator="exact"), "backward_denominator must be one of"),
+        (dict(eps=0.0), "eps must be a positive number, got 0.0"),
+    ],
+)
+def test_bad_options_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PowerNorm(HIDDEN, **kwargs)
+
+
+def test_bad_shapes_raise_clear_errors():
+    norm = PowerNorm(HIDDEN)
+    with pytest.raises(ValueError, match=r"hidden_states must have shape .* got \(2, 3, 5\)"):
+        norm(torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(2, 3\).*got \(2, 4\)"):
+        norm(torch.randn(2, 3, HIDDEN), torch.ones(2, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# sync_stats across two processes
+
+
+_SYNC_WORKER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from hf_powernorm import PowerNorm
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    norm = PowerNorm(12, warmup_steps=2, group_num=4, sync_stats=True)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 6, 12, generator=g)
+        dy = torch.randn(4, 6, 12, generator=g)
+        mask = torch.ones(4, 6, dtype=torch.long)
+        mask[1, 2:] = 0
+        mask[3, 4:] = 0
+        lo, hi = 2 * rank, 2 * rank + 2
+        norm(x[lo:hi], mask[lo:hi]).backward(dy[lo:hi])
+    torch.save({k: v for k, v in norm.state_dict().items()}, out)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sync_stats_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_SYNC_WORKER)
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(rank), "2", port, str(tmp_path / f"rank{rank}.pt")])
+        for rank in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    single = PowerNorm(12, warmup_steps=2, group_num=4)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 6, 12, generator=g)
+        dy = torch.randn(4, 6, 12, generator=g)
+        mask = torch.ones(4, 6, dtype=torch.long)
+        mask[1, 2:] = 0
+        mask[3, 4:] = 0
+        single(x, mask).backward(dy)
+    for key in ("running_phi", "running_nu", "num_batches_tracked"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+        torch.testing.assert_close(ranks[0][key], single.state_dict()[key], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ranks[0]["running_nu"], torch.zeros(12))
