@@ -154,8 +154,11 @@ class PowerNormTransformerConfig(PreTrainedConfig):
         for name in ("normalize_before", "powernorm_sync_stats", "tie_word_embeddings", "scale_embedding",
                      "use_cache", "norms_folded"):
             self._check(name, isinstance(getattr(self, name), bool), "a bool")
-        self.encoder_norm_type = normalize_norm_name(self.encoder_norm_type)
-        self.decoder_norm_type = normalize_norm_name(self.decoder_norm_type)
+        for name in ("encoder_norm_type", "decoder_norm_type"):
+            try:
+                setattr(self, name, normalize_norm_name(getattr(self, name)))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
 
     def _check(self, name: str, ok: bool, expected: str) -> None:
         if not ok:

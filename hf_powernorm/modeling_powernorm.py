@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -41,6 +42,7 @@ from .normalization import GroupNorm, LayerNorm, MaskedBatchNorm, PowerNorm, Pow
 
 logger = logging.get_logger(__name__)
 
+RUNNING_BUFFERS = ("running_phi", "running_nu", "running_mean", "running_var", "num_batches_tracked")
 # Norms that are a per-channel affine map after group scaling in eval, hence foldable.
 FOLDABLE_NORMS = ("powernorm", "powernorm_v", "batchnorm")
 # Which options of the config give each foldable norm its group scaling.
@@ -359,6 +361,22 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
             if tensor is not None:
                 (init.ones_ if value == 1 else init.zeros_)(tensor)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Load as usual; warn by name about running statistics the checkpoint lacks."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = sorted(k for k in loading_info["missing_keys"] if k.rsplit(".", 1)[-1] in RUNNING_BUFFERS)
+        if missing:
+            warnings.warn(
+                f"The checkpoint has no running statistics {missing}; they start from their initial values "
+                "(running_phi=1, running_nu=0, running_mean=0, running_var=1, num_batches_tracked=0), so eval "
+                "outputs are not those of the trained model.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return (model, loading_info) if output_loading_info else model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual; the `auto_map` names every Auto class so one directory loads through each."""
         if getattr(type(self), "_auto_class", None) is not None:
@@ -559,26 +577,29 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
 class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
     """Encoder-decoder base. With `tie_word_embeddings`, the decoder shares the encoder's embedding."""
 
-    _tied_weights_keys = {"decoder.embeddings.embed_tokens.weight": "encoder.embeddings.embed_tokens.weight"}
-
-    def __init__(self, config: PowerNormTransformerConfig) -> None:
+    def __init__(self, config: PowerNormTransformerConfig, add_encoder: bool = True, add_decoder: bool = True) -> None:
         super().__init__(config)
-        self.encoder = PowerNormTransformerEncoder(config)
-        self.decoder = PowerNormTransformerDecoder(config)
+        # The heads keep one layout (`model.encoder`, `model.decoder`), so a translation checkpoint
+        # loads its encoder into the classifier.
+        self.encoder = PowerNormTransformerEncoder(config) if add_encoder else None
+        self.decoder = PowerNormTransformerDecoder(config) if add_decoder else None
+        self._tied_weights_keys = {
+            "decoder.embeddings.embed_tokens.weight": "encoder.embeddings.embed_tokens.weight"
+        } if add_encoder and add_decoder else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.encoder.get_input_embeddings()
+        return (self.encoder or self.decoder).get_input_embeddings()
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.encoder.set_input_embeddings(value)
-        if self.config.tie_word_embeddings:
-            self.decoder.set_input_embeddings(value)
+        for stack in (self.encoder, self.decoder):
+            if stack is not None:
+                stack.set_input_embeddings(value)
 
-    def get_encoder(self) -> PowerNormTransformerEncoder:
+    def get_encoder(self) -> PowerNormTransformerEncoder | None:
         return self.encoder
 
-    def get_decoder(self) -> PowerNormTransformerDecoder:
+    def get_decoder(self) -> PowerNormTransformerDecoder | None:
         return self.decoder
 
     def forward(
@@ -698,12 +719,12 @@ def _decoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransfo
 class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, GenerationMixin):
     """Decoder-only language model (no cross-attention): `decoder_layers` layers."""
 
-    _tied_weights_keys = {"lm_head.weight": "model.embeddings.embed_tokens.weight"}
+    _tied_weights_keys = {"lm_head.weight": "model.decoder.embeddings.embed_tokens.weight"}
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
         config = _decoder_only_config(config)
         super().__init__(config)
-        self.model = PowerNormTransformerDecoder(config)
+        self.model = PowerNormTransformerModel(config, add_encoder=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -720,7 +741,7 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
         self.lm_head = value
 
     def get_decoder(self) -> PowerNormTransformerDecoder:
-        return self.model
+        return self.model.decoder
 
     def forward(
         self,
@@ -733,8 +754,9 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions:
         r"""`labels` (batch, seq): the input ids themselves (shifted inside), -100 ignored."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        outputs = self.model.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                     use_cache=use_cache, **kwargs)
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
@@ -756,7 +778,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
     def __init__(self, config: PowerNormTransformerConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = PowerNormTransformerEncoder(config)
+        self.model = PowerNormTransformerModel(config, add_decoder=False)
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -776,8 +798,8 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
         **kwargs,
     ) -> SequenceClassifierOutput:
         r"""`labels` (batch,): class ids (float targets for regression / multi-label, per `problem_type`)."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                             **kwargs)
+        outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                     inputs_embeds=inputs_embeds, **kwargs)
         hidden_states = outputs.last_hidden_state  # (batch, seq, hidden)
         if attention_mask is None:
             pooled = hidden_states.mean(1)

@@ -1,0 +1,421 @@
+"""Model tests in the style of Transformers' common tests, on tiny odd-sized configs."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+
+from hf_powernorm import (
+    NORM_CLASSES,
+    PowerNormTransformerConfig,
+    PowerNormTransformerForCausalLM,
+    PowerNormTransformerForConditionalGeneration,
+    PowerNormTransformerForSequenceClassification,
+    PowerNormTransformerModel,
+)
+from hf_powernorm.modeling_powernorm import GroupScale, RUNNING_BUFFERS
+
+BATCH, SEQ, VOCAB = 3, 7, 99
+NORMS = sorted(NORM_CLASSES)
+HEADS = ["seq2seq", "causal", "classifier"]
+HEAD_CLASSES = {
+    "seq2seq": PowerNormTransformerForConditionalGeneration,
+    "causal": PowerNormTransformerForCausalLM,
+    "classifier": PowerNormTransformerForSequenceClassification,
+}
+AUTO_CLASSES = {
+    "seq2seq": AutoModelForSeq2SeqLM,
+    "causal": AutoModelForCausalLM,
+    "classifier": AutoModelForSequenceClassification,
+}
+
+
+def make_config(norm: str = "powernorm", **overrides) -> PowerNormTransformerConfig:
+    options = dict(encoder_norm_type=norm, decoder_norm_type=norm, num_labels=3)
+    options.update(overrides)
+    return PowerNormTransformerConfig.from_preset("tiny", **options)
+
+
+def make_model(head: str, norm: str = "powernorm", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return HEAD_CLASSES[head](make_config(norm, **overrides))
+
+
+def ids(seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=generator)
+
+
+def inputs_for(head: str, input_ids: torch.Tensor, attention_mask=None, with_labels: bool = False) -> dict:
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if head == "seq2seq":
+        decoder_input_ids = torch.cat([torch.full_like(input_ids[:, :1], 2), input_ids[:, :-1]], dim=1)
+        batch.update(decoder_input_ids=decoder_input_ids, decoder_attention_mask=attention_mask)
+    if with_labels:
+        batch["labels"] = torch.arange(input_ids.shape[0]) % 3 if head == "classifier" else input_ids
+    return batch
+
+
+def train_steps(model, head: str, steps: int = 3) -> None:
+    """A few SGD steps so that weights and running statistics are no longer at their initial values."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        loss = model(**inputs_for(head, ids(seed=10 + step), with_labels=True)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def logits(model, head: str, input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    return model(**inputs_for(head, input_ids, attention_mask)).logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, loss, gradients, determinism
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("head", HEADS)
+def test_forward_shapes_loss_and_finite_gradient_for_every_parameter(head, norm):
+    model = make_model(head, norm).train()
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, -2:] = 0
+    out = model(**inputs_for(head, ids(), mask, with_labels=True))
+    expected = (BATCH, 3) if head == "classifier" else (BATCH, SEQ, VOCAB)
+    assert out.logits.shape == expected
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    out.loss.backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(parameter.grad).all(), f"{name} got a non-finite gradient"
+        assert parameter.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
+
+
+def test_base_model_hidden_states_and_attentions():
+    model = PowerNormTransformerModel(make_config(attn_implementation="eager")).eval()
+    out = model(input_ids=ids(), decoder_input_ids=ids(seed=2, seq=5), output_hidden_states=True,
+                output_attentions=True)
+    assert out.last_hidden_state.shape == (BATCH, 5, 32)
+    assert out.encoder_last_hidden_state.shape == (BATCH, SEQ, 32)
+    assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 3
+    assert out.encoder_attentions[0].shape == (BATCH, 4, SEQ, SEQ)
+    assert out.cross_attentions[1].shape == (BATCH, 4, 5, SEQ)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_eval_is_deterministic_and_leaves_buffers_alone(head):
+    model = make_model(head, "powernorm", dropout=0.3, attention_dropout=0.2)
+    train_steps(model, head, steps=1)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    first, second = logits(model, head, ids()), logits(model, head, ids())
+    assert torch.equal(first, second)
+    assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())
+
+
+def test_source_reaches_the_decoder():
+    model = make_model("seq2seq")
+    train_steps(model, "seq2seq")
+    decoder_input_ids = ids(seed=3)
+    a = model(input_ids=ids(seed=1), decoder_input_ids=decoder_input_ids).logits
+    b = model(input_ids=ids(seed=2), decoder_input_ids=decoder_input_ids).logits
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "batchnorm", "layernorm"])
+def test_sdpa_and_eager_agree(norm):
+    model = make_model("seq2seq", norm)
+    train_steps(model, "seq2seq")
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, -3:] = 0
+    sdpa = logits(model, "seq2seq", ids(), mask)
+    model.config._attn_implementation = "eager"
+    eager = logits(model, "seq2seq", ids(), mask)
+    torch.testing.assert_close(sdpa, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("normalize_before", [True, False])
+def test_pre_and_post_norm_layouts(normalize_before):
+    model = make_model("seq2seq", normalize_before=normalize_before)
+    layer = model.model.encoder.layers[0]
+    assert layer.normalize_before is normalize_before
+    assert (model.model.encoder.final_norm is not None) is normalize_before
+    out = model(**inputs_for("seq2seq", ids(), with_labels=True))
+    assert torch.isfinite(out.loss)
+
+
+def test_norm_placement_follows_the_config():
+    model = make_model("seq2seq", encoder_norm_type="powernorm", decoder_norm_type="layernorm",
+                       powernorm_group_num=2, powernorm_alpha_fwd=0.95, powernorm_warmup_steps=5)
+    encoder_layer, decoder_layer = model.model.encoder.layers[0], model.model.decoder.layers[1]
+    for norm in (encoder_layer.self_attn_norm, encoder_layer.ffn_norm, model.model.encoder.final_norm):
+        assert type(norm).__name__ == "PowerNorm"
+        assert (norm.group_num, norm.alpha_fwd, norm.warmup_steps) == (2, 0.95, 5)
+    for norm in (decoder_layer.self_attn_norm, decoder_layer.cross_attn_norm, decoder_layer.ffn_norm):
+        assert type(norm).__name__ == "LayerNorm"
+
+
+def test_tied_embeddings_and_untied_option():
+    tied = make_model("seq2seq")
+    embedding = tied.model.encoder.embeddings.embed_tokens.weight
+    assert tied.lm_head.weight is embedding
+    assert tied.model.decoder.embeddings.embed_tokens.weight is embedding
+    untied = make_model("seq2seq", tie_word_embeddings=False)
+    assert untied.lm_head.weight is not untied.model.encoder.embeddings.embed_tokens.weight
+
+
+def test_learned_positions_reject_too_long_inputs():
+    model = make_model("causal", position_embedding_type="learned", max_position_embeddings=8).eval()
+    assert model(input_ids=ids(seq=8)).logits.shape == (BATCH, 8, VOCAB)
+    with pytest.raises(ValueError, match="max_position_embeddings=8"):
+        model(input_ids=ids(seq=9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("head", HEADS)
+def test_padding_never_changes_a_real_tokens_output(head, norm):
+    """Training mode (batch statistics in use: PN during warmup, PN-V, BN) and eval mode."""
+    model = make_model(head, norm, powernorm_warmup_steps=10)
+    train_steps(model, head, steps=1)
+    input_ids = ids()
+    padded = torch.cat([input_ids, torch.full((BATCH, 4), 1)], dim=1)
+    mask = torch.cat([torch.ones(BATCH, SEQ, dtype=torch.long), torch.zeros(BATCH, 4, dtype=torch.long)], dim=1)
+    # Different garbage in the padding must not matter either.
+    padded[:, SEQ:] = ids(seed=5, seq=4)
+    for training in (True, False):
+        reference, candidate = copy.deepcopy(model).train(training), copy.deepcopy(model).train(training)
+        expected = logits(reference, head, input_ids)
+        got = logits(candidate, head, padded, mask)
+        got = got if head == "classifier" else got[:, :SEQ]
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+        for (name, a), (_, b) in zip(reference.named_buffers(), candidate.named_buffers()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{name} saw the padding")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_left_padded_causal_batch_matches_unpadded(norm, attn):
+    model = make_model("causal", norm, attn_implementation=attn)
+    train_steps(model, "causal")
+    input_ids = ids()
+    lengths = [SEQ, SEQ - 2, SEQ - 4]
+    padded = torch.full((BATCH, SEQ), 1)
+    mask = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        padded[row, SEQ - length:] = input_ids[row, :length]
+        mask[row, SEQ - length:] = 1
+    batch_logits = model(input_ids=padded, attention_mask=mask).logits
+    for row, length in enumerate(lengths):
+        alone = model(input_ids=input_ids[row:row + 1, :length]).logits[0]
+        torch.testing.assert_close(batch_logits[row, SEQ - length:], alone, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal models and batch statistics
+
+
+def _earlier_outputs_change(model, warm_forwards: int) -> bool:
+    """Change the last token; do the training-mode outputs of earlier positions change?"""
+    model.train()
+    for step in range(warm_forwards):
+        model(input_ids=ids(seed=20 + step))
+    input_ids = ids()
+    changed = input_ids.clone()
+    changed[:, -1] = (changed[:, -1] + 7) % VOCAB
+    a = copy.deepcopy(model)(input_ids=input_ids).logits[:, :-1]
+    b = copy.deepcopy(model)(input_ids=changed).logits[:, :-1]
+    return not torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("norm", ["batchnorm", "powernorm_v"])
+def test_batch_statistics_leak_future_tokens_in_a_causal_model(norm):
+    assert _earlier_outputs_change(make_model("causal", norm), warm_forwards=3)
+
+
+def test_powernorm_leaks_during_warmup_only():
+    model = make_model("causal", "powernorm", powernorm_warmup_steps=2)
+    assert _earlier_outputs_change(copy.deepcopy(model), warm_forwards=0)
+    assert not _earlier_outputs_change(model, warm_forwards=2)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "groupnorm", "none"])
+def test_per_token_norms_never_leak(norm):
+    assert not _earlier_outputs_change(make_model("causal", norm), warm_forwards=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "batchnorm", "layernorm", "powernorm_v"])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_seq2seq_generation_with_and_without_cache(norm, num_beams):
+    model = make_model("seq2seq", norm)
+    train_steps(model, "seq2seq")
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[2, -3:] = 0
+    options = dict(attention_mask=mask, max_new_tokens=6, num_beams=num_beams, do_sample=False,
+                   length_penalty=0.6, return_dict_in_generate=True, output_scores=True)
+    cached = model.generate(ids(), use_cache=True, **options)
+    uncached = model.generate(ids(), use_cache=False, **options)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    assert cached.sequences.shape[1] > 1
+    assert (cached.sequences[:, 0] == model.config.decoder_start_token_id).all()
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "rmsnorm"])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_causal_generation_with_and_without_cache(norm, num_beams):
+    model = make_model("causal", norm)
+    train_steps(model, "causal")
+    options = dict(max_new_tokens=6, num_beams=num_beams, do_sample=False, eos_token_id=None)
+    cached = model.generate(ids(seq=4), use_cache=True, **options)
+    uncached = model.generate(ids(seq=4), use_cache=False, **options)
+    assert cached.shape == (BATCH, 10)
+    assert torch.equal(cached, uncached)
+
+
+def test_left_padded_causal_generation_matches_each_prompt_alone():
+    model = make_model("causal", "powernorm")
+    train_steps(model, "causal")
+    prompts = [ids(seed=1, batch=1, seq=5)[0], ids(seed=2, batch=1, seq=3)[0]]
+    padded = torch.full((2, 5), 1)
+    mask = torch.zeros(2, 5, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        padded[row, 5 - len(prompt):], mask[row, 5 - len(prompt):] = prompt, 1
+    batch = model.generate(padded, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], max_new_tokens=5, do_sample=False, eos_token_id=None)
+        assert torch.equal(batch[row, 5:], alone[0, len(prompt):])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.named_buffers() if k.rsplit(".", 1)[-1] in RUNNING_BUFFERS}
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "powernorm_v", "batchnorm", "layernorm"])
+@pytest.mark.parametrize("head", HEADS)
+def test_save_and_load_give_identical_buffers_and_outputs(head, norm, tmp_path):
+    model = make_model(head, norm, powernorm_warmup_steps=2)
+    train_steps(model, head)
+    model.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    buffers = _buffers(model)
+    assert bool(buffers) == (norm != "layernorm")
+    for name, buffer in buffers.items():
+        assert name in stored, f"{name} is not in model.safetensors"
+        assert torch.equal(stored[name], buffer)
+    loaded = AUTO_CLASSES[head].from_pretrained(tmp_path)
+    assert type(loaded) is type(model) and not loaded.training
+    for name, buffer in _buffers(loaded).items():
+        assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
+    for name, parameter in loaded.named_parameters():
+        assert torch.equal(parameter, dict(model.named_parameters())[name]), name
+    assert torch.equal(logits(loaded, head, ids()), logits(model, head, ids()))
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_bfloat16_loading_keeps_running_statistics_float32(head, tmp_path):
+    model = make_model(head, "powernorm", decoder_norm_type="batchnorm")
+    train_steps(model, head)
+    model.save_pretrained(tmp_path)
+    loaded = AUTO_CLASSES[head].from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.get_input_embeddings().weight.dtype == torch.bfloat16
+    for name, buffer in _buffers(model).items():
+        got = dict(loaded.named_buffers())[name]
+        assert got.dtype == buffer.dtype, f"{name} became {got.dtype}"
+        assert torch.equal(got, buffer), name
+    out = logits(loaded, head, ids())
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), logits(model, head, ids()), atol=0.1, rtol=0.1)
+
+
+def test_loading_a_checkpoint_without_buffers_warns_by_name_and_initialises_them(tmp_path):
+    model = make_model("seq2seq", "powernorm", decoder_norm_type="batchnorm")
+    train_steps(model, "seq2seq")
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k.rsplit(".", 1)[-1] not in RUNNING_BUFFERS},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"model\.encoder\.layers\.0\.self_attn_norm\.running_phi") as record:
+        loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    message = str(record[0].message)
+    assert "running_nu" in message and "running_var" in message and "num_batches_tracked" in message
+    initial = {"running_phi": 1.0, "running_nu": 0.0, "running_mean": 0.0, "running_var": 1.0,
+               "num_batches_tracked": 0}
+    for name, buffer in _buffers(loaded).items():
+        assert torch.equal(buffer, torch.full_like(buffer, initial[name.rsplit(".", 1)[-1]])), name
+    # Loaded weights are the trained ones.
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_translation_checkpoint_loads_its_encoder_into_the_classifier(tmp_path):
+    model = make_model("seq2seq")
+    train_steps(model, "seq2seq")
+    model.save_pretrained(tmp_path)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
+    assert isinstance(classifier, PowerNormTransformerForSequenceClassification)
+    expected = model.model.encoder.state_dict()
+    for name, tensor in classifier.model.encoder.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Folding norms for inference
+
+
+@pytest.mark.parametrize("encoder_norm, decoder_norm, folded", [
+    ("powernorm", "layernorm", 4), ("powernorm", "powernorm", 10), ("batchnorm", "powernorm_v", 10),
+])
+@pytest.mark.parametrize("head", HEADS)
+def test_fold_norms_keeps_outputs_and_reloads(head, encoder_norm, decoder_norm, folded, tmp_path):
+    model = make_model(head, encoder_norm_type=encoder_norm, decoder_norm_type=decoder_norm)
+    train_steps(model, head)
+    with torch.no_grad():  # make every affine map non-trivial
+        for module in model.modules():
+            if hasattr(module, "affine_after_group_scale"):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.5)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    expected = logits(model, head, ids())
+    expected_count = {"seq2seq": folded, "causal": 0 if decoder_norm == "layernorm" else 4, "classifier": 4}[head]
+    if expected_count == 0:
+        with pytest.raises(ValueError, match="no foldable norm"):
+            model.fold_norms()
+        return
+    count = model.fold_norms()
+    assert count == expected_count
+    assert model.config.norms_folded
+    assert sum(isinstance(m, GroupScale) for m in model.modules()) == count
+    torch.testing.assert_close(logits(model, head, ids()), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    if head != "classifier":
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path)
+    loaded = AUTO_CLASSES[head].from_pretrained(tmp_path)
+    assert loaded.config.norms_folded
+    torch.testing.assert_close(logits(loaded, head, ids()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fold_norms_refuses_what_it_cannot_fold():
+    with pytest.raises(ValueError, match="normalize_before"):
+        make_model("seq2seq", normalize_before=False).fold_norms()
+    with pytest.raises(ValueError, match="no foldable norm"):
+        make_model("seq2seq", "layernorm").fold_norms()
+    model = make_model("seq2seq")
+    model.eval().fold_norms()
+    with pytest.raises(ValueError, match="already folded"):
+        model.fold_norms()
