@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # A range-satisfying torch is installed first so that pip does not pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 # Tests keep every cache and temporary file inside the working tree and never touch the network.
-TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_POWERNORM_CACHE=$(CURDIR)/.cache/kernels HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 .PHONY: install demo test bench clean
 

@@ -27,6 +27,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels_cpu import (
+    fused_backward_input,
+    fused_backward_sums,
+    fused_forward_output,
+    fused_forward_stats,
+    kernels_usable,
+)
+
 GROUP_SCALE_EPS = 1e-5
 BACKWARD_DENOMINATORS = ("running", "batch")
 
@@ -181,21 +189,31 @@ class _Float32BuffersMixin:
 class _PowerNormFunction(torch.autograd.Function):
     """Group scaling, PN forward and the approximate backward of eqs. (11)-(13), fused.
 
-    Saved for backward: the group-scaled input `z0` (tokens, C) float32 and its per-token group
-    scales `r` (tokens, G). The backward needs no batch reduction beyond `sum(dY * z0)`:
-    `Gamma = mean_V(Z^2) = v / s^2` is known from the forward.
+    On CPU float32 inputs the work runs in the fused kernels of `kernels_cpu.py` (saving `x` and the
+    per-token group scales `r`); elsewhere in torch ops (saving `z0 = GS(x)` and `r`). Either way the
+    backward needs one batch reduction, `sum(dY * z0)`: `Gamma = mean_V(Z^2) = v / s^2` is known
+    from the forward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, token_weights, norm):
-        dtype = _stat_dtype(x)
+        ctx.fused = kernels_usable(x)
         with _float32(x.device):
-            xf = x.to(dtype).contiguous()
-            out = torch.empty_like(xf)  # holds x^2 for the statistics, then the output
-            z0, r = _group_scale_forward(xf, norm.group_num, squares=out)
-            inv_s, inv_s_b, v, count = norm._denominators(z0, r, out, token_weights)
-            y = torch.addcmul(bias.to(dtype), z0, weight.to(dtype) * inv_s, out=out)
-        ctx.save_for_backward(z0, r, token_weights, weight)
+            if ctx.fused:
+                x = x.contiguous()
+                r, sum_sq = fused_forward_stats(x, token_weights, norm.group_num)
+                inv_s, inv_s_b, v, count = norm._denominators(sum_sq, _token_count(x, token_weights))
+                y = fused_forward_output(x, r, norm.group_num, weight.float() * inv_s, bias)
+                ctx.save_for_backward(x, r, token_weights, weight)
+            else:
+                dtype = _stat_dtype(x)
+                xf = x.to(dtype).contiguous()
+                out = torch.empty_like(xf)  # holds x^2 for the statistics, then the output
+                z0, r = _group_scale_forward(xf, norm.group_num, squares=out)
+                sum_sq = _masked_square_sum(r, out, token_weights, norm.group_num)
+                inv_s, inv_s_b, v, count = norm._denominators(sum_sq, _token_count(xf, token_weights))
+                y = torch.addcmul(bias.to(dtype), z0, weight.to(dtype) * inv_s, out=out)
+                ctx.save_for_backward(z0, r, token_weights, weight)
         ctx.stats = (inv_s, inv_s_b, v, count)
         ctx.norm = norm
         ctx.input_dtype = x.dtype
@@ -203,28 +221,40 @@ class _PowerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        z0, r, token_weights, weight = ctx.saved_tensors
+        saved, r, token_weights, weight = ctx.saved_tensors
         inv_s, inv_s_b, v, count = ctx.stats
         norm = ctx.norm
+        dtype = torch.float32 if ctx.fused else saved.dtype
+        w = weight.to(dtype)
+        nu = norm.running_nu.to(dtype, copy=True)  # nu of the previous step, eq. (11)
         with _float32(grad_output.device):
-            dy = grad_output.to(z0.dtype)
-            w = weight.to(z0.dtype)
-            scratch = dy * z0
-            grad_weight = inv_s * scratch.sum(0) if ctx.needs_input_grad[1] else None
-            grad_bias = dy.sum(0) if ctx.needs_input_grad[2] else None
-            nu = norm.running_nu.to(z0.dtype, copy=True)
+            dy = grad_output.to(dtype).contiguous()
+            if ctx.fused:
+                sum_dy_z0, real_dy_z0, sum_dy = fused_backward_sums(dy, saved, r, token_weights, norm.group_num)
+            else:
+                dy_z0 = dy * saved
+                sum_dy_z0, real_dy_z0, sum_dy = dy_z0.sum(0), _token_sum(dy_z0, token_weights), dy.sum(0)
             if v is not None:
                 # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
-                norm._update_nu(v * inv_s.square(), w * inv_s * _token_sum(scratch, token_weights), count)
-            # dZ0 = (g - nu * Z on real tokens) / s_b      (eqs. 11-12)
-            grad_z0 = dy * (w * inv_s_b)
-            correction = nu * inv_s * inv_s_b
-            if token_weights is None:
-                grad_z0.addcmul_(z0, correction, value=-1.0)
+                norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count)
+            # dZ0 = (g - nu * Z on real tokens) / s_b = dY * a - (real) * c * z0      (eqs. 11-12)
+            a, c = w * inv_s_b, nu * inv_s * inv_s_b
+            if ctx.fused:
+                grad_x = fused_backward_input(dy, saved, r, token_weights, norm.group_num, a, c)
             else:
-                grad_z0.addcmul_(torch.mul(z0, token_weights[:, None], out=scratch), correction, value=-1.0)
-            grad_x = _group_scale_backward(grad_z0, z0, r, norm.group_num, scratch)
+                grad_x = _eager_backward_input(dy, saved, r, token_weights, norm.group_num, a, c, scratch=dy_z0)
+        grad_weight = (inv_s * sum_dy_z0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
+
+
+def _eager_backward_input(dy, z0, r, token_weights, group_num, a, c, scratch):
+    grad_z0 = dy * a
+    if token_weights is None:
+        grad_z0.addcmul_(z0, c, value=-1.0)
+    else:
+        grad_z0.addcmul_(torch.mul(z0, token_weights[:, None], out=scratch), c, value=-1.0)
+    return _group_scale_backward(grad_z0, z0, r, group_num, scratch)
 
 
 def _group_scale_forward(xf: torch.Tensor, group_num: int | None, squares: torch.Tensor):
@@ -333,7 +363,7 @@ class PowerNorm(_Float32BuffersMixin, _Norm):
 
     # -- statistics, called from the autograd function --
 
-    def _denominators(self, z0, r, squares, token_weights):
+    def _denominators(self, sum_sq: torch.Tensor, count: torch.Tensor):
         """Forward statistics of one training step; updates `running_phi` and the step counter.
 
         Returns `(1/s, 1/s_backward, v or None, real-token count)`; `v` is None when the step
@@ -341,8 +371,7 @@ class PowerNorm(_Float32BuffersMixin, _Norm):
         """
         if _in_recomputation() and self._last_denominators is not None:
             return self._last_denominators  # same step: reuse its statistics, update nothing
-        sums = torch.cat([_masked_square_sum(r, squares, token_weights, self.group_num),
-                          _token_count(z0, token_weights).view(1)])
+        sums = torch.cat([sum_sq, count.to(sum_sq.dtype).view(1)])
         if _sync_enabled(self.sync_stats, self.process_group):
             _all_reduce_(sums, self.process_group)
         count = sums[-1]

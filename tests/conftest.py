@@ -4,7 +4,7 @@ import os
 import pathlib
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-for _name, _sub in (("HF_HOME", ".cache/hf"), ("TMPDIR", ".cache/tmp")):
+for _name, _sub in (("HF_HOME", ".cache/hf"), ("TMPDIR", ".cache/tmp"), ("HF_POWERNORM_CACHE", ".cache/kernels")):
     _path = _ROOT / _sub
     _path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault(_name, str(_path))

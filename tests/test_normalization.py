@@ -472,3 +472,42 @@ def test_sync_stats_two_processes_equal_one_process_on_the_whole_batch(tmp_path)
         assert torch.equal(ranks[0][key], ranks[1][key]), key
         torch.testing.assert_close(ranks[0][key], single.state_dict()[key], rtol=1e-5, atol=1e-6)
     assert not torch.equal(ranks[0]["running_nu"], torch.zeros(12))
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused CPU kernels agree with the eager implementation
+
+
+def test_fused_cpu_kernels_are_built_here():
+    from hf_powernorm import kernels_cpu
+
+    assert kernels_cpu.load() is not None, "a C compiler is expected on this machine"
+
+
+@pytest.mark.parametrize("denominator", ["running", "batch"])
+@pytest.mark.parametrize("groups", [None, 1, GROUPS])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded):
+    import hf_powernorm.normalization as normalization
+
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+        norm = PowerNorm(HIDDEN, warmup_steps=2, group_num=groups, backward_denominator=denominator)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        trace = []
+        for step in range(4):
+            x, mask, dy = _batch(20 + step, dtype=torch.float32)
+            mask = mask if padded else None
+            x.requires_grad_(True)
+            norm.zero_grad()
+            y = norm(x, mask)
+            y.backward(dy)
+            trace.append((y.detach(), x.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
+                          norm.running_phi.clone(), norm.running_nu.clone()))
+        results.append(trace)
+    for fused_step, eager_step in zip(*results):
+        for a, b in zip(fused_step, eager_step):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
