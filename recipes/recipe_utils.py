@@ -392,12 +392,13 @@ def load_translation_dataset(source_lang: str, target_lang: str, *, dataset_name
             dataset[split] = part
     else:
         dataset, origin = synthetic_translation_corpus(source_lang, target_lang), "the embedded corpus"
+    _check_splits(dataset, origin)
     for split, part in dataset.items():
         languages = _translation_languages(part)
         if source_lang not in languages or target_lang not in languages:
             raise ValueError(f"language pair {source_lang}-{target_lang} not in split {split!r} of "
                              f"{origin}; languages found: {languages}")
-    return _check_splits(dataset, origin)
+    return dataset
 
 
 def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
