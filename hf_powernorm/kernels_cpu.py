@@ -45,6 +45,7 @@ static void group_scales(const float *x, long C, long groups, float *r) {
     long k = C / groups;
     for (long g = 0; g < groups; g++) {
         float s = 0.0f;
+        #pragma omp simd reduction(+:s)
         for (long j = 0; j < k; j++) s += x[g * k + j] * x[g * k + j];
         r[g] = 1.0f / sqrtf(s / (float)k + GS_EPS);
     }
@@ -152,6 +153,7 @@ void pn_backward_input(const float *dy, const float *x, const float *r, const fl
         for (long g = 0; g < G; g++) {
             float rg = r[t * G + g];
             float proj = 0.0f;
+            #pragma omp simd reduction(+:proj)
             for (long j = 0; j < k; j++) {
                 long c = g * k + j;
                 float z0 = xt[c] * rg;
