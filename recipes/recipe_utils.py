@@ -36,7 +36,7 @@ from torch.utils.data import Sampler
 RECIPES_DIR = Path(__file__).resolve().parent
 METRICS_DIR = RECIPES_DIR / "metrics"
 SPLITS = ("train", "validation", "test")
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order: ids 0-3
 SENTIMENT_LABELS = ("negative", "neutral", "positive")
 IGNORE_INDEX = -100
 _JSON_SUFFIXES = (".json", ".jsonl")
@@ -534,8 +534,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     """A joint BPE tokenizer trained on `texts`, as a `transformers.PreTrainedTokenizerFast`.
 
     NFKC normalisation, whitespace kept as `▁` (Metaspace) so decoding restores the text, special
-    tokens `<pad>` (0), `<s>` (1), `</s>` (2), `<unk>` (3), and `</s>` appended to every sequence
-    (as fairseq appends EOS to source, target and language-model lines).
+    tokens `<s>` (0), `<pad>` (1), `</s>` (2), `<unk>` (3) as in fairseq's dictionaries and the
+    model config's defaults, and `</s>` appended to every sequence (as fairseq appends EOS to
+    source, target and language-model lines).
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -728,11 +729,14 @@ class PaddingCollator:
 
     One collator for the three tasks: seq2seq (`input_ids` + `labels`; the model builds its decoder
     inputs from the labels), causal LM blocks (`labels` equal to `input_ids`) and classification
-    (an integer `label`, returned as `labels`).
+    (an integer `label`, returned as `labels`). With `decoder_attention_mask=True` the decoder's
+    padding is marked too, so norms with batch statistics in the decoder leave it out (decoder
+    position t reads label t - 1, so it is real exactly when label t is).
     """
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
+    decoder_attention_mask: bool = False  # seq2seq: mark the decoder positions that have a label
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = {"input_ids": self._pad([f["input_ids"] for f in features], self.pad_token_id)}
@@ -740,6 +744,8 @@ class PaddingCollator:
         labels = [f["labels"] if "labels" in f else f["label"] for f in features if "labels" in f or "label" in f]
         if labels and isinstance(labels[0], (list, tuple, torch.Tensor)):
             batch["labels"] = self._pad(labels, IGNORE_INDEX)
+            if self.decoder_attention_mask:
+                batch["decoder_attention_mask"] = (batch["labels"] != IGNORE_INDEX).long()
         elif labels:
             batch["labels"] = torch.tensor([int(label) for label in labels], dtype=torch.long)
         return batch

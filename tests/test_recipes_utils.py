@@ -159,7 +159,7 @@ def bpe():
 def test_bpe_round_trip_through_auto_tokenizer(bpe, tmp_path):
     from transformers import AutoTokenizer
 
-    assert [bpe.pad_token_id, bpe.bos_token_id, bpe.eos_token_id, bpe.unk_token_id] == [0, 1, 2, 3]
+    assert [bpe.bos_token_id, bpe.pad_token_id, bpe.eos_token_id, bpe.unk_token_id] == [0, 1, 2, 3]
     assert 100 < len(bpe) <= 300
     text = "Heute sieht der große Hund einen kleinen Vogel , weil die Katze schläft ."
     ids = bpe(text)["input_ids"]
@@ -168,7 +168,7 @@ def test_bpe_round_trip_through_auto_tokenizer(bpe, tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded(text)["input_ids"] == ids
     assert loaded.decode(ids, skip_special_tokens=True) == text
-    assert ru.load_tokenizer(tmp_path).pad_token_id == 0
+    assert ru.load_tokenizer(tmp_path).pad_token_id == 1
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ru.load_tokenizer(tmp_path / "nowhere")
 
@@ -227,6 +227,10 @@ def test_padding_collator_for_each_task():
     assert batch["input_ids"].tolist() == [[5, 6, 2], [5, 2, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].tolist() == [[7, 2, -100], [8, 9, 2]]
+    assert "decoder_attention_mask" not in batch
+    seq2seq = ru.PaddingCollator(pad_token_id=0, decoder_attention_mask=True)
+    batch = seq2seq([{"input_ids": [5], "labels": [7, 2]}, {"input_ids": [5], "labels": [8, 9, 2]}])
+    assert batch["decoder_attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     batch = ru.PaddingCollator(0, pad_to_multiple_of=4)([{"input_ids": [4, 2], "label": 2}])
     assert batch["input_ids"].tolist() == [[4, 2, 0, 0]] and batch["labels"].tolist() == [2]
 
