@@ -1,0 +1,170 @@
+"""Model cards and Hub uploads for the PowerNorm Transformer family.
+
+`render_model_card` fills `model_cards/powernorm_transformer.md` (YAML metadata: license, language,
+tags, datasets, metrics; a body with the norm configuration, how to load the model with
+`trust_remote_code=True`, the training command and results when known). `push_to_hub` uploads in
+one commit what `save_pretrained` writes (weights with every running statistic, config, code
+files), the tokenizer files when given, and that card.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import CommitInfo, CommitOperationAdd, EvalResult, HfApi, ModelCard, ModelCardData
+
+from .configuration_powernorm import PowerNormTransformerConfig
+
+TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "model_cards" / "powernorm_transformer.md"
+BATCH_STATISTIC_NORMS = ("batchnorm", "powernorm_v")
+
+# class name -> (task, pipeline tag, Auto class, usage snippet)
+_HEADS: dict[str, tuple[str, str | None, str, str]] = {
+    "PowerNormTransformerForConditionalGeneration": (
+        "translation", "translation", "AutoModelForSeq2SeqLM",
+        "```python\ngenerated = model.generate(input_ids, attention_mask=attention_mask, num_beams=5, "
+        "length_penalty=1.0)\n```",
+    ),
+    "PowerNormTransformerForCausalLM": (
+        "text-generation", "text-generation", "AutoModelForCausalLM",
+        "```python\ngenerated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=50)\n```",
+    ),
+    "PowerNormTransformerForSequenceClassification": (
+        "text-classification", "text-classification", "AutoModelForSequenceClassification",
+        "```python\nlabels = model(input_ids, attention_mask=attention_mask).logits.argmax(-1)\n```",
+    ),
+    "PowerNormTransformerModel": (
+        "feature-extraction", "feature-extraction", "AutoModel",
+        "```python\nhidden = model(input_ids, decoder_input_ids=decoder_input_ids).last_hidden_state\n```",
+    ),
+}
+
+_NORM_OPTIONS = ("normalize_before", "powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps",
+                 "powernorm_group_num", "powernorm_backward_denominator", "powernorm_sync_stats", "norm_eps")
+
+
+def _norm_positions(config: PowerNormTransformerConfig, head: str) -> list[tuple[str, str]]:
+    positions = []
+    if head != "PowerNormTransformerForCausalLM" and config.encoder_layers:
+        positions.append(("encoder (self-attention, feed-forward, final)", config.encoder_norm_type))
+    if head not in ("PowerNormTransformerForSequenceClassification",) and config.decoder_layers:
+        where = "self-attention, feed-forward, final" if head == "PowerNormTransformerForCausalLM" \
+            else "self-attention, cross-attention, feed-forward, final"
+        positions.append((f"decoder ({where})", config.decoder_norm_type))
+    return positions
+
+
+def _architecture(model: Any, config: PowerNormTransformerConfig, head: str) -> list[tuple[str, Any]]:
+    rows = []
+    if head != "PowerNormTransformerForCausalLM":
+        rows.append(("encoder layers", config.encoder_layers))
+    if head != "PowerNormTransformerForSequenceClassification":
+        rows.append(("decoder layers", config.decoder_layers))
+    rows += [("hidden size", config.hidden_size), ("feed-forward size", config.intermediate_size),
+             ("attention heads", config.num_attention_heads), ("vocabulary", config.vocab_size),
+             ("positions", config.position_embedding_type), ("activation", config.activation_function),
+             ("tied embeddings", config.tie_word_embeddings)]
+    if hasattr(model, "num_parameters"):
+        rows.append(("parameters", f"{model.num_parameters():,}"))
+    return rows
+
+
+def _as_list(value: str | list[str] | None) -> list[str] | None:
+    return [value] if isinstance(value, str) else value
+
+
+def render_model_card(
+    model: Any,
+    *,
+    repo_id: str,
+    license: str = "apache-2.0",
+    language: str | list[str] | None = None,
+    datasets: str | list[str] | None = None,
+    results: dict[str, float] | None = None,
+    training_command: str | None = None,
+    description: str | None = None,
+    tags: list[str] | None = None,
+    template_path: str | Path | None = None,
+) -> ModelCard:
+    """The card of `model` (a PowerNorm Transformer head) for the Hub repository `repo_id`.
+
+    `results` maps metric names to values (e.g. `{"bleu": 35.4}`); they become the card's
+    `metrics`, a results table and, with `datasets`, a `model-index` entry.
+    """
+    head = type(model).__name__
+    if head not in _HEADS:
+        raise ValueError(f"render_model_card expects a PowerNorm Transformer model, got {head}")
+    config = model.config
+    task, pipeline_tag, auto_class, usage = _HEADS[head]
+    dataset_list = _as_list(datasets)
+    eval_results = None
+    if results and dataset_list:
+        eval_results = [EvalResult(task_type=task, dataset_type=dataset_list[0], dataset_name=dataset_list[0],
+                                   metric_type=name, metric_value=value) for name, value in results.items()]
+    card_data = ModelCardData(
+        license=license, language=_as_list(language), datasets=dataset_list,
+        metrics=sorted(results) if results else None, library_name="transformers", pipeline_tag=pipeline_tag,
+        tags=["powernorm", "custom_code", *[tag for tag in (tags or []) if tag not in ("powernorm", "custom_code")]],
+        model_name=repo_id.split("/")[-1], eval_results=eval_results,
+    )
+    norm_types = {norm for _, norm in _norm_positions(config, head)}
+    causal_leak = sorted(norm_types & set(BATCH_STATISTIC_NORMS)) if head == "PowerNormTransformerForCausalLM" \
+        else []
+    template = Path(template_path) if template_path is not None else TEMPLATE_PATH
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template {template} not found; pass template_path=")
+    return ModelCard.from_template(
+        card_data,
+        template_str=template.read_text(encoding="utf-8"),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        description=description or f"A PowerNorm Transformer for {task}.",
+        task=task,
+        auto_class=auto_class,
+        usage=usage,
+        norm_positions=_norm_positions(config, head),
+        norm_options=[(name, getattr(config, name)) for name in _NORM_OPTIONS],
+        norms_folded=config.norms_folded,
+        architecture=_architecture(model, config, head),
+        causal_leak=", ".join(causal_leak),
+        training_command=training_command,
+        results=sorted(results.items()) if results else None,
+    )
+
+
+def push_to_hub(
+    model: Any,
+    repo_id: str,
+    *,
+    tokenizer: Any | None = None,
+    card: ModelCard | None = None,
+    commit_message: str = "Upload PowerNorm Transformer",
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    **card_options: Any,
+) -> CommitInfo:
+    """Create `repo_id` if needed and upload model, code files, tokenizer and card in one commit.
+
+    `card_options` go to `render_model_card` (license, language, datasets, results,
+    training_command, ...) unless a ready `card` is given.
+    """
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    card = card if card is not None else render_model_card(model, repo_id=repo_id, **card_options)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        card.save(os.path.join(folder, "README.md"))
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(folder, name))
+                      for name in sorted(os.listdir(folder)) if os.path.isfile(os.path.join(folder, name))]
+        return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision,
+                                 create_pr=create_pr)
+
+
+__all__ = ["TEMPLATE_PATH", "push_to_hub", "render_model_card"]

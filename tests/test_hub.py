@@ -1,0 +1,209 @@
+"""Model cards and what `push_to_hub` sends, without a network: the Hub API calls are patched.
+
+No Hub server is reachable from the tests: `HfApi.create_repo` and `HfApi.create_commit` are
+replaced by recorders, and the recorded files are checked (and loaded back from a Hub cache
+layout with `HF_HUB_OFFLINE=1`).
+"""
+
+import io
+import json
+import shutil
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import CommitInfo, ModelCard, RepoUrl
+from safetensors.torch import load as load_safetensors
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+from hf_powernorm import (
+    PowerNormTransformerConfig,
+    PowerNormTransformerForCausalLM,
+    PowerNormTransformerForConditionalGeneration,
+    PowerNormTransformerForSequenceClassification,
+)
+from hf_powernorm.hub import TEMPLATE_PATH, push_to_hub, render_model_card
+from hf_powernorm.modeling_powernorm import RUNNING_BUFFERS
+
+REPO_ID = "powernorm-test/tiny-iwslt"
+COMMAND = "accelerate launch recipes/translation.py --preset iwslt14-small --max_steps 50000"
+
+
+def trained_seq2seq() -> PowerNormTransformerForConditionalGeneration:
+    torch.manual_seed(0)
+    model = PowerNormTransformerForConditionalGeneration(
+        PowerNormTransformerConfig.from_preset("tiny", powernorm_warmup_steps=2))
+    for step in range(3):
+        input_ids = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(step))
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    return model.eval()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i + 4 for i in range(95)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+def front_matter(card: ModelCard) -> dict:
+    return yaml.safe_load(str(card).split("---")[1])
+
+
+class HubRecorder:
+    """Stands in for the Hub: records created repositories and committed files."""
+
+    def __init__(self):
+        self.repos, self.commits = [], []
+
+    def create_repo(self, api, repo_id, **kwargs):
+        self.repos.append((repo_id, kwargs))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, api, repo_id, operations, **kwargs):
+        files = {}
+        for operation in operations:
+            with operation.as_file() as handle:
+                files[operation.path_in_repo] = handle.read()
+        self.commits.append({"repo_id": repo_id, "files": files, **kwargs})
+        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/{'0' * 40}", commit_message="",
+                          commit_description="", oid="0" * 40)
+
+    def patch(self):
+        recorder = self
+        return mock.patch.multiple(
+            "huggingface_hub.HfApi",
+            create_repo=lambda api, repo_id, **kw: recorder.create_repo(api, repo_id, **kw),
+            create_commit=lambda api, repo_id, operations, **kw: recorder.create_commit(api, repo_id, operations,
+                                                                                          **kw),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Cards
+
+
+def test_card_metadata_and_body_for_translation():
+    card = render_model_card(trained_seq2seq(), repo_id=REPO_ID, language=["de", "en"], datasets="iwslt14",
+                             results={"bleu": 35.4}, training_command=COMMAND, tags=["translation"])
+    meta = front_matter(card)
+    assert meta["license"] == "apache-2.0"
+    assert meta["language"] == ["de", "en"]
+    assert meta["datasets"] == ["iwslt14"] and meta["metrics"] == ["bleu"]
+    assert "powernorm" in meta["tags"] and "translation" in meta["tags"]
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "translation"
+    assert meta["model-index"][0]["results"][0]["metrics"][0] == {"type": "bleu", "value": 35.4}
+    body = card.text
+    assert "| encoder (self-attention, feed-forward, final) | `powernorm` |" in body
+    assert "cross-attention, feed-forward, final) | `layernorm` |" in body
+    assert "| `powernorm_warmup_steps` | `2` |" in body and "| `powernorm_group_num` | `4` |" in body
+    assert f'AutoModelForSeq2SeqLM.from_pretrained("{REPO_ID}", trust_remote_code=True)' in body
+    assert COMMAND in body and "| bleu | 35.4 |" in body
+    assert "running_phi" in body
+
+
+def test_card_without_results_or_command_says_so():
+    model = PowerNormTransformerForSequenceClassification(
+        PowerNormTransformerConfig.from_preset("tiny", num_labels=3))
+    card = render_model_card(model, repo_id="org/sentiment", language="en", datasets="financial_phrasebank")
+    meta = front_matter(card)
+    assert meta["pipeline_tag"] == "text-classification" and "metrics" not in meta
+    assert "The training command was not recorded." in card.text
+    assert "No results were recorded" in card.text
+    assert "AutoModelForSequenceClassification" in card.text and "decoder (" not in card.text
+
+
+@pytest.mark.parametrize("norm, warns", [("batchnorm", True), ("powernorm_v", True), ("powernorm", False)])
+def test_causal_card_warns_about_batch_statistics(norm, warns):
+    model = PowerNormTransformerForCausalLM(
+        PowerNormTransformerConfig.from_preset("tiny", decoder_norm_type=norm, is_encoder_decoder=False))
+    card = render_model_card(model, repo_id="org/lm")
+    assert ("mix\nfuture tokens" in card.text) is warns
+    assert "encoder (" not in card.text and front_matter(card)["pipeline_tag"] == "text-generation"
+
+
+def test_card_of_a_folded_model_says_it_is_for_inference_only():
+    model = trained_seq2seq()
+    model.fold_norms()
+    assert "inference only" in render_model_card(model, repo_id=REPO_ID).text
+
+
+def test_card_comes_from_the_model_cards_template(tmp_path):
+    assert TEMPLATE_PATH.parent.name == "model_cards" and TEMPLATE_PATH.is_file()
+    custom = tmp_path / "card.md"
+    custom.write_text("---\n{{ card_data }}\n---\n# {{ model_name }} ({{ task }})\n")
+    card = render_model_card(trained_seq2seq(), repo_id=REPO_ID, template_path=custom)
+    assert card.text.strip() == "# tiny-iwslt (translation)"
+    with pytest.raises(FileNotFoundError, match="missing.md"):
+        render_model_card(trained_seq2seq(), repo_id=REPO_ID, template_path=tmp_path / "missing.md")
+    with pytest.raises(ValueError, match="PowerNorm Transformer"):
+        render_model_card(torch.nn.Linear(2, 2), repo_id=REPO_ID)
+
+
+# ---------------------------------------------------------------------------------------------
+# Uploads
+
+
+def test_push_to_hub_sends_weights_buffers_config_code_tokenizer_and_card(tmp_path):
+    model, recorder = trained_seq2seq(), HubRecorder()
+    with recorder.patch():
+        push_to_hub(model, REPO_ID, tokenizer=tiny_tokenizer(), private=True, language=["de", "en"],
+                    datasets="iwslt14", results={"bleu": 35.4}, training_command=COMMAND)
+    assert recorder.repos == [(REPO_ID, {"private": True, "exist_ok": True})]
+    assert len(recorder.commits) == 1
+    commit = recorder.commits[0]
+    files = commit["files"]
+    assert commit["repo_id"] == REPO_ID and commit["commit_message"] == "Upload PowerNorm Transformer"
+    assert {"model.safetensors", "config.json", "generation_config.json", "configuration_powernorm.py",
+            "modeling_powernorm.py", "normalization.py", "README.md", "tokenizer.json",
+            "tokenizer_config.json"} <= set(files)
+    weights = load_safetensors(files["model.safetensors"])
+    buffers = {k: v for k, v in model.named_buffers() if k.rsplit(".", 1)[-1] in RUNNING_BUFFERS}
+    assert buffers
+    for name, buffer in buffers.items():
+        assert torch.equal(weights[name], buffer), name
+    config = json.loads(files["config.json"])
+    assert config["model_type"] == "powernorm_transformer" and len(config["auto_map"]) == 5
+    card = ModelCard(files["README.md"].decode())
+    assert "powernorm" in card.data.tags and card.data.license == "apache-2.0"
+    assert COMMAND in card.text
+
+    # What was sent loads back from a Hub cache layout, offline, by repository id.
+    snapshot = tmp_path / "hub" / "models--powernorm-test--tiny-iwslt" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--powernorm-test--tiny-iwslt" / "refs").mkdir()
+    (tmp_path / "hub" / "models--powernorm-test--tiny-iwslt" / "refs" / "main").write_text("0" * 40)
+    for name, content in files.items():
+        (snapshot / name).write_bytes(content)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(REPO_ID, cache_dir=tmp_path / "hub", trust_remote_code=True)
+    input_ids = torch.randint(3, 99, (2, 5), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(loaded(input_ids=input_ids, decoder_input_ids=input_ids).logits,
+                       model(input_ids=input_ids, decoder_input_ids=input_ids).logits)
+    shutil.rmtree(tmp_path / "hub")
+
+
+def test_a_given_card_is_sent_as_is():
+    recorder, card = HubRecorder(), ModelCard("---\nlicense: mit\ntags:\n- powernorm\n---\n# Custom\n")
+    with recorder.patch():
+        push_to_hub(trained_seq2seq(), REPO_ID, card=card, commit_message="v2", revision="dev")
+    commit = recorder.commits[0]
+    assert commit["files"]["README.md"].decode().endswith("# Custom\n")
+    assert commit["commit_message"] == "v2" and commit["revision"] == "dev"
+    assert "tokenizer.json" not in commit["files"]
+
+
+def test_transformers_push_to_hub_also_sends_buffers_and_code_files():
+    """`model.push_to_hub` (Transformers' own) uploads the same checkpoint, with a generic card."""
+    model, recorder = trained_seq2seq(), HubRecorder()
+    generic = ModelCard("---\nlibrary_name: transformers\n---\n")
+    with recorder.patch(), mock.patch("transformers.utils.hub.create_and_tag_model_card", return_value=generic):
+        model.push_to_hub(REPO_ID)
+    files = recorder.commits[0]["files"]
+    assert {"modeling_powernorm.py", "configuration_powernorm.py", "normalization.py"} <= set(files)
+    weights = load_safetensors(files["model.safetensors"])
+    assert torch.equal(weights["model.encoder.layers.0.ffn_norm.running_phi"],
+                       model.model.encoder.layers[0].ffn_norm.running_phi)
+    assert io.BytesIO(files["config.json"]).read().count(b"auto_map") == 1
