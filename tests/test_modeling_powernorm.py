@@ -419,3 +419,36 @@ def test_fold_norms_refuses_what_it_cannot_fold():
     model.eval().fold_norms()
     with pytest.raises(ValueError, match="already folded"):
         model.fold_norms()
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation and activation checkpointing
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_init_weights_resets_every_norm_parameter_and_buffer(norm):
+    model = make_model("seq2seq", norm)
+    train_steps(model, "seq2seq")
+    norms = [m for m in model.modules() if type(m).__name__ in {c.__name__ for c in NORM_CLASSES.values()}]
+    assert norms
+    initial = {"weight": 1.0, "bias": 0.0, "running_phi": 1.0, "running_nu": 0.0, "running_mean": 0.0,
+               "running_var": 1.0, "num_batches_tracked": 0}
+    for module in norms:
+        with torch.no_grad():
+            for name in initial:
+                if getattr(module, name, None) is not None:
+                    getattr(module, name).fill_(7)
+        model._init_weights(module)
+        for name, value in initial.items():
+            tensor = getattr(module, name, None)
+            if tensor is not None:
+                assert torch.equal(tensor, torch.full_like(tensor, value)), (type(module).__name__, name)
+
+
+def test_activation_checkpointing_updates_running_statistics_once_per_step():
+    model = make_model("seq2seq", "powernorm", decoder_norm_type="batchnorm").train()
+    model.gradient_checkpointing_enable()
+    model(**inputs_for("seq2seq", ids(), with_labels=True)).loss.backward()
+    counters = [m.num_batches_tracked for m in model.modules() if hasattr(m, "num_batches_tracked")]
+    assert counters and all(int(c) == 1 for c in counters)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
