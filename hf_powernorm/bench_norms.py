@@ -25,12 +25,13 @@ def _layer_norm_step(x, dy, weight, bias):
     F.layer_norm(x, (x.shape[-1],), weight, bias).backward(dy)
 
 
-def _make_cases(hidden: int, group_num: int) -> dict[str, dict]:
-    cases = {name: {} for name in NORM_CLASSES}
-    cases["groupnorm"] = {"group_num": group_num}
-    cases[f"powernorm_g{group_num}"] = {"group_num": group_num}
-    cases["powernorm_nogs"] = {"group_num": None}
-    cases["powernorm_batchden"] = {"backward_denominator": "batch"}
+def _make_cases(group_num: int) -> dict[str, tuple[str, dict]]:
+    """Label -> (registry name, options): every norm with defaults, plus PowerNorm variants."""
+    cases = {name: (name, {}) for name in NORM_CLASSES}
+    cases["groupnorm"] = ("groupnorm", {"group_num": group_num})
+    cases[f"powernorm G={group_num}"] = ("powernorm", {"group_num": group_num})
+    cases["powernorm no GS"] = ("powernorm", {"group_num": None})
+    cases["powernorm batch den."] = ("powernorm", {"backward_denominator": "batch"})
     return cases
 
 
@@ -52,8 +53,8 @@ def run(tokens: int, hidden: int, padding: float, repeats: int, group_num: int) 
     bias = torch.zeros(hidden, requires_grad=True)
     baseline = lambda: _layer_norm_step(x, dy, weight, bias)  # noqa: E731
     rows = []
-    for label, options in _make_cases(hidden, group_num).items():
-        norm = build_norm(label.split("_g")[0].replace("_nogs", "").replace("_batchden", ""), hidden, **options)
+    for label, (name, options) in _make_cases(group_num).items():
+        norm = build_norm(name, hidden, **options)
         norm.train()
         step = lambda: norm(x, mask).backward(dy)  # noqa: E731
         for _ in range(5):
