@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -362,7 +364,7 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
                 (init.ones_ if value == 1 else init.zeros_)(tensor)
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> PreTrainedModel | tuple[PreTrainedModel, dict]:
         """Load as usual; warn by name about running statistics the checkpoint lacks."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
@@ -377,7 +379,7 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
             )
         return (model, loading_info) if output_loading_info else model
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """Save as usual; the `auto_map` names every Auto class so one directory loads through each."""
         if getattr(type(self), "_auto_class", None) is not None:
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **_full_auto_map()}
