@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_utils import list_checkpoints  # noqa: E402
 
 WEIGHTS_NAME = "model.safetensors"
-_TRAINING_STATE = ("optimizer", "scheduler", "random_states", "scaler", "sampler")
+_TRAINING_STATE = ("optimizer", "scheduler", "random_states", "scaler", "sampler", "custom_checkpoint")
 
 
 def select_checkpoints(checkpoint_dir: str | Path, num_checkpoints: int,

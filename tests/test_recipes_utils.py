@@ -312,6 +312,7 @@ def _checkpoint(folder: Path, value: float, step: int) -> None:
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps({"step": step}))
     (folder / "optimizer.bin").write_bytes(b"state")
+    (folder / "custom_checkpoint_0.pkl").write_bytes(b"scheduler")
 
 
 def test_average_checkpoints_keeps_integer_counters(tmp_path):
@@ -328,7 +329,7 @@ def test_average_checkpoints_keeps_integer_counters(tmp_path):
     assert state["norm.num_batches_tracked"].item() == 100
     assert state["norm.num_batches_tracked"].dtype == torch.int64
     assert json.loads((tmp_path / "averaged" / "config.json").read_text()) == {"step": 100}
-    assert not (tmp_path / "averaged" / "optimizer.bin").exists()
+    assert not any((tmp_path / "averaged" / n).exists() for n in ("optimizer.bin", "custom_checkpoint_0.pkl"))
     with pytest.raises(ValueError, match=r"last 5 checkpoints.*holds 4"):
         avg.select_checkpoints(tmp_path, 5)
 
