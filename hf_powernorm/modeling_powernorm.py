@@ -688,6 +688,10 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+                if decoder_attention_mask is None:
+                    # A position whose label is ignored is padding (as in fairseq's prev_output_tokens):
+                    # keep it out of the decoder's batch statistics.
+                    decoder_attention_mask = (labels != -100).long()
         outputs = self.model(
             input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs,

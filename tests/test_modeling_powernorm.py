@@ -452,3 +452,16 @@ def test_activation_checkpointing_updates_running_statistics_once_per_step():
     counters = [m.num_batches_tracked for m in model.modules() if hasattr(m, "num_batches_tracked")]
     assert counters and all(int(c) == 1 for c in counters)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("norm", ["powernorm", "batchnorm", "powernorm_v"])
+def test_ignored_labels_are_padding_for_the_decoder_norms(norm):
+    """With labels only, decoder positions fed from -100 labels stay out of the batch statistics."""
+    model = make_model("seq2seq", "layernorm", decoder_norm_type=norm, powernorm_warmup_steps=10).train()
+    input_ids, labels = ids(), ids(seed=4, seq=5)
+    padded_labels = torch.cat([labels, torch.full((BATCH, 3), -100)], dim=1)
+    reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    expected = reference(input_ids=input_ids, labels=labels)
+    got = candidate(input_ids=input_ids, labels=padded_labels)
+    torch.testing.assert_close(got.logits[:, :5], expected.logits, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.loss, expected.loss, atol=2e-5, rtol=2e-5)
