@@ -465,3 +465,29 @@ def test_ignored_labels_are_padding_for_the_decoder_norms(norm):
     got = candidate(input_ids=input_ids, labels=padded_labels)
     torch.testing.assert_close(got.logits[:, :5], expected.logits, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got.loss, expected.loss, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 8])
+@pytest.mark.parametrize("head", HEADS)
+def test_attention_head_counts_and_group_scaling_follow_them(head, num_heads):
+    model = make_model(head, "powernorm", num_attention_heads=num_heads)
+    assert model.config.powernorm_group_num == num_heads
+    norm = model.model.encoder.layers[0].ffn_norm if head != "causal" else model.model.decoder.layers[0].ffn_norm
+    assert norm.group_num == num_heads
+    out = model(**inputs_for(head, ids(), with_labels=True))
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_resize_token_embeddings_keeps_ties(head):
+    model = make_model(head)
+    model.resize_token_embeddings(VOCAB + 6)
+    embedding = model.get_input_embeddings().weight
+    assert embedding.shape == (VOCAB + 6, 32) and model.config.vocab_size == VOCAB + 6
+    if head != "classifier":
+        assert model.get_output_embeddings().weight is embedding
+    if head == "seq2seq":
+        assert model.model.decoder.get_input_embeddings().weight is embedding
+    out = model.eval()(**inputs_for(head, torch.full((2, 4), VOCAB + 5)))
+    assert torch.isfinite(out.logits).all()
