@@ -334,8 +334,6 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
     _no_split_modules = ["PowerNormTransformerEncoderLayer", "PowerNormTransformerDecoderLayer"]
     # Running statistics stay float32 when loading with dtype=torch.bfloat16 / float16.
     _keep_in_fp32_modules_strict = ["running_phi", "running_nu", "running_mean", "running_var"]

@@ -272,6 +272,15 @@ def test_seq2seq_generation_with_and_without_cache(norm, num_beams):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_post_norm_seq2seq_generation_with_and_without_cache(num_beams):
+    model = make_model("seq2seq", "powernorm", normalize_before=False)
+    train_steps(model, "seq2seq")
+    options = dict(max_new_tokens=6, num_beams=num_beams, do_sample=False)
+    assert torch.equal(model.generate(ids(), use_cache=True, **options),
+                       model.generate(ids(), use_cache=False, **options))
+
+
 @pytest.mark.parametrize("norm", ["powernorm", "rmsnorm"])
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_causal_generation_with_and_without_cache(norm, num_beams):

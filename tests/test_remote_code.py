@@ -101,6 +101,9 @@ CHILD = textwrap.dedent(
     assert torch.equal(hub(input_ids=inputs, decoder_input_ids=inputs).logits, expected["seq2seq/logits"])
     hub_config = AutoConfig.from_pretrained(REPO_ID, trust_remote_code=True)
     assert hub_config.model_type == "powernorm_transformer"
+    hub_base = AutoModel.from_pretrained(REPO_ID, trust_remote_code=True)
+    assert torch.equal(hub_base(input_ids=inputs, decoder_input_ids=inputs).last_hidden_state,
+                       expected["seq2seq/hidden"])
 
     # A remote-code model saves again with its code files.
     seq2seq.save_pretrained(RESAVE)
