@@ -13,9 +13,9 @@ from .normalization import (
     group_scale,
     normalize_norm_name,
 )
-
 from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
 from .modeling_powernorm import (
+    AUTO_CLASSES,
     PowerNormTransformerForCausalLM,
     PowerNormTransformerForConditionalGeneration,
     PowerNormTransformerForSequenceClassification,
@@ -29,22 +29,11 @@ __version__ = "0.1.0"
 
 def _register() -> None:
     """Register the family with the Auto classes here and, through `auto_map`, for remote code."""
-    from transformers import (
-        AutoConfig,
-        AutoModel,
-        AutoModelForCausalLM,
-        AutoModelForSeq2SeqLM,
-        AutoModelForSequenceClassification,
-    )
+    import transformers
 
-    AutoConfig.register(PowerNormTransformerConfig.model_type, PowerNormTransformerConfig, exist_ok=True)
-    for auto, cls in (
-        (AutoModel, PowerNormTransformerModel),
-        (AutoModelForSeq2SeqLM, PowerNormTransformerForConditionalGeneration),
-        (AutoModelForCausalLM, PowerNormTransformerForCausalLM),
-        (AutoModelForSequenceClassification, PowerNormTransformerForSequenceClassification),
-    ):
-        auto.register(PowerNormTransformerConfig, cls, exist_ok=True)
+    transformers.AutoConfig.register(PowerNormTransformerConfig.model_type, PowerNormTransformerConfig, exist_ok=True)
+    for auto_name, model_class in AUTO_CLASSES.items():
+        getattr(transformers, auto_name).register(PowerNormTransformerConfig, model_class, exist_ok=True)
     register_for_auto_classes()
 
 

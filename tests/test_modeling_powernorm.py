@@ -500,3 +500,17 @@ def test_resize_token_embeddings_keeps_ties(head):
         assert model.model.decoder.get_input_embeddings().weight is embedding
     out = model.eval()(**inputs_for(head, torch.full((2, 4), VOCAB + 5)))
     assert torch.isfinite(out.logits).all()
+
+
+def test_importing_the_package_registers_every_auto_class():
+    import transformers
+
+    assert isinstance(transformers.AutoConfig.for_model("powernorm_transformer"), PowerNormTransformerConfig)
+    expected = {
+        "AutoModel": PowerNormTransformerModel,
+        "AutoModelForSeq2SeqLM": PowerNormTransformerForConditionalGeneration,
+        "AutoModelForCausalLM": PowerNormTransformerForCausalLM,
+        "AutoModelForSequenceClassification": PowerNormTransformerForSequenceClassification,
+    }
+    for auto_name, model_class in expected.items():
+        assert type(getattr(transformers, auto_name).from_config(make_config())) is model_class, auto_name
