@@ -37,12 +37,18 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
 
 from .configuration_powernorm import PowerNormTransformerConfig
-from .normalization import GroupNorm, LayerNorm, MaskedBatchNorm, PowerNorm, PowerNormV, RMSNorm, build_norm, group_scale
-
-logger = logging.get_logger(__name__)
+from .normalization import (
+    GroupNorm,
+    LayerNorm,
+    MaskedBatchNorm,
+    PowerNorm,
+    PowerNormV,
+    RMSNorm,
+    build_norm,
+    group_scale,
+)
 
 RUNNING_BUFFERS = ("running_phi", "running_nu", "running_mean", "running_var", "num_batches_tracked")
 # Norms that are a per-channel affine map after group scaling in eval, hence foldable.

@@ -31,6 +31,15 @@ REPO_ID = "powernorm-test/tiny-iwslt"
 COMMAND = "accelerate launch recipes/translation.py --preset iwslt14-small --max_steps 50000"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def trained_seq2seq() -> PowerNormTransformerForConditionalGeneration:
     torch.manual_seed(0)
     model = PowerNormTransformerForConditionalGeneration(

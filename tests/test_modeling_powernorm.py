@@ -32,6 +32,15 @@ AUTO_CLASSES = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def make_config(norm: str = "powernorm", **overrides) -> PowerNormTransformerConfig:
     options = dict(encoder_norm_type=norm, decoder_norm_type=norm, num_labels=3)
     options.update(overrides)

@@ -114,6 +114,15 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _trained(model, steps: int = 3):
     torch.manual_seed(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -218,6 +227,7 @@ def test_fresh_process_without_the_package_loads_directory_and_hub_cache(saved, 
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
+        "OMP_NUM_THREADS": "1",
     }
     completed = subprocess.run([sys.executable, "-S", str(script)], cwd=workdir, env=env, capture_output=True,
                                text=True, timeout=300)
