@@ -523,3 +523,35 @@ def test_importing_the_package_registers_every_auto_class():
     }
     for auto_name, model_class in expected.items():
         assert type(getattr(transformers, auto_name).from_config(make_config())) is model_class, auto_name
+
+
+@pytest.mark.parametrize("head", ["seq2seq", "causal"])
+def test_incremental_decoding_with_a_cache_matches_the_full_forward(head):
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    model = make_model(head, "powernorm", decoder_norm_type="powernorm")
+    train_steps(model, head)
+    tokens = ids(seed=6, seq=6)
+    if head == "seq2seq":
+        cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+        extra, key = {"input_ids": ids()}, "decoder_input_ids"
+    else:
+        cache, extra, key = DynamicCache(config=model.config), {}, "input_ids"
+    full = model(**extra, **{key: tokens}).logits
+    pieces = []
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6)):
+        out = model(**extra, **{key: tokens[:, start:stop]}, past_key_values=cache, use_cache=True)
+        assert out.past_key_values is cache
+        pieces.append(out.logits)
+    assert cache.get_seq_length() == 6
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_casting_to_bfloat16_keeps_running_statistics_float32():
+    model = make_model("seq2seq", "powernorm", decoder_norm_type="batchnorm")
+    train_steps(model, "seq2seq")
+    before = {k: v.clone() for k, v in _buffers(model).items()}
+    model.to(torch.bfloat16)
+    for name, buffer in _buffers(model).items():
+        assert buffer.dtype == before[name].dtype and torch.equal(buffer, before[name]), name
+    assert torch.isfinite(logits(model, "seq2seq", ids())).all()
