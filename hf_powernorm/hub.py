@@ -76,6 +76,31 @@ def _as_list(value: str | list[str] | None) -> list[str] | None:
     return [value] if isinstance(value, str) else value
 
 
+def _card_data(
+    repo_id: str,
+    task: str,
+    pipeline_tag: str | None,
+    license: str,
+    language: str | list[str] | None,
+    datasets: str | list[str] | None,
+    results: dict[str, float] | None,
+    tags: list[str] | None,
+) -> ModelCardData:
+    """The YAML metadata; results on a named dataset also go into a `model-index` entry."""
+    dataset_list = _as_list(datasets)
+    eval_results = None
+    if results and dataset_list:
+        eval_results = [EvalResult(task_type=task, dataset_type=dataset_list[0], dataset_name=dataset_list[0],
+                                   metric_type=name, metric_value=value) for name, value in results.items()]
+    extra_tags = [tag for tag in (tags or []) if tag not in ("powernorm", "custom_code")]
+    return ModelCardData(
+        license=license, language=_as_list(language), datasets=dataset_list,
+        metrics=sorted(results) if results else None, library_name="transformers", pipeline_tag=pipeline_tag,
+        tags=["powernorm", "custom_code", *extra_tags], model_name=repo_id.split("/")[-1],
+        eval_results=eval_results,
+    )
+
+
 def render_model_card(
     model: Any,
     *,
@@ -99,17 +124,7 @@ def render_model_card(
         raise ValueError(f"render_model_card expects a PowerNorm Transformer model, got {head}")
     config = model.config
     task, pipeline_tag, auto_class, usage = _HEADS[head]
-    dataset_list = _as_list(datasets)
-    eval_results = None
-    if results and dataset_list:
-        eval_results = [EvalResult(task_type=task, dataset_type=dataset_list[0], dataset_name=dataset_list[0],
-                                   metric_type=name, metric_value=value) for name, value in results.items()]
-    card_data = ModelCardData(
-        license=license, language=_as_list(language), datasets=dataset_list,
-        metrics=sorted(results) if results else None, library_name="transformers", pipeline_tag=pipeline_tag,
-        tags=["powernorm", "custom_code", *[tag for tag in (tags or []) if tag not in ("powernorm", "custom_code")]],
-        model_name=repo_id.split("/")[-1], eval_results=eval_results,
-    )
+    card_data = _card_data(repo_id, task, pipeline_tag, license, language, datasets, results, tags)
     norm_types = {norm for _, norm in _norm_positions(config, head)}
     causal_leak = sorted(norm_types & set(BATCH_STATISTIC_NORMS)) if head == "PowerNormTransformerForCausalLM" \
         else []
