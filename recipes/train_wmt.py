@@ -1,7 +1,8 @@
 """Train a PowerNorm Transformer for translation with Accelerate (the paper's Section 5.1 recipe).
 
-Without data arguments it trains on the embedded synthetic German->English corpus (a few minutes
-on a laptop CPU). The paper's IWSLT14 run is, with the data as JSON lines or aligned text files:
+Without arguments it trains a small model on the embedded synthetic German->English corpus: the
+defaults are sized for it (3-5 minutes on 2 CPU cores, validation BLEU from 0 to about 99).
+The paper's IWSLT14 run is, with the data as JSON lines or aligned text files:
 
     accelerate launch recipes/train_wmt.py --train_file data/train --validation_file data/valid \
         --test_file data/test --preset iwslt14-small --vocab_size 10000 --max_tokens 4096 \
@@ -14,6 +15,7 @@ then `recipes/average_checkpoints.py` over the last checkpoints.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -32,6 +34,8 @@ import recipe_utils as ru  # noqa: E402
 from hf_powernorm import PRESETS, PowerNormTransformerConfig, PowerNormTransformerForConditionalGeneration  # noqa: E402
 
 logger = get_logger(__name__)
+# The default model for the embedded corpus: about 1,200 updates reach a validation BLEU near 99.
+DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,21 +48,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--source_lang", default="de")
     p.add_argument("--target_lang", default="en")
     p.add_argument("--tokenizer_name", help="a saved tokenizer directory; default: train a joint BPE")
-    p.add_argument("--vocab_size", type=int, default=2000, help="joint BPE size (paper: 10k IWSLT, 37k WMT)")
+    p.add_argument("--vocab_size", type=int, default=500, help="joint BPE size (paper: 10k IWSLT, 37k WMT)")
     p.add_argument("--max_length", type=int, default=128, help="truncate source and target to this")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="model size; default: 'tiny' at width 64 (FFN 128), sized for the embedded corpus")
     p.add_argument("--config_overrides", help="config fields, e.g. 'hidden_size=64,encoder_layers=3'")
     p.add_argument("--encoder_norm_type", help="override the preset's encoder norm (e.g. powernorm)")
     p.add_argument("--decoder_norm_type", help="override the preset's decoder norm (e.g. layernorm)")
-    p.add_argument("--max_tokens", type=int, default=2048, help="padded tokens per batch and process")
-    p.add_argument("--learning_rate", type=float, default=1.5e-3)
-    p.add_argument("--warmup_steps", type=int, default=400)
+    p.add_argument("--max_tokens", type=int, default=1024, help="padded tokens per batch and process")
+    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--warmup_steps", type=int, default=200)
     p.add_argument("--warmup_init_lr", type=float, default=1e-7)
     p.add_argument("--weight_decay", type=float, default=1e-4)
     p.add_argument("--label_smoothing", type=float, default=0.1)
     p.add_argument("--clip_norm", type=float, default=0.0, help="max gradient norm; 0 disables")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--num_train_epochs", type=int, default=10)
+    p.add_argument("--num_train_epochs", type=int, default=20)
     p.add_argument("--max_train_steps", type=int, help="optimizer updates; overrides the epochs")
     p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), help="default: accelerate config")
     p.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
@@ -95,8 +100,10 @@ def load_data(args, accelerator: Accelerator):
 
 def build_model(args, tokenizer) -> PowerNormTransformerForConditionalGeneration:
     overrides = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
+    if args.preset is None:
+        overrides = {**DEFAULT_SIZE, **overrides}
     config = PowerNormTransformerConfig.from_preset(
-        args.preset, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        args.preset or "tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.eos_token_id, **overrides)
     if args.config_overrides:
@@ -219,10 +226,14 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
                               log_with="all" if args.with_tracking else None, project_dir=args.output_dir)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     set_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     tokenizer, data = load_data(args, accelerator)
     model = build_model(args, tokenizer)
+    logger.info(f"{len(data['train'])} training pairs, vocabulary {len(tokenizer)}, "
+                f"{model.num_parameters():,} parameters, norms {model.config.encoder_norm_type} (encoder) / "
+                f"{model.config.decoder_norm_type} (decoder)")
     optimizer = ru.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = ru.inverse_sqrt_schedule(optimizer, args.warmup_steps, args.warmup_init_lr)
     loader, sampler = train_loader(args, data["train"], tokenizer.pad_token_id)
