@@ -11,6 +11,7 @@ same run (the machine may be shared and noisy, so only ratios are compared).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
@@ -18,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import normalization
 from .normalization import NORM_CLASSES, build_norm
 
 
@@ -32,7 +34,24 @@ def _make_cases(group_num: int) -> dict[str, tuple[str, dict]]:
     cases[f"powernorm G={group_num}"] = ("powernorm", {"group_num": group_num})
     cases["powernorm no GS"] = ("powernorm", {"group_num": None})
     cases["powernorm batch den."] = ("powernorm", {"backward_denominator": "batch"})
+    cases["powernorm torch ops"] = ("powernorm", {})  # the fused CPU kernels switched off
     return cases
+
+
+@contextlib.contextmanager
+def _kernels(enabled: bool):
+    original = normalization.kernels_usable
+    if not enabled:
+        normalization.kernels_usable = lambda x: False
+    try:
+        yield
+    finally:
+        normalization.kernels_usable = original
+
+
+def _with_kernels(enabled: bool, fn):
+    with _kernels(enabled):
+        fn()
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -56,7 +75,8 @@ def run(tokens: int, hidden: int, padding: float, repeats: int, group_num: int) 
     for label, (name, options) in _make_cases(group_num).items():
         norm = build_norm(name, hidden, **options)
         norm.train()
-        step = lambda: norm(x, mask).backward(dy)  # noqa: E731
+        eager = label.endswith("torch ops")
+        step = lambda: _with_kernels(not eager, lambda: norm(x, mask).backward(dy))  # noqa: E731
         for _ in range(5):
             step(), baseline()
         ours, base = [], []
