@@ -8,13 +8,13 @@ cost): a saved directory through every fitting Auto class, the Hugging Face cach
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+import transformers
 
 from hf_powernorm import (
     PowerNormTransformerConfig,
@@ -26,20 +26,21 @@ from hf_powernorm import (
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO_ID = "powernorm-test/tiny-iwslt"
 
-# The child runs with `python -S` (no site hooks, so no editable-install finder) and only the
-# site-packages directory on sys.path, from a directory without the package.
+# The child runs with `python -S` (no site hooks, so no editable-install finder) and this
+# process's sys.path minus any directory that holds the package, from a directory without it.
 CHILD = textwrap.dedent(
     r"""
     import sys
-    sys.path.append(SITE_PACKAGES)
+    sys.path.extend(SYS_PATH)
     import importlib.util, json
     assert importlib.util.find_spec("hf_powernorm") is None, "hf_powernorm must not be importable here"
     import torch
+    import transformers
     from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
                               AutoModelForSequenceClassification)
 
     expected = torch.load(EXPECTED, weights_only=True)
-    results = {}
+    results = {"transformers": transformers.__version__}
 
     def check_buffers(model, key):
         buffers = dict(model.named_buffers())
@@ -141,8 +142,8 @@ def _buffers(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.named_buffers()}
 
 
-def _site_packages() -> str:
-    return next(p for p in site.getsitepackages() if os.path.isdir(os.path.join(p, "transformers")))
+def _sys_path_without_the_package() -> list[str]:
+    return [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
 
 
 def _hub_cache(hf_home, saved_dir) -> None:
@@ -216,7 +217,7 @@ def test_fresh_process_without_the_package_loads_directory_and_hub_cache(saved, 
     workdir = tmp_path / "work"
     workdir.mkdir()
     script = workdir / "child.py"
-    header = (f"SITE_PACKAGES = {_site_packages()!r}\nEXPECTED = {str(root / 'expected.pt')!r}\n"
+    header = (f"SYS_PATH = {_sys_path_without_the_package()!r}\nEXPECTED = {str(root / 'expected.pt')!r}\n"
               f"DIRS = {dirs!r}\nREPO_ID = {REPO_ID!r}\nRESAVE = {str(tmp_path / 'resaved')!r}\n")
     script.write_text(header + CHILD)
     env = {
@@ -234,6 +235,7 @@ def test_fresh_process_without_the_package_loads_directory_and_hub_cache(saved, 
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS "):])
+    assert results["transformers"] == transformers.__version__
     assert results["seq2seq_buffers"] > 0
     assert results["hub_module"].startswith("transformers_modules.")
     assert {"configuration_powernorm.py", "modeling_powernorm.py", "normalization.py"} <= set(results["resaved"])
