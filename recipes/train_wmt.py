@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_utils as ru  # noqa: E402
 
 from hf_powernorm import PRESETS, PowerNormTransformerConfig, PowerNormTransformerForConditionalGeneration  # noqa: E402
+from hf_powernorm.hub import render_model_card  # noqa: E402
 
 logger = get_logger(__name__)
 # The default model for the embedded corpus: about 1,200 updates reach a validation BLEU near 99.
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_batch_size", type=int, default=64, help="sentences per generation batch")
     p.add_argument("--max_eval_samples", type=int, help="evaluate on the first N pairs of each split")
     p.add_argument("--output_dir", default="outputs/translation")
+    p.add_argument("--hub_model_id", help="repository name for the model card; default: the output folder's")
     p.add_argument("--with_tracking", action="store_true", help="log to the trackers Accelerate finds")
     return p.parse_args(argv)
 
@@ -98,7 +100,7 @@ def load_data(args, accelerator: Accelerator):
     return tokenizer, data
 
 
-def build_model(args, tokenizer) -> PowerNormTransformerForConditionalGeneration:
+def build_model(args, tokenizer, num_processes: int) -> PowerNormTransformerForConditionalGeneration:
     overrides = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
     if args.preset is None:
         overrides = {**DEFAULT_SIZE, **overrides}
@@ -110,6 +112,8 @@ def build_model(args, tokenizer) -> PowerNormTransformerForConditionalGeneration
         config.update_from_string(args.config_overrides)
     if config.powernorm_warmup_steps == 0:
         config.powernorm_warmup_steps = args.warmup_steps  # PN's warmup follows the lr warmup
+    # Data parallel: batch statistics over the whole global batch, identical buffers on every rank.
+    config.powernorm_sync_stats = config.powernorm_sync_stats or num_processes > 1
     config.max_position_embeddings = max(config.max_position_embeddings, args.max_length + 2)
     config.validate_powernorm_transformer()
     return PowerNormTransformerForConditionalGeneration(config)
@@ -219,6 +223,19 @@ def save_outputs(args, accelerator, model, tokenizer, results: dict) -> None:
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         ru.save_json(Path(args.output_dir) / "all_results.json", results)
+        write_card(args, unwrapped, results)
+
+
+def write_card(args, model, results: dict) -> None:
+    """`README.md` in the output folder: the model card with the norms, the command and the scores."""
+    scores = {k: round(v, 2) for k, v in results.items() if "bleu" in k and isinstance(v, float)}
+    card = render_model_card(
+        model, repo_id=args.hub_model_id or Path(args.output_dir).resolve().name,
+        language=[args.source_lang, args.target_lang], datasets=args.dataset_name, results=scores,
+        training_command=" ".join(["accelerate launch recipes/train_wmt.py", *sys.argv[1:]]),
+        description=f"A PowerNorm Transformer for {args.source_lang}->{args.target_lang} translation, "
+                    f"trained on {args.dataset_name or args.train_file or 'the embedded synthetic corpus'}.")
+    card.save(Path(args.output_dir) / "README.md")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -230,10 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     tokenizer, data = load_data(args, accelerator)
-    model = build_model(args, tokenizer)
+    model = build_model(args, tokenizer, accelerator.num_processes)
     logger.info(f"{len(data['train'])} training pairs, vocabulary {len(tokenizer)}, "
                 f"{model.num_parameters():,} parameters, norms {model.config.encoder_norm_type} (encoder) / "
-                f"{model.config.decoder_norm_type} (decoder)")
+                f"{model.config.decoder_norm_type} (decoder), {accelerator.num_processes} process(es)")
     optimizer = ru.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = ru.inverse_sqrt_schedule(optimizer, args.warmup_steps, args.warmup_init_lr)
     loader, sampler = train_loader(args, data["train"], tokenizer.pad_token_id)

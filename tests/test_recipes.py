@@ -30,6 +30,8 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path):
     results = json.loads((first / "all_results.json").read_text())
     assert results["train_steps"] == 6
     assert "case:mixed" in results["validation_bleu_signature"] and "test_bleu" in results
+    card = (first / "README.md").read_text()
+    assert "validation_bleu" in card and "--max_train_steps 6" in card and "powernorm" in card
 
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -62,5 +64,8 @@ def test_train_wmt_two_processes(tmp_path):
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", "29517"]
-    _run([*FAST, "--cpu", "--max_train_steps", "3", "--output_dir", str(tmp_path)], launcher)
+    log = _run([*FAST, "--cpu", "--max_train_steps", "3", "--output_dir", str(tmp_path)], launcher)
+    assert "2 process(es)" in log
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["powernorm_sync_stats"] is True
     assert json.loads((tmp_path / "all_results.json").read_text())["train_steps"] == 3
