@@ -161,18 +161,36 @@ def resume(args, accelerator, steps_per_epoch: int) -> tuple[int, int, int]:
         path = ru.latest_checkpoint(args.output_dir, prefix="step")
         if path is None:
             raise ValueError(f"--resume_from_checkpoint latest: no step_* checkpoint in {args.output_dir}")
+    name = Path(path).name
+    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
+        raise ValueError(f"--resume_from_checkpoint {path}: expected a step_<N> folder written by this script")
     accelerator.print(f"Resuming from {path}")
     accelerator.load_state(str(path))
-    completed = int(Path(path).name.removeprefix("step_"))
+    completed = int(name.removeprefix("step_"))
     batches = completed * args.gradient_accumulation_steps
     return completed, batches // steps_per_epoch, batches % steps_per_epoch
 
 
-def save_checkpoint(accelerator, args, completed_steps: int) -> None:
-    accelerator.save_state(str(Path(args.output_dir) / f"step_{completed_steps}"))
+def save_checkpoint(accelerator, args, model, tokenizer, completed_steps: int) -> None:
+    """The full training state, plus config and tokenizer so that averaged checkpoints load with
+    `from_pretrained` (see `average_checkpoints.py`)."""
+    folder = Path(args.output_dir) / f"step_{completed_steps}"
+    accelerator.save_state(str(folder))
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
 
 
-def train(args, accelerator, model, optimizer, scheduler, loader, sampler) -> int:
+def forward_logits(accelerator, model, batch: dict) -> torch.Tensor:
+    """Decoder logits for teacher forcing; labels are not passed, so the model computes no loss of
+    its own (the recipe's loss is label-smoothed)."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs["decoder_input_ids"] = accelerator.unwrap_model(model).prepare_decoder_input_ids_from_labels(labels)
+    return model(**inputs).logits
+
+
+def train(args, accelerator, model, tokenizer, optimizer, scheduler, loader, sampler) -> int:
     updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
     completed, start_epoch, skip = 0, 0, 0
@@ -187,7 +205,7 @@ def train(args, accelerator, model, optimizer, scheduler, loader, sampler) -> in
         skip = 0
         for batch in batches:
             with accelerator.accumulate(model):
-                logits = model(**batch).logits
+                logits = forward_logits(accelerator, model, batch)
                 loss = ru.label_smoothed_loss(logits, batch["labels"], args.label_smoothing)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.clip_norm > 0:
@@ -207,11 +225,11 @@ def train(args, accelerator, model, optimizer, scheduler, loader, sampler) -> in
                 accelerator.log({"train_loss": loss.item(), "lr": scheduler.get_last_lr()[0]}, step=completed)
             if args.checkpointing_steps and args.checkpointing_steps.isdigit() \
                     and completed % int(args.checkpointing_steps) == 0:
-                save_checkpoint(accelerator, args, completed)
+                save_checkpoint(accelerator, args, model, tokenizer, completed)
             if completed >= max_steps:
                 return completed
         if args.checkpointing_steps == "epoch":
-            save_checkpoint(accelerator, args, completed)
+            save_checkpoint(accelerator, args, model, tokenizer, completed)
     return completed
 
 
@@ -258,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.register_for_checkpointing(scheduler)
     if args.with_tracking:
         accelerator.init_trackers("train_wmt", {k: v for k, v in vars(args).items() if v is not None})
-    steps = train(args, accelerator, model, optimizer, scheduler, loader, sampler)
+    steps = train(args, accelerator, model, tokenizer, optimizer, scheduler, loader, sampler)
     results = {"train_steps": steps}
     for split in ("validation", "test"):
         if split in data:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
 FAST = ["--max_eval_samples", "4", "--num_beams", "2", "--max_new_tokens", "8", "--eval_batch_size", "4",
         "--max_tokens", "512", "--vocab_size", "300", "--warmup_steps", "3"]
 
@@ -42,6 +43,17 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path):
     assert len(tokenizer) == model.config.vocab_size and model.config.pad_token_id == tokenizer.pad_token_id
     encoded = tokenizer(["Der Hund schläft ."], return_tensors="pt")
     assert model.generate(**encoded, max_new_tokens=5).shape[0] == 1
+
+    # Averaging the last two checkpoints gives a folder that loads like a saved model.
+    import average_checkpoints
+
+    average_checkpoints.main(["--checkpoint_dir", str(first), "--num_checkpoints", "2",
+                              "--output_dir", str(tmp_path / "averaged")])
+    averaged = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "averaged").state_dict()
+    step_4, step_6 = (load_file(str(first / name / "model.safetensors")) for name in ("step_4", "step_6"))
+    key = "model.encoder.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(averaged[key], (step_4[key].double() + step_6[key].double()).div(2).float())
+    assert averaged["model.encoder.layers.0.self_attn_norm.num_batches_tracked"].item() == 6
 
     # Resume from the newest of two checkpoints and finish the run: same weights as without a break.
     second.mkdir()
