@@ -740,13 +740,16 @@ class PaddingCollator:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = {"input_ids": self._pad([f["input_ids"] for f in features], self.pad_token_id)}
-        batch["attention_mask"] = (self._pad([[1] * len(f["input_ids"]) for f in features], 0))
-        labels = [f["labels"] if "labels" in f else f["label"] for f in features if "labels" in f or "label" in f]
-        if labels and isinstance(labels[0], (list, tuple, torch.Tensor)):
+        batch["attention_mask"] = self._pad([[1] * len(f["input_ids"]) for f in features], 0)
+        key = next((k for k in ("labels", "label") if k in features[0]), None)
+        if key is None:
+            return batch
+        labels = [f[key] for f in features]
+        if isinstance(labels[0], (list, tuple, torch.Tensor)):
             batch["labels"] = self._pad(labels, IGNORE_INDEX)
             if self.decoder_attention_mask:
                 batch["decoder_attention_mask"] = (batch["labels"] != IGNORE_INDEX).long()
-        elif labels:
+        else:
             batch["labels"] = torch.tensor([int(label) for label in labels], dtype=torch.long)
         return batch
 
