@@ -12,10 +12,9 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from .normalization import normalize_norm_name
+from .normalization import BACKWARD_DENOMINATORS, normalize_norm_name
 
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
-BACKWARD_DENOMINATORS = ("running", "batch")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 # Marks `powernorm_group_num` as "one group per attention head" until the config resolves it.
 GROUP_NUM_HEADS = "num_attention_heads"

@@ -18,7 +18,9 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, EvalResult, HfApi, M
 
 from .configuration_powernorm import PowerNormTransformerConfig
 
-TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "model_cards" / "powernorm_transformer.md"
+# Installed from a wheel the templates sit inside the package; in a source tree, at its top.
+_TEMPLATE_DIRS = (Path(__file__).resolve().parent / "model_cards", Path(__file__).resolve().parents[1] / "model_cards")
+TEMPLATE_PATH = next((d for d in _TEMPLATE_DIRS if d.is_dir()), _TEMPLATE_DIRS[-1]) / "powernorm_transformer.md"
 BATCH_STATISTIC_NORMS = ("batchnorm", "powernorm_v")
 
 # class name -> (task, pipeline tag, Auto class, usage snippet)
