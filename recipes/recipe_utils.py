@@ -815,16 +815,23 @@ def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, label_smooth
                            ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
 
 
-def token_nll(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed token NLL and the number of scored tokens (for perplexity across batches/processes).
+def sequence_nll(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence summed token NLL and scored-token counts, each `(batch,)`.
 
-    `shift=True` for a causal LM (the logits at position t predict the label at t + 1).
+    `shift=True` for a causal LM (the logits at position t predict the label at t + 1). Per-row
+    values can be gathered across processes with `gather_for_metrics` (which drops duplicates).
     """
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                          ignore_index=IGNORE_INDEX, reduction="sum")
-    return nll, (labels != IGNORE_INDEX).sum()
+                          ignore_index=IGNORE_INDEX, reduction="none")
+    return nll.view(labels.shape).sum(-1), (labels != IGNORE_INDEX).sum(-1)
+
+
+def token_nll(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token NLL over the batch and the number of scored tokens."""
+    nll, count = sequence_nll(logits, labels, shift)
+    return nll.sum(), count.sum()
 
 
 def perplexity(nll_sum: float, num_tokens: int) -> float:

@@ -13,12 +13,13 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
-FAST = ["--max_eval_samples", "4", "--num_beams", "2", "--max_new_tokens", "8", "--eval_batch_size", "4",
-        "--max_tokens", "512", "--vocab_size", "300", "--warmup_steps", "3"]
+COMMON = ["--max_eval_samples", "8", "--eval_batch_size", "4", "--max_tokens", "512", "--vocab_size", "300",
+          "--warmup_steps", "3"]
+FAST = [*COMMON, "--num_beams", "2", "--max_new_tokens", "8"]
 
 
-def _run(args: list[str], launcher: list[str] | None = None) -> str:
-    command = (launcher or [sys.executable]) + [str(ROOT / "recipes" / "train_wmt.py"), *args]
+def _run(args: list[str], launcher: list[str] | None = None, script: str = "train_wmt.py") -> str:
+    command = (launcher or [sys.executable]) + [str(ROOT / "recipes" / script), *args]
     out = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout + out.stderr

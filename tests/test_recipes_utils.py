@@ -267,6 +267,8 @@ def test_losses_and_perplexity():
     nll, count = ru.token_nll(logits, labels, shift=True)
     assert int(count) == 2 * 4 - 2
     assert ru.perplexity(nll.item(), int(count)) == pytest.approx(vocab)
+    rows, counts = ru.sequence_nll(logits, labels)
+    assert counts.tolist() == [4, 2] and rows.tolist() == pytest.approx([4 * math.log(vocab), 2 * math.log(vocab)])
     smoothed = ru.label_smoothed_loss(torch.randn(2, 5, vocab), labels, label_smoothing=0.1)
     assert smoothed.ndim == 0 and torch.isfinite(smoothed)
     with pytest.raises(ValueError, match="0"):
