@@ -11,7 +11,9 @@ sentence classification. This module holds everything that does not depend on th
 - joint BPE training with `tokenizers`, wrapped as a Transformers fast tokenizer,
 - token-budget batching and padding collation,
 - optimizer, learning-rate schedule, losses, perplexity and the local `evaluate` metrics,
-- checkpoint directory discovery shared with `average_checkpoints.py`.
+- checkpoint directory discovery shared with `average_checkpoints.py`,
+- the Accelerate side: shared arguments, tokenizer and config set-up, the update loop with
+  `save_state`/`load_state` checkpoints, and the final `save_pretrained` + results + model card.
 """
 
 from __future__ import annotations
