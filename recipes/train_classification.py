@@ -1,0 +1,141 @@
+"""Train a PowerNorm Transformer sentence classifier with Accelerate (accuracy and macro-F1).
+
+An encoder-only `PowerNormTransformerForSequenceClassification` (mean over real tokens, linear
+head) with `--norm_type` in the encoder (PN by default). Data: CSV or JSON lines with `text` (or
+`sentence`) and `label` columns, a Financial PhraseBank file (`sentence@label` per line, split
+80/10/10 with the seed), a Hub dataset when online, or the embedded three-way sentiment corpus
+(the default; validation accuracy from about 1/3 to over 0.9 in a few minutes on a laptop CPU).
+The Financial PhraseBank (all annotators agree):
+
+    accelerate launch recipes/train_classification.py \
+        --phrasebank_file financial_phrasebank/utf8_lf/Sentences_AllAgree.txt --vocab_size 4000 \
+        --num_train_epochs 30 --patience 5 --output_dir outputs/phrasebank
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recipe_training as rt  # noqa: E402
+import recipe_utils as ru  # noqa: E402
+
+from hf_powernorm import PowerNormTransformerConfig, PowerNormTransformerForSequenceClassification  # noqa: E402
+
+# The default model for the embedded corpus: the preset `tiny` at width 64.
+DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128, "encoder_layers": 2, "dropout": 0.1}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train a PowerNorm Transformer sentence classifier.")
+    rt.add_data_args(p)
+    p.add_argument("--phrasebank_file", help="a Financial PhraseBank file (sentence@label per line)")
+    p.add_argument("--label_names", default=",".join(ru.SENTIMENT_LABELS),
+                   help="comma-separated class names of local files (Hub datasets bring their own)")
+    p.add_argument("--vocab_size", type=int, default=1000, help="BPE size when training a tokenizer")
+    p.add_argument("--max_length", type=int, default=128, help="truncate sentences to this many tokens")
+    rt.add_model_args(p)
+    p.add_argument("--norm_type", help="the encoder's norm (default: the preset's, powernorm)")
+    rt.add_training_args(p, learning_rate=1e-3, warmup_steps=100, num_train_epochs=5, max_tokens=1024,
+                         output_dir="outputs/classification")
+    args = p.parse_args(argv)
+    rt.check_args(args, ["norm_type"])
+    if args.phrasebank_file and args.train_file:
+        raise ValueError("give either --phrasebank_file or --train_file, not both")
+    return args
+
+
+def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict, list[str]]:
+    """Sentences and labels -> tokenizer -> token ids; returns the class names too."""
+    files = ru.data_files_from_args(args.train_file or args.phrasebank_file, args.validation_file, args.test_file)
+    raw = ru.load_classification_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
+                                         data_files=files, label_names=args.label_names.split(","), seed=args.seed)
+    if "train" not in raw:
+        raise ValueError(f"no train split; got {list(raw)} (pass --train_file or --phrasebank_file)")
+    tokenizer = rt.build_tokenizer(accelerator, args.tokenizer_name, args.output_dir,
+                                   lambda: ru.column_texts(raw["train"]), args.vocab_size)
+    with accelerator.main_process_first():
+        data = ru.tokenize_classification(raw, tokenizer, args.max_length)
+    return tokenizer, data, ru.label_names_of(raw)
+
+
+def build_model(args: argparse.Namespace, tokenizer, labels: list[str],
+                num_processes: int) -> PowerNormTransformerForSequenceClassification:
+    overrides = rt.powernorm_overrides(args)
+    if args.norm_type:
+        overrides["encoder_norm_type"] = args.norm_type
+    if args.preset is None:
+        overrides = {**DEFAULT_SIZE, **overrides}
+    config = PowerNormTransformerConfig.from_preset(
+        args.preset or "tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, num_labels=len(labels),
+        id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)}, **overrides)
+    config.max_position_embeddings = max(config.max_position_embeddings, args.max_length + 2)
+    return PowerNormTransformerForSequenceClassification(rt.finish_config(config, args, num_processes))
+
+
+def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+@torch.no_grad()
+def evaluate_accuracy(accelerator, model, loader, num_labels: int) -> dict[str, float | int]:
+    """Accuracy and macro-F1 over every example of the split, gathered across processes."""
+    model.eval()
+    predictions, references = [], []
+    for batch in loader:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+        predictions += predicted.tolist()
+        references += labels.tolist()
+    model.train()
+    scores = ru.load_metric("accuracy_f1").compute(predictions=predictions, references=references,
+                                                   num_labels=num_labels)
+    return {"accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"], "examples": len(references)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    accelerator = rt.make_accelerator(args)
+    tokenizer, data, labels = load_data(args, accelerator)
+    model = build_model(args, tokenizer, labels, accelerator.num_processes)
+    rt.log_run_start(accelerator, args, model, f"{len(data['train'])} training sentences, classes {labels}, "
+                                               f"vocabulary {len(tokenizer)}")
+    optimizer = ru.build_optimizer(model, args.learning_rate, args.weight_decay)
+    scheduler = ru.inverse_sqrt_schedule(optimizer, args.warmup_steps, args.warmup_init_lr)
+    loader, sampler = rt.train_loader(data["train"], tokenizer.pad_token_id, args.max_tokens, args.seed)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    evals = {s: accelerator.prepare(rt.eval_loader(data[s], tokenizer.pad_token_id, args.eval_batch_size))
+             for s in ("validation", "test") if s in data}
+    stopper = rt.EarlyStopping("max", args.patience)
+    accelerator.register_for_checkpointing(scheduler, stopper)
+    if args.with_tracking:
+        accelerator.init_trackers("train_classification", {k: v for k, v in vars(args).items() if v is not None})
+    validate = (lambda: evaluate_accuracy(accelerator, model, evals["validation"], len(labels))["accuracy"]) \
+        if "validation" in evals else None
+    steps = rt.train(args, accelerator, model, optimizer, scheduler, loader, classification_loss, sampler=sampler,
+                     evaluate=validate, stopper=stopper, tokenizer=tokenizer)
+    results = rt.finish_training(accelerator, model, args.output_dir, stopper, steps)
+    for split, split_loader in evals.items():
+        scores = evaluate_accuracy(accelerator, model, split_loader, len(labels))
+        results.update({f"{split}_{k}": v for k, v in scores.items()})
+        accelerator.print(f"{split}: accuracy {scores['accuracy']:.4f}, macro-F1 {scores['macro_f1']:.4f}")
+    rt.save_outputs(accelerator, model, tokenizer, args.output_dir, results, card_kwargs(args, argv))
+    accelerator.end_training()
+    return results
+
+
+def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    data = args.dataset_name or args.phrasebank_file or args.train_file or "the embedded sentiment corpus"
+    return {"repo_id": args.hub_model_id or Path(args.output_dir).resolve().name, "language": "en",
+            "datasets": args.dataset_name, "training_command": rt.training_command(
+                "recipes/train_classification.py", argv),
+            "description": f"A PowerNorm Transformer sentence classifier trained on {data}."}
+
+
+if __name__ == "__main__":
+    main()

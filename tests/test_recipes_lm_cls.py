@@ -1,0 +1,324 @@
+"""End-to-end tests of `train_lm.py` and `train_classification.py` (a few updates each).
+
+Each script trains on the embedded default corpus and on small local files written here,
+evaluates, exports, and the export loads through the Auto classes with `trust_remote_code=True`
+in a fresh process without `hf_powernorm`, giving the scores of `all_results.json`. A run resumed
+from `latest` reaches the weights of an unbroken one; bad input fails before training.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import recipe_training  # noqa: E402
+import recipe_utils as ru  # noqa: E402
+import train_classification  # noqa: E402
+import train_lm  # noqa: E402
+
+LM_FAST = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
+           "--learning_rate", "5e-3", "--eval_batch_size", "16"]
+CLS_FAST = ["--vocab_size", "150", "--max_tokens", "256", "--warmup_steps", "3", "--learning_rate", "3e-3",
+            "--eval_batch_size", "32"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _write_lines(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lm_data")
+    corpus = ru.synthetic_lm_corpus({"train": 240, "validation": 40, "test": 30}, seed=5)
+    return {split: _write_lines(root / f"{split}.txt", corpus[split]["text"]) for split in corpus}
+
+
+@pytest.fixture(scope="module")
+def classification_files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cls_data")
+    corpus = ru.synthetic_classification_corpus({"train": 300, "validation": 45, "test": 30}, seed=7)
+    files = {}
+    for split, part in corpus.items():
+        files[split] = str(root / f"{split}.csv")
+        with open(files[split], "w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["sentence", "label"])
+            writer.writerows((t, ru.SENTIMENT_LABELS[l]) for t, l in zip(part["text"], part["label"]))
+    rows = [f"{t}@{ru.SENTIMENT_LABELS[l]}" for t, l in zip(corpus["train"]["text"], corpus["train"]["label"])]
+    files["phrasebank"] = _write_lines(root / "Sentences_AllAgree.txt", rows)
+    return files
+
+
+def _lm_args(files: dict[str, str], output_dir: Path, *extra: str) -> list[str]:
+    return [*LM_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
+            "--test_file", files["test"], "--output_dir", str(output_dir), *extra]
+
+
+@pytest.fixture(scope="module")
+def lm_run(text_files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm_run")
+    results = train_lm.main(_lm_args(text_files, out, "--max_train_steps", "6", "--eval_steps", "2",
+                                     "--checkpointing_steps", "2", "--dropout", "0.1"))
+    return out, results
+
+
+@pytest.fixture(scope="module")
+def cls_run(classification_files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cls_run")
+    files = classification_files
+    results = train_classification.main([
+        *CLS_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
+        "--test_file", files["test"], "--output_dir", str(out), "--max_train_steps", "8", "--eval_steps", "4",
+        "--norm_type", "PowerNorm", "--powernorm_group_num", "none", "--gradient_accumulation_steps", "2",
+        "--clip_norm", "1.0"])
+    return out, results
+
+
+def _stream_blocks(tokenizer, path: str, block_size: int) -> list[list[int]]:
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    stream = [token for ids in tokenizer(lines)["input_ids"] for token in ids]
+    return [stream[s:s + block_size] for s in range(0, len(stream) - 1, block_size - 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# Language modelling
+# --------------------------------------------------------------------------------------------
+
+def test_lm_embedded_default_learns_and_scores_the_whole_stream(tmp_path):
+    results = train_lm.main(["--max_train_steps", "25", "--warmup_steps", "5", "--learning_rate", "5e-3",
+                             "--eval_steps", "25", "--output_dir", str(tmp_path)])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    validation = ru.synthetic_lm_corpus()["validation"]
+    stream = ru.token_stream(validation, tokenizer)
+    assert results["validation_tokens"] == len(stream) - 1  # every token after the first, once
+    # A uniform guess scores the vocabulary size; 25 updates already learn the grammar's words.
+    assert results["validation_perplexity"] < len(tokenizer) / 4
+    assert results["best_step"] == 25 and results["best_validation"] == pytest.approx(results["validation_perplexity"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["decoder_norm_type"] == "powernorm" and config["powernorm_warmup_steps"] == 5
+    assert (config["hidden_size"], config["decoder_layers"]) == (64, 2)
+
+
+def test_lm_local_files_export(lm_run):
+    out, results = lm_run
+    assert results["train_steps"] == 6
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2", "step_4", "step_6"]
+    saved = json.loads((out / "all_results.json").read_text())
+    assert saved == pytest.approx(results)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "modeling_powernorm.py", "README.md"} <= {
+        p.name for p in out.iterdir()}
+    card = (out / "README.md").read_text()
+    assert "validation_perplexity" in card and "--max_train_steps 6" in card and "train_lm.py" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config["dropout"] == 0.1 and config["powernorm_sync_stats"] is False
+    # The best of the evaluations at steps 2, 4, 6 is the exported model.
+    best = load_file(str(out / recipe_training.BEST_MODEL_DIR / "model.safetensors"))
+    final = load_file(str(out / "model.safetensors"))
+    for key in best:
+        torch.testing.assert_close(final[key], best[key], msg=key)
+    assert final["model.decoder.layers.0.self_attn_norm.num_batches_tracked"].item() == results["best_step"]
+
+
+def test_lm_resume_from_latest_matches_an_unbroken_run(lm_run, text_files, tmp_path, capsys):
+    straight, straight_results = lm_run
+    extra = ["--eval_steps", "2", "--checkpointing_steps", "2", "--dropout", "0.1"]
+    train_lm.main(_lm_args(text_files, tmp_path, "--max_train_steps", "4", *extra))
+    capsys.readouterr()
+    resumed_results = train_lm.main(_lm_args(text_files, tmp_path, "--max_train_steps", "6",
+                                             "--resume_from_checkpoint", "latest", *extra))
+    assert f"Resuming from {tmp_path / 'step_4'}" in capsys.readouterr().out
+    assert resumed_results == pytest.approx(straight_results)
+    for name in ("step_6/model.safetensors", "model.safetensors"):
+        resumed, unbroken = load_file(str(tmp_path / name)), load_file(str(straight / name))
+        assert resumed.keys() == unbroken.keys()
+        for key in unbroken:
+            torch.testing.assert_close(resumed[key], unbroken[key], rtol=1e-5, atol=1e-6, msg=f"{name}:{key}")
+    assert resumed["model.decoder.final_norm.num_batches_tracked"].item() == straight_results["best_step"]
+
+
+# --------------------------------------------------------------------------------------------
+# Classification
+# --------------------------------------------------------------------------------------------
+
+def test_classification_csv_export(cls_run):
+    out, results = cls_run
+    assert results["train_steps"] == 8 and results["validation_examples"] == 45 and results["test_examples"] == 30
+    assert 0.0 <= results["test_macro_f1"] <= 1.0
+    config = json.loads((out / "config.json").read_text())
+    assert config["encoder_norm_type"] == "powernorm" and config["powernorm_group_num"] is None
+    assert config["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+    assert "validation_accuracy" in (out / "README.md").read_text()
+    # Two micro-batches per update: the PN counter counts forward passes of training micro-batches.
+    assert load_file(str(out / "model.safetensors"))["model.encoder.final_norm.num_batches_tracked"].item() == \
+        2 * results["best_step"]
+
+
+def test_classification_embedded_default_and_phrasebank(classification_files, tmp_path):
+    default = train_classification.main(["--max_train_steps", "40", "--warmup_steps", "5", "--eval_steps", "40",
+                                         "--learning_rate", "3e-3", "--output_dir", str(tmp_path / "default")])
+    assert default["validation_examples"] == 300 and default["test_examples"] == 300
+    assert default["validation_accuracy"] > 0.5  # three balanced classes: chance is 1/3
+    phrasebank = train_classification.main([
+        *CLS_FAST, "--phrasebank_file", classification_files["phrasebank"], "--max_train_steps", "2",
+        "--norm_type", "layernorm", "--output_dir", str(tmp_path / "phrasebank")])
+    # 300 sentences split 240 / 30 / 30 with the seed.
+    assert (phrasebank["validation_examples"], phrasebank["test_examples"]) == (30, 30)
+    assert json.loads((tmp_path / "phrasebank" / "config.json").read_text())["encoder_norm_type"] == "layernorm"
+
+
+# --------------------------------------------------------------------------------------------
+# Remote code: a fresh process without the package recomputes the scores
+# --------------------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    r"""
+    import sys
+    sys.path.extend(SYS_PATH)
+    import importlib.util, json
+    assert importlib.util.find_spec("hf_powernorm") is None, "hf_powernorm must not be importable here"
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    torch.set_num_threads(1)
+    data = json.load(open(DATA))
+    out = {}
+
+    lm = AutoModelForCausalLM.from_pretrained(DIRS["lm"], trust_remote_code=True).eval()
+    assert type(lm).__module__.startswith("transformers_modules."), type(lm).__module__
+    assert AutoTokenizer.from_pretrained(DIRS["lm"])(data["lm_line"])["input_ids"] == data["lm_line_ids"]
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for block in data["lm_blocks"]:
+            ids = torch.tensor([block])
+            logits = lm(input_ids=ids).logits[0, :-1]
+            nll += F.cross_entropy(logits.double(), ids[0, 1:], reduction="sum").item()
+            count += len(block) - 1
+    out["lm_perplexity"], out["lm_tokens"] = float(torch.tensor(nll / count).exp()), count
+
+    cls = AutoModelForSequenceClassification.from_pretrained(DIRS["cls"], trust_remote_code=True).eval()
+    assert type(cls).__module__.startswith("transformers_modules."), type(cls).__module__
+    with torch.no_grad():
+        predicted = [cls(input_ids=torch.tensor([ids])).logits.argmax(-1).item() for ids in data["cls_ids"]]
+    out["cls_accuracy"] = sum(p == l for p, l in zip(predicted, data["cls_labels"])) / len(predicted)
+    out["id2label"] = cls.config.id2label
+    print("RESULTS " + json.dumps(out))
+    """
+)
+
+
+def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_files, classification_files, tmp_path):
+    from transformers import AutoTokenizer
+
+    (lm_dir, lm_results), (cls_dir, cls_results) = lm_run, cls_run
+    lm_tokenizer, cls_tokenizer = AutoTokenizer.from_pretrained(lm_dir), AutoTokenizer.from_pretrained(cls_dir)
+    validation = ru.load_classification_dataset(data_files={"validation": classification_files["validation"]})
+    line = Path(text_files["validation"]).read_text().splitlines()[0]
+    data = {"lm_blocks": _stream_blocks(lm_tokenizer, text_files["validation"], 16),
+            "lm_line": line, "lm_line_ids": lm_tokenizer(line)["input_ids"],
+            "cls_ids": cls_tokenizer(list(validation["validation"]["text"]), max_length=128, truncation=True)["input_ids"],
+            "cls_labels": list(validation["validation"]["label"])}
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    sys_path = [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
+    script = tmp_path / "child.py"
+    script.write_text(f"SYS_PATH = {sys_path!r}\nDATA = {str(tmp_path / 'data.json')!r}\n"
+                      f"DIRS = {({'lm': str(lm_dir), 'cls': str(cls_dir)})!r}\n" + CHILD)
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
+           "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-S", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0 and "RESULTS " in child.stdout, child.stdout[-3000:] + child.stderr[-6000:]
+    got = json.loads(child.stdout.rsplit("RESULTS ", 1)[1].splitlines()[0])  # after any progress bar
+    assert got["lm_tokens"] == lm_results["validation_tokens"]
+    assert got["lm_perplexity"] == pytest.approx(lm_results["validation_perplexity"], rel=1e-5)
+    assert got["cls_accuracy"] == pytest.approx(cls_results["validation_accuracy"])
+    assert got["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input fails before training
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", [train_lm, train_classification], ids=["lm", "classification"])
+@pytest.mark.parametrize("bad, error, message", [
+    (["--train_file", "/nonexistent/train.txt"], FileNotFoundError, "/nonexistent/train.txt"),
+    (["--preset", "gpt-huge"], ValueError, "'gpt-huge' is unknown; valid presets"),
+    (["--norm_type", "superNorm"], ValueError, "unknown norm 'superNorm'"),
+    (["--checkpointing_steps", "often"], ValueError, "'often'"),
+])
+def test_bad_arguments_fail_before_training(script, bad, error, message, tmp_path):
+    with pytest.raises(error, match=message.replace("(", r"\(")):
+        script.main([*bad, "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_split_fails_before_training(text_files, classification_files, tmp_path):
+    empty_txt, empty_csv = tmp_path / "empty.txt", tmp_path / "empty.csv"
+    empty_txt.write_text("")
+    empty_csv.write_text("text,label\n")
+    with pytest.raises(ValueError, match="split 'validation' .*empty"):
+        train_lm.main(["--train_file", text_files["train"], "--validation_file", str(empty_txt),
+                       "--output_dir", str(tmp_path / "lm")])
+    with pytest.raises(ValueError, match="split 'test' .*empty"):
+        train_classification.main(["--train_file", classification_files["train"], "--test_file", str(empty_csv),
+                                   "--output_dir", str(tmp_path / "cls")])
+    assert not list(tmp_path.glob("*/step_*")) and not list(tmp_path.glob("*/model.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------
+# Two processes through `accelerate launch`
+# --------------------------------------------------------------------------------------------
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def _launch(script: str, port: str, args: list[str]) -> str:
+    command = [*LAUNCH, "--main_process_port", port, str(ROOT / "recipes" / script), "--cpu", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout + out.stderr
+
+
+def test_lm_two_processes_unsynced_statistics_are_averaged(text_files, lm_run, tmp_path):
+    log = _launch("train_lm.py", "29531", _lm_args(text_files, tmp_path, "--max_train_steps", "3", "--no-sync_stats"))
+    assert "2 process(es)" in log
+    results = json.loads((tmp_path / "all_results.json").read_text())
+    # Gathered over both processes with the duplicates of the last batch dropped: the same stream.
+    assert results["validation_tokens"] == lm_run[1]["validation_tokens"]
+    assert json.loads((tmp_path / "config.json").read_text())["powernorm_sync_stats"] is False
+    assert load_file(str(tmp_path / "model.safetensors"))["model.decoder.final_norm.num_batches_tracked"].item() == 3
+
+
+@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="slow: two processes; set RUN_SLOW=1")
+@pytest.mark.slow
+def test_classification_two_processes(classification_files, tmp_path):
+    files = classification_files
+    log = _launch("train_classification.py", "29532", [
+        *CLS_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
+        "--output_dir", str(tmp_path), "--max_train_steps", "3"])
+    assert "2 process(es)" in log
+    results = json.loads((tmp_path / "all_results.json").read_text())
+    assert results["validation_examples"] == 45
+    assert json.loads((tmp_path / "config.json").read_text())["powernorm_sync_stats"] is True
