@@ -616,8 +616,11 @@ def tokenize_classification(dataset: DatasetDict, tokenizer, max_length: int = 2
 
 def token_stream(dataset: Dataset, tokenizer, batch_size: int = 1000) -> list[int]:
     """The concatenated token ids of every line, each line ending in `</s>`."""
+    from tqdm.auto import tqdm
+
     stream: list[int] = []
-    for texts in _batches(column_texts(dataset), batch_size):
+    batches = _batches(column_texts(dataset), batch_size)
+    for texts in tqdm(batches, total=math.ceil(len(dataset) / batch_size), desc="Tokenizing the text stream"):
         for ids in tokenizer(texts)["input_ids"]:
             stream.extend(ids)
     return stream
@@ -967,7 +970,7 @@ def prepare_tokenizer(args: argparse.Namespace, accelerator, texts: Callable[[],
     directory = Path(args.tokenizer_name or Path(args.output_dir) / "tokenizer")
     with accelerator.main_process_first():
         if args.tokenizer_name is None and accelerator.is_main_process:
-            train_bpe_tokenizer(texts(), args.vocab_size).save_pretrained(directory)
+            train_bpe_tokenizer(texts(), args.vocab_size, show_progress=True).save_pretrained(directory)
     return load_tokenizer(directory)
 
 
