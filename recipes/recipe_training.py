@@ -1,11 +1,12 @@
-"""The task-independent half of the training recipes: arguments, loop, checkpoints, export.
+"""Training with validation: the task-independent loop of `train_lm.py` and `train_classification.py`.
 
-`train_lm.py` and `train_classification.py` (and, with small changes, `train_wmt.py`) share:
+It builds on the Accelerate helpers of `recipe_utils.py` (common arguments, tokenizer and config
+set-up, `save_state` checkpoints and `resume`) and adds what a recipe with a validation score needs
+(Shen et al., ICML 2020, Section 5 and Appendix A):
 
-- the command-line options of the paper's optimisation setup (Shen et al., ICML 2020, Section 5 and
-  Appendix A: Adam (0.9, 0.98), inverse-square-root schedule with linear warmup, dropout, weight
-  decay, gradient clipping) and of Power Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`,
-  warmup, group scaling, backward denominator, statistics synchronised across processes),
+- the command-line options of Power Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`, warmup,
+  group scaling, backward denominator, statistics synchronised across processes or not), dropout,
+  evaluation interval and patience,
 - `train`: an Accelerate loop around a loss callback, with gradient accumulation, a tqdm bar,
   tracking, periodic evaluation, best-model tracking and early stopping, and checkpoints that
   resume exactly (`save_state`/`load_state` + `skip_first_batches`),
@@ -42,7 +43,6 @@ from hf_powernorm.hub import render_model_card  # noqa: E402
 
 logger = get_logger(__name__)
 BEST_MODEL_DIR = "best_model"
-CHECKPOINT_PREFIX = "step"
 PN_OPTIONS = ("powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps", "powernorm_group_num",
               "powernorm_backward_denominator")
 
@@ -59,63 +59,36 @@ def _group_num(value: str) -> int | str:
     return int(value)
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset_name", help="Hub dataset (needs network)")
-    parser.add_argument("--dataset_config", help="Hub dataset configuration")
-    parser.add_argument("--train_file")
-    parser.add_argument("--validation_file")
-    parser.add_argument("--test_file")
-    parser.add_argument("--tokenizer_name", help="a saved tokenizer directory; default: train a BPE")
+def add_recipe_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
+    """`recipe_utils.add_common_args` plus `--norm_type`, every PowerNorm option (default: the
+    preset's value), dropout, evaluation and early stopping; `defaults` are the script's defaults."""
+    ru.add_common_args(parser)
+    model = parser.add_argument_group("norms")
+    model.add_argument("--norm_type", help="the model's norm (any registry spelling, e.g. PowerNorm, layernorm)")
+    model.add_argument("--dropout", type=float, help="residual dropout; default: the preset's")
+    model.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
+    model.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
+    model.add_argument("--powernorm_warmup_steps", type=int,
+                       help="updates using batch statistics; default: the preset's, else --warmup_steps")
+    model.add_argument("--powernorm_group_num", type=_group_num,
+                       help="group scaling groups, or 'none'; default: one per attention head")
+    model.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
+                       help="'running' (paper, eq. 12) or 'batch' (the reference code)")
+    model.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
+                       help="sum PN/BN statistics over processes; default: on with several processes. "
+                            "With --no-sync_stats each process keeps its own and they are averaged "
+                            "before saving")
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--eval_steps", type=int, help="validate every N updates; default: each epoch")
+    evaluation.add_argument("--patience", type=int, help="stop after N validations without improvement")
+    evaluation.add_argument("--eval_batch_size", type=int, default=32)
+    parser.set_defaults(**defaults)
+    return parser
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """`--preset`, `--config_overrides` and every PowerNorm option (default: the preset's value)."""
-    parser.add_argument("--preset", help=f"one of {sorted(PRESETS)}; default: a small model for the "
-                                         "embedded corpus")
-    parser.add_argument("--config_overrides", help="config fields, e.g. 'hidden_size=64,decoder_layers=3'")
-    parser.add_argument("--dropout", type=float, help="residual dropout; default: the preset's")
-    parser.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
-    parser.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
-    parser.add_argument("--powernorm_warmup_steps", type=int,
-                        help="updates using batch statistics; default: the preset's, else --warmup_steps")
-    parser.add_argument("--powernorm_group_num", type=_group_num,
-                        help="group scaling groups, or 'none'; default: one per attention head")
-    parser.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
-                        help="'running' (paper, eq. 12) or 'batch' (the reference code)")
-    parser.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
-                        help="sum PN/BN statistics over processes; default: on with several processes. "
-                             "With --no-sync_stats each process keeps its own and they are averaged "
-                             "before saving")
-
-
-def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float, warmup_steps: int,
-                      num_train_epochs: int, max_tokens: int, output_dir: str) -> None:
-    """Optimisation, checkpointing, evaluation and tracking options shared by the recipes."""
-    p = parser
-    p.add_argument("--max_tokens", type=int, default=max_tokens, help="padded tokens per batch and process")
-    p.add_argument("--learning_rate", type=float, default=learning_rate)
-    p.add_argument("--warmup_steps", type=int, default=warmup_steps)
-    p.add_argument("--warmup_init_lr", type=float, default=1e-7)
-    p.add_argument("--weight_decay", type=float, default=1e-4, help="on parameters with ndim >= 2 only")
-    p.add_argument("--clip_norm", type=float, default=0.0, help="max gradient norm; 0 disables")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--num_train_epochs", type=int, default=num_train_epochs)
-    p.add_argument("--max_train_steps", type=int, help="optimizer updates; overrides the epochs")
-    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), help="default: accelerate config")
-    p.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--eval_steps", type=int, help="evaluate on validation every N updates; default: each epoch")
-    p.add_argument("--patience", type=int, help="stop after N evaluations without improvement")
-    p.add_argument("--eval_batch_size", type=int, default=32)
-    p.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
-    p.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
-    p.add_argument("--output_dir", default=output_dir)
-    p.add_argument("--hub_model_id", help="repository name for the model card; default: the output folder's")
-    p.add_argument("--with_tracking", action="store_true", help="log to the trackers Accelerate finds")
-
-
-def check_args(args: argparse.Namespace, norm_options: Iterable[str]) -> None:
-    """Fail before any data is read: unknown preset or norm, missing file, bad step counts."""
+def check_args(args: argparse.Namespace,
+               norm_options: Iterable[str] = ("norm_type", "encoder_norm_type", "decoder_norm_type")) -> None:
+    """Fail before any data is read: unknown preset or norm, missing or empty file, bad counts."""
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} is unknown; valid presets: {sorted(PRESETS)}")
     for option in norm_options:
@@ -136,7 +109,8 @@ def check_args(args: argparse.Namespace, norm_options: Iterable[str]) -> None:
     if args.checkpointing_steps not in (None, "epoch") and not (
             args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0):
         raise ValueError(f"--checkpointing_steps must be a positive integer or 'epoch'; got {args.checkpointing_steps!r}")
-    for option in ("gradient_accumulation_steps", "max_tokens", "eval_batch_size", "eval_steps", "patience"):
+    for option in ("gradient_accumulation_steps", "max_tokens", "eval_batch_size", "eval_steps", "patience",
+                   "max_eval_samples"):
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option} must be at least 1; got {value}")
@@ -158,14 +132,12 @@ def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def finish_config(config: PowerNormTransformerConfig, args: argparse.Namespace,
-                  num_processes: int) -> PowerNormTransformerConfig:
-    """`--config_overrides`, PN warmup following the lr warmup, and statistics synchronisation."""
-    if args.config_overrides:
-        config.update_from_string(args.config_overrides)
-    if config.powernorm_warmup_steps == 0 and args.powernorm_warmup_steps is None:
-        config.powernorm_warmup_steps = args.warmup_steps  # PN's warmup follows the lr warmup
-    # As train_wmt.py: data parallel sums the statistics over the global batch unless told not to.
+def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, default_size: dict[str, Any],
+                 max_length: int, **fields: Any) -> PowerNormTransformerConfig:
+    """`recipe_utils.build_config` with the PN options and dropout of the command line, and
+    `--sync_stats`/`--no-sync_stats` (default: synchronised with several processes, as there)."""
+    config = ru.build_config(args, tokenizer, num_processes, default_size, max_length,
+                             **{**fields, **powernorm_overrides(args)})
     config.powernorm_sync_stats = num_processes > 1 if args.sync_stats is None else args.sync_stats
     config.validate_powernorm_transformer()
     return config
@@ -285,39 +257,6 @@ def average_buffers_across_processes(accelerator: Accelerator, model: torch.nn.M
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
-def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
-                    completed_steps: int, tokenizer: Any | None = None) -> Path:
-    """The full training state in `output_dir/step_<N>`, plus config and tokenizer so the folder
-    also loads with `from_pretrained` (and `average_checkpoints.py` can average it)."""
-    folder = Path(output_dir) / f"{CHECKPOINT_PREFIX}_{completed_steps}"
-    accelerator.save_state(str(folder))
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).config.save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-    return folder
-
-
-def resume(accelerator: Accelerator, checkpoint: str, output_dir: str | Path, batches_per_epoch: int,
-           gradient_accumulation_steps: int) -> tuple[int, int, int]:
-    """Load the training state; return (completed updates, epoch, batches to skip in that epoch)."""
-    path = checkpoint
-    if path == "latest":
-        path = ru.latest_checkpoint(output_dir, prefix=CHECKPOINT_PREFIX)
-        if path is None:
-            raise ValueError(f"--resume_from_checkpoint latest: no {CHECKPOINT_PREFIX}_* checkpoint in {output_dir}")
-    name = Path(path).name
-    if not Path(path).is_dir() or not name.startswith(f"{CHECKPOINT_PREFIX}_") \
-            or not name.removeprefix(f"{CHECKPOINT_PREFIX}_").isdigit():
-        raise ValueError(f"--resume_from_checkpoint {path}: expected a {CHECKPOINT_PREFIX}_<N> folder "
-                         f"written by this recipe")
-    accelerator.print(f"Resuming from {path}")
-    accelerator.load_state(str(path))
-    completed = int(name.removeprefix(f"{CHECKPOINT_PREFIX}_"))
-    batches = completed * gradient_accumulation_steps
-    return completed, batches // batches_per_epoch, batches % batches_per_epoch
-
-
 def save_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path) -> None:
     """The current weights with process-averaged statistics in `output_dir/best_model`."""
     state = accelerator.unwrap_model(model).state_dict()
@@ -356,7 +295,7 @@ def _due(every: str | int | None, completed: int) -> bool:
 def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
           optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any, loss_fn: LossFn, *,
           sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
-          tokenizer: Any | None = None) -> int:
+          tokenizer: Any) -> int:
     """Train until `args.max_train_steps` updates (else `args.num_train_epochs`) or early stopping.
 
     `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
@@ -368,8 +307,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     max_steps = args.num_train_epochs * updates_per_epoch if args.max_train_steps is None else args.max_train_steps
     completed, start_epoch, skip = 0, 0, 0
     if args.resume_from_checkpoint:
-        completed, start_epoch, skip = resume(accelerator, args.resume_from_checkpoint, args.output_dir,
-                                              len(loader), args.gradient_accumulation_steps)
+        completed, start_epoch, skip = ru.resume(accelerator, args, len(loader))
     progress = tqdm(total=max_steps, initial=completed, disable=not accelerator.is_local_main_process)
     tokens, started = 0, time.perf_counter()
 
@@ -414,13 +352,13 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
                 accelerator.log({"train_loss": loss.item(), "lr": lr}, step=completed)
             stop = _due(args.eval_steps, completed) and validate()
             if _due(args.checkpointing_steps, completed):
-                save_checkpoint(accelerator, model, args.output_dir, completed, tokenizer)
+                ru.save_checkpoint(accelerator, args, model, tokenizer, completed)
             if stop or completed >= max_steps:
                 progress.close()
                 return completed
         stop = args.eval_steps is None and validate()
         if args.checkpointing_steps == "epoch":
-            save_checkpoint(accelerator, model, args.output_dir, completed, tokenizer)
+            ru.save_checkpoint(accelerator, args, model, tokenizer, completed)
         if stop:
             break
     progress.close()
@@ -483,20 +421,3 @@ def train_loader(dataset: Any, pad_token_id: int, max_tokens: int, seed: int) ->
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=ru.PaddingCollator(pad_token_id),
                         generator=generator)
     return loader, sampler
-
-
-def eval_loader(dataset: Any, pad_token_id: int, batch_size: int) -> Any:
-    """Every example once, in order (`gather_for_metrics` drops the duplicates of the last batch)."""
-    from torch.utils.data import DataLoader
-
-    return DataLoader(dataset, batch_size=batch_size, collate_fn=ru.PaddingCollator(pad_token_id))
-
-
-def build_tokenizer(accelerator: Accelerator, tokenizer_name: str | None, output_dir: str | Path,
-                    texts: Callable[[], Iterable[str]], vocab_size: int) -> Any:
-    """A saved tokenizer, or a BPE trained once on the main process on `texts()` and read by all."""
-    tokenizer_dir = Path(tokenizer_name or Path(output_dir) / "tokenizer")
-    with accelerator.main_process_first():
-        if tokenizer_name is None and accelerator.is_main_process:
-            ru.train_bpe_tokenizer(texts(), vocab_size).save_pretrained(tokenizer_dir)
-    return ru.load_tokenizer(tokenizer_dir)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_training as rt  # noqa: E402
 import recipe_utils as ru  # noqa: E402
 
-from hf_powernorm import PowerNormTransformerConfig, PowerNormTransformerForSequenceClassification  # noqa: E402
+from hf_powernorm import PowerNormTransformerForSequenceClassification  # noqa: E402
 
 # The default model for the embedded corpus: the preset `tiny` at width 64.
 DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128, "encoder_layers": 2, "dropout": 0.1}
@@ -32,18 +32,14 @@ DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128, "encoder_layers": 2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a PowerNorm Transformer sentence classifier.")
-    rt.add_data_args(p)
+    rt.add_recipe_args(p, vocab_size=1000, learning_rate=1e-3, warmup_steps=100, num_train_epochs=5,
+                       output_dir="outputs/classification")
     p.add_argument("--phrasebank_file", help="a Financial PhraseBank file (sentence@label per line)")
     p.add_argument("--label_names", default=",".join(ru.SENTIMENT_LABELS),
                    help="comma-separated class names of local files (Hub datasets bring their own)")
-    p.add_argument("--vocab_size", type=int, default=1000, help="BPE size when training a tokenizer")
     p.add_argument("--max_length", type=int, default=128, help="truncate sentences to this many tokens")
-    rt.add_model_args(p)
-    p.add_argument("--norm_type", help="the encoder's norm (default: the preset's, powernorm)")
-    rt.add_training_args(p, learning_rate=1e-3, warmup_steps=100, num_train_epochs=5, max_tokens=1024,
-                         output_dir="outputs/classification")
     args = p.parse_args(argv)
-    rt.check_args(args, ["norm_type"])
+    rt.check_args(args)
     if args.phrasebank_file and args.train_file:
         raise ValueError("give either --phrasebank_file or --train_file, not both")
     return args
@@ -56,8 +52,7 @@ def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict, list
                                          data_files=files, label_names=args.label_names.split(","), seed=args.seed)
     if "train" not in raw:
         raise ValueError(f"no train split; got {list(raw)} (pass --train_file or --phrasebank_file)")
-    tokenizer = rt.build_tokenizer(accelerator, args.tokenizer_name, args.output_dir,
-                                   lambda: ru.column_texts(raw["train"]), args.vocab_size)
+    tokenizer = ru.prepare_tokenizer(args, accelerator, lambda: ru.column_texts(raw["train"]))
     with accelerator.main_process_first():
         data = ru.tokenize_classification(raw, tokenizer, args.max_length)
     return tokenizer, data, ru.label_names_of(raw)
@@ -65,17 +60,13 @@ def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict, list
 
 def build_model(args: argparse.Namespace, tokenizer, labels: list[str],
                 num_processes: int) -> PowerNormTransformerForSequenceClassification:
-    overrides = rt.powernorm_overrides(args)
+    """The encoder of the preset (`tiny` at `DEFAULT_SIZE` by default) with `--norm_type` in it."""
+    fields = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+              "label2id": {name: i for i, name in enumerate(labels)}}
     if args.norm_type:
-        overrides["encoder_norm_type"] = args.norm_type
-    if args.preset is None:
-        overrides = {**DEFAULT_SIZE, **overrides}
-    config = PowerNormTransformerConfig.from_preset(
-        args.preset or "tiny", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, num_labels=len(labels),
-        id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)}, **overrides)
-    config.max_position_embeddings = max(config.max_position_embeddings, args.max_length + 2)
-    return PowerNormTransformerForSequenceClassification(rt.finish_config(config, args, num_processes))
+        fields["encoder_norm_type"] = args.norm_type
+    config = rt.build_config(args, tokenizer, num_processes, DEFAULT_SIZE, args.max_length, **fields)
+    return PowerNormTransformerForSequenceClassification(config)
 
 
 def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -109,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = ru.inverse_sqrt_schedule(optimizer, args.warmup_steps, args.warmup_init_lr)
     loader, sampler = rt.train_loader(data["train"], tokenizer.pad_token_id, args.max_tokens, args.seed)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    evals = {s: accelerator.prepare(rt.eval_loader(data[s], tokenizer.pad_token_id, args.eval_batch_size))
+    collate = ru.PaddingCollator(tokenizer.pad_token_id)
+    evals = {s: accelerator.prepare(ru.make_eval_loader(args, data[s], collate, args.eval_batch_size))
              for s in ("validation", "test") if s in data}
     stopper = rt.EarlyStopping("max", args.patience)
     accelerator.register_for_checkpointing(scheduler, stopper)

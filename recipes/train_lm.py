@@ -21,29 +21,24 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_training as rt  # noqa: E402
 import recipe_utils as ru  # noqa: E402
 
-from hf_powernorm import PowerNormTransformerConfig, PowerNormTransformerForCausalLM  # noqa: E402
+from hf_powernorm import PRESETS, PowerNormTransformerForCausalLM  # noqa: E402
 
-# The default model for the embedded corpus (the preset `lm-small` at a laptop's size).
-DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 256, "decoder_layers": 2, "num_attention_heads": 4}
+# The default model for the embedded corpus: the preset `lm-small` at a laptop's size.
+DEFAULT_SIZE = {**{k: v for k, v in PRESETS["lm-small"].items() if k != "vocab_size"},
+                "hidden_size": 64, "intermediate_size": 256, "decoder_layers": 2, "num_attention_heads": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a PowerNorm Transformer language model.")
-    rt.add_data_args(p)
-    p.add_argument("--vocab_size", type=int, default=500, help="BPE size when training a tokenizer")
+    rt.add_recipe_args(p, learning_rate=2e-3, warmup_steps=100, num_train_epochs=4, output_dir="outputs/lm")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training/evaluation block")
-    rt.add_model_args(p)
-    p.add_argument("--norm_type", help="every norm of the model (default: the preset's, powernorm)")
-    rt.add_training_args(p, learning_rate=2e-3, warmup_steps=100, num_train_epochs=4, max_tokens=1024,
-                         output_dir="outputs/lm")
     args = p.parse_args(argv)
-    rt.check_args(args, ["norm_type"])
+    rt.check_args(args)
     if args.block_size < 2 or args.block_size > args.max_tokens:
         raise ValueError(f"--block_size must be in [2, --max_tokens={args.max_tokens}]; got {args.block_size}")
     return args
@@ -56,23 +51,16 @@ def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict]:
     if "train" not in raw:
         raise ValueError(f"no train split; got {list(raw)} (pass --train_file)")
     raw = ru.split_train(raw, seed=args.seed)
-    tokenizer = rt.build_tokenizer(accelerator, args.tokenizer_name, args.output_dir,
-                                   lambda: ru.column_texts(raw["train"]), args.vocab_size)
+    tokenizer = ru.prepare_tokenizer(args, accelerator, lambda: ru.column_texts(raw["train"]))
     blocks = {split: ru.lm_blocks(ru.token_stream(part, tokenizer), args.block_size) for split, part in raw.items()}
     return tokenizer, blocks
 
 
 def build_model(args: argparse.Namespace, tokenizer, num_processes: int) -> PowerNormTransformerForCausalLM:
-    overrides = rt.powernorm_overrides(args)
-    if args.norm_type:
-        overrides.update(encoder_norm_type=args.norm_type, decoder_norm_type=args.norm_type)
-    if args.preset is None:
-        overrides = {**DEFAULT_SIZE, **overrides}
-    config = PowerNormTransformerConfig.from_preset(
-        args.preset or "lm-small", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **overrides)
-    config.max_position_embeddings = max(config.max_position_embeddings, args.block_size + 2)
-    return PowerNormTransformerForCausalLM(rt.finish_config(config, args, num_processes))
+    """The preset `lm-small` (PN everywhere), at `DEFAULT_SIZE` unless `--preset` is given."""
+    fields = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type} if args.norm_type else {}
+    config = rt.build_config(args, tokenizer, num_processes, DEFAULT_SIZE, args.block_size, **fields)
+    return PowerNormTransformerForCausalLM(config)
 
 
 def lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -86,11 +74,8 @@ def evaluate_perplexity(accelerator, model, loader) -> dict[str, float | int]:
     nll, count = torch.zeros((), dtype=torch.float64), 0
     for batch in loader:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        per_token = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels,
-                                    ignore_index=ru.IGNORE_INDEX, reduction="none")  # (batch, seq - 1)
-        sums, counts = accelerator.gather_for_metrics((per_token.double().sum(1), (labels != ru.IGNORE_INDEX).sum(1)))
-        nll += sums.sum().cpu()
+        sums, counts = accelerator.gather_for_metrics(ru.sequence_nll(logits, batch["labels"]))  # (blocks,) each
+        nll += sums.double().sum().cpu()
         count += int(counts.sum())
     model.train()
     return {"perplexity": ru.perplexity(float(nll), count), "loss": float(nll) / count, "tokens": count}
@@ -107,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = ru.inverse_sqrt_schedule(optimizer, args.warmup_steps, args.warmup_init_lr)
     loader, sampler = rt.train_loader(data["train"], tokenizer.pad_token_id, args.max_tokens, args.seed)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    evals = {s: accelerator.prepare(rt.eval_loader(data[s], tokenizer.pad_token_id, args.eval_batch_size))
+    collate = ru.PaddingCollator(tokenizer.pad_token_id)
+    evals = {s: accelerator.prepare(ru.make_eval_loader(args, data[s], collate, args.eval_batch_size))
              for s in ("validation", "test") if s in data}
     stopper = rt.EarlyStopping("min", args.patience)
     accelerator.register_for_checkpointing(scheduler, stopper)

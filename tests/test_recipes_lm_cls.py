@@ -40,6 +40,19 @@ def _one_thread():
     torch.set_num_threads(previous)
 
 
+def _reset_accelerate_state() -> None:
+    """Accelerate's state is one per process: forget it so an in-process run may change e.g. the precision."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state_after_each_test():
+    yield
+    _reset_accelerate_state()
+
+
 def _write_lines(path: Path, lines: list[str]) -> str:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return str(path)
@@ -157,6 +170,35 @@ def test_lm_resume_from_latest_matches_an_unbroken_run(lm_run, text_files, tmp_p
     assert resumed["model.decoder.final_norm.num_batches_tracked"].item() == straight_results["best_step"]
 
 
+def test_lm_early_stopping_exports_the_best_model(text_files, tmp_path, monkeypatch):
+    scores = iter([10.0, 9.0, 12.0, 13.0, 14.0, 15.0, 16.0])  # validation perplexity after each update
+    measured = train_lm.evaluate_perplexity
+
+    def scripted(accelerator, model, loader):
+        return {**measured(accelerator, model, loader), "perplexity": next(scores)}
+
+    monkeypatch.setattr(train_lm, "evaluate_perplexity", scripted)
+    results = train_lm.main(_lm_args(text_files, tmp_path, "--max_train_steps", "20", "--eval_steps", "1",
+                                     "--patience", "2", "--checkpointing_steps", "1"))
+    # Best at update 2; updates 3 and 4 do not improve: stop after 4 and export update 2's weights.
+    assert (results["train_steps"], results["best_step"], results["best_validation"]) == (4, 2, 9.0)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2", "step_3", "step_4"]
+    exported, step_2 = load_file(str(tmp_path / "model.safetensors")), load_file(str(tmp_path / "step_2/model.safetensors"))
+    for key in exported:
+        torch.testing.assert_close(exported[key], step_2[key], msg=key)
+
+
+def test_early_stopping_state_round_trips():
+    stopper = recipe_training.EarlyStopping("max", patience=2)
+    assert [stopper.update(v, step) for step, v in enumerate([0.5, 0.7, 0.6, 0.7], 1)] == [True, True, False, False]
+    assert stopper.should_stop and (stopper.best, stopper.best_step) == (0.7, 2)
+    restored = recipe_training.EarlyStopping("max", patience=2)
+    restored.load_state_dict(stopper.state_dict())
+    assert restored == stopper
+    with pytest.raises(ValueError, match="'lowest'"):
+        recipe_training.EarlyStopping("lowest")
+
+
 # --------------------------------------------------------------------------------------------
 # Classification
 # --------------------------------------------------------------------------------------------
@@ -179,12 +221,16 @@ def test_classification_embedded_default_and_phrasebank(classification_files, tm
                                          "--learning_rate", "3e-3", "--output_dir", str(tmp_path / "default")])
     assert default["validation_examples"] == 300 and default["test_examples"] == 300
     assert default["validation_accuracy"] > 0.5  # three balanced classes: chance is 1/3
+    _reset_accelerate_state()
     phrasebank = train_classification.main([
         *CLS_FAST, "--phrasebank_file", classification_files["phrasebank"], "--max_train_steps", "2",
-        "--norm_type", "layernorm", "--output_dir", str(tmp_path / "phrasebank")])
+        "--norm_type", "batchnorm", "--mixed_precision", "bf16", "--output_dir", str(tmp_path / "phrasebank")])
     # 300 sentences split 240 / 30 / 30 with the seed.
     assert (phrasebank["validation_examples"], phrasebank["test_examples"]) == (30, 30)
-    assert json.loads((tmp_path / "phrasebank" / "config.json").read_text())["encoder_norm_type"] == "layernorm"
+    assert json.loads((tmp_path / "phrasebank" / "config.json").read_text())["encoder_norm_type"] == "batchnorm"
+    # bf16 autocast: the exported running statistics stay float32.
+    saved = load_file(str(tmp_path / "phrasebank" / "model.safetensors"))
+    assert saved["model.encoder.final_norm.running_var"].dtype == torch.float32
 
 
 # --------------------------------------------------------------------------------------------
