@@ -167,13 +167,42 @@ class _Norm(nn.Module):
         return f"{self.hidden_size}, eps={self.eps}"
 
 
-class _Float32BuffersMixin:
-    """Keep running statistics float32 when the module is cast (`model.to(torch.bfloat16)`)."""
+class _RunningStatsNorm(_Norm):
+    """Affine norm with float32 running statistics (`_running_buffers`: name -> initial value) and a
+    `num_batches_tracked` counter; the statistics stay float32 when the module is cast."""
 
-    _float32_buffers: tuple[str, ...] = ()
+    _running_buffers: dict[str, float] = {}
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        for name, value in self._running_buffers.items():
+            self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def reset_running_stats(self) -> None:
+        with torch.no_grad():
+            for name, value in self._running_buffers.items():
+                getattr(self, name).fill_(value)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> bool:
+        """False for a batch without real tokens, or (with a warning) for non-finite statistics."""
+        if count.item() == 0:
+            return False
+        if not all(bool(torch.isfinite(stat).all()) for stat in statistics):
+            _warn_non_finite(type(self).__name__, what)
+            return False
+        return True
 
     def _apply(self, fn, recurse=True):
-        before = {name: self._buffers[name] for name in self._float32_buffers}
+        before = {name: self._buffers[name] for name in self._running_buffers}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
@@ -279,7 +308,7 @@ def _group_scale_backward(grad_z0, z0, r, group_num, scratch):
     return dz.addcmul_(z, projection, value=-1.0).mul_(r.unsqueeze(-1)).view(tokens, channels)
 
 
-class PowerNorm(_Float32BuffersMixin, _Norm):
+class PowerNorm(_RunningStatsNorm):
     """Power Normalization (Shen et al., 2020, Algorithm 2) with masked statistics.
 
     Training step t (t = num_batches_tracked + 1): `z0 = GS(x)`, `v = mean_V(z0^2)`;
@@ -294,7 +323,7 @@ class PowerNorm(_Float32BuffersMixin, _Norm):
     `torch.distributed`, so every rank holds the buffers of one process on the whole batch.
     """
 
-    _float32_buffers = ("running_phi", "running_nu")
+    _running_buffers = {"running_phi": 1.0, "running_nu": 0.0}
 
     def __init__(
         self,
@@ -325,24 +354,11 @@ class PowerNorm(_Float32BuffersMixin, _Norm):
         self.backward_denominator = backward_denominator
         self.sync_stats = bool(sync_stats)
         self.process_group = process_group
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-        self.register_buffer("running_phi", torch.ones(hidden_size, dtype=torch.float32))
-        self.register_buffer("running_nu", torch.zeros(hidden_size, dtype=torch.float32))
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
         self._last_denominators = None
 
     def reset_running_stats(self) -> None:
-        with torch.no_grad():
-            self.running_phi.fill_(1.0)
-            self.running_nu.zero_()
-            self.num_batches_tracked.zero_()
+        super().reset_running_stats()
         self._last_denominators = None
-
-    def reset_parameters(self) -> None:
-        self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
@@ -376,11 +392,8 @@ class PowerNorm(_Float32BuffersMixin, _Norm):
             _all_reduce_(sums, self.process_group)
         count = sums[-1]
         v = sums[:-1] / count.clamp_min(1.0)
-        usable = bool((count > 0) & torch.isfinite(v).all())
         running = torch.rsqrt(self.running_phi.to(v.dtype) + self.eps)
-        if not usable:
-            if count.item() > 0:
-                _warn_non_finite(type(self).__name__, "batch statistic")
+        if not self._usable(count, v):
             self._last_denominators = (running, running, None, count)
             return self._last_denominators
         step = int(self.num_batches_tracked) + 1
@@ -399,8 +412,7 @@ class PowerNorm(_Float32BuffersMixin, _Norm):
         if _sync_enabled(self.sync_stats, self.process_group):
             _all_reduce_(lambda_sum, self.process_group)
         lam = lambda_sum / count.clamp_min(1.0)
-        if not bool(torch.isfinite(lam).all()):
-            _warn_non_finite(type(self).__name__, "gradient statistic")
+        if not self._usable(count, lam, what="gradient statistic"):
             return
         rate = 1.0 - self.alpha_bkw
         with torch.no_grad():
@@ -431,14 +443,14 @@ def _masked_square_sum(r, squares, token_weights, group_num) -> torch.Tensor:
 # Batch-statistic relatives: PN-V and masked batch normalization
 
 
-class PowerNormV(_Float32BuffersMixin, _Norm):
+class PowerNormV(_RunningStatsNorm):
     """PN-V (the paper's Table 1): divide by the batch quadratic mean with its exact gradient.
 
     Training: `y = weight * z0 / sqrt(v + eps) + bias` with `v = mean_V(z0^2)`, `z0 = GS(x)`
     (no group scaling by default); `running_phi` is an EMA of `v` (`alpha_fwd`) used in eval.
     """
 
-    _float32_buffers = ("running_phi",)
+    _running_buffers = {"running_phi": 1.0}
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_fwd: float = 0.9, group_num: int | None = None):
         super().__init__(hidden_size, eps)
@@ -446,20 +458,6 @@ class PowerNormV(_Float32BuffersMixin, _Norm):
         _check_group_num(group_num, hidden_size)
         self.alpha_fwd = float(alpha_fwd)
         self.group_num = group_num
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-        self.register_buffer("running_phi", torch.ones(hidden_size, dtype=torch.float32))
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
-
-    def reset_running_stats(self) -> None:
-        with torch.no_grad():
-            self.running_phi.fill_(1.0)
-            self.num_batches_tracked.zero_()
-
-    def reset_parameters(self) -> None:
-        self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
@@ -477,10 +475,7 @@ class PowerNormV(_Float32BuffersMixin, _Norm):
 
     def _update(self, v: torch.Tensor, count: torch.Tensor) -> bool:
         """EMA update of `running_phi`; False when the batch gives no usable statistic."""
-        if count.item() == 0:
-            return False
-        if not bool(torch.isfinite(v).all()):
-            _warn_non_finite(type(self).__name__, "batch statistic")
+        if not self._usable(count, v):
             return False
         if not _in_recomputation():
             with torch.no_grad():
@@ -496,36 +491,20 @@ class PowerNormV(_Float32BuffersMixin, _Norm):
         return f"{self.hidden_size}, eps={self.eps}, alpha_fwd={self.alpha_fwd}, group_num={self.group_num}"
 
 
-class MaskedBatchNorm(_Float32BuffersMixin, _Norm):
+class MaskedBatchNorm(_RunningStatsNorm):
     """Batch normalization for sequences: mean and variance over real tokens only.
 
     Like `torch.nn.BatchNorm1d`: biased variance to normalize, unbiased variance in the running
     estimate, `momentum` as its update rate; eval uses the running estimates.
     """
 
-    _float32_buffers = ("running_mean", "running_var")
+    _running_buffers = {"running_mean": 0.0, "running_var": 1.0}
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__(hidden_size, eps)
         _check_fraction("momentum", momentum)
         self.momentum = float(momentum)
         self.group_num = None
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-        self.register_buffer("running_mean", torch.zeros(hidden_size, dtype=torch.float32))
-        self.register_buffer("running_var", torch.ones(hidden_size, dtype=torch.float32))
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
-
-    def reset_running_stats(self) -> None:
-        with torch.no_grad():
-            self.running_mean.zero_()
-            self.running_var.fill_(1.0)
-            self.num_batches_tracked.zero_()
-
-    def reset_parameters(self) -> None:
-        self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
@@ -544,12 +523,9 @@ class MaskedBatchNorm(_Float32BuffersMixin, _Norm):
         return out.to(flat.dtype).view(hidden_states.shape)
 
     def _update(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> bool:
+        if not self._usable(count, mean, var):
+            return False
         n = count.item()
-        if n == 0:
-            return False
-        if not bool(torch.isfinite(var).all() & torch.isfinite(mean).all()):
-            _warn_non_finite(type(self).__name__, "batch statistic")
-            return False
         if not _in_recomputation():
             unbiased = var.detach().float() * (n / max(n - 1.0, 1.0))
             with torch.no_grad():

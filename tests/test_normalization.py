@@ -4,13 +4,10 @@ The PowerNorm reference below restates `powernorm-notes.md` step by step with ga
 and autograd for group scaling; it shares no code with `hf_powernorm.normalization`.
 """
 
-import math
-import os
 import socket
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -424,20 +421,13 @@ _SYNC_WORKER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
     from hf_powernorm import PowerNorm
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, port, data, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)
     norm = PowerNorm(12, warmup_steps=2, group_num=4, sync_stats=True)
-    for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 6, 12, generator=g)
-        dy = torch.randn(4, 6, 12, generator=g)
-        mask = torch.ones(4, 6, dtype=torch.long)
-        mask[1, 2:] = 0
-        mask[3, 4:] = 0
-        lo, hi = 2 * rank, 2 * rank + 2
-        norm(x[lo:hi], mask[lo:hi]).backward(dy[lo:hi])
-    torch.save({k: v for k, v in norm.state_dict().items()}, out)
+    for x, mask, dy in torch.load(data):
+        rows = slice(2 * rank, 2 * rank + 2)  # this rank's half of the batch
+        norm(x[rows], mask[rows]).backward(dy[rows])
+    torch.save(norm.state_dict(), out)
     dist.destroy_process_group()
     """
 )
@@ -450,23 +440,26 @@ def _free_port() -> int:
 
 
 def test_sync_stats_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
+    steps = []
+    for step in range(4):  # across the end of warmup
+        x, _, dy = _batch(30 + step, batch=4, seq=6, dtype=torch.float32)
+        mask = torch.ones(4, 6, dtype=torch.long)
+        mask[1, 2:] = 0
+        mask[3, 4:] = 0
+        steps.append((x, mask, dy))
+    torch.save(steps, tmp_path / "steps.pt")
     script = tmp_path / "worker.py"
     script.write_text(_SYNC_WORKER)
     port = str(_free_port())
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(rank), "2", port, str(tmp_path / f"rank{rank}.pt")])
+        subprocess.Popen([sys.executable, str(script), str(rank), "2", port, str(tmp_path / "steps.pt"),
+                          str(tmp_path / f"rank{rank}.pt")])
         for rank in range(2)
     ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     single = PowerNorm(12, warmup_steps=2, group_num=4)
-    for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 6, 12, generator=g)
-        dy = torch.randn(4, 6, 12, generator=g)
-        mask = torch.ones(4, 6, dtype=torch.long)
-        mask[1, 2:] = 0
-        mask[3, 4:] = 0
+    for x, mask, dy in steps:
         single(x, mask).backward(dy)
     for key in ("running_phi", "running_nu", "num_batches_tracked"):
         assert torch.equal(ranks[0][key], ranks[1][key]), key
