@@ -116,6 +116,19 @@ def test_hub_dataset_offline_fails_clearly(monkeypatch):
         ru.load_translation_dataset("de", "en", dataset_name="wmt14", dataset_config="de-en")
 
 
+def test_hub_dataset_without_network_fails_clearly(monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(ru.datasets.config, "HF_HUB_OFFLINE", False)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub")
+
+    monkeypatch.setattr(ru.datasets, "load_dataset", unreachable)
+    with pytest.raises(RuntimeError, match="could not download --dataset_name 'wikitext'.*--train_file"):
+        ru.load_lm_dataset(dataset_name="wikitext", dataset_config="wikitext-103-raw-v1")
+
+
 def test_phrasebank_latin1_with_mixed_line_ends(tmp_path):
     raw = ("Operating profit rose to EUR 13.1 mn .@positive\r\n"
            "Sales in Åland fell 5 % , said the CEO\x85@negative\r"
