@@ -300,7 +300,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
 
     `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
     validation score that `stopper` tracks; it runs every `args.eval_steps` updates (else at the
-    end of each epoch), and each new best is written to `output_dir/best_model`. The scheduler
+    end of each epoch) and after the last update, and each new best is written to
+    `output_dir/best_model`. The scheduler
     and `stopper` must be registered for checkpointing. Returns the number of updates done.
     """
     updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
@@ -350,7 +351,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
                                  tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
             if args.with_tracking:
                 accelerator.log({"train_loss": loss.item(), "lr": lr}, step=completed)
-            stop = _due(args.eval_steps, completed) and validate()
+            # The last update is always validated, so the best model is chosen over the whole run.
+            stop = (_due(args.eval_steps, completed) or completed >= max_steps) and validate()
             if _due(args.checkpointing_steps, completed):
                 ru.save_checkpoint(accelerator, args, model, tokenizer, completed)
             if stop or completed >= max_steps:

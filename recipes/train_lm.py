@@ -35,7 +35,7 @@ DEFAULT_SIZE = {**{k: v for k, v in PRESETS["lm-small"].items() if k != "vocab_s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a PowerNorm Transformer language model.")
-    rt.add_recipe_args(p, learning_rate=2e-3, warmup_steps=100, num_train_epochs=4, output_dir="outputs/lm")
+    rt.add_recipe_args(p, learning_rate=2e-3, warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training/evaluation block")
     args = p.parse_args(argv)
     rt.check_args(args)

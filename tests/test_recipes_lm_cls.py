@@ -102,7 +102,7 @@ def cls_run(classification_files, tmp_path_factory):
         *CLS_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
         "--test_file", files["test"], "--output_dir", str(out), "--max_train_steps", "8", "--eval_steps", "4",
         "--norm_type", "PowerNorm", "--powernorm_group_num", "none", "--gradient_accumulation_steps", "2",
-        "--clip_norm", "1.0"])
+        "--clip_norm", "1.0", "--with_tracking"])
     return out, results
 
 
