@@ -175,9 +175,11 @@ def norm_types(model: torch.nn.Module) -> dict[str, int]:
 
 
 def log_run_start(accelerator: Accelerator, args: argparse.Namespace, model: torch.nn.Module, data_summary: str) -> None:
-    """The arguments, the data, the parameter count, the norms and the number of processes."""
+    """The arguments, the model config, the data, the parameter count, the norms and the number of
+    processes."""
     options = {k: v for k, v in sorted(vars(args).items()) if v is not None}
     logger.info(f"arguments: {options}", main_process_only=True)
+    logger.info(f"model config: {model.config.to_diff_dict()}", main_process_only=True)
     logger.info(f"{data_summary}, {model.num_parameters():,} parameters, norms {norm_types(model)}, "
                 f"{accelerator.num_processes} process(es)", main_process_only=True)
 

@@ -4,14 +4,15 @@ A decoder-only `PowerNormTransformerForCausalLM` with PN at every norm (preset `
 trained on fixed-length blocks of the token stream. Perplexity is exp(mean token NLL) over the
 whole validation/test stream (every token after the first is scored exactly once), gathered across
 processes. Without arguments a small model trains on the embedded English corpus (validation
-perplexity from about 500 to under 4 in a few minutes on a laptop CPU). PTB, as plain text files:
+perplexity from about 375 to about 10 in 400 updates, 1-3 minutes on 2 CPU cores). PTB:
 
     accelerate launch recipes/train_lm.py --train_file ptb/ptb.train.txt \
         --validation_file ptb/ptb.valid.txt --test_file ptb/ptb.test.txt --preset lm-small \
-        --vocab_size 10000 --block_size 256 --max_tokens 8192 --learning_rate 5e-4 \
-        --warmup_steps 4000 --clip_norm 0.25 --num_train_epochs 30 --patience 5 --output_dir outputs/ptb
+        --vocab_size 16000 --block_size 256 --max_tokens 4096 --learning_rate 5e-4 \
+        --warmup_steps 2000 --clip_norm 0.25 --num_train_epochs 60 --eval_steps 250 --patience 8 \
+        --checkpointing_steps 1000 --output_dir outputs/ptb-powernorm
 
-Note: with a BPE tokenizer the perplexity is per BPE token, not per word.
+With a BPE tokenizer the perplexity is per BPE token (about 1.1 per PTB word), not per word.
 """
 
 from __future__ import annotations

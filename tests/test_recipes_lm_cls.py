@@ -368,3 +368,34 @@ def test_classification_two_processes(classification_files, tmp_path):
     results = json.loads((tmp_path / "all_results.json").read_text())
     assert results["validation_examples"] == 45
     assert json.loads((tmp_path / "config.json").read_text())["powernorm_sync_stats"] is True
+
+
+def _average_on_rank(rank: int, init_file: str, out_file: str) -> None:
+    """One of two gloo processes: its own PN statistics, then the average over both."""
+    import types
+
+    import torch.distributed as dist
+
+    from hf_powernorm import PowerNorm
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    norm = PowerNorm(4, warmup_steps=0)
+    with torch.no_grad():
+        norm.running_phi.fill_(1.0 + rank)  # rank 0: 1, rank 1: 2
+        norm.running_nu.fill_(float(rank))
+        norm.num_batches_tracked.fill_(7)
+    accelerator = types.SimpleNamespace(num_processes=2, unwrap_model=lambda m: m)
+    assert recipe_training.average_buffers_across_processes(accelerator, norm) == 2
+    torch.save({k: v.clone() for k, v in norm.state_dict().items()}, f"{out_file}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_statistics_are_averaged_across_processes(tmp_path):
+    # Forked: the children share this process's imports (spawning would import everything again).
+    torch.multiprocessing.start_processes(_average_on_rank, args=(str(tmp_path / "init"), str(tmp_path / "state")),
+                                          nprocs=2, join=True, start_method="fork")
+    states = [torch.load(tmp_path / f"state.{rank}", weights_only=True) for rank in (0, 1)]
+    for state in states:  # identical on both ranks, whichever writes the file
+        torch.testing.assert_close(state["running_phi"], torch.full((4,), 1.5))
+        torch.testing.assert_close(state["running_nu"], torch.full((4,), 0.5))
+        assert state["running_phi"].dtype == torch.float32 and state["num_batches_tracked"].item() == 7
