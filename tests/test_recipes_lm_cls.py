@@ -339,8 +339,16 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def _launch(script: str, port: str, args: list[str]) -> str:
-    command = [*LAUNCH, "--main_process_port", port, str(ROOT / "recipes" / script), "--cpu", *args]
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def _launch(script: str, args: list[str]) -> str:
+    command = [*LAUNCH, "--main_process_port", _free_port(), str(ROOT / "recipes" / script), "--cpu", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -348,7 +356,7 @@ def _launch(script: str, port: str, args: list[str]) -> str:
 
 
 def test_lm_two_processes_unsynced_statistics_are_averaged(text_files, lm_run, tmp_path):
-    log = _launch("train_lm.py", "29531", _lm_args(text_files, tmp_path, "--max_train_steps", "3", "--no-sync_stats"))
+    log = _launch("train_lm.py", _lm_args(text_files, tmp_path, "--max_train_steps", "3", "--no-sync_stats"))
     assert "2 process(es)" in log
     results = json.loads((tmp_path / "all_results.json").read_text())
     # Gathered over both processes with the duplicates of the last batch dropped: the same stream.
@@ -357,11 +365,9 @@ def test_lm_two_processes_unsynced_statistics_are_averaged(text_files, lm_run, t
     assert load_file(str(tmp_path / "model.safetensors"))["model.decoder.final_norm.num_batches_tracked"].item() == 3
 
 
-@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="slow: two processes; set RUN_SLOW=1")
-@pytest.mark.slow
-def test_classification_two_processes(classification_files, tmp_path):
+def test_classification_two_processes_synchronised_statistics(classification_files, tmp_path):
     files = classification_files
-    log = _launch("train_classification.py", "29532", [
+    log = _launch("train_classification.py", [
         *CLS_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
         "--output_dir", str(tmp_path), "--max_train_steps", "3"])
     assert "2 process(es)" in log
