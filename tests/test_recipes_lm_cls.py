@@ -97,13 +97,15 @@ def lm_run(text_files, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cls_run(classification_files, tmp_path_factory):
     out = tmp_path_factory.mktemp("cls_run")
-    files = classification_files
-    results = train_classification.main([
-        *CLS_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
-        "--test_file", files["test"], "--output_dir", str(out), "--max_train_steps", "8", "--eval_steps", "4",
-        "--norm_type", "PowerNorm", "--powernorm_group_num", "none", "--gradient_accumulation_steps", "2",
-        "--clip_norm", "1.0", "--with_tracking"])
+    results = train_classification.main(_cls_args(classification_files, out, "--max_train_steps", "8"))
     return out, results
+
+
+def _cls_args(files: dict[str, str], output_dir: Path, *extra: str) -> list[str]:
+    return [*CLS_FAST, "--train_file", files["train"], "--validation_file", files["validation"],
+            "--test_file", files["test"], "--output_dir", str(output_dir), "--eval_steps", "4",
+            "--checkpointing_steps", "4", "--norm_type", "PowerNorm", "--powernorm_group_num", "none",
+            "--gradient_accumulation_steps", "2", "--clip_norm", "1.0", "--with_tracking", *extra]
 
 
 def _stream_blocks(tokenizer, path: str, block_size: int) -> list[list[int]]:
@@ -214,6 +216,20 @@ def test_classification_csv_export(cls_run):
     # Two micro-batches per update: the PN counter counts forward passes of training micro-batches.
     assert load_file(str(out / "model.safetensors"))["model.encoder.final_norm.num_batches_tracked"].item() == \
         2 * results["best_step"]
+
+
+def test_classification_resume_with_gradient_accumulation(cls_run, classification_files, tmp_path, capsys):
+    straight, straight_results = cls_run
+    train_classification.main(_cls_args(classification_files, tmp_path, "--max_train_steps", "4"))
+    capsys.readouterr()
+    resumed_results = train_classification.main(_cls_args(classification_files, tmp_path, "--max_train_steps", "8",
+                                                           "--resume_from_checkpoint", str(tmp_path / "step_4")))
+    assert f"Resuming from {tmp_path / 'step_4'}" in capsys.readouterr().out
+    assert resumed_results == pytest.approx(straight_results)
+    resumed, unbroken = (load_file(str(d / "step_8" / "model.safetensors")) for d in (tmp_path, straight))
+    for key in unbroken:
+        torch.testing.assert_close(resumed[key], unbroken[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert resumed["model.encoder.final_norm.num_batches_tracked"].item() == 16  # 2 micro-batches an update
 
 
 def test_classification_embedded_default_and_phrasebank(classification_files, tmp_path):
