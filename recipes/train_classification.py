@@ -9,7 +9,7 @@ head) with `--norm_type` in the encoder (PN by default). Data: CSV or JSON lines
 
     accelerate launch recipes/train_classification.py \
         --phrasebank_file financial_phrasebank/utf8_lf/Sentences_AllAgree.txt --vocab_size 4000 \
-        --max_tokens 2048 --warmup_steps 200 --num_train_epochs 40 --patience 5 \
+        --max_tokens 2048 --warmup_steps 200 --num_train_epochs 40 --patience 10 \
         --output_dir outputs/phrasebank-powernorm
 """
 
