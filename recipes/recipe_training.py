@@ -108,7 +108,8 @@ def check_args(args: argparse.Namespace,
             raise ValueError(f"split {split!r} is empty: --{option} {path} has no data")
     if args.checkpointing_steps not in (None, "epoch") and not (
             args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0):
-        raise ValueError(f"--checkpointing_steps must be a positive integer or 'epoch'; got {args.checkpointing_steps!r}")
+        raise ValueError(f"--checkpointing_steps must be a positive integer or 'epoch'; "
+                         f"got {args.checkpointing_steps!r}")
     for option in ("gradient_accumulation_steps", "max_tokens", "eval_batch_size", "eval_steps", "patience",
                    "max_eval_samples"):
         value = getattr(args, option)
@@ -174,7 +175,8 @@ def norm_types(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def log_run_start(accelerator: Accelerator, args: argparse.Namespace, model: torch.nn.Module, data_summary: str) -> None:
+def log_run_start(accelerator: Accelerator, args: argparse.Namespace, model: torch.nn.Module,
+                  data_summary: str) -> None:
     """The arguments, the model config, the data, the parameter count, the norms and the number of
     processes."""
     options = {k: v for k, v in sorted(vars(args).items()) if v is not None}

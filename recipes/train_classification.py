@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_training as rt  # noqa: E402
@@ -46,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict, list[str]]:
+def load_data(args: argparse.Namespace,
+              accelerator: Accelerator) -> tuple[PreTrainedTokenizerFast, dict, list[str]]:
     """Sentences and labels -> tokenizer -> token ids; returns the class names too."""
     files = ru.data_files_from_args(args.train_file or args.phrasebank_file, args.validation_file, args.test_file)
     raw = ru.load_classification_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
@@ -59,7 +63,7 @@ def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict, list
     return tokenizer, data, ru.label_names_of(raw)
 
 
-def build_model(args: argparse.Namespace, tokenizer, labels: list[str],
+def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast, labels: list[str],
                 num_processes: int) -> PowerNormTransformerForSequenceClassification:
     """The encoder of the preset (`tiny` at `DEFAULT_SIZE` by default) with `--norm_type` in it."""
     fields = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
@@ -70,12 +74,13 @@ def build_model(args: argparse.Namespace, tokenizer, labels: list[str],
     return PowerNormTransformerForSequenceClassification(config)
 
 
-def classification_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def classification_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
 
 
 @torch.no_grad()
-def evaluate_accuracy(accelerator, model, loader, num_labels: int) -> dict[str, float | int]:
+def evaluate_accuracy(accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader,
+                      num_labels: int) -> dict[str, float | int]:
     """Accuracy and macro-F1 over every example of the split, gathered across processes."""
     model.eval()
     predictions, references = [], []
@@ -90,7 +95,7 @@ def evaluate_accuracy(accelerator, model, loader, num_labels: int) -> dict[str, 
     return {"accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"], "examples": len(references)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float | int]:
     args = parse_args(argv)
     accelerator = rt.make_accelerator(args)
     tokenizer, data, labels = load_data(args, accelerator)
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict:
+def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict[str, str | None]:
     data = args.dataset_name or args.phrasebank_file or args.train_file or "the embedded sentiment corpus"
     return {"repo_id": args.hub_model_id or Path(args.output_dir).resolve().name, "language": "en",
             "datasets": args.dataset_name, "training_command": rt.training_command(

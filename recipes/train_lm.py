@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_training as rt  # noqa: E402
@@ -45,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict]:
+def load_data(args: argparse.Namespace, accelerator: Accelerator) -> tuple[PreTrainedTokenizerFast, dict]:
     """Text lines -> tokenizer -> token stream per split -> blocks of `block_size` tokens."""
     files = ru.data_files_from_args(args.train_file, args.validation_file, args.test_file)
     raw = ru.load_lm_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config, data_files=files)
@@ -57,19 +60,21 @@ def load_data(args: argparse.Namespace, accelerator) -> tuple[object, dict]:
     return tokenizer, blocks
 
 
-def build_model(args: argparse.Namespace, tokenizer, num_processes: int) -> PowerNormTransformerForCausalLM:
+def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast,
+                num_processes: int) -> PowerNormTransformerForCausalLM:
     """The preset `lm-small` (PN everywhere), at `DEFAULT_SIZE` unless `--preset` is given."""
     fields = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type} if args.norm_type else {}
     config = rt.build_config(args, tokenizer, num_processes, DEFAULT_SIZE, args.block_size, **fields)
     return PowerNormTransformerForCausalLM(config)
 
 
-def lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss  # mean NLL of the batch's next-token predictions
 
 
 @torch.no_grad()
-def evaluate_perplexity(accelerator, model, loader) -> dict[str, float | int]:
+def evaluate_perplexity(accelerator: Accelerator, model: torch.nn.Module,
+                        loader: DataLoader) -> dict[str, float | int]:
     """exp(mean NLL) over every scored token of the split: per-block sums, gathered over processes."""
     model.eval()
     nll, count = torch.zeros((), dtype=torch.float64), 0
@@ -82,7 +87,7 @@ def evaluate_perplexity(accelerator, model, loader) -> dict[str, float | int]:
     return {"perplexity": ru.perplexity(float(nll), count), "loss": float(nll) / count, "tokens": count}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float | int]:
     args = parse_args(argv)
     accelerator = rt.make_accelerator(args)
     tokenizer, data = load_data(args, accelerator)
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict:
+def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict[str, str | None]:
     data = args.dataset_name or args.train_file or "the embedded English corpus"
     return {"repo_id": args.hub_model_id or Path(args.output_dir).resolve().name, "language": "en",
             "datasets": args.dataset_name, "training_command": rt.training_command("recipes/train_lm.py", argv),

@@ -185,7 +185,8 @@ def test_lm_early_stopping_exports_the_best_model(text_files, tmp_path, monkeypa
     # Best at update 2; updates 3 and 4 do not improve: stop after 4 and export update 2's weights.
     assert (results["train_steps"], results["best_step"], results["best_validation"]) == (4, 2, 9.0)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2", "step_3", "step_4"]
-    exported, step_2 = load_file(str(tmp_path / "model.safetensors")), load_file(str(tmp_path / "step_2/model.safetensors"))
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    step_2 = load_file(str(tmp_path / "step_2" / "model.safetensors"))
     for key in exported:
         torch.testing.assert_close(exported[key], step_2[key], msg=key)
 
@@ -298,7 +299,8 @@ def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_fi
     line = Path(text_files["validation"]).read_text().splitlines()[0]
     data = {"lm_blocks": _stream_blocks(lm_tokenizer, text_files["validation"], 16),
             "lm_line": line, "lm_line_ids": lm_tokenizer(line)["input_ids"],
-            "cls_ids": cls_tokenizer(list(validation["validation"]["text"]), max_length=128, truncation=True)["input_ids"],
+            "cls_ids": cls_tokenizer(list(validation["validation"]["text"]), max_length=128,
+                                     truncation=True)["input_ids"],
             "cls_labels": list(validation["validation"]["label"])}
     (tmp_path / "data.json").write_text(json.dumps(data))
     sys_path = [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
