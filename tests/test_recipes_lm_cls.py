@@ -8,6 +8,7 @@ from `latest` reaches the weights of an unbroken one; bad input fails before tra
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from hf_powernorm import NORM_CLASSES
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -153,6 +156,15 @@ def test_lm_local_files_export(lm_run):
     for key in best:
         torch.testing.assert_close(final[key], best[key], msg=key)
     assert final["model.decoder.layers.0.self_attn_norm.num_batches_tracked"].item() == results["best_step"]
+
+
+@pytest.mark.parametrize("norm", sorted(NORM_CLASSES))
+def test_lm_trains_with_every_norm(norm, text_files, tmp_path):
+    results = train_lm.main(_lm_args(text_files, tmp_path, "--max_train_steps", "2", "--norm_type", norm))
+    assert results["train_steps"] == 2 and math.isfinite(results["test_perplexity"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["decoder_norm_type"] == norm
+    assert f"| decoder (self-attention, feed-forward, final) | `{norm}` |" in (tmp_path / "README.md").read_text()
 
 
 def test_lm_resume_from_latest_matches_an_unbroken_run(lm_run, text_files, tmp_path, capsys):
