@@ -95,6 +95,17 @@ def evaluate_accuracy(accelerator: Accelerator, model: torch.nn.Module, loader: 
     return {"accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"], "examples": len(references)}
 
 
+def final_scores(accelerator: Accelerator, model: torch.nn.Module, loaders: dict[str, DataLoader],
+                 num_labels: int) -> dict[str, float | int]:
+    """`<split>_accuracy`, `<split>_macro_f1` and `<split>_examples` of every evaluation split."""
+    results: dict[str, float | int] = {}
+    for split, loader in loaders.items():
+        scores = evaluate_accuracy(accelerator, model, loader, num_labels)
+        results.update({f"{split}_{k}": v for k, v in scores.items()})
+        accelerator.print(f"{split}: accuracy {scores['accuracy']:.4f}, macro-F1 {scores['macro_f1']:.4f}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
     args = parse_args(argv)
     accelerator = rt.make_accelerator(args)
@@ -118,10 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     steps = rt.train(args, accelerator, model, optimizer, scheduler, loader, classification_loss, sampler=sampler,
                      evaluate=validate, stopper=stopper, tokenizer=tokenizer)
     results = rt.finish_training(accelerator, model, args.output_dir, stopper, steps)
-    for split, split_loader in evals.items():
-        scores = evaluate_accuracy(accelerator, model, split_loader, len(labels))
-        results.update({f"{split}_{k}": v for k, v in scores.items()})
-        accelerator.print(f"{split}: accuracy {scores['accuracy']:.4f}, macro-F1 {scores['macro_f1']:.4f}")
+    results.update(final_scores(accelerator, model, evals, len(labels)))
     rt.save_outputs(accelerator, model, tokenizer, args.output_dir, results, card_kwargs(args, argv))
     accelerator.end_training()
     return results

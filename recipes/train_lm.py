@@ -12,7 +12,8 @@ perplexity from about 375 to about 10 in 400 updates, 1-3 minutes on 2 CPU cores
         --warmup_steps 2000 --clip_norm 0.25 --num_train_epochs 60 --eval_steps 250 --patience 8 \
         --checkpointing_steps 1000 --output_dir outputs/ptb-powernorm
 
-With a BPE tokenizer the perplexity is per BPE token (about 1.1 per PTB word), not per word.
+With a BPE tokenizer `perplexity` is per BPE token (about 1.1 per PTB word); `word_perplexity` is
+exp(the same total NLL / the number of words, one end of line per line counted), PTB's convention.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_data(args: argparse.Namespace, accelerator: Accelerator) -> tuple[PreTrainedTokenizerFast, dict]:
-    """Text lines -> tokenizer -> token stream per split -> blocks of `block_size` tokens."""
+def load_data(args: argparse.Namespace,
+              accelerator: Accelerator) -> tuple[PreTrainedTokenizerFast, dict, dict[str, int]]:
+    """Text lines -> tokenizer -> token stream per split -> blocks of `block_size` tokens; also the
+    number of words per split, end of line counted as one (PTB's convention for word perplexity)."""
     files = ru.data_files_from_args(args.train_file, args.validation_file, args.test_file)
     raw = ru.load_lm_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config, data_files=files)
     if "train" not in raw:
@@ -57,7 +60,8 @@ def load_data(args: argparse.Namespace, accelerator: Accelerator) -> tuple[PreTr
     raw = ru.split_train(raw, seed=args.seed)
     tokenizer = ru.prepare_tokenizer(args, accelerator, lambda: ru.column_texts(raw["train"]))
     blocks = {split: ru.lm_blocks(ru.token_stream(part, tokenizer), args.block_size) for split, part in raw.items()}
-    return tokenizer, blocks
+    words = {split: sum(len(line.split()) + 1 for line in ru.column_texts(part)) for split, part in raw.items()}
+    return tokenizer, blocks, words
 
 
 def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast,
@@ -84,13 +88,28 @@ def evaluate_perplexity(accelerator: Accelerator, model: torch.nn.Module,
         nll += sums.double().sum().cpu()
         count += int(counts.sum())
     model.train()
-    return {"perplexity": ru.perplexity(float(nll), count), "loss": float(nll) / count, "tokens": count}
+    return {"perplexity": ru.perplexity(float(nll), count), "loss": float(nll) / count, "tokens": count,
+            "nll": float(nll)}
+
+
+def final_scores(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
+                 loaders: dict[str, DataLoader], words: dict[str, int]) -> dict[str, float | int]:
+    """`<split>_perplexity` (per token), `_word_perplexity` (per word, whole splits only), `_tokens`..."""
+    results: dict[str, float | int] = {}
+    for split, loader in loaders.items():
+        scores = evaluate_perplexity(accelerator, model, loader)
+        if not args.max_eval_samples:  # the whole split: its NLL per word, as word-level models report
+            scores["word_perplexity"] = ru.perplexity(scores["nll"], words[split])
+        results.update({f"{split}_{k}": v for k, v in scores.items()})
+        accelerator.print(f"{split}: perplexity {scores['perplexity']:.3f} over {scores['tokens']} tokens"
+                          f", {scores.get('word_perplexity', float('nan')):.3f} per word")
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
     args = parse_args(argv)
     accelerator = rt.make_accelerator(args)
-    tokenizer, data = load_data(args, accelerator)
+    tokenizer, data, words = load_data(args, accelerator)
     model = build_model(args, tokenizer, accelerator.num_processes)
     rt.log_run_start(accelerator, args, model, f"{len(data['train'])} training blocks of up to "
                                                f"{args.block_size} tokens, vocabulary {len(tokenizer)}")
@@ -110,10 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     steps = rt.train(args, accelerator, model, optimizer, scheduler, loader, lm_loss, sampler=sampler,
                      evaluate=validate, stopper=stopper, tokenizer=tokenizer)
     results = rt.finish_training(accelerator, model, args.output_dir, stopper, steps)
-    for split, split_loader in evals.items():
-        scores = evaluate_perplexity(accelerator, model, split_loader)
-        results.update({f"{split}_{k}": v for k, v in scores.items()})
-        accelerator.print(f"{split}: perplexity {scores['perplexity']:.3f} over {scores['tokens']} tokens")
+    results.update(final_scores(args, accelerator, model, evals, words))
     rt.save_outputs(accelerator, model, tokenizer, args.output_dir, results, card_kwargs(args, argv))
     accelerator.end_training()
     return results

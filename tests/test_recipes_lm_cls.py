@@ -130,6 +130,9 @@ def test_lm_embedded_default_learns_and_scores_the_whole_stream(tmp_path):
     validation = ru.synthetic_lm_corpus()["validation"]
     stream = ru.token_stream(validation, tokenizer)
     assert results["validation_tokens"] == len(stream) - 1  # every token after the first, once
+    words = sum(len(line.split()) + 1 for line in validation["text"])
+    assert results["validation_word_perplexity"] == pytest.approx(math.exp(results["validation_nll"] / words))
+    assert results["validation_perplexity"] == pytest.approx(math.exp(results["validation_nll"] / (len(stream) - 1)))
     # A uniform guess scores the vocabulary size; 25 updates already learn the grammar's words.
     assert results["validation_perplexity"] < len(tokenizer) / 4
     assert results["best_step"] == 25 and results["best_validation"] == pytest.approx(results["validation_perplexity"])
