@@ -12,7 +12,10 @@ set-up, `save_state` checkpoints and `resume`) and adds what a recipe with a val
   resume exactly (`save_state`/`load_state` + `skip_first_batches`),
 - `average_buffers_across_processes`: PN's running statistics made identical on every rank before
   they are saved, so a saved model never depends on which process wrote it,
-- `save_outputs`: `save_pretrained`, tokenizer, `all_results.json` and the model card.
+- `save_outputs`: `save_pretrained`, tokenizer, `all_results.json` and the model card with the
+  command as given (`main(argv)` in-process too),
+- `train_loader`: token-budget batches whose loader has its own seeded generator, so that dropout
+  continues exactly after a resume.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -297,7 +301,7 @@ def _due(every: str | int | None, completed: int) -> bool:
 
 
 def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
-          optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any, loss_fn: LossFn, *,
+          optimizer: torch.optim.Optimizer, scheduler: Any, loader: DataLoader, loss_fn: LossFn, *,
           sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
           tokenizer: Any) -> int:
     """Train until `args.max_train_steps` updates (else `args.num_train_epochs`) or early stopping.
@@ -305,8 +309,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
     validation score that `stopper` tracks; it runs every `args.eval_steps` updates (else at the
     end of each epoch) and after the last update, and each new best is written to
-    `output_dir/best_model`. The scheduler
-    and `stopper` must be registered for checkpointing. Returns the number of updates done.
+    `output_dir/best_model`. The scheduler and `stopper` must be registered for checkpointing
+    (`accelerator.register_for_checkpointing`). Returns the number of updates done.
     """
     updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     max_steps = args.num_train_epochs * updates_per_epoch if args.max_train_steps is None else args.max_train_steps
@@ -402,7 +406,8 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
     card `README.md` with the run's float metrics and `card_kwargs` for `render_model_card`."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
         ru.save_json(Path(output_dir) / "all_results.json", results)
@@ -416,10 +421,12 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
 # Loaders
 # ---------------------------------------------------------------------------------------------
 
-def train_loader(dataset: Any, pad_token_id: int, max_tokens: int, seed: int) -> tuple[Any, ru.TokenBudgetBatchSampler]:
-    """Token-budget batches; Accelerate deals them out to the processes (so one replica here)."""
-    from torch.utils.data import DataLoader
+def train_loader(dataset: Any, pad_token_id: int, max_tokens: int,
+                 seed: int) -> tuple[DataLoader, ru.TokenBudgetBatchSampler]:
+    """Token-budget batches; Accelerate deals them out to the processes (so one replica here).
 
+    As `recipe_utils.make_train_loader`, with the loader's own seeded generator (see below).
+    """
     sampler = ru.TokenBudgetBatchSampler(ru.sequence_lengths(dataset, ("input_ids",)), max_tokens, seed=seed)
     # Its own generator: a DataLoader draws a seed at each `iter()`, which from the global RNG would
     # shift dropout after a resume (the resumed run starts an iterator where the unbroken one did not).
