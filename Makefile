@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Tests keep every cache and temporary file inside the working tree and never touch the network.
 TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_POWERNORM_CACHE=$(CURDIR)/.cache/kernels HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: install demo test bench clean
+.PHONY: install train demo test bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# The main job: train a PowerNorm Transformer on the embedded translation corpus, evaluate, export.
+train: install
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no \
+		--dynamo_backend no recipes/train_wmt.py $(ARGS)
 
 demo: install
 	mkdir -p .cache/hf .cache/tmp
