@@ -91,9 +91,12 @@ def _all_reduce_(tensor: torch.Tensor, process_group) -> torch.Tensor:
     return tensor
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def _in_recomputation() -> bool:
     """True while autograd runs a backward pass: activation checkpointing recomputes forwards there."""
-    return torch._C._current_graph_task_id() != -1
+    return _GRAPH_TASK_ID() != -1
 
 
 def _stat_dtype(tensor: torch.Tensor) -> torch.dtype:
