@@ -1,32 +1,38 @@
-"""Training with validation: the task-independent loop of `train_lm.py` and `train_classification.py`.
+"""Training with Accelerate: the task-independent side of `train_wmt.py`, `train_lm.py` and
+`train_classification.py` (Shen et al., ICML 2020, Section 5 and Appendix A).
 
-It builds on the Accelerate helpers of `recipe_utils.py` (common arguments, tokenizer and config
-set-up, `save_state` checkpoints and `resume`) and adds what a recipe with a validation score needs
-(Shen et al., ICML 2020, Section 5 and Appendix A):
+`recipe_utils.py` holds what does not depend on Accelerate (data, tokenization, batching,
+optimizer, schedule, losses, metrics, checkpoint listing). This module holds:
 
-- the command-line options of Power Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`, warmup,
-  group scaling, backward denominator, statistics synchronised across processes or not), dropout,
-  evaluation interval and patience,
-- `train`: an Accelerate loop around a loss callback, with gradient accumulation, a tqdm bar,
-  tracking, periodic evaluation, best-model tracking and early stopping, and checkpoints that
-  resume exactly (`save_state`/`load_state` + `skip_first_batches`),
+- the command line every script shares: data, tokenizer and model, the options of Power
+  Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`, warmup, group scaling, backward
+  denominator, statistics synchronised across processes or not), training, evaluation interval
+  and patience; `check_args` fails on bad values before any data is read,
+- the model config from those arguments, the `Accelerator`, and the start-of-run log,
+- the loaders: token-budget training batches with their own seeded generator, so that dropout
+  continues exactly after a resume, and sequential evaluation batches,
+- `train`: the update loop with gradient accumulation, a tqdm bar, tracking, validation every
+  `--eval_steps`, the best model in `output_dir/best_model`, early stopping after `--patience`
+  validations without improvement, and `save_state` checkpoints that resume exactly
+  (`load_state` + `skip_first_batches`),
 - `average_buffers_across_processes`: PN's running statistics made identical on every rank before
-  they are saved, so a saved model never depends on which process wrote it,
+  the model is evaluated or saved, so a saved model never depends on which process wrote it,
 - `save_outputs`: `save_pretrained`, tokenizer, `all_results.json` and the model card with the
-  command as given (`main(argv)` in-process too),
-- `train_loader`: token-budget batches whose loader has its own seeded generator, so that dropout
-  continues exactly after a resume.
+  command as given.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +48,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_utils as ru  # noqa: E402
 
-from hf_powernorm import PRESETS, PowerNormTransformerConfig, normalize_norm_name  # noqa: E402
+from hf_powernorm import NORM_CLASSES, PRESETS, PowerNormTransformerConfig, normalize_norm_name  # noqa: E402
 from hf_powernorm.hub import render_model_card  # noqa: E402
 
 logger = get_logger(__name__)
@@ -64,30 +70,75 @@ def _group_num(value: str) -> int | str:
 
 
 def add_recipe_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
-    """`recipe_utils.add_common_args` plus `--norm_type`, every PowerNorm option (default: the
-    preset's value), dropout, evaluation and early stopping; `defaults` are the script's defaults."""
-    ru.add_common_args(parser)
-    model = parser.add_argument_group("norms")
-    model.add_argument("--norm_type", help="the model's norm (any registry spelling, e.g. PowerNorm, layernorm)")
+    """The arguments every recipe shares; `defaults` are the script's own defaults."""
+    _add_data_and_model_args(parser)
+    _add_powernorm_args(parser)
+    _add_training_args(parser)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def _add_data_and_model_args(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", help="Hub dataset (needs network)")
+    data.add_argument("--dataset_config", help="Hub dataset configuration")
+    data.add_argument("--train_file")
+    data.add_argument("--validation_file")
+    data.add_argument("--test_file")
+    data.add_argument("--max_eval_samples", type=int, help="evaluate on the first N examples of each split")
+    model = parser.add_argument_group("tokenizer and model")
+    model.add_argument("--tokenizer_name", help="a saved tokenizer directory; default: train a BPE")
+    model.add_argument("--vocab_size", type=int, default=500, help="BPE size (paper: 10k IWSLT, 37k WMT)")
+    model.add_argument("--preset", help="a PowerNormTransformerConfig preset; default: a small model sized "
+                                        "for the embedded corpus")
+    model.add_argument("--config_overrides", help="config fields, e.g. 'hidden_size=64,encoder_layers=3'")
+    model.add_argument("--norm_type", help="the norm of the script's model (any registry spelling, e.g. "
+                                           "PowerNorm, layernorm): the encoder's for translation and "
+                                           "classification, every norm for language modelling")
+    model.add_argument("--encoder_norm_type", help="override the encoder norm (e.g. powernorm)")
+    model.add_argument("--decoder_norm_type", help="override the decoder norm (e.g. layernorm)")
     model.add_argument("--dropout", type=float, help="residual dropout; default: the preset's")
-    model.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
-    model.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
-    model.add_argument("--powernorm_warmup_steps", type=int,
+
+
+def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
+    norms = parser.add_argument_group("power normalization (default: the preset's values)")
+    norms.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
+    norms.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
+    norms.add_argument("--powernorm_warmup_steps", type=int,
                        help="updates using batch statistics; default: the preset's, else --warmup_steps")
-    model.add_argument("--powernorm_group_num", type=_group_num,
+    norms.add_argument("--powernorm_group_num", type=_group_num,
                        help="group scaling groups, or 'none'; default: one per attention head")
-    model.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
+    norms.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
                        help="'running' (paper, eq. 12) or 'batch' (the reference code)")
-    model.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
+    norms.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
                        help="sum PN/BN statistics over processes; default: on with several processes. "
-                            "With --no-sync_stats each process keeps its own and they are averaged "
-                            "before saving")
+                            "With --no-sync_stats each process keeps its own. Either way they are "
+                            "averaged over the processes before the model is evaluated or saved")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    train = parser.add_argument_group("training")
+    train.add_argument("--max_tokens", type=int, default=1024, help="padded tokens per batch and process")
+    train.add_argument("--learning_rate", type=float, default=3e-3)
+    train.add_argument("--warmup_steps", type=int, default=200)
+    train.add_argument("--warmup_init_lr", type=float, default=1e-7)
+    train.add_argument("--weight_decay", type=float, default=1e-4)
+    train.add_argument("--clip_norm", type=float, default=0.0, help="max gradient norm; 0 disables")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--num_train_epochs", type=int, default=20)
+    train.add_argument("--max_train_steps", type=int, help="optimizer updates; overrides the epochs")
+    train.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), help="default: accelerate config")
+    train.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
+    train.add_argument("--seed", type=int, default=1)
+    train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
+    train.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
+    train.add_argument("--output_dir", default="outputs/run")
+    train.add_argument("--hub_model_id", help="repository name for the model card; default: output folder")
+    train.add_argument("--with_tracking", action="store_true", help="log to the trackers Accelerate finds")
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--eval_steps", type=int, help="validate every N updates; default: each epoch")
     evaluation.add_argument("--patience", type=int, help="stop after N validations without improvement")
     evaluation.add_argument("--eval_batch_size", type=int, default=32)
-    parser.set_defaults(**defaults)
-    return parser
 
 
 def check_args(args: argparse.Namespace,
@@ -104,7 +155,7 @@ def check_args(args: argparse.Namespace,
                 raise ValueError(f"--{option}: {error}") from None
     for option in ("train_file", "validation_file", "test_file", "tokenizer_name", "phrasebank_file"):
         path = getattr(args, option, None)
-        if path and not Path(path).exists():
+        if path and not _data_path_exists(Path(path)):
             raise FileNotFoundError(f"--{option} {path}: not found")
         # `datasets` fails on an empty file with a generic generation error: name the split here.
         if path and Path(path).is_file() and not _has_rows(Path(path)):
@@ -115,10 +166,15 @@ def check_args(args: argparse.Namespace,
         raise ValueError(f"--checkpointing_steps must be a positive integer or 'epoch'; "
                          f"got {args.checkpointing_steps!r}")
     for option in ("gradient_accumulation_steps", "max_tokens", "eval_batch_size", "eval_steps", "patience",
-                   "max_eval_samples"):
+                   "max_eval_samples", "max_train_steps", "num_train_epochs", "warmup_steps"):
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option} must be at least 1; got {value}")
+
+
+def _data_path_exists(path: Path) -> bool:
+    """A file or folder, or the prefix of aligned text files (`data/train` for `data/train.de`)."""
+    return path.exists() or (path.parent.is_dir() and any(path.parent.glob(glob.escape(path.name) + ".*")))
 
 
 def _has_rows(path: Path) -> bool:
@@ -139,11 +195,25 @@ def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, default_size: dict[str, Any],
                  max_length: int, **fields: Any) -> PowerNormTransformerConfig:
-    """`recipe_utils.build_config` with the PN options and dropout of the command line, and
-    `--sync_stats`/`--no-sync_stats` (default: synchronised with several processes, as there)."""
-    config = ru.build_config(args, tokenizer, num_processes, default_size, max_length,
-                             **{**fields, **powernorm_overrides(args)})
-    config.powernorm_sync_stats = num_processes > 1 if args.sync_stats is None else args.sync_stats
+    """The model config: `--preset` (else "tiny" resized by `default_size`), the tokenizer's ids,
+    `fields`, the PN options and dropout, `--encoder/decoder_norm_type`, then `--config_overrides`.
+
+    PN's warmup follows the learning-rate warmup unless given; statistics are synchronised across
+    processes with `--sync_stats` (default: when there are several processes).
+    """
+    norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
+    base = default_size if args.preset is None else {}
+    config = PowerNormTransformerConfig.from_preset(
+        args.preset or "tiny", **{**base, **fields, **powernorm_overrides(args), **norms},
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id)
+    if args.config_overrides:
+        config.update_from_string(args.config_overrides)
+    if config.powernorm_warmup_steps == 0:
+        config.powernorm_warmup_steps = args.warmup_steps
+    config.powernorm_sync_stats = (config.powernorm_sync_stats or num_processes > 1) if args.sync_stats is None \
+        else args.sync_stats
+    config.max_position_embeddings = max(config.max_position_embeddings, max_length + 2)
     config.validate_powernorm_transformer()
     return config
 
@@ -153,9 +223,9 @@ def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, d
 # ---------------------------------------------------------------------------------------------
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
-    """The Accelerator, logging and seed. Without synchronised statistics DDP must not overwrite
-    the other ranks' buffers with rank 0's at every forward: each process keeps its own, and
-    `average_buffers_across_processes` merges them before saving."""
+    """The Accelerator, logging, seed and output folder. Without synchronised statistics DDP must
+    not overwrite the other ranks' buffers with rank 0's at every forward: each process keeps its
+    own, and `average_buffers_across_processes` merges them before evaluating or saving."""
     handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)] if args.sync_stats is False else []
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -169,8 +239,6 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
 
 def norm_types(model: torch.nn.Module) -> dict[str, int]:
     """How many norm layers of each class the model holds (for the start-of-run log)."""
-    from hf_powernorm import NORM_CLASSES
-
     classes = tuple(NORM_CLASSES.values())
     counts: dict[str, int] = {}
     for module in model.modules():
@@ -191,6 +259,30 @@ def log_run_start(accelerator: Accelerator, args: argparse.Namespace, model: tor
 
 
 # ---------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------
+
+def train_loader(dataset: Any, collate: ru.PaddingCollator, max_tokens: int, seed: int,
+                 length_columns: tuple[str, ...] = ("input_ids",)) -> tuple[DataLoader, ru.TokenBudgetBatchSampler]:
+    """Token-budget batches (the longest of `length_columns` counts); Accelerate deals them out to
+    the processes, so the sampler has one replica here. Returns the loader and its sampler (for
+    `set_epoch`)."""
+    sampler = ru.TokenBudgetBatchSampler(ru.sequence_lengths(dataset, length_columns), max_tokens, seed=seed)
+    # Its own generator: a DataLoader draws a seed at each `iter()`, which from the global RNG would
+    # shift dropout after a resume (the resumed run starts an iterator where the unbroken one did not).
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, generator=generator), sampler
+
+
+def eval_loader(dataset: Any, collate: ru.PaddingCollator, batch_size: int,
+                max_samples: int | None = None) -> DataLoader:
+    """Sequential batches of an evaluation split, cut to its first `max_samples` examples."""
+    if max_samples:
+        dataset = dataset.select(range(min(max_samples, len(dataset))))
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
+
+
+# ---------------------------------------------------------------------------------------------
 # Best model and early stopping
 # ---------------------------------------------------------------------------------------------
 
@@ -199,7 +291,7 @@ class EarlyStopping:
     """Best validation score and evaluations since it improved; saved with the training state
     (`accelerator.register_for_checkpointing`) so a resumed run stops where an unbroken one would."""
 
-    mode: str = "min"  # "min" for perplexity, "max" for accuracy
+    mode: str = "min"  # "min" for perplexity, "max" for accuracy and BLEU
     patience: int | None = None
     best: float | None = None
     best_step: int | None = None
@@ -233,44 +325,59 @@ class EarlyStopping:
 # Statistics across processes
 # ---------------------------------------------------------------------------------------------
 
-def averaged_buffers(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's floating-point buffers (running statistics) averaged over the processes.
-
-    Integer buffers (step counters) are the same on every rank and are left out.
-    """
-    unwrapped = accelerator.unwrap_model(model)
-    buffers = {name: b for name, b in unwrapped.named_buffers() if b.is_floating_point()}
-    if accelerator.num_processes == 1 or not dist.is_initialized():
-        return {name: b.detach().clone() for name, b in buffers.items()}
-    out = {}
-    for name, buffer in buffers.items():
-        total = buffer.detach().double().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        out[name] = (total / accelerator.num_processes).to(buffer.dtype)
-    return out
-
-
 def average_buffers_across_processes(accelerator: Accelerator, model: torch.nn.Module) -> int:
-    """Replace every rank's running statistics by their mean over the ranks; return how many
-    buffers were averaged. With synchronised statistics this changes nothing."""
-    averaged = averaged_buffers(accelerator, model)
-    unwrapped = dict(accelerator.unwrap_model(model).named_buffers())
-    with torch.no_grad():
-        for name, value in averaged.items():
-            unwrapped[name].copy_(value)
-    return len(averaged)
+    """Replace every rank's floating-point buffers (running statistics) by their mean over the
+    ranks; return how many buffers that is. Integer buffers (step counters) are the same on every
+    rank and are left alone. With synchronised statistics this changes nothing."""
+    buffers = [b for b in accelerator.unwrap_model(model).buffers() if b.is_floating_point()]
+    if accelerator.num_processes > 1 and dist.is_initialized():
+        with torch.no_grad():
+            for buffer in buffers:
+                total = buffer.to(torch.float64, copy=True)
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                buffer.copy_(total / accelerator.num_processes)
+    return len(buffers)
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
+def save_checkpoint(accelerator: Accelerator, args: argparse.Namespace, model: torch.nn.Module, tokenizer: Any,
+                    completed_steps: int) -> Path:
+    """`save_state` to `<output_dir>/step_<N>` with process-averaged statistics, plus config and
+    tokenizer so that averaged checkpoints load with `from_pretrained` (`average_checkpoints.py`)."""
+    average_buffers_across_processes(accelerator, model)
+    folder = Path(args.output_dir) / f"step_{completed_steps}"
+    accelerator.save_state(str(folder))
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def resume(accelerator: Accelerator, args: argparse.Namespace, batches_per_epoch: int) -> tuple[int, int, int]:
+    """Load `--resume_from_checkpoint`; return (completed updates, epoch, batches to skip in it)."""
+    path = args.resume_from_checkpoint
+    if path == "latest":
+        path = ru.latest_checkpoint(args.output_dir, prefix="step")
+        if path is None:
+            raise ValueError(f"--resume_from_checkpoint latest: no step_* checkpoint in {args.output_dir}")
+    name = Path(path).name
+    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
+        raise ValueError(f"--resume_from_checkpoint {path}: expected a step_<N> folder written by a recipe")
+    accelerator.print(f"Resuming from {path}")
+    accelerator.load_state(str(path))
+    completed = int(name.removeprefix("step_"))
+    batches = completed * args.gradient_accumulation_steps
+    return completed, batches // batches_per_epoch, batches % batches_per_epoch
+
+
 def save_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path) -> None:
-    """The current weights with process-averaged statistics in `output_dir/best_model`."""
-    state = accelerator.unwrap_model(model).state_dict()
-    state.update(averaged_buffers(accelerator, model))
+    """The current weights and statistics (averaged over processes by the caller) in
+    `output_dir/best_model`."""
     accelerator.unwrap_model(model).save_pretrained(
-        Path(output_dir) / BEST_MODEL_DIR, state_dict=state, is_main_process=accelerator.is_main_process,
+        Path(output_dir) / BEST_MODEL_DIR, is_main_process=accelerator.is_main_process,
         save_function=accelerator.save)
     accelerator.wait_for_everyone()
 
@@ -281,8 +388,10 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir
     state = load_file(str(Path(output_dir) / BEST_MODEL_DIR / "model.safetensors"))
     unwrapped = accelerator.unwrap_model(model)
     result = unwrapped.load_state_dict(state, strict=False)
-    tied = getattr(unwrapped, "_tied_weights_keys", None) or {}  # tied copies are not written
-    missing = [k for k in result.missing_keys if k not in tied]
+    # Tied copies (embeddings, output projection) are not written: they share a loaded tensor.
+    current = unwrapped.state_dict()
+    loaded = {current[k].data_ptr() for k in state if k in current}
+    missing = [k for k in result.missing_keys if current[k].data_ptr() not in loaded]
     if missing or result.unexpected_keys:
         raise ValueError(f"{output_dir}/{BEST_MODEL_DIR} does not match the model: missing {missing}, "
                          f"unexpected {result.unexpected_keys}")
@@ -300,6 +409,29 @@ def _due(every: str | int | None, completed: int) -> bool:
     return every is not None and str(every).isdigit() and completed % int(every) == 0
 
 
+def _log_update(args: argparse.Namespace, accelerator: Accelerator, progress: tqdm, step: int, loss: float,
+                lr: float, tokens_per_second: float) -> None:
+    progress.update(1)
+    progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")
+    if args.with_tracking:
+        accelerator.log({"train_loss": loss, "lr": lr}, step=step)
+
+
+def _validate(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
+              evaluate: EvalFn | None, stopper: EarlyStopping | None, step: int) -> bool:
+    """Evaluate, keep the best model; True when training should stop."""
+    if evaluate is None or stopper is None:
+        return False
+    average_buffers_across_processes(accelerator, model)  # every rank evaluates the model that is saved
+    score = evaluate()
+    if stopper.update(score, step):
+        save_best_model(accelerator, model, args.output_dir)
+    accelerator.print(f"step {step}: validation {score:.4f} (best {stopper.best:.4f} at step {stopper.best_step})")
+    if args.with_tracking:
+        accelerator.log({"validation": score}, step=step)
+    return stopper.should_stop
+
+
 def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
           optimizer: torch.optim.Optimizer, scheduler: Any, loader: DataLoader, loss_fn: LossFn, *,
           sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
@@ -308,32 +440,24 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
 
     `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
     validation score that `stopper` tracks; it runs every `args.eval_steps` updates (else at the
-    end of each epoch) and after the last update, and each new best is written to
-    `output_dir/best_model`. The scheduler and `stopper` must be registered for checkpointing
-    (`accelerator.register_for_checkpointing`). Returns the number of updates done.
+    end of each epoch) and after the last update, on statistics averaged over the processes, and
+    each new best is written to `output_dir/best_model`. The scheduler and `stopper` must be
+    registered for checkpointing (`accelerator.register_for_checkpointing`). Returns the number of
+    updates done.
     """
     updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     max_steps = args.num_train_epochs * updates_per_epoch if args.max_train_steps is None else args.max_train_steps
     completed, start_epoch, skip = 0, 0, 0
     if args.resume_from_checkpoint:
-        completed, start_epoch, skip = ru.resume(accelerator, args, len(loader))
+        completed, start_epoch, skip = resume(accelerator, args, len(loader))
     progress = tqdm(total=max_steps, initial=completed, disable=not accelerator.is_local_main_process)
     tokens, started = 0, time.perf_counter()
 
-    def validate() -> bool:
-        """Evaluate, keep the best model; True when training should stop."""
-        if evaluate is None or stopper is None:
-            return False
-        score = evaluate()
-        if stopper.update(score, completed):
-            save_best_model(accelerator, model, args.output_dir)
-        accelerator.print(f"step {completed}: validation {score:.4f} (best {stopper.best:.4f} "
-                          f"at step {stopper.best_step})")
-        if args.with_tracking:
-            accelerator.log({"validation": score}, step=completed)
-        return stopper.should_stop
+    validate = partial(_validate, args, accelerator, model, evaluate, stopper)
 
-    for epoch in range(start_epoch, math.ceil(max_steps / max(updates_per_epoch, 1))):
+    epochs = math.ceil(max_steps / max(updates_per_epoch, 1))
+    # A run resumed from its last checkpoint has nothing left to do.
+    for epoch in range(start_epoch if completed < max_steps else epochs, epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
         if hasattr(loader, "set_epoch"):
@@ -353,22 +477,18 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
                 continue
             scheduler.step()  # one schedule step per update, whatever the number of processes
             completed += 1
-            progress.update(1)
-            lr = scheduler.get_last_lr()[0]
-            progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}",
-                                 tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
-            if args.with_tracking:
-                accelerator.log({"train_loss": loss.item(), "lr": lr}, step=completed)
+            _log_update(args, accelerator, progress, completed, loss.item(), scheduler.get_last_lr()[0],
+                        tokens / (time.perf_counter() - started))
             # The last update is always validated, so the best model is chosen over the whole run.
-            stop = (_due(args.eval_steps, completed) or completed >= max_steps) and validate()
+            stop = (_due(args.eval_steps, completed) or completed >= max_steps) and validate(completed)
             if _due(args.checkpointing_steps, completed):
-                ru.save_checkpoint(accelerator, args, model, tokenizer, completed)
+                save_checkpoint(accelerator, args, model, tokenizer, completed)
             if stop or completed >= max_steps:
                 progress.close()
                 return completed
-        stop = args.eval_steps is None and validate()
+        stop = args.eval_steps is None and validate(completed)
         if args.checkpointing_steps == "epoch":
-            ru.save_checkpoint(accelerator, args, model, tokenizer, completed)
+            save_checkpoint(accelerator, args, model, tokenizer, completed)
         if stop:
             break
     progress.close()
@@ -383,8 +503,13 @@ def finish_training(accelerator: Accelerator, model: torch.nn.Module, output_dir
     summary: dict[str, Any] = {"train_steps": completed}
     if stopper is not None and stopper.best_step is not None:
         summary.update(best_step=stopper.best_step, best_validation=stopper.best)
-        if (Path(output_dir) / BEST_MODEL_DIR / "model.safetensors").is_file() and stopper.best_step != completed:
+        if stopper.best_step == completed:
+            return summary
+        if (Path(output_dir) / BEST_MODEL_DIR / "model.safetensors").is_file():
             load_best_model(accelerator, model, output_dir)
+        else:
+            logger.warning(f"no {BEST_MODEL_DIR} in {output_dir} (resumed elsewhere?): exporting the last "
+                           f"model, not the best one of step {stopper.best_step}", main_process_only=True)
     return summary
 
 
@@ -394,8 +519,6 @@ def finish_training(accelerator: Accelerator, model: torch.nn.Module, output_dir
 
 def training_command(script: str, argv: list[str] | None) -> str:
     """The command line of this run, as it would be typed."""
-    import shlex
-
     args = sys.argv[1:] if argv is None else argv
     return " ".join(["accelerate launch", script, *map(shlex.quote, args)])
 
@@ -415,22 +538,3 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         card = render_model_card(unwrapped, results=scores, **card_kwargs)
         card.save(Path(output_dir) / "README.md")
     accelerator.wait_for_everyone()
-
-
-# ---------------------------------------------------------------------------------------------
-# Loaders
-# ---------------------------------------------------------------------------------------------
-
-def train_loader(dataset: Any, pad_token_id: int, max_tokens: int,
-                 seed: int) -> tuple[DataLoader, ru.TokenBudgetBatchSampler]:
-    """Token-budget batches; Accelerate deals them out to the processes (so one replica here).
-
-    As `recipe_utils.make_train_loader`, with the loader's own seeded generator (see below).
-    """
-    sampler = ru.TokenBudgetBatchSampler(ru.sequence_lengths(dataset, ("input_ids",)), max_tokens, seed=seed)
-    # Its own generator: a DataLoader draws a seed at each `iter()`, which from the global RNG would
-    # shift dropout after a resume (the resumed run starts an iterator where the unbroken one did not).
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=ru.PaddingCollator(pad_token_id),
-                        generator=generator)
-    return loader, sampler

@@ -11,22 +11,20 @@ sentence classification. This module holds everything that does not depend on th
 - joint BPE training with `tokenizers`, wrapped as a Transformers fast tokenizer,
 - token-budget batching and padding collation,
 - optimizer, learning-rate schedule, losses, perplexity and the local `evaluate` metrics,
-- checkpoint directory discovery shared with `average_checkpoints.py`,
-- the Accelerate side: shared arguments, tokenizer and config set-up, the update loop with
-  `save_state`/`load_state` checkpoints, and the final `save_pretrained` + results + model card.
+- checkpoint directory discovery shared with `average_checkpoints.py`.
+
+The Accelerate side (arguments, loaders, the training loop, checkpoints, export) is in
+`recipe_training.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import random
 import re
-import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -576,6 +574,14 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def prepare_tokenizer(args: argparse.Namespace, accelerator, texts: Callable[[], Iterable[str]]):
+    """`--tokenizer_name`, or a BPE trained once on the main process, saved, and read by every process."""
+    directory = Path(args.tokenizer_name or Path(args.output_dir) / "tokenizer")
+    with accelerator.main_process_first():
+        if args.tokenizer_name is None and accelerator.is_main_process:
+            train_bpe_tokenizer(texts(), args.vocab_size, show_progress=True).save_pretrained(directory)
+    return load_tokenizer(directory)
+
 def translation_texts(dataset: Dataset, languages: Sequence[str], batch_size: int = 1000) -> Iterator[str]:
     """Every sentence of `languages` in a translation split: the input of a joint BPE."""
     for start in range(0, len(dataset), batch_size):
@@ -907,213 +913,3 @@ def latest_checkpoint(directory: str | Path, prefix: str | None = None) -> Path 
 def save_json(path: str | Path, data: dict[str, Any]) -> None:
     """Write `data` as indented JSON (e.g. `all_results.json`)."""
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-# ---------------------------------------------------------------------------------------------
-# Training with Accelerate: arguments, tokenizer, model config, the update loop, outputs
-# ---------------------------------------------------------------------------------------------
-
-def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The arguments every recipe shares; each script adds its own and sets its defaults."""
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", help="Hub dataset (needs network)")
-    data.add_argument("--dataset_config", help="Hub dataset configuration")
-    data.add_argument("--train_file")
-    data.add_argument("--validation_file")
-    data.add_argument("--test_file")
-    data.add_argument("--max_eval_samples", type=int, help="evaluate on the first N examples of each split")
-    model = parser.add_argument_group("tokenizer and model")
-    model.add_argument("--tokenizer_name", help="a saved tokenizer directory; default: train a BPE")
-    model.add_argument("--vocab_size", type=int, default=500, help="BPE size (paper: 10k IWSLT, 37k WMT)")
-    model.add_argument("--preset", help="a PowerNormTransformerConfig preset; default: small, for the "
-                                        "embedded corpus")
-    model.add_argument("--config_overrides", help="config fields, e.g. 'hidden_size=64,encoder_layers=3'")
-    model.add_argument("--encoder_norm_type", help="override the encoder norm (e.g. powernorm)")
-    model.add_argument("--decoder_norm_type", help="override the decoder norm (e.g. layernorm)")
-    train = parser.add_argument_group("training")
-    train.add_argument("--max_tokens", type=int, default=1024, help="padded tokens per batch and process")
-    train.add_argument("--learning_rate", type=float, default=3e-3)
-    train.add_argument("--warmup_steps", type=int, default=200)
-    train.add_argument("--warmup_init_lr", type=float, default=1e-7)
-    train.add_argument("--weight_decay", type=float, default=1e-4)
-    train.add_argument("--clip_norm", type=float, default=0.0, help="max gradient norm; 0 disables")
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--num_train_epochs", type=int, default=20)
-    train.add_argument("--max_train_steps", type=int, help="optimizer updates; overrides the epochs")
-    train.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), help="default: accelerate config")
-    train.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
-    train.add_argument("--seed", type=int, default=1)
-    train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
-    train.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
-    train.add_argument("--output_dir", default="outputs/run")
-    train.add_argument("--hub_model_id", help="repository name for the model card; default: output folder")
-    train.add_argument("--with_tracking", action="store_true", help="log to the trackers Accelerate finds")
-    return parser
-
-
-def make_accelerator(args: argparse.Namespace):
-    """The `Accelerator`, with logging, seeds and the output folder set up."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              log_with="all" if args.with_tracking else None, project_dir=args.output_dir)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    set_seed(args.seed)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    return accelerator
-
-
-def prepare_tokenizer(args: argparse.Namespace, accelerator, texts: Callable[[], Iterable[str]]):
-    """`--tokenizer_name`, or a BPE trained once on the main process, saved, and read by every process."""
-    directory = Path(args.tokenizer_name or Path(args.output_dir) / "tokenizer")
-    with accelerator.main_process_first():
-        if args.tokenizer_name is None and accelerator.is_main_process:
-            train_bpe_tokenizer(texts(), args.vocab_size, show_progress=True).save_pretrained(directory)
-    return load_tokenizer(directory)
-
-
-def build_config(args: argparse.Namespace, tokenizer, num_processes: int, default_size: dict[str, Any],
-                 max_length: int, **fields: Any):
-    """The model config: `--preset` (or "tiny" resized by `default_size`), the tokenizer's ids,
-    `fields`, `--encoder/decoder_norm_type`, then `--config_overrides`."""
-    from hf_powernorm import PowerNormTransformerConfig
-
-    overrides = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
-    base = default_size if args.preset is None else {}
-    config = PowerNormTransformerConfig.from_preset(
-        args.preset or "tiny", **{**base, **fields, **overrides}, vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id)
-    if args.config_overrides:
-        config.update_from_string(args.config_overrides)
-    if config.powernorm_warmup_steps == 0:
-        config.powernorm_warmup_steps = args.warmup_steps  # PN's warmup follows the lr warmup
-    # Data parallel: batch statistics over the whole global batch, identical buffers on every rank.
-    config.powernorm_sync_stats = config.powernorm_sync_stats or num_processes > 1
-    config.max_position_embeddings = max(config.max_position_embeddings, max_length + 2)
-    config.validate_powernorm_transformer()
-    return config
-
-
-def make_train_loader(args: argparse.Namespace, dataset: Dataset, collate: PaddingCollator):
-    """Token-budget batches of the train split; Accelerate deals them out to the processes, so the
-    sampler has one replica here. Returns the loader and its sampler (for `set_epoch`)."""
-    from torch.utils.data import DataLoader
-
-    sampler = TokenBudgetBatchSampler(sequence_lengths(dataset), args.max_tokens, seed=args.seed)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate), sampler
-
-
-def make_eval_loader(args: argparse.Namespace, dataset: Dataset, collate: PaddingCollator, batch_size: int):
-    """Sequential batches of an evaluation split, cut to `--max_eval_samples`."""
-    from torch.utils.data import DataLoader
-
-    if args.max_eval_samples:
-        dataset = dataset.select(range(min(args.max_eval_samples, len(dataset))))
-    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
-
-
-def save_checkpoint(accelerator, args: argparse.Namespace, model, tokenizer, completed_steps: int) -> Path:
-    """`save_state` to `<output_dir>/step_<N>`, plus config and tokenizer so that averaged
-    checkpoints load with `from_pretrained` (see `average_checkpoints.py`)."""
-    folder = Path(args.output_dir) / f"step_{completed_steps}"
-    accelerator.save_state(str(folder))
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).config.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    return folder
-
-
-def resume(accelerator, args: argparse.Namespace, batches_per_epoch: int) -> tuple[int, int, int]:
-    """Load `--resume_from_checkpoint`; return (completed updates, epoch, batches to skip in it)."""
-    path = args.resume_from_checkpoint
-    if path == "latest":
-        path = latest_checkpoint(args.output_dir, prefix="step")
-        if path is None:
-            raise ValueError(f"--resume_from_checkpoint latest: no step_* checkpoint in {args.output_dir}")
-    name = Path(path).name
-    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
-        raise ValueError(f"--resume_from_checkpoint {path}: expected a step_<N> folder written by a recipe")
-    accelerator.print(f"Resuming from {path}")
-    accelerator.load_state(str(path))
-    completed = int(name.removeprefix("step_"))
-    batches = completed * args.gradient_accumulation_steps
-    return completed, batches // batches_per_epoch, batches % batches_per_epoch
-
-
-LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
-
-
-def train_loop(args: argparse.Namespace, accelerator, model, tokenizer, optimizer, scheduler, loader,
-               sampler: TokenBudgetBatchSampler, loss_fn: LossFn) -> int:
-    """Updates until `--max_train_steps` (or the epochs) are done; returns the number of updates.
-
-    `loss_fn(model, batch)` returns the loss and the batch's token count (for tokens per second).
-    The scheduler steps once per update, so its unit is the update whatever the process count.
-    """
-    from tqdm.auto import tqdm
-
-    updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    max_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
-    completed, start_epoch, skip = resume(accelerator, args, len(loader)) if args.resume_from_checkpoint \
-        else (0, 0, 0)
-    progress = tqdm(total=max_steps, initial=completed, disable=not accelerator.is_local_main_process)
-    tokens, started = 0, time.perf_counter()
-    for epoch in range(start_epoch, math.ceil(max_steps / updates_per_epoch)):
-        sampler.set_epoch(epoch)
-        loader.set_epoch(epoch)
-        for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
-            with accelerator.accumulate(model):
-                loss, batch_tokens = loss_fn(model, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.clip_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.clip_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            tokens += batch_tokens
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            completed += 1
-            _report(args, accelerator, progress, completed, loss.item(), scheduler.get_last_lr()[0],
-                    tokens / (time.perf_counter() - started))
-            if args.checkpointing_steps and args.checkpointing_steps.isdigit() \
-                    and completed % int(args.checkpointing_steps) == 0:
-                save_checkpoint(accelerator, args, model, tokenizer, completed)
-            if completed >= max_steps:
-                return completed
-        skip = 0
-        if args.checkpointing_steps == "epoch":
-            save_checkpoint(accelerator, args, model, tokenizer, completed)
-    return completed
-
-
-def _report(args, accelerator, progress, step: int, loss: float, lr: float, tokens_per_second: float) -> None:
-    progress.update(1)
-    progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")
-    if args.with_tracking:
-        accelerator.log({"train_loss": loss, "lr": lr, "tokens_per_second": tokens_per_second}, step=step)
-
-
-def save_outputs(args: argparse.Namespace, accelerator, model, tokenizer, results: dict[str, Any],
-                 **card: Any) -> None:
-    """`save_pretrained` (model, code, tokenizer), `all_results.json` and the model card
-    (`README.md`, `card` passed to `hf_powernorm.hub.render_model_card`)."""
-    from hf_powernorm.hub import render_model_card
-
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)
-    if not accelerator.is_main_process:
-        return
-    tokenizer.save_pretrained(args.output_dir)
-    save_json(Path(args.output_dir) / "all_results.json", results)
-    scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float)}
-    render_model_card(unwrapped, repo_id=args.hub_model_id or Path(args.output_dir).resolve().name,
-                      datasets=args.dataset_name, results=scores,
-                      training_command=" ".join(["accelerate launch", f"recipes/{Path(sys.argv[0]).name}",
-                                                 *sys.argv[1:]]), **card,
-                      ).save(Path(args.output_dir) / "README.md")

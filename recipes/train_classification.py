@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
                                                f"vocabulary {len(tokenizer)}")
     optimizer = ru.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = ru.inverse_sqrt_schedule(optimizer, args.warmup_steps, args.warmup_init_lr)
-    loader, sampler = rt.train_loader(data["train"], tokenizer.pad_token_id, args.max_tokens, args.seed)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     collate = ru.PaddingCollator(tokenizer.pad_token_id)
-    evals = {s: accelerator.prepare(ru.make_eval_loader(args, data[s], collate, args.eval_batch_size))
+    loader, sampler = rt.train_loader(data["train"], collate, args.max_tokens, args.seed)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    evals = {s: accelerator.prepare(rt.eval_loader(data[s], collate, args.eval_batch_size, args.max_eval_samples))
              for s in ("validation", "test") if s in data}
     stopper = rt.EarlyStopping("max", args.patience)
     accelerator.register_for_checkpointing(scheduler, stopper)

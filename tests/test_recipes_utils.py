@@ -1,6 +1,8 @@
 """Tests of the recipes' shared helpers: data readers, embedded corpora, BPE, batching, schedule,
-metrics and checkpoint averaging. Every test makes its own small data in a temporary folder."""
+metrics, checkpoint averaging, and the model config built from the command line. Every test makes
+its own small data in a temporary folder."""
 
+import argparse
 import json
 import math
 import random
@@ -14,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import average_checkpoints as avg  # noqa: E402
+import recipe_training as rt  # noqa: E402
 import recipe_utils as ru  # noqa: E402
 
 GERMAN_VERBS = {form for verbs in (ru._TRANSITIVE, ru._INTRANSITIVE) for verb in verbs for form in verb[:2]}
@@ -201,6 +204,23 @@ def test_tokenize_translation_and_lm_blocks(bpe):
     assert blocks[1]["input_ids"][0] == blocks[0]["input_ids"][-1]  # one-token overlap
     assert sum(len(b) - 1 for b in blocks["input_ids"]) == len(stream) - 1  # each target once
 
+
+def test_model_config_from_the_command_line(bpe):
+    parser = rt.add_recipe_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--powernorm_alpha_fwd", "0.95", "--warmup_steps", "7", "--encoder_norm_type",
+                              "layernorm", "--powernorm_group_num", "none", "--config_overrides", "encoder_layers=3"])
+    config = rt.build_config(args, bpe, 2, {"hidden_size": 64, "intermediate_size": 128}, max_length=100,
+                             encoder_norm_type="batchnorm")
+    assert config.encoder_norm_type == "layernorm"  # the option wins over the script's own field
+    assert (config.hidden_size, config.encoder_layers, config.vocab_size) == (64, 3, len(bpe))
+    assert (config.powernorm_alpha_fwd, config.powernorm_group_num) == (0.95, None)
+    assert config.powernorm_warmup_steps == 7  # PN's warmup follows the learning-rate warmup
+    assert config.pad_token_id == bpe.pad_token_id and config.max_position_embeddings >= 102
+    assert config.powernorm_sync_stats is True  # several processes: synchronised by default
+    assert rt.build_config(parser.parse_args([]), bpe, 1, {}, 100).powernorm_sync_stats is False
+    assert rt.build_config(parser.parse_args(["--no-sync_stats"]), bpe, 2, {}, 100).powernorm_sync_stats is False
+    paper = rt.build_config(parser.parse_args(["--preset", "iwslt14-small"]), bpe, 1, {"hidden_size": 64}, 100)
+    assert (paper.hidden_size, paper.powernorm_warmup_steps, paper.decoder_norm_type) == (512, 8000, "layernorm")
 
 # ---------------------------------------------------------------------------------------------
 # Batching and collation
