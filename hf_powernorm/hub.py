@@ -4,7 +4,8 @@
 tags, datasets, metrics; a body with the norm configuration, how to load the model with
 `trust_remote_code=True`, the training command and results when known). `push_to_hub` uploads in
 one commit what `save_pretrained` writes (weights with every running statistic, config, code
-files), the tokenizer files when given, and that card.
+files), the tokenizer files when given, and that card; `upload_saved_model` uploads a folder
+where they were written already (a training recipe's export).
 """
 
 from __future__ import annotations
@@ -178,10 +179,29 @@ def push_to_hub(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         card.save(os.path.join(folder, "README.md"))
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(folder, name))
-                      for name in sorted(os.listdir(folder)) if os.path.isfile(os.path.join(folder, name))]
-        return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision,
-                                 create_pr=create_pr)
+        return upload_saved_model(folder, repo_id, commit_message=commit_message, token=token, revision=revision,
+                                  create_pr=create_pr)
 
 
-__all__ = ["TEMPLATE_PATH", "push_to_hub", "render_model_card"]
+def upload_saved_model(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    commit_message: str = "Upload PowerNorm Transformer",
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+) -> CommitInfo:
+    """Upload in one commit the files at the top of `folder` (what `save_pretrained`, a tokenizer's
+    `save_pretrained` and the card wrote there), leaving its sub-folders (checkpoints, logs) out.
+    The repository `repo_id` must exist."""
+    folder = Path(folder)
+    files = sorted(path for path in folder.iterdir() if path.is_file())
+    if not any(path.name.endswith(".safetensors") for path in files):
+        raise FileNotFoundError(f"{folder} holds no .safetensors weights: nothing to upload to {repo_id}")
+    operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
+    return HfApi(token=token).create_commit(repo_id, operations, commit_message=commit_message, revision=revision,
+                                            create_pr=create_pr)
+
+
+__all__ = ["TEMPLATE_PATH", "push_to_hub", "render_model_card", "upload_saved_model"]

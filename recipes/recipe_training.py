@@ -8,7 +8,8 @@ optimizer, schedule, losses, metrics, checkpoint listing). This module holds:
   Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`, warmup, group scaling, backward
   denominator, statistics synchronised across processes or not), training, evaluation interval
   and patience; `check_args` fails on bad values before any data is read,
-- the model config from those arguments, the `Accelerator`, and the start-of-run log,
+- the model config from those arguments, the `Accelerator`, the start of a run (Hub repository,
+  trackers) and its log,
 - the loaders: token-budget training batches with their own seeded generator, so that dropout
   continues exactly after a resume, and sequential evaluation batches,
 - `train`: the update loop with gradient accumulation, a tqdm bar, tracking, validation every
@@ -18,7 +19,7 @@ optimizer, schedule, losses, metrics, checkpoint listing). This module holds:
 - `average_buffers_across_processes`: PN's running statistics made identical on every rank before
   the model is evaluated or saved, so a saved model never depends on which process wrote it,
 - `save_outputs`: `save_pretrained`, tokenizer, `all_results.json` and the model card with the
-  command as given.
+  command as given; the final scores to the trackers and the export to the Hub.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType, set_seed
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -49,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recipe_utils as ru  # noqa: E402
 
 from hf_powernorm import NORM_CLASSES, PRESETS, PowerNormTransformerConfig, normalize_norm_name  # noqa: E402
-from hf_powernorm.hub import render_model_card  # noqa: E402
+from hf_powernorm.hub import render_model_card, upload_saved_model  # noqa: E402
 
 logger = get_logger(__name__)
 BEST_MODEL_DIR = "best_model"
@@ -105,7 +108,8 @@ def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
     norms.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
     norms.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
     norms.add_argument("--powernorm_warmup_steps", type=int,
-                       help="updates using batch statistics; default: the preset's, else --warmup_steps")
+                       help="updates using batch statistics (the config stores them as forward passes: "
+                            "x --gradient_accumulation_steps); default: the preset's, else --warmup_steps")
     norms.add_argument("--powernorm_group_num", type=_group_num,
                        help="group scaling groups, or 'none'; default: one per attention head")
     norms.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
@@ -133,8 +137,18 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
     train.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
     train.add_argument("--output_dir", default="outputs/run")
-    train.add_argument("--hub_model_id", help="repository name for the model card; default: output folder")
-    train.add_argument("--with_tracking", action="store_true", help="log to the trackers Accelerate finds")
+    train.add_argument("--with_tracking", action="store_true",
+                       help="log loss, learning rate, tokens/s, validation and final scores to --report_to")
+    train.add_argument("--report_to", default="tensorboard",
+                       help="with --with_tracking: 'all' or comma-separated Accelerate trackers (tensorboard, "
+                            "wandb, mlflow, ...); TensorBoard writes under --output_dir")
+    hub = parser.add_argument_group("hub")
+    hub.add_argument("--push_to_hub", action="store_true",
+                     help="upload the export (weights with statistics, config, code, tokenizer, card, results); "
+                          "the repository is created before training")
+    hub.add_argument("--hub_model_id", help="ORG/NAME on the Hub, also the card's name; default: the output "
+                                            "folder's name")
+    hub.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--eval_steps", type=int, help="validate every N updates; default: each epoch")
     evaluation.add_argument("--patience", type=int, help="stop after N validations without improvement")
@@ -170,6 +184,36 @@ def check_args(args: argparse.Namespace,
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option} must be at least 1; got {value}")
+    if args.with_tracking:
+        args.report_to = _check_trackers(args.report_to)
+    if args.push_to_hub:
+        _check_hub_access()
+
+
+def _check_trackers(report_to: str) -> list[str]:
+    """The trackers of `--report_to`, each known to Accelerate and installed."""
+    names = [name.strip().lower() for name in report_to.split(",") if name.strip()]
+    known = [kind.value for kind in LoggerType]
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise ValueError(f"--report_to {report_to!r}: unknown tracker {unknown or report_to!r}; valid: {known}")
+    available = [str(kind.value) for kind in get_available_trackers()]
+    if names == ["all"] and not available:
+        raise ValueError("--with_tracking --report_to all: no tracker is installed; "
+                         "pip install tensorboard (or hf_powernorm[tracking])")
+    missing = [name for name in names if name != "all" and name not in available]
+    if missing:
+        raise ValueError(f"--report_to {report_to!r}: {missing} not installed (installed trackers: "
+                         f"{available or 'none'}); pip install {' '.join(missing)}")
+    return names
+
+
+def _check_hub_access() -> None:
+    """`--push_to_hub` needs the Hub and a token: say so before training, not after it."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError("--push_to_hub needs the Hugging Face Hub, but HF_HUB_OFFLINE is set")
+    if huggingface_hub.get_token() is None:
+        raise ValueError("--push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN")
 
 
 def _data_path_exists(path: Path) -> bool:
@@ -198,7 +242,8 @@ def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, d
     """The model config: `--preset` (else "tiny" resized by `default_size`), the tokenizer's ids,
     `fields`, the PN options and dropout, `--encoder/decoder_norm_type`, then `--config_overrides`.
 
-    PN's warmup follows the learning-rate warmup unless given; statistics are synchronised across
+    PN's warmup follows the learning-rate warmup unless given, and is stored in the config as
+    training forward passes (updates x `--gradient_accumulation_steps`); statistics are synchronised across
     processes with `--sync_stats` (default: when there are several processes).
     """
     norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
@@ -209,8 +254,11 @@ def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, d
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id)
     if args.config_overrides:
         config.update_from_string(args.config_overrides)
-    if config.powernorm_warmup_steps == 0:
-        config.powernorm_warmup_steps = args.warmup_steps
+    # The options count updates; PN counts training forward passes, one per micro-batch.
+    if args.powernorm_warmup_steps is not None:
+        config.powernorm_warmup_steps = args.powernorm_warmup_steps * args.gradient_accumulation_steps
+    elif config.powernorm_warmup_steps == 0:
+        config.powernorm_warmup_steps = args.warmup_steps * args.gradient_accumulation_steps
     config.powernorm_sync_stats = (config.powernorm_sync_stats or num_processes > 1) if args.sync_stats is None \
         else args.sync_stats
     config.max_position_embeddings = max(config.max_position_embeddings, max_length + 2)
@@ -229,12 +277,26 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)] if args.sync_stats is False else []
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              log_with="all" if args.with_tracking else None, project_dir=args.output_dir,
+                              log_with=args.report_to if args.with_tracking else None, project_dir=args.output_dir,
                               kwargs_handlers=handlers)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     set_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     return accelerator
+
+
+def start_run(accelerator: Accelerator, args: argparse.Namespace, name: str) -> None:
+    """Before training: create the Hub repository (`--push_to_hub`), so that a bad token or name
+    fails now, and start the trackers (`--with_tracking`) with the run's arguments."""
+    if args.push_to_hub and accelerator.is_main_process:
+        repo = huggingface_hub.HfApi().create_repo(args.hub_model_id or Path(args.output_dir).resolve().name,
+                                                   private=args.hub_private_repo or None, exist_ok=True)
+        args.hub_model_id = repo.repo_id
+        logger.info(f"pushing the export to {repo}", main_process_only=True)
+    if args.with_tracking:
+        config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()
+                  if v is not None}
+        accelerator.init_trackers(name, config)
 
 
 def norm_types(model: torch.nn.Module) -> dict[str, int]:
@@ -414,7 +476,7 @@ def _log_update(args: argparse.Namespace, accelerator: Accelerator, progress: tq
     progress.update(1)
     progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")
     if args.with_tracking:
-        accelerator.log({"train_loss": loss, "lr": lr}, step=step)
+        accelerator.log({"train_loss": loss, "lr": lr, "tokens_per_second": tokens_per_second}, step=step)
 
 
 def _validate(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
@@ -523,10 +585,13 @@ def training_command(script: str, argv: list[str] | None) -> str:
     return " ".join(["accelerate launch", script, *map(shlex.quote, args)])
 
 
-def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, output_dir: str | Path,
+def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace,
                  results: dict[str, Any], card_kwargs: dict[str, Any]) -> None:
     """`save_pretrained` (weights, config, code files), tokenizer, `all_results.json` and the model
-    card `README.md` with the run's float metrics and `card_kwargs` for `render_model_card`."""
+    card `README.md` in `args.output_dir`, with the run's float metrics and `card_kwargs` for
+    `render_model_card`; the metrics go to the trackers, the export to the Hub with `--push_to_hub`.
+    Ends the run (`end_training`)."""
+    output_dir = args.output_dir
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
@@ -537,4 +602,12 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
         card = render_model_card(unwrapped, results=scores, **card_kwargs)
         card.save(Path(output_dir) / "README.md")
+    if args.with_tracking:
+        accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))},
+                        step=results.get("train_steps"))
+    if args.push_to_hub and accelerator.is_main_process:
+        commit = upload_saved_model(output_dir, args.hub_model_id, commit_message=f"Upload PowerNorm Transformer "
+                                    f"({results.get('train_steps')} updates)")
+        logger.info(f"pushed {output_dir} to {commit.commit_url}", main_process_only=True)
     accelerator.wait_for_everyone()
+    accelerator.end_training()

@@ -109,6 +109,7 @@ def final_scores(args: argparse.Namespace, accelerator: Accelerator, model: torc
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
     args = parse_args(argv)
     accelerator = rt.make_accelerator(args)
+    rt.start_run(accelerator, args, "train_lm")
     tokenizer, data, words = load_data(args, accelerator)
     model = build_model(args, tokenizer, accelerator.num_processes)
     rt.log_run_start(accelerator, args, model, f"{len(data['train'])} training blocks of up to "
@@ -122,16 +123,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
              for s in ("validation", "test") if s in data}
     stopper = rt.EarlyStopping("min", args.patience)
     accelerator.register_for_checkpointing(scheduler, stopper)
-    if args.with_tracking:
-        accelerator.init_trackers("train_lm", {k: v for k, v in vars(args).items() if v is not None})
     validate = (lambda: evaluate_perplexity(accelerator, model, evals["validation"])["perplexity"]) \
         if "validation" in evals else None
     steps = rt.train(args, accelerator, model, optimizer, scheduler, loader, lm_loss, sampler=sampler,
                      evaluate=validate, stopper=stopper, tokenizer=tokenizer)
     results = rt.finish_training(accelerator, model, args.output_dir, stopper, steps)
     results.update(final_scores(args, accelerator, model, evals, words))
-    rt.save_outputs(accelerator, model, tokenizer, args.output_dir, results, card_kwargs(args, argv))
-    accelerator.end_training()
+    rt.save_outputs(accelerator, model, tokenizer, args, results, card_kwargs(args, argv))
     return results
 
 

@@ -124,6 +124,7 @@ def final_scores(args: argparse.Namespace, accelerator: Accelerator, model: torc
 def main(argv: list[str] | None = None) -> dict[str, float | int | str]:
     args = parse_args(argv)
     accelerator = rt.make_accelerator(args)
+    rt.start_run(accelerator, args, "train_wmt")
     tokenizer, data = load_data(args, accelerator)
     model = build_model(args, tokenizer, accelerator.num_processes)
     rt.log_run_start(accelerator, args, model, f"{len(data['train'])} training pairs, vocabulary {len(tokenizer)}")
@@ -137,16 +138,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | int | str]:
              for s in ("validation", "test") if s in data}
     stopper = rt.EarlyStopping("max", args.patience)
     accelerator.register_for_checkpointing(scheduler, stopper)
-    if args.with_tracking:
-        accelerator.init_trackers("train_wmt", {k: v for k, v in vars(args).items() if v is not None})
     validate = (lambda: evaluate_bleu(args, accelerator, model, evals["validation"], tokenizer)["bleu"]) \
         if "validation" in evals else None
     steps = rt.train(args, accelerator, model, optimizer, scheduler, loader, translation_loss(args, accelerator),
                      sampler=sampler, evaluate=validate, stopper=stopper, tokenizer=tokenizer)
     results = rt.finish_training(accelerator, model, args.output_dir, stopper, steps)
     results.update(final_scores(args, accelerator, model, evals, tokenizer))
-    rt.save_outputs(accelerator, model, tokenizer, args.output_dir, results, card_kwargs(args, argv))
-    accelerator.end_training()
+    rt.save_outputs(accelerator, model, tokenizer, args, results, card_kwargs(args, argv))
     return results
 
 

@@ -215,6 +215,11 @@ def test_model_config_from_the_command_line(bpe):
     assert (config.hidden_size, config.encoder_layers, config.vocab_size) == (64, 3, len(bpe))
     assert (config.powernorm_alpha_fwd, config.powernorm_group_num) == (0.95, None)
     assert config.powernorm_warmup_steps == 7  # PN's warmup follows the learning-rate warmup
+    # Updates on the command line, training forward passes (one per micro-batch) in the config.
+    accumulated = parser.parse_args(["--warmup_steps", "7", "--gradient_accumulation_steps", "3"])
+    assert rt.build_config(accumulated, bpe, 1, {}, 100).powernorm_warmup_steps == 21
+    accumulated.powernorm_warmup_steps = 5
+    assert rt.build_config(accumulated, bpe, 1, {}, 100).powernorm_warmup_steps == 15
     assert config.pad_token_id == bpe.pad_token_id and config.max_position_embeddings >= 102
     assert config.powernorm_sync_stats is True  # several processes: synchronised by default
     assert rt.build_config(parser.parse_args([]), bpe, 1, {}, 100).powernorm_sync_stats is False

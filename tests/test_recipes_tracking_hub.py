@@ -1,0 +1,174 @@
+"""The recipes' trackers (`--with_tracking --report_to`) and Hub upload (`--push_to_hub`).
+
+TensorBoard runs for real: the event files a run writes are read back. No Hub server is reachable
+from the tests: `HfApi.create_repo` and `HfApi.create_commit` are patched to record what the
+recipe would create and upload.
+"""
+
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub import CommitInfo, RepoUrl
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import recipe_training as rt  # noqa: E402
+import recipe_utils as ru  # noqa: E402
+import train_classification  # noqa: E402
+import train_lm  # noqa: E402
+
+LM_TINY = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
+           "--learning_rate", "5e-3", "--eval_batch_size", "16", "--max_train_steps", "4", "--eval_steps", "2"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state_after_each_test():
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("lm_data")
+    corpus = ru.synthetic_lm_corpus({"train": 80, "validation": 12}, seed=5)
+    args = []
+    for split in ("train", "validation"):
+        (root / f"{split}.txt").write_text("".join(line + "\n" for line in corpus[split]["text"]), encoding="utf-8")
+        args += [f"--{split}_file", str(root / f"{split}.txt")]
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Tracking
+# --------------------------------------------------------------------------------------------
+
+def test_with_tracking_writes_tensorboard_scalars(text_files, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    results = train_lm.main([*LM_TINY, *text_files, "--with_tracking", "--output_dir", str(tmp_path)])
+    runs = list((tmp_path / "train_lm").rglob("events.out.tfevents.*"))
+    assert runs, f"no TensorBoard event file under {tmp_path / 'train_lm'}"
+    events = EventAccumulator(str(runs[0].parent))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    for tag in ("train_loss", "lr", "tokens_per_second"):
+        assert [step for step, _ in scalars[tag]] == [1, 2, 3, 4], tag
+    assert all(value > 0 for _, value in scalars["tokens_per_second"])
+    # Learning rate of the inverse-square-root schedule: linear warmup over 3 updates, then decay.
+    lrs = [value for _, value in scalars["lr"]]
+    assert lrs[0] < lrs[1] < lrs[2] and lrs[3] < lrs[2]
+    # Validation every 2 updates (perplexity), then the final scores at the last update.
+    assert [step for step, _ in scalars["validation"]] == [2, 4]
+    assert scalars["validation_perplexity"] == [(4, pytest.approx(results["validation_perplexity"], rel=1e-6))]
+
+
+@pytest.mark.parametrize("report_to, message", [
+    ("tensorbored", "unknown tracker \\['tensorbored'\\]; valid: \\['all'"),
+    ("wandb", "\\['wandb'\\] not installed .*pip install wandb"),
+    ("all", "no tracker is installed; pip install tensorboard"),
+])
+def test_trackers_that_cannot_log_fail_before_training(report_to, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(rt, "get_available_trackers", lambda: [])  # as on a machine without any tracker
+    with pytest.raises(ValueError, match=message):
+        train_lm.main(["--with_tracking", "--report_to", report_to, "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Hub
+# --------------------------------------------------------------------------------------------
+
+class HubRecorder:
+    """Stands in for the Hub: records created repositories and committed files, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, api, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, api, repo_id, operations, **kwargs):
+        files = {}
+        for operation in operations:
+            with operation.as_file() as handle:
+                files[operation.path_in_repo] = handle.read()
+        self.calls.append(("create_commit", repo_id, files))
+        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/{'0' * 40}", commit_message="",
+                          commit_description="", oid="0" * 40)
+
+    def patch(self):
+        return mock.patch.multiple("huggingface_hub.HfApi",
+                                   create_repo=lambda api, repo_id, **kw: self.create_repo(api, repo_id, **kw),
+                                   create_commit=lambda api, repo_id, ops, **kw: self.create_commit(api, repo_id, ops,
+                                                                                                    **kw))
+
+
+@pytest.fixture
+def online_with_token(monkeypatch):
+    """What `--push_to_hub` needs before it starts: the Hub not switched off, and a token."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
+
+
+def test_push_to_hub_creates_the_repository_first_and_uploads_the_export(online_with_token, tmp_path):
+    hub = HubRecorder()
+    first_update = []
+    step = ru.inverse_sqrt_schedule
+
+    def schedule(*args, **kwargs):  # built before training: the repository must exist by then
+        first_update.append(len(hub.calls))
+        return step(*args, **kwargs)
+
+    with hub.patch(), mock.patch.object(ru, "inverse_sqrt_schedule", schedule):
+        results = train_classification.main([
+            "--vocab_size", "150", "--max_tokens", "256", "--warmup_steps", "3", "--max_train_steps", "3",
+            "--max_eval_samples", "30", "--checkpointing_steps", "1", "--push_to_hub", "--hub_model_id",
+            "org/pn-sentiment", "--hub_private_repo", "--output_dir", str(tmp_path)])
+    (kind, repo, options), (commit, pushed_repo, files) = hub.calls
+    assert (kind, repo, options["private"], options["exist_ok"]) == ("create_repo", "org/pn-sentiment", True, True)
+    assert first_update == [1]
+    assert (commit, pushed_repo) == ("create_commit", "org/pn-sentiment")
+    # Exactly the files of the export, none of the checkpoints or the best-model copy.
+    assert set(files) == {p.name for p in tmp_path.iterdir() if p.is_file()}
+    assert {"model.safetensors", "config.json", "configuration_powernorm.py", "modeling_powernorm.py",
+            "tokenizer.json", "tokenizer_config.json", "README.md", "all_results.json"} <= set(files)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert files["model.safetensors"] == (tmp_path / "model.safetensors").read_bytes()
+    assert {"model.encoder.final_norm.running_phi", "model.encoder.final_norm.running_nu",
+            "model.encoder.final_norm.num_batches_tracked"} <= set(weights)
+    card = files["README.md"].decode()
+    assert 'from_pretrained("org/pn-sentiment", trust_remote_code=True)' in card and "--push_to_hub" in card
+    assert json.loads(files["all_results.json"]) == pytest.approx(results)
+
+
+@pytest.mark.parametrize("offline, token, message", [
+    (True, "hf_" + "x" * 34, "--push_to_hub needs the Hugging Face Hub, but HF_HUB_OFFLINE is set"),
+    (False, None, "--push_to_hub needs a Hugging Face token"),
+])
+def test_push_to_hub_without_hub_or_token_fails_before_training(offline, token, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "token"))  # none stored
+    with pytest.raises(ValueError, match=message):
+        train_classification.main(["--push_to_hub", "--hub_model_id", "org/x", "--output_dir", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
