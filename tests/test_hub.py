@@ -1,7 +1,7 @@
 """Model cards and what `push_to_hub` sends, without a network: the Hub API calls are patched.
 
 No Hub server is reachable from the tests: `HfApi.create_repo` and `HfApi.create_commit` are
-replaced by recorders, and the recorded files are checked (and loaded back from a Hub cache
+replaced by the `hub` recorder of `conftest.py`, and the recorded files are checked (and loaded back from a Hub cache
 layout with `HF_HUB_OFFLINE=1`).
 """
 
@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 import yaml
-from huggingface_hub import CommitInfo, ModelCard, RepoUrl
+from huggingface_hub import ModelCard
 from safetensors.torch import load as load_safetensors
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
@@ -31,13 +31,7 @@ REPO_ID = "powernorm-test/tiny-iwslt"
 COMMAND = "accelerate launch recipes/translation.py --preset iwslt14-small --max_steps 50000"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trained_seq2seq() -> PowerNormTransformerForConditionalGeneration:
@@ -60,35 +54,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def front_matter(card: ModelCard) -> dict:
     return yaml.safe_load(str(card).split("---")[1])
-
-
-class HubRecorder:
-    """Stands in for the Hub: records created repositories and committed files."""
-
-    def __init__(self):
-        self.repos, self.commits = [], []
-
-    def create_repo(self, api, repo_id, **kwargs):
-        self.repos.append((repo_id, kwargs))
-        return RepoUrl(f"https://huggingface.co/{repo_id}")
-
-    def create_commit(self, api, repo_id, operations, **kwargs):
-        files = {}
-        for operation in operations:
-            with operation.as_file() as handle:
-                files[operation.path_in_repo] = handle.read()
-        self.commits.append({"repo_id": repo_id, "files": files, **kwargs})
-        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/{'0' * 40}", commit_message="",
-                          commit_description="", oid="0" * 40)
-
-    def patch(self):
-        recorder = self
-        return mock.patch.multiple(
-            "huggingface_hub.HfApi",
-            create_repo=lambda api, repo_id, **kw: recorder.create_repo(api, repo_id, **kw),
-            create_commit=lambda api, repo_id, operations, **kw: recorder.create_commit(api, repo_id, operations,
-                                                                                          **kw),
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,14 +121,13 @@ def test_card_comes_from_the_model_cards_template(tmp_path):
 # Uploads
 
 
-def test_push_to_hub_sends_weights_buffers_config_code_tokenizer_and_card(tmp_path):
-    model, recorder = trained_seq2seq(), HubRecorder()
-    with recorder.patch():
-        push_to_hub(model, REPO_ID, tokenizer=tiny_tokenizer(), private=True, language=["de", "en"],
-                    datasets="iwslt14", results={"bleu": 35.4}, training_command=COMMAND)
-    assert recorder.repos == [(REPO_ID, {"private": True, "exist_ok": True})]
-    assert len(recorder.commits) == 1
-    commit = recorder.commits[0]
+def test_push_to_hub_sends_weights_buffers_config_code_tokenizer_and_card(hub, tmp_path):
+    model = trained_seq2seq()
+    push_to_hub(model, REPO_ID, tokenizer=tiny_tokenizer(), private=True, language=["de", "en"],
+                datasets="iwslt14", results={"bleu": 35.4}, training_command=COMMAND)
+    assert hub.repos == [(REPO_ID, {"private": True, "exist_ok": True})]
+    assert len(hub.commits) == 1
+    commit = hub.commits[0]
     files = commit["files"]
     assert commit["repo_id"] == REPO_ID and commit["commit_message"] == "Upload PowerNorm Transformer"
     assert {"model.safetensors", "config.json", "generation_config.json", "configuration_powernorm.py",
@@ -194,23 +158,22 @@ def test_push_to_hub_sends_weights_buffers_config_code_tokenizer_and_card(tmp_pa
     shutil.rmtree(tmp_path / "hub")
 
 
-def test_a_given_card_is_sent_as_is():
-    recorder, card = HubRecorder(), ModelCard("---\nlicense: mit\ntags:\n- powernorm\n---\n# Custom\n")
-    with recorder.patch():
-        push_to_hub(trained_seq2seq(), REPO_ID, card=card, commit_message="v2", revision="dev")
-    commit = recorder.commits[0]
+def test_a_given_card_is_sent_as_is(hub):
+    card = ModelCard("---\nlicense: mit\ntags:\n- powernorm\n---\n# Custom\n")
+    push_to_hub(trained_seq2seq(), REPO_ID, card=card, commit_message="v2", revision="dev")
+    commit = hub.commits[0]
     assert commit["files"]["README.md"].decode().endswith("# Custom\n")
     assert commit["commit_message"] == "v2" and commit["revision"] == "dev"
     assert "tokenizer.json" not in commit["files"]
 
 
-def test_transformers_push_to_hub_also_sends_buffers_and_code_files():
+def test_transformers_push_to_hub_also_sends_buffers_and_code_files(hub):
     """`model.push_to_hub` (Transformers' own) uploads the same checkpoint, with a generic card."""
-    model, recorder = trained_seq2seq(), HubRecorder()
+    model = trained_seq2seq()
     generic = ModelCard("---\nlibrary_name: transformers\n---\n")
-    with recorder.patch(), mock.patch("transformers.utils.hub.create_and_tag_model_card", return_value=generic):
+    with mock.patch("transformers.utils.hub.create_and_tag_model_card", return_value=generic):
         model.push_to_hub(REPO_ID)
-    files = recorder.commits[0]["files"]
+    files = hub.commits[0]["files"]
     assert {"modeling_powernorm.py", "configuration_powernorm.py", "normalization.py"} <= set(files)
     weights = load_safetensors(files["model.safetensors"])
     assert torch.equal(weights["model.encoder.layers.0.ffn_norm.running_phi"],

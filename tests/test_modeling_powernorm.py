@@ -32,13 +32,7 @@ AUTO_CLASSES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_config(norm: str = "powernorm", **overrides) -> PowerNormTransformerConfig:

@@ -34,26 +34,7 @@ CLS_FAST = ["--vocab_size", "150", "--max_tokens", "256", "--warmup_steps", "3",
             "--eval_batch_size", "32"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _reset_accelerate_state() -> None:
-    """Accelerate's state is one per process: forget it so an in-process run may change e.g. the precision."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state_after_each_test():
-    yield
-    _reset_accelerate_state()
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
 
 def _write_lines(path: Path, lines: list[str]) -> str:
@@ -248,12 +229,12 @@ def test_classification_resume_with_gradient_accumulation(cls_run, classificatio
     assert resumed["model.encoder.final_norm.num_batches_tracked"].item() == 16  # 2 micro-batches an update
 
 
-def test_classification_embedded_default_and_phrasebank(classification_files, tmp_path):
+def test_classification_embedded_default_and_phrasebank(classification_files, tmp_path, reset_accelerate):
     default = train_classification.main(["--max_train_steps", "40", "--warmup_steps", "5", "--eval_steps", "40",
                                          "--learning_rate", "3e-3", "--output_dir", str(tmp_path / "default")])
     assert default["validation_examples"] == 300 and default["test_examples"] == 300
     assert default["validation_accuracy"] > 0.5  # three balanced classes: chance is 1/3
-    _reset_accelerate_state()
+    reset_accelerate()
     phrasebank = train_classification.main([
         *CLS_FAST, "--phrasebank_file", classification_files["phrasebank"], "--max_train_steps", "2",
         "--norm_type", "batchnorm", "--mixed_precision", "bf16", "--output_dir", str(tmp_path / "phrasebank")])

@@ -1,8 +1,7 @@
 """The recipes' trackers (`--with_tracking --report_to`) and Hub upload (`--push_to_hub`).
 
 TensorBoard runs for real: the event files a run writes are read back. No Hub server is reachable
-from the tests: `HfApi.create_repo` and `HfApi.create_commit` are patched to record what the
-recipe would create and upload.
+from the tests: the `hub` fixture of `conftest.py` records what the recipe creates and uploads.
 """
 
 import json
@@ -12,8 +11,6 @@ from unittest import mock
 
 import huggingface_hub
 import pytest
-import torch
-from huggingface_hub import CommitInfo, RepoUrl
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,21 +23,7 @@ import train_lm  # noqa: E402
 LM_TINY = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "16", "--max_train_steps", "4", "--eval_steps", "2"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state_after_each_test():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
 
 @pytest.fixture(scope="module")
@@ -94,32 +77,6 @@ def test_trackers_that_cannot_log_fail_before_training(report_to, message, tmp_p
 # Hub
 # --------------------------------------------------------------------------------------------
 
-class HubRecorder:
-    """Stands in for the Hub: records created repositories and committed files, in order."""
-
-    def __init__(self):
-        self.calls = []
-
-    def create_repo(self, api, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id, kwargs))
-        return RepoUrl(f"https://huggingface.co/{repo_id}")
-
-    def create_commit(self, api, repo_id, operations, **kwargs):
-        files = {}
-        for operation in operations:
-            with operation.as_file() as handle:
-                files[operation.path_in_repo] = handle.read()
-        self.calls.append(("create_commit", repo_id, files))
-        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/{'0' * 40}", commit_message="",
-                          commit_description="", oid="0" * 40)
-
-    def patch(self):
-        return mock.patch.multiple("huggingface_hub.HfApi",
-                                   create_repo=lambda api, repo_id, **kw: self.create_repo(api, repo_id, **kw),
-                                   create_commit=lambda api, repo_id, ops, **kw: self.create_commit(api, repo_id, ops,
-                                                                                                    **kw))
-
-
 @pytest.fixture
 def online_with_token(monkeypatch):
     """What `--push_to_hub` needs before it starts: the Hub not switched off, and a token."""
@@ -127,24 +84,25 @@ def online_with_token(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
 
 
-def test_push_to_hub_creates_the_repository_first_and_uploads_the_export(online_with_token, tmp_path):
-    hub = HubRecorder()
+def test_push_to_hub_creates_the_repository_first_and_uploads_the_export(online_with_token, hub, tmp_path):
     first_update = []
     step = ru.inverse_sqrt_schedule
 
     def schedule(*args, **kwargs):  # built before training: the repository must exist by then
-        first_update.append(len(hub.calls))
+        first_update.append(len(hub.repos))
         return step(*args, **kwargs)
 
-    with hub.patch(), mock.patch.object(ru, "inverse_sqrt_schedule", schedule):
+    with mock.patch.object(ru, "inverse_sqrt_schedule", schedule):
         results = train_classification.main([
             "--vocab_size", "150", "--max_tokens", "256", "--warmup_steps", "3", "--max_train_steps", "3",
             "--max_eval_samples", "30", "--checkpointing_steps", "1", "--push_to_hub", "--hub_model_id",
             "org/pn-sentiment", "--hub_private_repo", "--output_dir", str(tmp_path)])
-    (kind, repo, options), (commit, pushed_repo, files) = hub.calls
-    assert (kind, repo, options["private"], options["exist_ok"]) == ("create_repo", "org/pn-sentiment", True, True)
+    assert hub.repos == [("org/pn-sentiment", {"private": True, "exist_ok": True})]
     assert first_update == [1]
-    assert (commit, pushed_repo) == ("create_commit", "org/pn-sentiment")
+    [commit] = hub.commits
+    assert commit["repo_id"] == "org/pn-sentiment" and commit["commit_message"] == \
+        "Upload PowerNorm Transformer (3 updates)"
+    files = commit["files"]
     # Exactly the files of the export, none of the checkpoints or the best-model copy.
     assert set(files) == {p.name for p in tmp_path.iterdir() if p.is_file()}
     assert {"model.safetensors", "config.json", "configuration_powernorm.py", "modeling_powernorm.py",
