@@ -115,12 +115,14 @@ def render_model_card(
     training_command: str | None = None,
     description: str | None = None,
     tags: list[str] | None = None,
+    with_tokenizer: bool = False,
     template_path: str | Path | None = None,
 ) -> ModelCard:
     """The card of `model` (a PowerNorm Transformer head) for the Hub repository `repo_id`.
 
     `results` maps metric names to values (e.g. `{"bleu": 35.4}`); they become the card's
-    `metrics`, a results table and, with `datasets`, a `model-index` entry.
+    `metrics`, a results table and, with `datasets`, a `model-index` entry. `with_tokenizer`: the
+    repository holds tokenizer files, and the card shows how to load them.
     """
     head = type(model).__name__
     if head not in _HEADS:
@@ -143,6 +145,7 @@ def render_model_card(
         task=task,
         auto_class=auto_class,
         usage=usage,
+        with_tokenizer=with_tokenizer,
         norm_positions=_norm_positions(config, head),
         norm_options=[(name, getattr(config, name)) for name in _NORM_OPTIONS],
         norms_folded=config.norms_folded,
@@ -173,7 +176,8 @@ def push_to_hub(
     """
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    card = card if card is not None else render_model_card(model, repo_id=repo_id, **card_options)
+    if card is None:
+        card = render_model_card(model, repo_id=repo_id, with_tokenizer=tokenizer is not None, **card_options)
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         if tokenizer is not None:

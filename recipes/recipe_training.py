@@ -600,7 +600,7 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         tokenizer.save_pretrained(output_dir)
         ru.save_json(Path(output_dir) / "all_results.json", results)
         scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
-        card = render_model_card(unwrapped, results=scores, **card_kwargs)
+        card = render_model_card(unwrapped, results=scores, with_tokenizer=True, **card_kwargs)
         card.save(Path(output_dir) / "README.md")
     if args.with_tracking:
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))},

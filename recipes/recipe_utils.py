@@ -568,6 +568,9 @@ def load_tokenizer(path: str | Path):
     if not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {path}")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    # Where it was loaded from, not what it is: kept, they would travel into every export (and to the Hub).
+    for name in ("is_local", "local_files_only"):
+        tokenizer.init_kwargs.pop(name, None)
     for name in ("pad_token_id", "eos_token_id"):
         if getattr(tokenizer, name) is None:
             raise ValueError(f"tokenizer {path} has no {name.removesuffix('_id')}; the recipes need one")

@@ -8,6 +8,7 @@ runs here at tiny scale: the same options with small sizes and local files.
 """
 
 import csv
+import inspect
 import json
 import os
 import re
@@ -38,20 +39,7 @@ STATISTICS = ("running_phi", "running_nu", "num_batches_tracked")
 README = ROOT / "recipes" / "README.md"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is fastest, and several threads crawl when the cores are busy."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state_after_each_test():
-    """Accelerate's state is one per process: forget it so that the next in-process run starts afresh."""
-    yield
-    _reset_accelerate_state()
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +57,6 @@ def translation_files(tmp_path_factory) -> dict[str, str]:
             "--test_file": str(root / "test.jsonl")}
 
 
-def _reset_accelerate_state() -> None:
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def _file_args(files: dict[str, str], output_dir: Path, *extra: str) -> list[str]:
     return [*FAST, *(word for option in files.items() for word in option), "--output_dir", str(output_dir), *extra]
 
@@ -90,7 +72,7 @@ def _assert_same_weights(first: Path, second: Path) -> None:
 # One process, in-process runs
 # --------------------------------------------------------------------------------------------
 
-def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys):
+def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys, reset_accelerate):
     first, second = tmp_path / "first", tmp_path / "second"
     run = [*FAST, "--max_train_steps", "6", "--eval_steps", "2", "--checkpointing_steps", "2"]
     results = train_wmt.main([*run, "--output_dir", str(first)])
@@ -124,7 +106,7 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys):
     assert averaged["model.encoder.layers.0.self_attn_norm.num_batches_tracked"].item() == 6
 
     # Resume from the newest of two checkpoints and finish the run: same weights as without a break.
-    _reset_accelerate_state()
+    reset_accelerate()
     second.mkdir()  # the folder of a run interrupted after update 4
     for name in ("tokenizer", "step_2", "step_4"):
         (second / name).symlink_to(first / name, target_is_directory=True)
@@ -175,6 +157,120 @@ def test_train_wmt_bad_arguments_fail_before_training(bad, error, message, tmp_p
     with pytest.raises(error, match=message):
         train_wmt.main([*bad, "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Remote code: a fresh process without the package recomputes the BLEU scores
+# --------------------------------------------------------------------------------------------
+
+def _beam_search(model, pad_token_id: int, rows: list[list[int]], batch_size: int, num_beams: int,
+                 length_penalty: float, max_new_tokens: int) -> tuple[list[list[int]], list[float]]:
+    """`generate` as `train_wmt.evaluate_bleu` calls it, on batches padded like `PaddingCollator`
+    pads them (right, with an attention mask): the generated ids and the beam scores. The child
+    below runs this very source."""
+    import torch
+
+    sequences, scores = [], []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start:start + batch_size]
+        width = max(len(row) for row in batch)
+        input_ids = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in batch])
+        attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, num_beams=num_beams,
+                                 length_penalty=length_penalty, max_new_tokens=max_new_tokens,
+                                 output_scores=True, return_dict_in_generate=True)
+        sequences += out.sequences.tolist()
+        scores += out.sequences_scores.tolist()
+    return sequences, scores
+
+
+WMT_CHILD = textwrap.dedent(
+    r"""
+    import importlib.util, json
+    assert importlib.util.find_spec("hf_powernorm") is None, "hf_powernorm must not be importable here"
+    import sacrebleu
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+    torch.set_num_threads(1)
+    data = json.load(open(DATA))
+    model = AutoModelForSeq2SeqLM.from_pretrained(MODEL_DIR, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR, trust_remote_code=True)  # as the card says
+    out = {}
+    for split, part in data.items():
+        encoded = tokenizer(part["sources"], max_length=MAX_LENGTH, truncation=True)["input_ids"]
+        assert encoded == part["input_ids"], f"{split}: the tokenizer encodes the sources differently"
+        sequences, scores = _beam_search(model, tokenizer.pad_token_id, part["input_ids"], **GENERATE)
+        # ru.decode_for_bleu: special tokens dropped, stripped
+        hypotheses = [text.strip() for text in tokenizer.batch_decode(sequences, skip_special_tokens=True)]
+        out[split] = {"sequences": sequences, "scores": scores, "hypotheses": hypotheses,
+                      "bleu": sacrebleu.corpus_bleu(hypotheses, [part["references"]]).score,
+                      "bleu_lowercase": sacrebleu.corpus_bleu(hypotheses, [part["references"]], lowercase=True).score}
+    print("RESULTS " + json.dumps(out))
+    """
+)
+
+
+def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_files, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    import hf_powernorm  # noqa: F401  (registers the Auto classes)
+
+    out = tmp_path / "wmt"
+    # Enough updates that the translations depend on the source; the best of four validations is exported.
+    argv = _file_args(translation_files, out, "--max_train_steps", "200", "--eval_steps", "50")
+    results, args = train_wmt.main(argv), train_wmt.parse_args(argv)
+    assert json.loads((out / "all_results.json").read_text()) == pytest.approx(results)
+
+    # The evaluation inputs of the run: its data loading and tokenization, its first examples.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    files = ru.data_files_from_args(validation_file=args.validation_file, test_file=args.test_file)
+    raw = ru.load_translation_dataset(args.source_lang, args.target_lang, data_files=files)
+    encoded = ru.tokenize_translation(raw, tokenizer, args.source_lang, args.target_lang, args.max_length)
+    data = {}
+    for split in ("validation", "test"):
+        first = range(args.max_eval_samples)
+        pairs = list(raw[split].select(first)["translation"])
+        references = [pair[args.target_lang] for pair in pairs]
+        # The recipe scores against its decoded labels: they are the reference text itself.
+        assert ru.decode_for_bleu(tokenizer, encoded[split].select(first)["labels"]) == references, split
+        data[split] = {"sources": [pair[args.source_lang] for pair in pairs], "references": references,
+                       "input_ids": [list(ids) for ids in encoded[split].select(first)["input_ids"]]}
+    (tmp_path / "data.json").write_text(json.dumps(data, ensure_ascii=False))
+    generate = {"batch_size": args.eval_batch_size, "num_beams": args.num_beams,
+                "length_penalty": args.length_penalty, "max_new_tokens": args.max_new_tokens}
+    assert generate == {"batch_size": 4, "num_beams": 2, "length_penalty": 1.0, "max_new_tokens": 8}
+
+    sys_path = [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
+    script = tmp_path / "child.py"
+    script.write_text(f"import sys\nsys.path.extend({sys_path!r})\nDATA = {str(tmp_path / 'data.json')!r}\n"
+                      f"MODEL_DIR = {str(out)!r}\nMAX_LENGTH = {args.max_length!r}\nGENERATE = {generate!r}\n\n"
+                      + inspect.getsource(_beam_search) + WMT_CHILD)
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
+           "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-S", str(script)], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and "RESULTS " in child.stdout, child.stdout[-3000:] + child.stderr[-6000:]
+    got = json.loads(child.stdout.rsplit("RESULTS ", 1)[1].splitlines()[0])  # after any progress bar
+
+    # The fresh process's BLEU is the run's, cased and lowercased, on both splits.
+    for split in ("validation", "test"):
+        for metric in ("bleu", "bleu_lowercase"):
+            assert got[split][metric] == pytest.approx(results[f"{split}_{metric}"], rel=1e-9, abs=1e-9), \
+                f"{split}_{metric}: fresh process {got[split][metric]} != run {results[f'{split}_{metric}']}"
+    # Token for token, and score for score, the remote code translates as the package's class does.
+    model = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    assert type(model).__module__.startswith("hf_powernorm.")
+    for split in ("validation", "test"):
+        sequences, scores = _beam_search(model, tokenizer.pad_token_id, data[split]["input_ids"], **generate)
+        assert got[split]["sequences"] == sequences, f"{split}: the fresh process generates other tokens"
+        assert got[split]["scores"] == pytest.approx(scores, rel=1e-5, abs=1e-6), split
+        assert got[split]["hypotheses"] == ru.decode_for_bleu(tokenizer, torch.tensor(sequences)), split
+    # Not a degenerate comparison: the translations are text, depend on the source, and score above 0.
+    hypotheses = got["validation"]["hypotheses"]
+    assert all(hypotheses) and len(set(got["validation"]["scores"])) == len(hypotheses), hypotheses
+    assert results["validation_bleu"] > 0 and results["test_bleu"] > 0, results
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,7 +457,7 @@ def tiny_data(translation_files, tmp_path_factory) -> dict[str, dict[str, str]]:
 SCRIPTS = {"train_wmt.py": train_wmt, "train_lm.py": train_lm, "train_classification.py": train_classification}
 
 
-def test_readme_commands_run_at_tiny_scale(tiny_data, tmp_path, capsys):
+def test_readme_commands_run_at_tiny_scale(tiny_data, tmp_path, capsys, reset_accelerate):
     commands = [c for c in readme_commands() if "--num_processes" not in c[1]]  # two processes: above
     assert {script for script, _, _ in commands} == {*SCRIPTS, "average_checkpoints.py"}
     for script, _, args in commands:
@@ -373,7 +469,7 @@ def test_readme_commands_run_at_tiny_scale(tiny_data, tmp_path, capsys):
             average_checkpoints.main(args)
             assert (output_dir / "model.safetensors").is_file() and (output_dir / "config.json").is_file()
             continue
-        _reset_accelerate_state()
+        reset_accelerate()
         results = SCRIPTS[script].main(args)
         assert 1 <= results["train_steps"] <= int(TINY_SIZES[script]["--max_train_steps"]), (script, args)
         assert (output_dir / "model.safetensors").is_file() and (output_dir / "README.md").is_file()

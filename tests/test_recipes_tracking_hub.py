@@ -112,7 +112,9 @@ def test_push_to_hub_creates_the_repository_first_and_uploads_the_export(online_
     assert {"model.encoder.final_norm.running_phi", "model.encoder.final_norm.running_nu",
             "model.encoder.final_norm.num_batches_tracked"} <= set(weights)
     card = files["README.md"].decode()
-    assert 'from_pretrained("org/pn-sentiment", trust_remote_code=True)' in card and "--push_to_hub" in card
+    assert 'AutoModelForSequenceClassification.from_pretrained("org/pn-sentiment", trust_remote_code=True)' in card
+    assert 'AutoTokenizer.from_pretrained("org/pn-sentiment", trust_remote_code=True)' in card
+    assert "--push_to_hub" in card
     assert json.loads(files["all_results.json"]) == pytest.approx(results)
 
 

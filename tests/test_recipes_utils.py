@@ -184,7 +184,12 @@ def test_bpe_round_trip_through_auto_tokenizer(bpe, tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded(text)["input_ids"] == ids
     assert loaded.decode(ids, skip_special_tokens=True) == text
-    assert ru.load_tokenizer(tmp_path).pad_token_id == 1
+    reloaded = ru.load_tokenizer(tmp_path)
+    assert reloaded.pad_token_id == 1
+    # Saved again (the export), it says nothing of where it was loaded from.
+    reloaded.save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
+    assert not {"is_local", "local_files_only"} & set(saved), saved
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ru.load_tokenizer(tmp_path / "nowhere")
 
