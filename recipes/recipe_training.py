@@ -606,8 +606,12 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))},
                         step=results.get("train_steps"))
     if args.push_to_hub and accelerator.is_main_process:
-        commit = upload_saved_model(output_dir, args.hub_model_id, commit_message=f"Upload PowerNorm Transformer "
-                                    f"({results.get('train_steps')} updates)")
+        try:
+            commit = upload_saved_model(output_dir, args.hub_model_id, commit_message=f"Upload PowerNorm "
+                                        f"Transformer ({results.get('train_steps')} updates)")
+        except Exception as error:
+            raise RuntimeError(f"uploading to {args.hub_model_id} failed ({error}); the export in {output_dir} "
+                               f"is complete: upload it again with hf_powernorm.hub.upload_saved_model") from error
         logger.info(f"pushed {output_dir} to {commit.commit_url}", main_process_only=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()

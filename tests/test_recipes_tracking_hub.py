@@ -132,3 +132,17 @@ def test_push_to_hub_without_hub_or_token_fails_before_training(offline, token, 
     with pytest.raises(ValueError, match=message):
         train_classification.main(["--push_to_hub", "--hub_model_id", "org/x", "--output_dir", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_upload_keeps_the_export_and_says_so(online_with_token, hub, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ConnectionError("the Hub hung up")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", refuse)
+    with pytest.raises(RuntimeError, match="uploading to org/pn-lm failed \\(the Hub hung up\\); the export in .* "
+                                           "is complete"):
+        train_lm.main([*LM_TINY, "--max_train_steps", "2", "--push_to_hub", "--hub_model_id", "org/pn-lm",
+                       "--output_dir", str(tmp_path)])
+    assert hub.repos == [("org/pn-lm", {"private": None, "exist_ok": True})]
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "all_results.json"):
+        assert (tmp_path / name).is_file(), name
