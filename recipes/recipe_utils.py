@@ -308,15 +308,17 @@ def hf_offline() -> bool:
 
 
 def load_hub_dataset(name: str, config: str | None = None) -> DatasetDict:
-    """`datasets.load_dataset(name, config)`, failing clearly when the Hub cannot be reached."""
+    """`datasets.load_dataset(name, config)`, failing clearly when the Hub cannot be reached. In
+    offline mode a dataset that `datasets` has cached still loads."""
     advice = ("pass local files with --train_file/--validation_file/--test_file, or leave out "
               "--dataset_name to use the embedded default corpus")
-    if hf_offline():
-        raise RuntimeError(f"--dataset_name {name!r} needs the Hugging Face Hub, but offline mode is "
-                           f"on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); {advice}")
     try:
         return datasets.load_dataset(name, config)
     except ConnectionError as error:
+        if hf_offline():
+            raise RuntimeError(f"--dataset_name {name!r} needs the Hugging Face Hub, but offline mode is on "
+                               f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and it is not in the datasets cache; "
+                               f"{advice}") from error
         raise RuntimeError(f"could not download --dataset_name {name!r} ({error}); {advice}") from error
 
 

@@ -4,7 +4,7 @@ A decoder-only `PowerNormTransformerForCausalLM` with PN at every norm (preset `
 trained on fixed-length blocks of the token stream. Perplexity is exp(mean token NLL) over the
 whole validation/test stream (every token after the first is scored exactly once), gathered across
 processes. Without arguments a small model trains on the embedded English corpus (validation
-perplexity from about 375 to about 10 in 400 updates, 1-3 minutes on 2 CPU cores). PTB:
+perplexity 52 after the first epoch, 10.3 after 402 updates, about 30 s on 2 CPU cores). PTB:
 
     accelerate launch recipes/train_lm.py --train_file ptb/ptb.train.txt \
         --validation_file ptb/ptb.valid.txt --test_file ptb/ptb.test.txt --preset lm-small \

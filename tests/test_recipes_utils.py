@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -130,6 +131,48 @@ def test_hub_dataset_without_network_fails_clearly(monkeypatch):
     monkeypatch.setattr(ru.datasets, "load_dataset", unreachable)
     with pytest.raises(RuntimeError, match="could not download --dataset_name 'wikitext'.*--train_file"):
         ru.load_lm_dataset(dataset_name="wikitext", dataset_config="wikitext-103-raw-v1")
+
+
+def _hub_tables() -> dict[tuple[str, str | None], DatasetDict]:
+    """Small stand-ins with the splits, columns and features of the Hub datasets the READMEs name."""
+    pairs = [{"de": f"Das Haus {i} ist rot .", "en": f"The house {i} is red ."} for i in range(6)]
+    translation = DatasetDict({s: Dataset.from_dict({"translation": pairs}) for s in ("train", "validation", "test")})
+    lines = [" = Valkyria Chronicles = \n", "", " The game began development in 2010 . \n"]
+    sentences = ["no it was n't black monday", "but while the new york stock exchange did n't fall"]
+    labels = ClassLabel(names=["negative", "neutral", "positive"])
+    phrasebank = Dataset.from_dict({"sentence": [f"sales rose {i} %" for i in range(20)],
+                                    "label": [i % 3 for i in range(20)]},
+                                   features=Features({"sentence": Value("string"), "label": labels}))
+    return {("wmt14", "de-en"): translation, ("iwslt2017", "iwslt2017-de-en"): translation,
+            ("wikitext", "wikitext-103-raw-v1"): DatasetDict({s: Dataset.from_dict({"text": lines})
+                                                               for s in ("train", "validation", "test")}),
+            ("ptb_text_only", None): DatasetDict({s: Dataset.from_dict({"sentence": sentences})
+                                                  for s in ("train", "validation", "test")}),
+            ("financial_phrasebank", "sentences_allagree"): DatasetDict({"train": phrasebank})}
+
+
+def test_hub_datasets_reach_the_recipes_in_their_hub_layout(monkeypatch):
+    """`--dataset_name` for each dataset the READMEs name, as `datasets` gives it (here from its
+    cache, in offline mode: a cached dataset loads without the Hub)."""
+    tables = _hub_tables()
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(ru.datasets, "load_dataset", lambda name, config=None: tables[name, config])
+    for name, config in (("wmt14", "de-en"), ("iwslt2017", "iwslt2017-de-en")):
+        data = ru.load_translation_dataset("en", "de", dataset_name=name, dataset_config=config)
+        assert sorted(data) == ["test", "train", "validation"]
+        assert data["train"][0]["translation"] == {"de": "Das Haus 0 ist rot .", "en": "The house 0 is red ."}
+        with pytest.raises(ValueError, match="de-fr"):
+            ru.load_translation_dataset("de", "fr", dataset_name=name, dataset_config=config)
+    wikitext = ru.load_lm_dataset(dataset_name="wikitext", dataset_config="wikitext-103-raw-v1")
+    assert wikitext["validation"]["text"][2] == " The game began development in 2010 . \n"
+    ptb = ru.load_lm_dataset(dataset_name="ptb_text_only")  # its `sentence` column becomes `text`
+    assert ptb["test"].column_names == ["text"] and ptb["test"]["text"][0] == "no it was n't black monday"
+    phrasebank = ru.load_classification_dataset(dataset_name="financial_phrasebank",
+                                                dataset_config="sentences_allagree", seed=3)
+    # One train split on the Hub: validation and test are carved out of it (10% each, seeded).
+    assert {s: len(d) for s, d in phrasebank.items()} == {"train": 16, "validation": 2, "test": 2}
+    assert ru.label_names_of(phrasebank) == ["negative", "neutral", "positive"]
+    assert set(phrasebank["train"].column_names) == {"text", "label"}
 
 
 def test_phrasebank_latin1_with_mixed_line_ends(tmp_path):
