@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -305,6 +306,22 @@ def hf_offline() -> bool:
     """Whether Hugging Face Hub access is switched off (`HF_HUB_OFFLINE` or `HF_DATASETS_OFFLINE`)."""
     flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("HF_DATASETS_OFFLINE", ""))
     return any(f.strip().lower() in _TRUTHY for f in flags) or bool(datasets.config.HF_HUB_OFFLINE)
+
+
+class OncePerMessage(logging.Filter):
+    """Lets each distinct message of a logger through once (e.g. sacrebleu's warning about
+    tokenized periods, which it repeats at every call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
 
 
 def load_hub_dataset(name: str, config: str | None = None) -> DatasetDict:

@@ -12,6 +12,7 @@ average the last checkpoints with `recipes/average_checkpoints.py`.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -26,6 +27,9 @@ import recipe_training as rt  # noqa: E402
 import recipe_utils as ru  # noqa: E402
 
 from hf_powernorm import PowerNormTransformerForConditionalGeneration  # noqa: E402
+
+# sacrebleu warns about tokenized text (the embedded corpus is) at every validation: once is enough.
+logging.getLogger("sacrebleu").addFilter(ru.OncePerMessage())
 
 # The default model for the embedded corpus: the preset `tiny` at width 64.
 DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128}

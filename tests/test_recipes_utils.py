@@ -4,6 +4,7 @@ its own small data in a temporary folder."""
 
 import argparse
 import json
+import logging
 import math
 import random
 import sys
@@ -378,6 +379,15 @@ def test_sacrebleu_metric_matches_sacrebleu():
     assert cased < metric.compute(predictions=predictions, references=references, lowercase=True)["score"]
     with pytest.raises(ValueError, match="unknown metric 'bleurt'"):
         ru.load_metric("bleurt")
+
+
+def test_once_per_message_filter(caplog):
+    logger = logging.getLogger("hf_powernorm.test_once")
+    logger.addFilter(ru.OncePerMessage())
+    with caplog.at_level(logging.WARNING, logger="hf_powernorm.test_once"):
+        for word in ("period", "period", "comma", "period"):
+            logger.warning("tokenized %s", word)
+    assert [r.getMessage() for r in caplog.records] == ["tokenized period", "tokenized comma"]
 
 
 def test_accuracy_f1_metric():
