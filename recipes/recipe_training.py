@@ -494,6 +494,30 @@ def _validate(args: argparse.Namespace, accelerator: Accelerator, model: torch.n
     return stopper.should_stop
 
 
+def _epoch_batches(accelerator: Accelerator, loader: DataLoader, sampler: Any | None, epoch: int,
+                   skip: int) -> Iterable[dict[str, torch.Tensor]]:
+    """The batches of `epoch` (its own shuffle), without the first `skip` ones (a resumed run)."""
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    return accelerator.skip_first_batches(loader, skip) if skip else loader
+
+
+def _micro_step(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward and backward of one micro-batch; at the end of an accumulation, clipping and the
+    optimizer step (Accelerate skips them in between)."""
+    with accelerator.accumulate(model):
+        loss = loss_fn(model, batch)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and args.clip_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), args.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
 def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
           optimizer: torch.optim.Optimizer, scheduler: Any, loader: DataLoader, loss_fn: LossFn, *,
           sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
@@ -520,20 +544,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     epochs = math.ceil(max_steps / max(updates_per_epoch, 1))
     # A run resumed from its last checkpoint has nothing left to do.
     for epoch in range(start_epoch if completed < max_steps else epochs, epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-        skip = 0
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = loss_fn(model, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.clip_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.clip_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+        for batch in _epoch_batches(accelerator, loader, sampler, epoch, skip):
+            loss = _micro_step(args, accelerator, model, optimizer, loss_fn, batch)
             tokens += int(batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
@@ -548,6 +560,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
             if stop or completed >= max_steps:
                 progress.close()
                 return completed
+        skip = 0  # only the first epoch of a resumed run starts inside
         stop = args.eval_steps is None and validate(completed)
         if args.checkpointing_steps == "epoch":
             save_checkpoint(accelerator, args, model, tokenizer, completed)
