@@ -243,8 +243,8 @@ def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, d
     `fields`, the PN options and dropout, `--encoder/decoder_norm_type`, then `--config_overrides`.
 
     PN's warmup follows the learning-rate warmup unless given, and is stored in the config as
-    training forward passes (updates x `--gradient_accumulation_steps`); statistics are synchronised across
-    processes with `--sync_stats` (default: when there are several processes).
+    training forward passes (updates x `--gradient_accumulation_steps`); statistics are
+    synchronised across processes with `--sync_stats` (default: when there are several processes).
     """
     norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
     base = default_size if args.preset is None else {}

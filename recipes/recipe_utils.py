@@ -604,6 +604,7 @@ def prepare_tokenizer(args: argparse.Namespace, accelerator, texts: Callable[[],
             train_bpe_tokenizer(texts(), args.vocab_size, show_progress=True).save_pretrained(directory)
     return load_tokenizer(directory)
 
+
 def translation_texts(dataset: Dataset, languages: Sequence[str], batch_size: int = 1000) -> Iterator[str]:
     """Every sentence of `languages` in a translation split: the input of a joint BPE."""
     for start in range(0, len(dataset), batch_size):
