@@ -1,7 +1,16 @@
-"""Keep every cache and temporary file inside the working tree, offline, before any HF import."""
+"""Keep every cache and temporary file inside the working tree, offline, before any HF import.
 
+Remote-code modules are written to a dynamic-module cache private to this test session
+(`HF_MODULES_CACHE`), so that no `transformers_modules` package left by an earlier run is on any
+path a test looks at.
+"""
+
+import atexit
 import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 for _name, _sub in (("HF_HOME", ".cache/hf"), ("TMPDIR", ".cache/tmp"), ("HF_POWERNORM_CACHE", ".cache/kernels")):
@@ -14,6 +23,9 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 import tempfile  # noqa: E402
 
 tempfile.tempdir = os.environ["TMPDIR"]
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -80,3 +92,50 @@ def hub() -> Iterator[HubRecorder]:
         create_commit=lambda api, repo_id, operations, **kw: recorder.create_commit(api, repo_id, operations, **kw),
     ):
         yield recorder
+
+
+def sys_path_without_the_package() -> list[str]:
+    """`sys.path` for a fresh `python -S` process in which `hf_powernorm` must not be importable.
+
+    Only the directories of installed distributions (those holding a `*.dist-info`), never one that
+    holds `hf_powernorm`: everything else this process put on its path at run time stays out - the
+    project root on PYTHONPATH, pytest's test folders, `recipes/`, and the dynamic-module caches
+    that transformers, evaluate and datasets append once they have loaded a module. Such a cache
+    may hold a `transformers_modules` package of its own, which would shadow the child's and fail
+    its remote-code import with `No module named 'transformers_modules.<dir>'`.
+    """
+    kept = []
+    for entry in sys.path:
+        path = pathlib.Path(entry) if entry else None
+        if path is None or not path.is_dir() or (path / "hf_powernorm").exists():
+            continue
+        if next(path.glob("*.dist-info"), None) is not None:
+            kept.append(str(path))
+    return kept
+
+
+@pytest.fixture
+def run_without_the_package(tmp_path) -> Callable[..., subprocess.CompletedProcess]:
+    """Returns `run(source, hf_home, workdir=None, timeout=300)`: runs `source` in a fresh
+    interpreter (`python -S`, no site hooks, so no editable-install finder) where `hf_powernorm`
+    cannot be imported, offline, with its own `HF_HOME`, one thread and no standard input (a
+    `trust_remote_code` prompt fails instead of waiting)."""
+
+    def run(source: str, hf_home: pathlib.Path, workdir: pathlib.Path | None = None,
+            timeout: int = 300) -> subprocess.CompletedProcess:
+        workdir = workdir or tmp_path / "fresh_process"
+        workdir.mkdir(parents=True, exist_ok=True)
+        script = workdir / "child.py"
+        script.write_text(
+            f"import sys\nsys.path.extend({sys_path_without_the_package()!r})\n"
+            "import importlib.util\n"
+            "assert importlib.util.find_spec('hf_powernorm') is None, 'hf_powernorm must not be importable here'\n"
+            + source
+        )
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(workdir), "HF_HOME": str(hf_home),
+               "TMPDIR": str(workdir), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
+        return subprocess.run([sys.executable, "-S", str(script)], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run

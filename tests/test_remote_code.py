@@ -8,8 +8,6 @@ cost): a saved directory through every fitting Auto class, the Hugging Face cach
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -26,14 +24,10 @@ from hf_powernorm import (
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO_ID = "powernorm-test/tiny-iwslt"
 
-# The child runs with `python -S` (no site hooks, so no editable-install finder) and this
-# process's sys.path minus any directory that holds the package, from a directory without it.
+# Runs through conftest's `run_without_the_package`: no hf_powernorm, its own HF_HOME.
 CHILD = textwrap.dedent(
     r"""
-    import sys
-    sys.path.extend(SYS_PATH)
-    import importlib.util, json
-    assert importlib.util.find_spec("hf_powernorm") is None, "hf_powernorm must not be importable here"
+    import json
     import torch
     import transformers
     from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
@@ -136,10 +130,6 @@ def _buffers(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.named_buffers()}
 
 
-def _sys_path_without_the_package() -> list[str]:
-    return [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
-
-
 def _hub_cache(hf_home, saved_dir) -> None:
     """`hub/models--ORG--NAME/refs/main` holds the commit, `snapshots/<commit>/` the files."""
     repo = hf_home / "hub" / ("models--" + REPO_ID.replace("/", "--"))
@@ -204,28 +194,22 @@ def test_save_pretrained_writes_code_files_and_full_auto_map(saved):
     assert "hf_powernorm" not in modeling.replace("hf_powernorm.", "")  # only relative imports
 
 
-def test_fresh_process_without_the_package_loads_directory_and_hub_cache(saved, tmp_path):
+def test_fresh_process_without_the_package_loads_directory_and_hub_cache(saved, tmp_path, monkeypatch,
+                                                                        run_without_the_package):
     root, dirs, _ = saved
+    # What evaluate, datasets and transformers leave on this process's path once they have loaded a
+    # module: a dynamic-module cache, here holding an unrelated `transformers_modules` package. It
+    # must not reach the child, whose own `transformers_modules` it would shadow.
+    stale_cache = tmp_path / "stale_modules_cache"
+    (stale_cache / "transformers_modules" / "other").mkdir(parents=True)
+    (stale_cache / "__init__.py").touch()
+    (stale_cache / "transformers_modules" / "__init__.py").touch()
+    monkeypatch.syspath_prepend(str(stale_cache))
     hf_home = tmp_path / "hf_home"
     _hub_cache(hf_home, dirs["seq2seq"])
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    script = workdir / "child.py"
-    header = (f"SYS_PATH = {_sys_path_without_the_package()!r}\nEXPECTED = {str(root / 'expected.pt')!r}\n"
-              f"DIRS = {dirs!r}\nREPO_ID = {REPO_ID!r}\nRESAVE = {str(tmp_path / 'resaved')!r}\n")
-    script.write_text(header + CHILD)
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(tmp_path),
-        "HF_HOME": str(hf_home),
-        "TMPDIR": str(tmp_path),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    completed = subprocess.run([sys.executable, "-S", str(script)], cwd=workdir, env=env, capture_output=True,
-                               text=True, timeout=300)
+    header = (f"EXPECTED = {str(root / 'expected.pt')!r}\nDIRS = {dirs!r}\nREPO_ID = {REPO_ID!r}\n"
+              f"RESAVE = {str(tmp_path / 'resaved')!r}\n")
+    completed = run_without_the_package(header + CHILD, hf_home)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS "):])
