@@ -1,6 +1,6 @@
 """Accuracy and macro-averaged F1 for sentence classification, as a local `evaluate` metric.
 
-`evaluate.load("recipes/metrics/accuracy_f1")` loads this file without the Hub. Macro-F1 averages
+`hf_powernorm.training.load_metric("accuracy_f1")` (`evaluate.load` of this folder) loads this file without the Hub. Macro-F1 averages
 the per-class F1 over the classes that occur in the references or the predictions (the definition
 of scikit-learn's `f1_score(average="macro")`, which is not a dependency here); a class with no
 true positive and some false positive or negative scores 0.

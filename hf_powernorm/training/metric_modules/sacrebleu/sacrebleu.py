@@ -1,6 +1,6 @@
 """Corpus BLEU with sacrebleu (Post, 2018), as a local `evaluate` metric that loads offline.
 
-`evaluate.load("recipes/metrics/sacrebleu")` loads this file without the Hub. Case-sensitive by
+`hf_powernorm.training.load_metric("sacrebleu")` (`evaluate.load` of this folder) loads this file without the Hub. Case-sensitive by
 default; `lowercase=True` gives case-insensitive BLEU. The result carries sacrebleu's signature
 string, which states the settings the score was computed with.
 """

@@ -1,0 +1,95 @@
+"""The training library under the recipes and the studies: data readers, embedded corpora,
+tokenization, batching, optimization, losses, the Accelerate loop, checkpoints, evaluation,
+metrics and the export. Never copied next to a checkpoint: the model files import nothing from it.
+
+    from hf_powernorm.training import load_lm_dataset, tokenize_lines, lm_blocks, train
+"""
+
+from .arguments import PN_OPTIONS, add_recipe_args, check_args
+from .batching import (
+    IGNORE_INDEX,
+    PaddingCollator,
+    ShuffledBatchSampler,
+    TokenBudgetBatchSampler,
+    eval_loader,
+    train_loader,
+)
+from .checkpoints import (
+    BEST_MODEL_DIR,
+    average_buffers_across_processes,
+    average_state_dicts,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+    select_checkpoints,
+    write_average,
+)
+from .corpora import (
+    SENTIMENT_LABELS,
+    synthetic_classification_corpus,
+    synthetic_lm_corpus,
+    synthetic_translation_corpus,
+)
+from .evaluation import bleu_scores, evaluate_accuracy, evaluate_bleu, evaluate_perplexity, score_splits, translate
+from .export import save_json, save_outputs, save_results, training_command
+from .losses import label_smoothed_loss, model_loss, sequence_nll, token_nll, translation_loss
+from .loop import (
+    EarlyStopping,
+    finish_training,
+    fit,
+    log_run_start,
+    make_accelerator,
+    max_update_steps,
+    prepare_eval_loaders,
+    start_run,
+    train,
+)
+from .metrics import METRICS_DIR, OncePerMessage, count_words, decode_for_bleu, load_metric, perplexity
+from .models import build_config, build_model, model_tokenizer_path, norm_types, resolve_model_path
+from .optimization import SCHEDULER_TYPES, build_optimizer, build_scheduler, inverse_sqrt_schedule, parameter_groups
+from .readers import (
+    data_files_from_args,
+    label_names_of,
+    limit_samples,
+    limit_splits,
+    load_classification_dataset,
+    load_hub_dataset,
+    load_lm_dataset,
+    load_translation_dataset,
+    read_lines,
+    read_phrasebank,
+    split_train,
+)
+from .run_log import RunLog, read_run_log
+from .tokenization import (
+    SPECIAL_TOKENS,
+    column_texts,
+    lm_blocks,
+    load_tokenizer,
+    prepare_tokenizer,
+    sequence_lengths,
+    tokenize_classification,
+    tokenize_lines,
+    tokenize_translation,
+    train_bpe_tokenizer,
+    translation_texts,
+)
+
+__all__ = [
+    "BEST_MODEL_DIR", "IGNORE_INDEX", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES", "SENTIMENT_LABELS",
+    "SPECIAL_TOKENS", "EarlyStopping", "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler",
+    "TokenBudgetBatchSampler", "add_recipe_args", "average_buffers_across_processes", "average_state_dicts",
+    "bleu_scores", "build_config", "build_model", "build_optimizer", "build_scheduler", "check_args",
+    "column_texts", "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy",
+    "evaluate_bleu", "evaluate_perplexity", "finish_training", "fit", "inverse_sqrt_schedule", "label_names_of",
+    "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints", "lm_blocks",
+    "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric", "load_tokenizer",
+    "load_translation_dataset", "log_run_start", "make_accelerator", "max_update_steps", "model_loss",
+    "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity", "prepare_eval_loaders", "prepare_tokenizer",
+    "read_lines", "read_phrasebank", "read_run_log", "resolve_model_path", "save_checkpoint", "save_json",
+    "save_outputs", "save_results", "score_splits", "select_checkpoints", "sequence_lengths", "sequence_nll",
+    "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
+    "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines",
+    "tokenize_translation", "train", "train_bpe_tokenizer", "train_loader", "training_command", "translate",
+    "translation_loss", "translation_texts", "write_average",
+]

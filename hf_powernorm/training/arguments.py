@@ -1,0 +1,247 @@
+"""The command line every recipe shares, with the names of Transformers' `*_no_trainer.py` examples
+where they mean the same thing, and the checks that run before any data is read.
+
+Groups: data (`--train_file`, `--max_train_samples`, `--preprocessing_num_workers`,
+`--overwrite_cache`, ...), tokenizer and model (`--model_name_or_path` to fine-tune or score an
+exported model or checkpoint, `--config_name`, `--tokenizer_name`, `--preset`, the norms), the
+options of Power Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`, warmup, group scaling,
+backward denominator, synchronised statistics), training (`--max_tokens` or
+`--per_device_train_batch_size`, `--lr_scheduler_type`, `--num_warmup_steps`, ...), evaluation and
+the Hub. `check_args` fails on bad values, naming them, before any data is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType
+
+from ..configuration_powernorm import PRESETS
+from ..normalization import normalize_norm_name
+from .optimization import SCHEDULER_TYPES
+
+PN_OPTIONS = ("powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps", "powernorm_group_num",
+              "powernorm_backward_denominator")
+NORM_OPTIONS = ("norm_type", "encoder_norm_type", "decoder_norm_type")
+
+
+def _group_num(value: str) -> int | str:
+    if value.lower() == "none":
+        return "none"  # resolved to None (no group scaling) by `powernorm_overrides`
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}")
+    return int(value)
+
+
+def add_recipe_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
+    """The arguments every recipe shares; `defaults` are the script's own defaults."""
+    _add_data_args(parser)
+    _add_model_args(parser)
+    _add_powernorm_args(parser)
+    _add_training_args(parser)
+    _add_evaluation_and_hub_args(parser)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", help="Hub dataset (needs network, or the datasets cache)")
+    data.add_argument("--dataset_config_name", "--dataset_config", dest="dataset_config",
+                      help="Hub dataset configuration")
+    data.add_argument("--train_file")
+    data.add_argument("--validation_file")
+    data.add_argument("--test_file")
+    data.add_argument("--max_train_samples", type=int, help="train on the first N examples")
+    data.add_argument("--max_eval_samples", type=int, help="evaluate on the first N examples of each split")
+    data.add_argument("--preprocessing_num_workers", type=int, help="processes for tokenization")
+    data.add_argument("--overwrite_cache", action="store_true", help="tokenize again instead of reading the cache")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("tokenizer and model")
+    model.add_argument("--model_name_or_path",
+                       help="start from this exported model or checkpoint folder (or Hub id in the cache): "
+                            "fine-tune it, or only score it with --no-do_train")
+    model.add_argument("--config_name", help="a config.json or folder to build a new model from")
+    model.add_argument("--tokenizer_name", help="a saved tokenizer folder; default: --model_name_or_path's, "
+                                                "else a BPE trained on the training split")
+    model.add_argument("--vocab_size", type=int, default=500, help="BPE size (paper: 10k IWSLT, 37k WMT)")
+    model.add_argument("--preset", help="a PowerNormTransformerConfig preset; default: a small model sized "
+                                        "for the embedded corpus")
+    model.add_argument("--config_overrides", help="config fields, e.g. 'hidden_size=64,encoder_layers=3'")
+    model.add_argument("--norm_type", help="the norm of the script's model (any registry spelling, e.g. "
+                                           "PowerNorm, layernorm): the encoder's for translation and "
+                                           "classification, every norm for language modelling")
+    model.add_argument("--encoder_norm_type", help="override the encoder norm (e.g. powernorm)")
+    model.add_argument("--decoder_norm_type", help="override the decoder norm (e.g. layernorm)")
+    model.add_argument("--dropout", type=float, help="residual dropout; default: the preset's")
+
+
+def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
+    norms = parser.add_argument_group("power normalization (default: the preset's values)")
+    norms.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
+    norms.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
+    norms.add_argument("--powernorm_warmup_steps", type=int,
+                       help="updates using batch statistics (the config stores them as forward passes: "
+                            "x --gradient_accumulation_steps); default: the preset's, else --num_warmup_steps")
+    norms.add_argument("--powernorm_group_num", type=_group_num,
+                       help="group scaling groups, or 'none'; default: one per attention head")
+    norms.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
+                       help="'running' (paper, eq. 12) or 'batch' (the reference code)")
+    norms.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
+                       help="sum PN/BN statistics over processes; default: on with several processes. "
+                            "With --no-sync_stats each process keeps its own. Either way they are "
+                            "averaged over the processes before the model is evaluated or saved")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    train = parser.add_argument_group("training")
+    train.add_argument("--do_train", action=argparse.BooleanOptionalAction, default=True,
+                       help="train (default); --no-do_train only scores --model_name_or_path and exports it")
+    train.add_argument("--max_tokens", type=int, default=1024, help="padded tokens per batch and process")
+    train.add_argument("--per_device_train_batch_size", type=int,
+                       help="examples per batch and process, instead of the --max_tokens budget")
+    train.add_argument("--learning_rate", type=float, default=3e-3)
+    train.add_argument("--lr_scheduler_type", default="inverse_sqrt", choices=SCHEDULER_TYPES,
+                       help="fairseq's inverse_sqrt (the paper's), or a schedule of transformers.get_scheduler")
+    train.add_argument("--num_warmup_steps", "--warmup_steps", dest="num_warmup_steps", type=int, default=200,
+                       help="learning-rate warmup in updates")
+    train.add_argument("--warmup_init_lr", type=float, default=1e-7, help="inverse_sqrt: the first update's lr")
+    train.add_argument("--weight_decay", type=float, default=1e-4)
+    train.add_argument("--clip_norm", type=float, default=0.0, help="max gradient norm; 0 disables")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument("--num_train_epochs", type=int, default=20)
+    train.add_argument("--max_train_steps", type=int, help="optimizer updates; overrides the epochs")
+    train.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), help="default: accelerate config")
+    train.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
+    train.add_argument("--seed", type=int, default=1)
+    train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
+    train.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
+    train.add_argument("--output_dir", default="outputs/run")
+    train.add_argument("--with_tracking", action="store_true",
+                       help="log loss, learning rate, tokens/s, validation and final scores to --report_to")
+    train.add_argument("--report_to", default="tensorboard",
+                       help="with --with_tracking: 'all' or comma-separated Accelerate trackers (tensorboard, "
+                            "wandb, mlflow, ...); TensorBoard writes under --output_dir")
+
+
+def _add_evaluation_and_hub_args(parser: argparse.ArgumentParser) -> None:
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--eval_steps", type=int, help="validate every N updates; default: each epoch")
+    evaluation.add_argument("--patience", type=int, help="stop after N validations without improvement")
+    evaluation.add_argument("--per_device_eval_batch_size", "--eval_batch_size", dest="eval_batch_size",
+                            type=int, default=32)
+    hub = parser.add_argument_group("hub")
+    hub.add_argument("--push_to_hub", action="store_true",
+                     help="upload the export (weights with statistics, config, code, tokenizer, card, results); "
+                          "the repository is created before training")
+    hub.add_argument("--hub_model_id", help="ORG/NAME on the Hub, also the card's name; default: the output "
+                                            "folder's name")
+    hub.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
+
+
+def check_args(args: argparse.Namespace, norm_options: Iterable[str] = NORM_OPTIONS) -> None:
+    """Fail before any data is read: unknown preset or norm, missing or empty file, bad counts,
+    options that contradict `--model_name_or_path`."""
+    if args.preset is not None and args.preset not in PRESETS:
+        raise ValueError(f"--preset {args.preset!r} is unknown; valid presets: {sorted(PRESETS)}")
+    for option in norm_options:
+        value = getattr(args, option)
+        if value is not None:
+            try:
+                setattr(args, option, normalize_norm_name(value))
+            except ValueError as error:
+                raise ValueError(f"--{option}: {error}") from None
+    _check_paths(args)
+    _check_counts(args)
+    _check_model_source(args, norm_options)
+    if args.with_tracking:
+        args.report_to = _check_trackers(args.report_to)
+    if args.push_to_hub:
+        _check_hub_access()
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    for option in ("train_file", "validation_file", "test_file", "tokenizer_name", "phrasebank_file",
+                   "config_name"):
+        path = getattr(args, option, None)
+        if path and not _data_path_exists(Path(path)):
+            raise FileNotFoundError(f"--{option} {path}: not found")
+        # `datasets` fails on an empty file with a generic generation error: name the split here.
+        if path and option != "config_name" and Path(path).is_file() and not _has_rows(Path(path)):
+            split = "train" if option == "phrasebank_file" else option.removesuffix("_file")
+            raise ValueError(f"split {split!r} is empty: --{option} {path} has no data")
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if args.checkpointing_steps not in (None, "epoch") and not (
+            args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0):
+        raise ValueError(f"--checkpointing_steps must be a positive integer or 'epoch'; "
+                         f"got {args.checkpointing_steps!r}")
+    for option in ("gradient_accumulation_steps", "max_tokens", "eval_batch_size", "eval_steps", "patience",
+                   "max_eval_samples", "max_train_samples", "max_train_steps", "num_train_epochs",
+                   "num_warmup_steps", "per_device_train_batch_size", "preprocessing_num_workers"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise ValueError(f"--{option} must be at least 1; got {value}")
+
+
+def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -> None:
+    """`--model_name_or_path` brings its own architecture; building options would contradict it."""
+    if args.preset is not None and args.config_name is not None:
+        raise ValueError(f"give --preset {args.preset!r} or --config_name {args.config_name}, not both")
+    if args.model_name_or_path is None:
+        if not args.do_train:
+            raise ValueError("--no-do_train scores an existing model: give --model_name_or_path")
+        return
+    conflicting = [f"--{name}" for name in ("preset", "config_name", "config_overrides", *norm_options)
+                   if getattr(args, name, None) is not None]
+    if conflicting:
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path} brings its own architecture; "
+                         f"leave out {', '.join(conflicting)}")
+
+
+def _check_trackers(report_to: str) -> list[str]:
+    """The trackers of `--report_to`, each known to Accelerate and installed."""
+    names = [name.strip().lower() for name in report_to.split(",") if name.strip()]
+    known = [kind.value for kind in LoggerType]
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise ValueError(f"--report_to {report_to!r}: unknown tracker {unknown or report_to!r}; valid: {known}")
+    available = [str(kind.value) for kind in get_available_trackers()]
+    if names == ["all"] and not available:
+        raise ValueError("--with_tracking --report_to all: no tracker is installed; "
+                         "pip install tensorboard (or hf_powernorm[tracking])")
+    missing = [name for name in names if name != "all" and name not in available]
+    if missing:
+        raise ValueError(f"--report_to {report_to!r}: {missing} not installed (installed trackers: "
+                         f"{available or 'none'}); pip install {' '.join(missing)}")
+    return names
+
+
+def _check_hub_access() -> None:
+    """`--push_to_hub` needs the Hub and a token: say so before training, not after it."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError("--push_to_hub needs the Hugging Face Hub, but HF_HUB_OFFLINE is set")
+    if huggingface_hub.get_token() is None:
+        raise ValueError("--push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN")
+
+
+def _data_path_exists(path: Path) -> bool:
+    """A file or folder, or the prefix of aligned text files (`data/train` for `data/train.de`)."""
+    return path.exists() or (path.parent.is_dir() and any(path.parent.glob(glob.escape(path.name) + ".*")))
+
+
+def _has_rows(path: Path) -> bool:
+    """Whether a data file holds at least one example (a CSV needs a line after its header)."""
+    with open(path, "rb") as handle:
+        lines = (line for line in handle if line.strip())
+        needed = 2 if path.suffix == ".csv" else 1
+        return sum(1 for _, _ in zip(range(needed), lines)) >= needed

@@ -1,0 +1,79 @@
+"""The export of a run: `save_pretrained` (weights with every running statistic, config, code
+files), the tokenizer, the results files of Transformers' examples (`all_results.json`,
+`train_results.json`, `eval_results.json`), the model card with the command as given, the final
+scores to the trackers and, with `--push_to_hub`, the export to the Hub."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from ..hub import render_model_card, upload_saved_model
+
+logger = get_logger(__name__)
+_TRAIN_KEYS = ("train_steps", "best_step", "best_validation")
+
+
+def save_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write `data` as indented JSON (e.g. `all_results.json`)."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def training_command(script: str, argv: list[str] | None) -> str:
+    """The command line of this run, as it would be typed."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["accelerate launch", script, *map(shlex.quote, args)])
+
+
+def save_results(output_dir: str | Path, results: dict[str, Any]) -> None:
+    """`all_results.json` (everything), `train_results.json` (the training summary) and
+    `eval_results.json` (the scores of the evaluation splits)."""
+    output_dir = Path(output_dir)
+    save_json(output_dir / "all_results.json", results)
+    save_json(output_dir / "train_results.json", {k: v for k, v in results.items() if k in _TRAIN_KEYS})
+    save_json(output_dir / "eval_results.json", {k: v for k, v in results.items() if k not in _TRAIN_KEYS})
+
+
+def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace,
+                 results: dict[str, Any], card_kwargs: dict[str, Any]) -> None:
+    """`save_pretrained` (weights, config, code files), tokenizer, the results files and the model
+    card `README.md` in `args.output_dir`, with the run's float metrics and `card_kwargs` for
+    `render_model_card`; the metrics go to the trackers, the export to the Hub with `--push_to_hub`.
+    Ends the run (`end_training`)."""
+    output_dir = args.output_dir
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+        save_results(output_dir, results)
+        scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
+        card = render_model_card(unwrapped, results=scores, with_tokenizer=True, **card_kwargs)
+        card.save(Path(output_dir) / "README.md")
+    if args.with_tracking:
+        accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))},
+                        step=results.get("train_steps"))
+    if args.push_to_hub and accelerator.is_main_process:
+        _push(output_dir, args.hub_model_id, results)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def _push(output_dir: str | Path, hub_model_id: str, results: dict[str, Any]) -> None:
+    try:
+        commit = upload_saved_model(output_dir, hub_model_id, commit_message=f"Upload PowerNorm "
+                                    f"Transformer ({results.get('train_steps')} updates)")
+    except Exception as error:
+        raise RuntimeError(f"uploading to {hub_model_id} failed ({error}); the export in {output_dir} "
+                           f"is complete: upload it again with hf_powernorm.hub.upload_saved_model") from error
+    logger.info(f"pushed {output_dir} to {commit.commit_url}", main_process_only=True)

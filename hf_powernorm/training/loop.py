@@ -1,0 +1,314 @@
+"""The Accelerate training loop of the recipes and studies (the paper's Section 5 setting).
+
+- `make_accelerator` / `start_run` / `log_run_start`: the `Accelerator`, the Hub repository and
+  trackers of a run, and its start-of-run log;
+- `train`: the update loop with gradient accumulation, clipping, a tqdm bar, the JSON-lines log
+  (`run_log.py`), tracking, validation every `--eval_steps` (else every epoch) and after the last
+  update, the best model in `output_dir/best_model`, early stopping after `--patience`
+  validations without improvement, and `save_state` checkpoints that resume exactly
+  (`load_state` + `skip_first_batches`, batches shuffled by (seed, epoch) alone);
+- `finish_training`: statistics averaged over the processes and the best model put back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+import torch
+from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from .checkpoints import (
+    BEST_MODEL_DIR,
+    WEIGHTS_NAME,
+    average_buffers_across_processes,
+    load_best_model,
+    resolve_resume_path,
+    resume,
+    save_best_model,
+    save_checkpoint,
+)
+from .batching import PaddingCollator, eval_loader, train_loader
+from .models import norm_types
+from .optimization import build_optimizer, build_scheduler
+from .run_log import RunLog
+
+logger = get_logger(__name__)
+
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+EvalFn = Callable[[], float]
+UpdateHook = Callable[[int, float], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up
+# ---------------------------------------------------------------------------------------------
+
+def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    """The Accelerator, logging, seed and output folder. Without synchronised statistics DDP must
+    not overwrite the other ranks' buffers with rank 0's at every forward: each process keeps its
+    own, and `average_buffers_across_processes` merges them before evaluating or saving."""
+    handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)] if args.sync_stats is False else []
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
+                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              log_with=args.report_to if args.with_tracking else None, project_dir=args.output_dir,
+                              kwargs_handlers=handlers)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    set_seed(args.seed)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    return accelerator
+
+
+def start_run(accelerator: Accelerator, args: argparse.Namespace, name: str) -> None:
+    """Before training: create the Hub repository (`--push_to_hub`), so that a bad token or name
+    fails now, and start the trackers (`--with_tracking`) with the run's arguments."""
+    if args.push_to_hub and accelerator.is_main_process:
+        repo = huggingface_hub.HfApi().create_repo(args.hub_model_id or Path(args.output_dir).resolve().name,
+                                                   private=args.hub_private_repo or None, exist_ok=True)
+        args.hub_model_id = repo.repo_id
+        logger.info(f"pushing the export to {repo}", main_process_only=True)
+    if args.with_tracking:
+        config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()
+                  if v is not None}
+        accelerator.init_trackers(name, config)
+
+
+def log_run_start(accelerator: Accelerator, args: argparse.Namespace, model: torch.nn.Module,
+                  data_summary: str) -> None:
+    """The arguments, the model config, the data, the parameter count, the norms and the number of
+    processes."""
+    options = {k: v for k, v in sorted(vars(args).items()) if v is not None}
+    logger.info(f"arguments: {options}", main_process_only=True)
+    logger.info(f"model config: {model.config.to_diff_dict()}", main_process_only=True)
+    logger.info(f"{data_summary}, {model.num_parameters():,} parameters, norms {norm_types(model)}, "
+                f"{accelerator.num_processes} process(es)", main_process_only=True)
+
+
+def max_update_steps(args: argparse.Namespace, batches_per_epoch: int) -> int:
+    """Optimizer updates of the run: `--max_train_steps`, else `--num_train_epochs` epochs of
+    `batches_per_epoch` batches (this process's share of them)."""
+    if args.max_train_steps is not None:
+        return args.max_train_steps
+    return args.num_train_epochs * math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Best model and early stopping
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class EarlyStopping:
+    """Best validation score and evaluations since it improved; saved with the training state
+    (`accelerator.register_for_checkpointing`) so a resumed run stops where an unbroken one would."""
+
+    mode: str = "min"  # "min" for perplexity, "max" for accuracy and BLEU
+    patience: int | None = None
+    best: float | None = None
+    best_step: int | None = None
+    bad_evaluations: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max'; got {self.mode!r}")
+
+    def update(self, value: float, step: int) -> bool:
+        """Record one evaluation; True if it is the best so far."""
+        better = self.best is None or (value < self.best if self.mode == "min" else value > self.best)
+        if better:
+            self.best, self.best_step, self.bad_evaluations = value, step, 0
+        else:
+            self.bad_evaluations += 1
+        return better
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience is not None and self.bad_evaluations >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "bad_evaluations": self.bad_evaluations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step, self.bad_evaluations = state["best"], state["best_step"], state["bad_evaluations"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Progress:
+    """What the loop reports: the bar, the run's log, the trackers, tokens/s."""
+
+    args: argparse.Namespace
+    accelerator: Accelerator
+    bar: tqdm
+    run_log: RunLog
+    on_update: UpdateHook | None
+    tokens: int = 0
+    started: float = 0.0
+
+    def update(self, step: int, epoch: int, loss: float, lr: float) -> None:
+        tokens_per_second = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")
+        self.run_log.write(step=step, epoch=epoch, loss=loss, learning_rate=lr, tokens_per_second=tokens_per_second)
+        if self.args.with_tracking:
+            self.accelerator.log({"train_loss": loss, "lr": lr, "tokens_per_second": tokens_per_second}, step=step)
+        if self.on_update is not None:
+            self.on_update(step, loss)
+
+
+def _due(every: str | int | None, completed: int) -> bool:
+    return every is not None and str(every).isdigit() and completed % int(every) == 0
+
+
+def _validate(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module, evaluate: EvalFn | None,
+              stopper: EarlyStopping | None, run_log: RunLog, step: int) -> bool:
+    """Evaluate, keep the best model; True when training should stop."""
+    if evaluate is None or stopper is None:
+        return False
+    average_buffers_across_processes(accelerator, model)  # every rank evaluates the model that is saved
+    score = evaluate()
+    if stopper.update(score, step):
+        save_best_model(accelerator, model, args.output_dir)
+    accelerator.print(f"step {step}: validation {score:.4f} (best {stopper.best:.4f} at step {stopper.best_step})")
+    run_log.write(step=step, validation=score, best_validation=stopper.best, best_step=stopper.best_step)
+    if args.with_tracking:
+        accelerator.log({"validation": score}, step=step)
+    return stopper.should_stop
+
+
+def _epoch_batches(accelerator: Accelerator, loader: DataLoader, sampler: Any | None, epoch: int,
+                   skip: int) -> Iterable[dict[str, torch.Tensor]]:
+    """The batches of `epoch` (its own shuffle), without the first `skip` ones (a resumed run)."""
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    return accelerator.skip_first_batches(loader, skip) if skip else loader
+
+
+def _micro_step(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward and backward of one micro-batch; at the end of an accumulation, clipping and the
+    optimizer step (Accelerate skips them in between)."""
+    with accelerator.accumulate(model):
+        loss = loss_fn(model, batch)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and args.clip_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), args.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss.detach()
+
+
+def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
+          optimizer: torch.optim.Optimizer, scheduler: Any, loader: DataLoader, loss_fn: LossFn, *,
+          sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
+          tokenizer: Any, on_update: UpdateHook | None = None) -> int:
+    """Train until `max_update_steps(args, len(loader))` updates or early stopping; return the updates done.
+
+    `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
+    validation score that `stopper` tracks; it runs every `args.eval_steps` updates (else at the
+    end of each epoch) and after the last update, on statistics averaged over the processes, and
+    each new best is written to `output_dir/best_model`. The scheduler and `stopper` must be
+    registered for checkpointing (`accelerator.register_for_checkpointing`). `on_update(step,
+    loss)` is called after every update with the update's mean micro-batch loss.
+    """
+    updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
+    max_steps = max_update_steps(args, len(loader))
+    completed, start_epoch, skip = 0, 0, 0
+    if args.resume_from_checkpoint:
+        path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir)
+        completed, start_epoch, skip = resume(accelerator, path, args.gradient_accumulation_steps, len(loader))
+    bar = tqdm(total=max_steps, initial=completed, disable=not accelerator.is_local_main_process)
+    run_log = RunLog(args.output_dir, enabled=accelerator.is_main_process)
+    progress = _Progress(args, accelerator, bar, run_log, on_update, started=time.perf_counter())
+    validate = lambda step: _validate(args, accelerator, model, evaluate, stopper, run_log, step)  # noqa: E731
+
+    epochs = math.ceil(max_steps / max(updates_per_epoch, 1))
+    losses: list[torch.Tensor] = []
+    # A run resumed from its last checkpoint has nothing left to do.
+    for epoch in range(start_epoch if completed < max_steps else epochs, epochs):
+        for batch in _epoch_batches(accelerator, loader, sampler, epoch, skip):
+            losses.append(_micro_step(args, accelerator, model, optimizer, loss_fn, batch))
+            progress.tokens += int(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()  # one schedule step per update, whatever the number of processes
+            completed += 1
+            progress.update(completed, epoch, torch.stack(losses).mean().item(), scheduler.get_last_lr()[0])
+            losses = []
+            # The last update is always validated, so the best model is chosen over the whole run.
+            stop = (_due(args.eval_steps, completed) or completed >= max_steps) and validate(completed)
+            if _due(args.checkpointing_steps, completed):
+                save_checkpoint(accelerator, args.output_dir, model, tokenizer, completed)
+            if stop or completed >= max_steps:
+                bar.close()
+                return completed
+        skip = 0  # only the first epoch of a resumed run starts inside
+        stop = args.eval_steps is None and validate(completed)
+        if args.checkpointing_steps == "epoch":
+            save_checkpoint(accelerator, args.output_dir, model, tokenizer, completed)
+        if stop:
+            break
+    bar.close()
+    return completed
+
+
+def finish_training(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
+                    stopper: EarlyStopping | None, completed: int) -> dict[str, Any]:
+    """Average the statistics over processes and put the best validated weights back in place;
+    return the training summary for `train_results.json`."""
+    average_buffers_across_processes(accelerator, model)
+    summary: dict[str, Any] = {"train_steps": completed}
+    if stopper is not None and stopper.best_step is not None:
+        summary.update(best_step=stopper.best_step, best_validation=stopper.best)
+        if stopper.best_step == completed:
+            return summary
+        if (Path(output_dir) / BEST_MODEL_DIR / WEIGHTS_NAME).is_file():
+            load_best_model(accelerator, model, output_dir)
+        else:
+            logger.warning(f"no {BEST_MODEL_DIR} in {output_dir} (resumed elsewhere?): exporting the last "
+                           f"model, not the best one of step {stopper.best_step}", main_process_only=True)
+    return summary
+
+
+def fit(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module, train_dataset: Any,
+        collate: PaddingCollator, loss_fn: LossFn, *, tokenizer: Any, mode: str,
+        validate: Callable[[torch.nn.Module], float] | None = None, length_columns: tuple[str, ...] = ("input_ids",),
+        on_update: UpdateHook | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Everything between a model and its export: AdamW with decay by `ndim`, the training batches
+    (`--per_device_train_batch_size`, else the `--max_tokens` budget), `accelerator.prepare`, the
+    `--lr_scheduler_type` schedule, early stopping on `validate(model)` (`mode` "min" or "max"),
+    `train` and `finish_training`. Returns the prepared model and the training summary."""
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
+    loader, sampler = train_loader(train_dataset, collate, seed=args.seed, max_tokens=args.max_tokens,
+                                   batch_size=args.per_device_train_batch_size, length_columns=length_columns)
+    # Accelerate deals the batches out to the processes, each its share (even_batches).
+    updates = max_update_steps(args, math.ceil(len(loader) / accelerator.num_processes))
+    scheduler = build_scheduler(args.lr_scheduler_type, optimizer, args.num_warmup_steps, updates, args.warmup_init_lr)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    stopper = EarlyStopping(mode, args.patience)
+    accelerator.register_for_checkpointing(scheduler, stopper)
+    evaluate = (lambda: validate(model)) if validate is not None else None
+    steps = train(args, accelerator, model, optimizer, scheduler, loader, loss_fn, sampler=sampler, evaluate=evaluate,
+                  stopper=stopper, tokenizer=tokenizer, on_update=on_update)
+    return model, finish_training(accelerator, model, args.output_dir, stopper, steps)
+
+
+def prepare_eval_loaders(accelerator: Accelerator, data: dict[str, Any], collate: PaddingCollator, batch_size: int,
+                         splits: tuple[str, ...] = ("validation", "test")) -> dict[str, DataLoader]:
+    """Sequential loaders of the evaluation splits that `data` holds, prepared for the processes."""
+    return {s: accelerator.prepare(eval_loader(data[s], collate, batch_size)) for s in splits if s in data}

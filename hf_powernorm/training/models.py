@@ -1,0 +1,128 @@
+"""The model a recipe trains: built from `--preset` / `--config_name` and the command line, or
+loaded from `--model_name_or_path` (an export or a checkpoint folder) to fine-tune or score.
+
+PN's warmup follows the learning-rate warmup unless given, and is stored in the config as training
+forward passes (updates x `--gradient_accumulation_steps`), since PN counts forward passes;
+statistics are synchronised across processes with `--sync_stats` (default: with several processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..configuration_powernorm import PowerNormTransformerConfig
+from ..normalization import NORM_CLASSES
+from .arguments import PN_OPTIONS
+
+
+def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Config fields from the PN options and `--dropout` that were given (the preset's otherwise)."""
+    overrides = {name: getattr(args, name) for name in PN_OPTIONS if getattr(args, name) is not None}
+    if overrides.get("powernorm_group_num") == "none":
+        overrides["powernorm_group_num"] = None
+    if "powernorm_warmup_steps" in overrides:  # updates on the command line, forward passes in the config
+        overrides["powernorm_warmup_steps"] *= args.gradient_accumulation_steps
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
+    return overrides
+
+
+def _sync_stats(args: argparse.Namespace, config: PowerNormTransformerConfig, num_processes: int) -> bool:
+    return (config.powernorm_sync_stats or num_processes > 1) if args.sync_stats is None else args.sync_stats
+
+
+def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, default_size: dict[str, Any],
+                 max_length: int, **fields: Any) -> PowerNormTransformerConfig:
+    """The model config: `--config_name`, else `--preset`, else "tiny" resized by `default_size`;
+    then the tokenizer's ids, `fields`, the PN options and dropout, `--encoder/decoder_norm_type`,
+    and `--config_overrides` last."""
+    norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
+    token_ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                 "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                 "decoder_start_token_id": tokenizer.eos_token_id}
+    overrides = {**fields, **powernorm_overrides(args), **norms, **token_ids}
+    if args.config_name:
+        config = PowerNormTransformerConfig.from_pretrained(args.config_name, **overrides)
+    else:
+        base = default_size if args.preset is None else {}
+        config = PowerNormTransformerConfig.from_preset(args.preset or "tiny", **{**base, **overrides})
+    if args.config_overrides:
+        config.update_from_string(args.config_overrides)
+    if args.powernorm_warmup_steps is None and config.powernorm_warmup_steps == 0:
+        config.powernorm_warmup_steps = args.num_warmup_steps * args.gradient_accumulation_steps
+    config.powernorm_sync_stats = _sync_stats(args, config, num_processes)
+    config.max_position_embeddings = max(config.max_position_embeddings, max_length + 2)
+    config.validate_powernorm_transformer()
+    return config
+
+
+def load_pretrained_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num_processes: int,
+                          max_length: int, **fields: Any) -> torch.nn.Module:
+    """`--model_name_or_path` with its weights and running statistics, for fine-tuning or scoring;
+    the PN options and `--dropout` given on the command line replace the saved ones. Fails, naming
+    the values, when the model does not fit the tokenizer, the task's `fields` or `max_length`."""
+    path = args.model_name_or_path
+    config = PowerNormTransformerConfig.from_pretrained(path)
+    if len(tokenizer) > config.vocab_size or tokenizer.pad_token_id != config.pad_token_id:
+        raise ValueError(f"--model_name_or_path {path} has vocab_size {config.vocab_size} and pad id "
+                         f"{config.pad_token_id}; the tokenizer has {len(tokenizer)} tokens and pad id "
+                         f"{tokenizer.pad_token_id}: pass the model's tokenizer (--tokenizer_name)")
+    differing = {k: (getattr(config, k, None), v) for k, v in fields.items() if getattr(config, k, None) != v}
+    if differing:
+        raise ValueError(f"--model_name_or_path {path} does not fit this task's data: "
+                         + "; ".join(f"{k} is {saved!r} in the model, {wanted!r} here"
+                                     for k, (saved, wanted) in differing.items()))
+    if config.max_position_embeddings < max_length + 2:
+        raise ValueError(f"--model_name_or_path {path} has max_position_embeddings "
+                         f"{config.max_position_embeddings}; sequences of {max_length} tokens need {max_length + 2}")
+    overrides = powernorm_overrides(args)
+    overrides["powernorm_sync_stats"] = _sync_stats(args, config, num_processes)
+    return model_class.from_pretrained(path, **overrides)
+
+
+def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num_processes: int,
+                default_size: dict[str, Any], max_length: int, **fields: Any) -> torch.nn.Module:
+    """`--model_name_or_path` loaded, else a new `model_class` from `build_config`."""
+    if args.model_name_or_path:
+        return load_pretrained_model(args, model_class, tokenizer, num_processes, max_length, **fields)
+    return model_class(build_config(args, tokenizer, num_processes, default_size, max_length, **fields))
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local folder for `--model_name_or_path`: itself, or a Hub repository's snapshot (from the
+    cache when offline)."""
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name_or_path)
+    except Exception as error:
+        raise ValueError(f"--model_name_or_path {name_or_path!r} is neither a folder nor a Hub repository that "
+                         f"can be reached or is in the cache ({type(error).__name__}: {error})") from error
+
+
+def model_tokenizer_path(args: argparse.Namespace) -> str | None:
+    """The tokenizer folder to use: `--tokenizer_name`, else `--model_name_or_path` when it holds one."""
+    if args.tokenizer_name:
+        return args.tokenizer_name
+    if args.model_name_or_path:
+        if not (Path(args.model_name_or_path) / "tokenizer.json").is_file():
+            raise ValueError(f"--model_name_or_path {args.model_name_or_path} holds no tokenizer.json; "
+                             f"pass the tokenizer it was trained with as --tokenizer_name")
+        return args.model_name_or_path
+    return None
+
+
+def norm_types(model: torch.nn.Module) -> dict[str, int]:
+    """How many norm layers of each class the model holds (for the start-of-run log)."""
+    classes = tuple(NORM_CLASSES.values())
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, classes):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    return counts

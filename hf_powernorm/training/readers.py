@@ -1,0 +1,311 @@
+"""Data readers: every corpus reaches training as a `datasets.DatasetDict`.
+
+Local files are read by `datasets.load_dataset` (JSON lines, CSV, plain text) or written once into
+the `datasets` cache by `Dataset.from_generator` (aligned text files given by prefix, Financial
+PhraseBank `sentence@label` files in UTF-8 or Latin-1), so that every split is an Arrow file on
+disk: memory stays flat in the corpus size and tokenization is cached (`tokenization.py`). A
+generated dataset is keyed by its files' paths, sizes and modification times, so an edited file is
+read again. Hub datasets load with `--dataset_name` when the Hub can be reached, or from the cache.
+With no data given, the embedded corpora of `corpora.py` are used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+from datasets import ClassLabel, Dataset, DatasetDict
+
+from .corpora import (
+    SENTIMENT_LABELS,
+    synthetic_classification_corpus,
+    synthetic_lm_corpus,
+    synthetic_translation_corpus,
+)
+
+SPLITS = ("train", "validation", "test")
+_JSON_SUFFIXES = (".json", ".jsonl")
+_TRUTHY = {"1", "on", "yes", "true"}
+
+
+def data_files_from_args(train_file: str | None = None, validation_file: str | None = None,
+                         test_file: str | None = None) -> dict[str, str]:
+    """The `{split: path}` mapping of the recipes' `--train_file/--validation_file/--test_file`."""
+    files = {"train": train_file, "validation": validation_file, "test": test_file}
+    return {split: path for split, path in files.items() if path}
+
+
+def hf_offline() -> bool:
+    """Whether Hugging Face Hub access is switched off (`HF_HUB_OFFLINE` or `HF_DATASETS_OFFLINE`)."""
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("HF_DATASETS_OFFLINE", ""))
+    return any(f.strip().lower() in _TRUTHY for f in flags) or bool(datasets.config.HF_HUB_OFFLINE)
+
+
+def load_hub_dataset(name: str, config: str | None = None) -> DatasetDict:
+    """`datasets.load_dataset(name, config)`, failing clearly when the Hub cannot be reached. In
+    offline mode a dataset that `datasets` has cached still loads."""
+    advice = ("pass local files with --train_file/--validation_file/--test_file, or leave out "
+              "--dataset_name to use the embedded default corpus")
+    try:
+        return datasets.load_dataset(name, config)
+    except ConnectionError as error:
+        if hf_offline():
+            raise RuntimeError(f"--dataset_name {name!r} needs the Hugging Face Hub, but offline mode is on "
+                               f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and it is not in the datasets cache; "
+                               f"{advice}") from error
+        raise RuntimeError(f"could not download --dataset_name {name!r} ({error}); {advice}") from error
+
+
+def _check_file(path: str | Path, what: str = "data file") -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    return path
+
+
+def _check_splits(dataset: DatasetDict, origin: str) -> DatasetDict:
+    if "train" not in dataset and "validation" not in dataset and "test" not in dataset:
+        raise ValueError(f"{origin} has none of the splits {SPLITS}; found {list(dataset)}")
+    for split, part in dataset.items():
+        if len(part) == 0:
+            raise ValueError(f"split {split!r} of {origin} is empty")
+    return dataset
+
+
+def _file_signature(*paths: Path) -> tuple[tuple[str, int, int], ...]:
+    """What keys a generated dataset in the cache: each file's absolute path, size and mtime."""
+    return tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths)
+
+
+def _text_encoding(path: Path) -> str:
+    """UTF-8 (a byte-order mark allowed) if the whole file decodes as such, else Latin-1."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            for _ in iter(lambda: handle.read(1 << 20), ""):
+                pass
+        return "utf-8-sig"
+    except UnicodeDecodeError:
+        return "latin-1"
+
+
+def read_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a text file, streamed: UTF-8, else Latin-1; LF, CRLF or CR line ends.
+
+    Text mode's universal newlines break at exactly those three, unlike `str.splitlines`, which
+    also breaks at U+0085 (what Latin-1 decodes from byte 0x85).
+    """
+    path = Path(path)
+    with open(path, encoding=_text_encoding(path), newline=None) as handle:
+        for line in handle:
+            yield line.removesuffix("\n")
+
+
+def _aligned_rows(paths: tuple[str, ...], languages: tuple[str, ...], signature: Any) -> Iterator[dict[str, Any]]:
+    """`{"translation": {lang: line}}` rows of aligned files (`signature` only keys the cache)."""
+    for lines in zip(*(read_lines(p) for p in paths)):
+        yield {"translation": dict(zip(languages, lines))}
+
+
+def _translation_from_prefix(prefix: str, source_lang: str, target_lang: str, split: str = "train") -> Dataset:
+    """Two aligned plain-text files `{prefix}.{source_lang}` and `{prefix}.{target_lang}`."""
+    paths = [Path(f"{prefix}.{lang}") for lang in (source_lang, target_lang)]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        found = sorted(p.suffix[1:] for p in Path(prefix).parent.glob(Path(prefix).name + ".*"))
+        raise FileNotFoundError(
+            f"language pair {source_lang}-{target_lang}: {', '.join(map(str, missing))} not found; "
+            f"languages found for prefix {prefix!r}: {found or 'none'}")
+    line_counts = [sum(1 for _ in read_lines(p)) for p in paths]
+    if line_counts[0] != line_counts[1]:
+        raise ValueError(f"{paths[0]} has {line_counts[0]} lines but {paths[1]} has {line_counts[1]}: "
+                         f"parallel files must be aligned line by line")
+    if line_counts[0] == 0:
+        raise ValueError(f"split {split!r} is empty: {paths[0]} and {paths[1]} hold no line")
+    features = datasets.Features({"translation": {lang: datasets.Value("string") for lang in (source_lang, target_lang)}})
+    # Tuples, not lists: `from_generator` would shard list arguments over several generator calls.
+    return Dataset.from_generator(_aligned_rows, features=features, gen_kwargs={
+        "paths": tuple(str(p) for p in paths), "languages": (source_lang, target_lang),
+        "signature": _file_signature(*paths)})
+
+
+def _translation_languages(dataset: Dataset) -> list[str]:
+    feature = dataset.features.get("translation")
+    if feature is None:
+        raise ValueError(f"translation data needs a 'translation' column; found {dataset.column_names}")
+    languages = getattr(feature, "languages", None)
+    return sorted(languages) if languages is not None else sorted(feature)
+
+
+def load_translation_dataset(source_lang: str, target_lang: str, *, dataset_name: str | None = None,
+                             dataset_config: str | None = None,
+                             data_files: dict[str, str] | None = None) -> DatasetDict:
+    """Translation pairs as a `DatasetDict` with a `translation` column `{lang: text}`.
+
+    `data_files` maps splits to either JSON-lines files (`{"translation": {"de": ..., "en": ...}}`)
+    or path prefixes of aligned plain-text files (`data/train` -> `data/train.de`, `data/train.en`).
+    With neither `dataset_name` nor `data_files`, the embedded synthetic corpus is returned.
+    """
+    if dataset_name:
+        dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
+    elif data_files:
+        dataset, origin = DatasetDict(), "the translation files"
+        for split, path in data_files.items():
+            if str(path).endswith(_JSON_SUFFIXES):
+                part = datasets.load_dataset("json", data_files=str(_check_file(path)), split="train")
+            else:
+                part = _translation_from_prefix(str(path), source_lang, target_lang, split)
+            dataset[split] = part
+    else:
+        dataset, origin = synthetic_translation_corpus(source_lang, target_lang), "the embedded corpus"
+    _check_splits(dataset, origin)
+    for split, part in dataset.items():
+        languages = _translation_languages(part)
+        if source_lang not in languages or target_lang not in languages:
+            raise ValueError(f"language pair {source_lang}-{target_lang} not in split {split!r} of "
+                             f"{origin}; languages found: {languages}")
+    return dataset
+
+
+def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
+                    data_files: dict[str, str] | None = None) -> DatasetDict:
+    """Language-modelling text as a `DatasetDict` with one `text` column (one line per row).
+
+    Local files are plain text (`.txt`, `.raw`, `.tokens`, ...) or JSON lines with a `text` field.
+    Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`.
+    """
+    if dataset_name:
+        dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
+    elif data_files:
+        dataset, origin = DatasetDict(), "the text files"
+        for split, path in data_files.items():
+            builder = "json" if str(path).endswith(_JSON_SUFFIXES) else "text"
+            dataset[split] = datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
+    else:
+        dataset, origin = synthetic_lm_corpus(), "the embedded corpus"
+    dataset = DatasetDict({s: _rename_text_column(d, origin) for s, d in dataset.items()})
+    return _check_splits(DatasetDict({s: d.select_columns(["text"]) for s, d in dataset.items()}), origin)
+
+
+def _rename_text_column(dataset: Dataset, origin: str) -> Dataset:
+    if "text" in dataset.column_names:
+        return dataset
+    if "sentence" in dataset.column_names:
+        return dataset.rename_column("sentence", "text")
+    raise ValueError(f"{origin} needs a 'text' or 'sentence' column; found {dataset.column_names}")
+
+
+def label_to_id(label: Any, label_names: Sequence[str], where: str) -> int:
+    """The index of `label` (a name, or an integer index) in `label_names`."""
+    if isinstance(label, str) and label.strip() in label_names:
+        return list(label_names).index(label.strip())
+    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(label_names):
+        return label
+    raise ValueError(f"unknown label {label!r} in {where}; expected one of {list(label_names)} "
+                     f"or an index below {len(label_names)}")
+
+
+def _labelled_features(label_names: Sequence[str]) -> datasets.Features:
+    return datasets.Features({"text": datasets.Value("string"), "label": ClassLabel(names=list(label_names))})
+
+
+def _phrasebank_rows(path: str, label_names: tuple[str, ...], signature: Any) -> Iterator[dict[str, Any]]:
+    for number, line in enumerate(read_lines(path), start=1):
+        if not line.strip():
+            continue
+        if "@" not in line:
+            raise ValueError(f"{path}:{number}: expected 'sentence@label', got {line[:80]!r}")
+        text, label = line.rsplit("@", 1)
+        yield {"text": text.strip(), "label": label_to_id(label, label_names, f"{path}:{number}")}
+
+
+def read_phrasebank(path: str | Path, label_names: Sequence[str] = SENTIMENT_LABELS) -> Dataset:
+    """A Financial PhraseBank file: one `sentence@label` per line, UTF-8 or Latin-1."""
+    path = _check_file(path)
+    kwargs = {"path": str(path), "label_names": tuple(label_names), "signature": _file_signature(path)}
+    # Checked here, where a bad line's error reaches the caller as it is (inside the generator,
+    # `datasets` would wrap it in a generic generation error).
+    if not sum(1 for _ in _phrasebank_rows(**kwargs)):
+        raise ValueError(f"{path} holds no sentence")
+    return Dataset.from_generator(_phrasebank_rows, features=_labelled_features(label_names), gen_kwargs=kwargs)
+
+
+def _read_labelled_table(path: str, label_names: Sequence[str]) -> Dataset:
+    """CSV or JSON lines with a `text` (or `sentence`) column and a `label` column."""
+    builder = "json" if path.endswith(_JSON_SUFFIXES) else "csv"
+    table = datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
+    table = _rename_text_column(table, path)
+    if "label" not in table.column_names:
+        raise ValueError(f"{path} needs a 'label' column; found {table.column_names}")
+
+    def to_ids(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        return {"label": [label_to_id(v, label_names, f"{path} row {i + 1}")
+                          for v, i in zip(batch["label"], indices)]}
+
+    table = table.select_columns(["text", "label"])
+    return table.map(to_ids, batched=True, with_indices=True, features=_labelled_features(label_names),
+                     desc="Reading labels")
+
+
+def split_train(dataset: DatasetDict, validation_fraction: float = 0.1, test_fraction: float = 0.1,
+                seed: int = 0) -> DatasetDict:
+    """Carve deterministic validation/test splits out of `train` when they are missing."""
+    missing = [s for s in ("validation", "test") if s not in dataset]
+    if not missing or "train" not in dataset:
+        return dataset
+    fractions = {"validation": validation_fraction, "test": test_fraction}
+    train, out = dataset["train"], DatasetDict(dataset)
+    for split in missing:
+        size = max(1, round(fractions[split] * len(dataset["train"])))
+        parts = train.train_test_split(test_size=size, seed=seed, shuffle=True)
+        train, out[split] = parts["train"], parts["test"]
+    out["train"] = train
+    return out
+
+
+def load_classification_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
+                                data_files: dict[str, str] | None = None,
+                                label_names: Sequence[str] = SENTIMENT_LABELS,
+                                seed: int = 0) -> DatasetDict:
+    """Sentence classification as a `DatasetDict` with `text` and a `ClassLabel` `label` column.
+
+    Local files: `.csv`, `.json`/`.jsonl` (columns text or sentence, and label), or `.txt` in the
+    Financial PhraseBank `sentence@label` format. Missing validation/test splits are carved out of
+    train (10% each, seeded).
+    """
+    if dataset_name:
+        dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
+        dataset = DatasetDict({s: _rename_text_column(d, origin) for s, d in dataset.items()})
+    elif data_files:
+        dataset, origin = DatasetDict(), "the classification files"
+        for split, path in data_files.items():
+            is_table = str(path).endswith(_JSON_SUFFIXES + (".csv",))
+            dataset[split] = (_read_labelled_table(str(path), label_names) if is_table
+                              else read_phrasebank(path, label_names))
+    else:
+        dataset, origin = synthetic_classification_corpus(), "the embedded corpus"
+    return split_train(_check_splits(dataset, origin), seed=seed)
+
+
+def label_names_of(dataset: DatasetDict) -> list[str]:
+    """The class names of a classification `DatasetDict` (for `id2label` in the model config)."""
+    feature = next(iter(dataset.values())).features["label"]
+    if not isinstance(feature, ClassLabel):
+        raise ValueError(f"the 'label' column must be a ClassLabel with names; got {feature}")
+    return list(feature.names)
+
+
+def limit_samples(dataset: Dataset, max_samples: int | None) -> Dataset:
+    """The first `max_samples` examples (`--max_train_samples`, `--max_eval_samples`), or all."""
+    if max_samples is None or max_samples >= len(dataset):
+        return dataset
+    return dataset.select(range(max_samples))
+
+
+def limit_splits(dataset: DatasetDict, max_train_samples: int | None,
+                 max_eval_samples: int | None) -> DatasetDict:
+    """`train` cut to `max_train_samples`, every other split to `max_eval_samples`."""
+    return DatasetDict({split: limit_samples(part, max_train_samples if split == "train" else max_eval_samples)
+                        for split, part in dataset.items()})

@@ -1,0 +1,217 @@
+"""Tokenization: the joint BPE of the paper's recipes and the cached `Dataset.map` passes.
+
+`train_bpe_tokenizer` trains a fairseq-style joint BPE with `tokenizers` (special tokens `<s>`,
+`<pad>`, `</s>`, `<unk>` as ids 0-3, `</s>` appended to every sequence) and wraps it as a
+Transformers fast tokenizer that `AutoTokenizer` loads without remote code. The `tokenize_*`
+functions and `lm_blocks` are batched `Dataset.map` passes whose cache key is the input dataset's
+fingerprint, the tokenizer's serialisation and the pass's parameters: a second run over the same
+data with the same tokenizer reads the Arrow cache instead of tokenizing again
+(`overwrite_cache=True` forces the work), and `num_proc` spreads the work over processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, DatasetDict
+from transformers import PreTrainedTokenizerBase
+
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order: ids 0-3
+# Bumped when a pass below changes what it writes, so that older cache files are not reused.
+_CACHE_VERSION = "1"
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+                        show_progress: bool = False, model_max_length: int | None = None):
+    """A joint BPE tokenizer trained on `texts`, as a `transformers.PreTrainedTokenizerFast`.
+
+    NFKC normalisation, whitespace kept as `▁` (Metaspace) so decoding restores the text, special
+    tokens `<s>` (0), `<pad>` (1), `</s>` (2), `<unk>` (3) as in fairseq's dictionaries and the
+    model config's defaults, and `</s>` appended to every sequence (as fairseq appends EOS to
+    source, target and language-model lines).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens; got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress)
+    tokenizer.train_from_iterator(texts, trainer)
+    eos_id = tokenizer.token_to_id("</s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos_id)])
+    extra = {"model_max_length": model_max_length} if model_max_length else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>", **extra)
+
+
+def load_tokenizer(path: str | Path, model_max_length: int | None = None):
+    """A saved tokenizer directory, checked to have the pad and EOS tokens the recipes rely on."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path} holds no tokenizer.json (a fast tokenizer saved with save_pretrained)")
+    # The fast-tokenizer class reads tokenizer.json itself: no model config, so no remote-code question.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    # Where it was loaded from, not what it is: kept, they would travel into every export (and to the Hub).
+    for name in ("is_local", "local_files_only"):
+        tokenizer.init_kwargs.pop(name, None)
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tokenizer, name) is None:
+            raise ValueError(f"tokenizer {path} has no {name.removesuffix('_id')}; the recipes need one")
+    if model_max_length:
+        tokenizer.model_max_length = model_max_length
+        tokenizer.init_kwargs["model_max_length"] = model_max_length
+    return tokenizer
+
+
+def has_tokenizer(path: str | Path | None) -> bool:
+    """Whether `path` is a folder holding a saved fast tokenizer."""
+    return path is not None and (Path(path) / "tokenizer.json").is_file()
+
+
+def prepare_tokenizer(tokenizer_name: str | None, output_dir: str | Path, vocab_size: int, accelerator,
+                      texts: Callable[[], Iterable[str]], model_max_length: int | None = None):
+    """`tokenizer_name` (a saved tokenizer folder), or a BPE trained once on the main process on
+    `texts()`, saved to `output_dir/tokenizer` and read back by every process."""
+    directory = Path(tokenizer_name or Path(output_dir) / "tokenizer")
+    with accelerator.main_process_first():
+        if tokenizer_name is None and accelerator.is_main_process:
+            train_bpe_tokenizer(texts(), vocab_size, show_progress=True,
+                                model_max_length=model_max_length).save_pretrained(directory)
+    return load_tokenizer(directory, model_max_length)
+
+
+def translation_texts(dataset: Dataset, languages: Sequence[str], batch_size: int = 1000) -> Iterator[str]:
+    """Every sentence of `languages` in a translation split: the input of a joint BPE."""
+    for start in range(0, len(dataset), batch_size):
+        for pair in dataset[start:start + batch_size]["translation"]:
+            yield from (pair[lang] for lang in languages)
+
+
+def column_texts(dataset: Dataset, column: str = "text", batch_size: int = 1000) -> Iterator[str]:
+    """Every row of a text column, in batches (no full copy of the column in memory)."""
+    for start in range(0, len(dataset), batch_size):
+        yield from dataset[start:start + batch_size][column]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash of what the tokenizer does (its `tokenizer.json` and special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    content += json.dumps(tokenizer.special_tokens_map, sort_keys=True)
+    return hashlib.sha256(content.encode("utf-8")).hexdigest()
+
+
+def _fingerprint(dataset: Dataset, *parts: Any) -> str:
+    text = json.dumps([_CACHE_VERSION, dataset._fingerprint, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def cached_map(dataset: DatasetDict, function: Callable, key: Sequence[Any], *, num_proc: int | None = None,
+               overwrite_cache: bool = False, desc: str, **map_kwargs: Any) -> DatasetDict:
+    """`Dataset.map(function, batched=True)` on every split, cached under a fingerprint made of the
+    split's own fingerprint and `key` (what the function depends on besides its input)."""
+    return DatasetDict({
+        split: part.map(function, batched=True, num_proc=num_proc, load_from_cache_file=not overwrite_cache,
+                        new_fingerprint=_fingerprint(part, desc, *key), desc=f"{desc} ({split})", **map_kwargs)
+        for split, part in dataset.items()
+    })
+
+
+def tokenize_translation(dataset: DatasetDict, tokenizer, source_lang: str, target_lang: str,
+                         max_source_length: int = 256, max_target_length: int = 256, *,
+                         num_proc: int | None = None, overwrite_cache: bool = False) -> DatasetDict:
+    """`input_ids` from the source and `labels` from the target (both end in `</s>`, truncated),
+    and `length`, the longer of the two (for token-budget batching)."""
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        sources = [pair[source_lang] for pair in batch["translation"]]
+        targets = [pair[target_lang] for pair in batch["translation"]]
+        inputs = tokenizer(sources, max_length=max_source_length, truncation=True)["input_ids"]
+        labels = tokenizer(targets, max_length=max_target_length, truncation=True)["input_ids"]
+        return {"input_ids": inputs, "labels": labels, "length": [max(len(a), len(b)) for a, b in zip(inputs, labels)]}
+
+    key = (tokenizer_fingerprint(tokenizer), source_lang, target_lang, max_source_length, max_target_length)
+    return cached_map(dataset, encode, key, num_proc=num_proc, overwrite_cache=overwrite_cache,
+                      remove_columns=next(iter(dataset.values())).column_names, desc="Tokenizing translation pairs")
+
+
+def tokenize_classification(dataset: DatasetDict, tokenizer, max_length: int = 256, *,
+                            num_proc: int | None = None, overwrite_cache: bool = False) -> DatasetDict:
+    """`input_ids` of each sentence (ending in `</s>`, truncated), its integer `label` and `length`."""
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        ids = tokenizer(batch["text"], max_length=max_length, truncation=True)["input_ids"]
+        return {"input_ids": ids, "label": batch["label"], "length": [len(row) for row in ids]}
+
+    return cached_map(dataset, encode, (tokenizer_fingerprint(tokenizer), max_length), num_proc=num_proc,
+                      overwrite_cache=overwrite_cache, remove_columns=["text"], desc="Tokenizing sentences")
+
+
+def tokenize_lines(dataset: DatasetDict, tokenizer, *, num_proc: int | None = None,
+                   overwrite_cache: bool = False) -> DatasetDict:
+    """`input_ids` of every text line, each ending in `</s>`: the pieces of a language-model stream."""
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        return {"input_ids": tokenizer(batch["text"])["input_ids"]}
+
+    return cached_map(dataset, encode, (tokenizer_fingerprint(tokenizer),), num_proc=num_proc,
+                      overwrite_cache=overwrite_cache, remove_columns=["text"], desc="Tokenizing lines")
+
+
+def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None = None,
+              overwrite_cache: bool = False, lines_per_batch: int = 1000) -> DatasetDict:
+    """Fixed-length blocks of each split's token stream (the lines of `tokenize_lines`, in order),
+    for a causal LM that shifts its labels internally.
+
+    Consecutive blocks overlap by one token, so every token after the first of the split is a
+    prediction target exactly once: the mean NLL over all blocks is the NLL of the whole stream.
+    The map works on `lines_per_batch` lines at a time and starts each batch's stream with the
+    last token of the line before it (context only), so the batches join without a gap; the last
+    block of a batch may be shorter (the collator pads it and masks its labels).
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2; got {block_size}")
+    stride = block_size - 1
+
+    def blocks_of(part: Dataset) -> Callable:
+        def cut(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+            stream = [part[indices[0] - 1]["input_ids"][-1]] if indices[0] > 0 else []
+            for ids in batch["input_ids"]:
+                stream.extend(ids)
+            blocks = [stream[s:s + block_size] for s in range(0, len(stream) - 1, stride)]
+            return {"input_ids": blocks, "labels": blocks, "length": [len(b) for b in blocks]}
+        return cut
+
+    out = DatasetDict()
+    for split, part in tokenized.items():
+        # Every line holds at least its `</s>`: two lines, or one of two tokens, make a target.
+        if len(part) == 0 or (len(part) == 1 and len(part[0]["input_ids"]) < 2):
+            raise ValueError(f"the token stream of split {split!r} has fewer than 2 tokens")
+        out[split] = part.map(blocks_of(part), batched=True, batch_size=lines_per_batch, with_indices=True,
+                              num_proc=num_proc, remove_columns=part.column_names,
+                              load_from_cache_file=not overwrite_cache,
+                              new_fingerprint=_fingerprint(part, "blocks", block_size, lines_per_batch),
+                              desc=f"Cutting {block_size}-token blocks ({split})")
+    return out
+
+
+def sequence_lengths(dataset: Dataset, columns: Sequence[str] = ("input_ids", "labels")) -> list[int]:
+    """Per-example length for batching: the `length` column the tokenizing passes write, else the
+    longest of the given sequence columns."""
+    if "length" in dataset.column_names:
+        return list(dataset["length"])
+    present = [c for c in columns if c in dataset.column_names]
+    if not present:
+        raise ValueError(f"none of the columns {list(columns)} in {dataset.column_names}")
+    columns_lengths = [map(len, dataset[c]) for c in present]
+    return [max(lens) for lens in zip(*columns_lengths)]

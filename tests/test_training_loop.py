@@ -1,0 +1,227 @@
+"""Tests of the training library's loop side: the model config from the command line, optimizer
+and schedules, losses, metrics (local evaluate modules, offline), checkpoint listing and averaging."""
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import get_inverse_sqrt_schedule, get_scheduler
+
+from recipe_scripts import average_checkpoints as avg
+
+from hf_powernorm import training
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    corpus = training.synthetic_translation_corpus(sizes={"train": 400})
+    return training.train_bpe_tokenizer(training.translation_texts(corpus["train"], ("de", "en")), vocab_size=300)
+
+
+def test_model_config_from_the_command_line(bpe):
+    parser = training.add_recipe_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--powernorm_alpha_fwd", "0.95", "--warmup_steps", "7", "--encoder_norm_type",
+                              "layernorm", "--powernorm_group_num", "none", "--config_overrides", "encoder_layers=3"])
+    config = training.build_config(args, bpe, 2, {"hidden_size": 64, "intermediate_size": 128}, max_length=100,
+                             encoder_norm_type="batchnorm")
+    assert config.encoder_norm_type == "layernorm"  # the option wins over the script's own field
+    assert (config.hidden_size, config.encoder_layers, config.vocab_size) == (64, 3, len(bpe))
+    assert (config.powernorm_alpha_fwd, config.powernorm_group_num) == (0.95, None)
+    assert config.powernorm_warmup_steps == 7  # PN's warmup follows the learning-rate warmup
+    # Updates on the command line, training forward passes (one per micro-batch) in the config.
+    accumulated = parser.parse_args(["--warmup_steps", "7", "--gradient_accumulation_steps", "3"])
+    assert training.build_config(accumulated, bpe, 1, {}, 100).powernorm_warmup_steps == 21
+    accumulated.powernorm_warmup_steps = 5
+    assert training.build_config(accumulated, bpe, 1, {}, 100).powernorm_warmup_steps == 15
+    assert config.pad_token_id == bpe.pad_token_id and config.max_position_embeddings >= 102
+    assert config.powernorm_sync_stats is True  # several processes: synchronised by default
+    assert training.build_config(parser.parse_args([]), bpe, 1, {}, 100).powernorm_sync_stats is False
+    assert training.build_config(parser.parse_args(["--no-sync_stats"]), bpe, 2, {}, 100).powernorm_sync_stats is False
+    paper = training.build_config(parser.parse_args(["--preset", "iwslt14-small"]), bpe, 1, {"hidden_size": 64}, 100)
+    assert (paper.hidden_size, paper.powernorm_warmup_steps, paper.decoder_norm_type) == (512, 8000, "layernorm")
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer, schedule, losses
+# ---------------------------------------------------------------------------------------------
+
+def test_weight_decay_by_ndim_and_inverse_sqrt_schedule():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = training.build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    decayed, plain = optimizer.param_groups
+    assert [p.shape for p in decayed["params"]] == [(3, 4)] and decayed["weight_decay"] == 0.1
+    assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0
+    assert optimizer.defaults["betas"] == (0.9, 0.98)
+    scheduler = training.inverse_sqrt_schedule(optimizer, warmup_steps=100, warmup_init_lr=1e-7)
+    lrs = []
+    for _ in range(401):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(1e-7)
+    assert lrs[50] == pytest.approx(1e-7 + 50 * (1e-3 - 1e-7) / 100)
+    assert lrs[100] == pytest.approx(1e-3) and lrs[400] == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="warmup_steps.*0"):
+        training.inverse_sqrt_schedule(optimizer, warmup_steps=0)
+
+
+def test_losses_and_perplexity():
+    vocab = 11
+    logits = torch.zeros(2, 5, vocab)  # uniform prediction: perplexity equals the vocabulary size
+    labels = torch.randint(0, vocab, (2, 5))
+    labels[1, 3:] = -100
+    nll, count = training.token_nll(logits, labels, shift=True)
+    assert int(count) == 2 * 4 - 2
+    assert training.perplexity(nll.item(), int(count)) == pytest.approx(vocab)
+    rows, counts = training.sequence_nll(logits, labels)
+    assert counts.tolist() == [4, 2] and rows.tolist() == pytest.approx([4 * math.log(vocab), 2 * math.log(vocab)])
+    with pytest.raises(ValueError, match="0"):
+        training.perplexity(1.0, 0)
+
+
+def test_label_smoothed_loss_against_a_hand_computed_value():
+    """Two scored tokens over a vocabulary of 3: per token (1 - eps) * (-log p_label) + eps * mean
+    over the vocabulary of -log p, averaged over the scored tokens; the padded one is left out."""
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 3.0], [9.0, 9.0, 9.0]]])
+    labels = torch.tensor([[0, 2, -100]])
+    eps = 0.1
+
+    def token(row: list[float], label: int) -> float:
+        log_z = math.log(sum(math.exp(v) for v in row))
+        log_p = [v - log_z for v in row]
+        return (1 - eps) * -log_p[label] + eps * -sum(log_p) / len(row)
+
+    expected = (token([2.0, 0.0, -1.0], 0) + token([0.5, 0.5, 3.0], 2)) / 2
+    loss = training.label_smoothed_loss(logits, labels, label_smoothing=eps)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert loss.item() != pytest.approx(training.label_smoothed_loss(logits, labels).item(), rel=1e-3)
+    reference = F.cross_entropy(logits[0, :2], labels[0, :2], label_smoothing=eps)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert training.label_smoothed_loss(logits.bfloat16(), labels, eps).dtype == torch.float32
+
+
+def _lrs(scheduler, optimizer, steps: int) -> list[float]:
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_schedules_of_transformers_and_inverse_sqrt_after_warmup():
+    """`--lr_scheduler_type` other than inverse_sqrt is transformers' schedule; fairseq's
+    inverse_sqrt agrees with transformers' after warmup (it differs in warming up from 1e-7)."""
+    def optimizer():
+        return training.build_optimizer(torch.nn.Linear(2, 2), lr=1e-3)
+
+    ours, theirs = optimizer(), optimizer()
+    linear = _lrs(training.build_scheduler("linear", ours, 10, 50), ours, 50)
+    assert linear == pytest.approx(_lrs(get_scheduler("linear", theirs, num_warmup_steps=10,
+                                                      num_training_steps=50), theirs, 50))
+    ours, theirs = optimizer(), optimizer()
+    fairseq = _lrs(training.build_scheduler("inverse_sqrt", ours, 10, 50, warmup_init_lr=1e-7), ours, 50)
+    library = _lrs(get_inverse_sqrt_schedule(theirs, num_warmup_steps=10), theirs, 50)
+    assert fairseq[10:] == pytest.approx(library[10:]) and fairseq[0] == pytest.approx(1e-7) and library[0] == 0
+    with pytest.raises(ValueError, match="unknown lr_scheduler_type 'cyclic'.*inverse_sqrt"):
+        training.build_scheduler("cyclic", optimizer(), 10, 50)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics (local evaluate modules, offline)
+# ---------------------------------------------------------------------------------------------
+
+def test_sacrebleu_metric_matches_sacrebleu():
+    predictions = ["The cat sat on the mat .", "a dog runs in the park"]
+    references = [["the cat sat on the mat ."], ["A dog ran in the park ."]]
+    metric = training.load_metric("sacrebleu")
+    for lowercase in (False, True):
+        result = metric.compute(predictions=predictions, references=references, lowercase=lowercase)
+        direct = sacrebleu.corpus_bleu(predictions, [[r[0] for r in references]], lowercase=lowercase)
+        assert result["score"] == pytest.approx(direct.score)
+        assert ("case:lc" in result["signature"]) == lowercase
+    cased = metric.compute(predictions=predictions, references=references)["score"]
+    assert cased < metric.compute(predictions=predictions, references=references, lowercase=True)["score"]
+    with pytest.raises(ValueError, match="unknown metric 'bleurt'"):
+        training.load_metric("bleurt")
+
+
+def test_once_per_message_filter(caplog):
+    logger = logging.getLogger("hf_powernorm.test_once")
+    logger.addFilter(training.OncePerMessage())
+    with caplog.at_level(logging.WARNING, logger="hf_powernorm.test_once"):
+        for word in ("period", "period", "comma", "period"):
+            logger.warning("tokenized %s", word)
+    assert [r.getMessage() for r in caplog.records] == ["tokenized period", "tokenized comma"]
+
+
+def test_accuracy_f1_metric():
+    metric = training.load_metric("accuracy_f1")
+    result = metric.compute(predictions=[0, 1, 2, 2, 1], references=[0, 1, 1, 2, 2])
+    assert result["accuracy"] == pytest.approx(3 / 5)
+    # class 0: F1 1; class 1: tp 1, fp 1, fn 1 -> 0.5; class 2: tp 1, fp 1, fn 1 -> 0.5
+    assert result["per_class_f1"] == pytest.approx([1.0, 0.5, 0.5])
+    assert result["macro_f1"] == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and averaging
+# ---------------------------------------------------------------------------------------------
+
+def _checkpoint(folder: Path, value: float, step: int) -> None:
+    folder.mkdir(parents=True)
+    save_file({"weight": torch.full((2, 3), value), "half": torch.full((2,), value, dtype=torch.float16),
+               "norm.num_batches_tracked": torch.tensor(step)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"step": step}))
+    (folder / "optimizer.bin").write_bytes(b"state")
+    (folder / "custom_checkpoint_0.pkl").write_bytes(b"scheduler")
+
+
+def test_average_checkpoints_keeps_integer_counters(tmp_path):
+    for step, value in ((9, 1.0), (10, 2.0), (100, 6.0), (2, 50.0)):
+        _checkpoint(tmp_path / f"step_{step}", value, step)
+    assert training.latest_checkpoint(tmp_path).name == "step_100"  # numeric, not lexicographic order
+    chosen = training.select_checkpoints(tmp_path, 3)
+    assert [p.name for p in chosen] == ["step_9", "step_10", "step_100"]
+    avg.main(["--checkpoint_dir", str(tmp_path), "--num_checkpoints", "3",
+              "--output_dir", str(tmp_path / "averaged")])
+    state = load_file(str(tmp_path / "averaged" / "model.safetensors"))
+    assert torch.equal(state["weight"], torch.full((2, 3), 3.0))
+    assert state["half"].dtype == torch.float16 and state["half"][0].item() == 3.0
+    assert state["norm.num_batches_tracked"].item() == 100
+    assert state["norm.num_batches_tracked"].dtype == torch.int64
+    assert json.loads((tmp_path / "averaged" / "config.json").read_text()) == {"step": 100}
+    assert not any((tmp_path / "averaged" / n).exists() for n in ("optimizer.bin", "custom_checkpoint_0.pkl"))
+    with pytest.raises(ValueError, match=r"last 5 checkpoints.*holds 4"):
+        training.select_checkpoints(tmp_path, 5)
+
+
+def test_checkpoint_listing_errors(tmp_path):
+    _checkpoint(tmp_path / "epoch_1", 1.0, 1)
+    _checkpoint(tmp_path / "step_5", 1.0, 5)
+    with pytest.raises(ValueError, match=r"\['epoch', 'step'\]"):
+        training.list_checkpoints(tmp_path)
+    assert [p.name for p in training.list_checkpoints(tmp_path, prefix="step")] == ["step_5"]
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"other.*model\.safetensors"):
+        training.average_state_dicts([tmp_path / "step_5", tmp_path / "other"])
+
+
+def test_metrics_load_offline_with_an_empty_cache(tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    code = ("import evaluate; m = evaluate.load(%r); "
+            "print(m.compute(predictions=['a b c d'], references=[['a b c d']])['score'])")
+    out = subprocess.run([sys.executable, "-c", code % str(training.METRICS_DIR / "sacrebleu")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == pytest.approx(100.0)
