@@ -14,6 +14,7 @@ def test_defaults_follow_the_paper_translation_setting():
     assert (config.powernorm_alpha_fwd, config.powernorm_alpha_bkw) == (0.9, 0.9)
     assert config.powernorm_group_num == config.num_attention_heads
     assert config.powernorm_backward_denominator == "running"
+    assert (config.powernorm_warmup_statistic, config.powernorm_warmup_ramp_steps) == ("cumulative", 0)
     assert config.num_hidden_layers == config.decoder_layers
 
 
@@ -56,32 +57,47 @@ def test_norm_names_are_canonicalised():
     ("encoder_norm_type", "superNorm"), ("decoder_norm_type", 3), ("powernorm_alpha_fwd", 1.1),
     ("powernorm_alpha_bkw", -0.5), ("powernorm_warmup_steps", -3), ("powernorm_group_num", 3),
     ("powernorm_group_num", 0), ("powernorm_backward_denominator", "exact"), ("norm_eps", 0.0),
+    ("powernorm_warmup_statistic", "ema"), ("powernorm_warmup_statistic", None), ("powernorm_warmup_ramp_steps", -1),
+    ("powernorm_warmup_ramp_steps", 2.5),
     ("init_std", -1.0), ("normalize_before", "yes"), ("max_position_embeddings", 0),
 ])
 def test_bad_values_raise_value_error_naming_them(field, value):
     with pytest.raises(ValueError) as error:
         PowerNormTransformerConfig(**{field: value})
-    assert repr(value) in str(error.value) or str(value) in str(error.value)
-    assert field in str(error.value) or field == "hidden_size"
+    message = str(error.value)
+    assert message.startswith(field), message  # about this field, not one that merely mentions it
+    assert repr(value) in message or f"{field}={value}" in message, message
+
+
+def test_warmup_statistic_error_names_the_valid_values():
+    with pytest.raises(ValueError, match=r"powernorm_warmup_statistic must be one of \('cumulative', 'reference'\), "
+                                         r"got 'ema'"):
+        PowerNormTransformerConfig(powernorm_warmup_statistic="ema")
 
 
 def test_norm_kwargs_map_config_options_onto_each_norm():
     config = PowerNormTransformerConfig(powernorm_alpha_fwd=0.95, powernorm_alpha_bkw=0.99, powernorm_warmup_steps=7,
                                         powernorm_group_num=2, powernorm_backward_denominator="batch",
+                                        powernorm_warmup_statistic="reference", powernorm_warmup_ramp_steps=5,
                                         norm_eps=1e-6)
     assert config.norm_kwargs("powernorm") == dict(eps=1e-6, alpha_fwd=0.95, alpha_bkw=0.99, warmup_steps=7,
+                                                   warmup_statistic="reference", warmup_ramp_steps=5,
                                                    group_num=2, backward_denominator="batch", sync_stats=False)
     assert config.norm_kwargs("PN-V") == dict(eps=1e-6, alpha_fwd=0.95)
     assert config.norm_kwargs("groupnorm") == dict(eps=1e-6, group_num=2)
     assert config.norm_kwargs("batchnorm") == dict(eps=1e-6)
+    assert config.norm_kwargs("brn") == dict(eps=1e-6)
+    assert config.norm_kwargs("mabn") == dict(eps=1e-6)
     assert config.norm_kwargs("layernorm") == dict(eps=1e-6)
 
 
 def test_round_trip_through_json_and_auto_config(tmp_path):
     config = PowerNormTransformerConfig.from_preset("tiny", powernorm_group_num=None, decoder_norm_type="rmsnorm",
-                                                    powernorm_warmup_steps=11)
+                                                    powernorm_warmup_steps=11, powernorm_warmup_statistic="reference",
+                                                    powernorm_warmup_ramp_steps=4)
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, PowerNormTransformerConfig)
     assert loaded.powernorm_group_num is None
+    assert (loaded.powernorm_warmup_statistic, loaded.powernorm_warmup_ramp_steps) == ("reference", 4)
     assert loaded.to_diff_dict() == config.to_diff_dict()
