@@ -504,3 +504,75 @@ def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded):
     for fused_step, eager_step in zip(*results):
         for a, b in zip(fused_step, eager_step):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eval outputs where eps matters, and eval group scaling checked by its invariance
+
+
+def _eval_group_scale_float64(x: torch.Tensor, groups: int | None) -> torch.Tensor:
+    """Per token, each of `groups` channel groups divided by sqrt(its mean square + 1e-5)."""
+    if groups is None:
+        return x
+    parts = x.unflatten(-1, (groups, -1))
+    return (parts / (parts.square().mean(-1, keepdim=True) + 1e-5).sqrt()).flatten(-2)
+
+
+def _eval_norm_with_statistic(name: str, groups: int | None, eps: float, low: float, high: float):
+    """A norm in eval with random weight, bias and a running statistic drawn from [low, high]."""
+    options = {} if name == "batchnorm" else {"group_num": groups}
+    norm = build_norm(name, 12, eps=eps, **options)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(12, generator=gen) + 0.5)
+        norm.bias.copy_(torch.rand(12, generator=gen) - 0.5)
+        statistic = low + (high - low) * torch.rand(12, generator=gen)
+        if name == "batchnorm":
+            norm.running_var.copy_(statistic)
+            norm.running_mean.copy_(torch.randn(12, generator=gen))
+        else:
+            norm.running_phi.copy_(statistic)
+    return norm.eval()
+
+
+@pytest.mark.parametrize("eps, low, high", [(1e-2, 0.5, 2.0), (1e-5, 1e-4, 4e-4)])
+@pytest.mark.parametrize("name, groups", [
+    ("powernorm", 4), ("powernorm", None), ("powernorm_v", 4), ("powernorm_v", None), ("batchnorm", None),
+])
+def test_eval_output_matches_the_formula_where_eps_is_not_negligible(name, groups, eps, low, high):
+    """eps is 0.5-10% of the running statistic here: an eval forward that drops eps (or puts it
+    elsewhere) is off by far more than the tolerance, unlike with eps 1e-5 and a statistic near 1."""
+    norm = _eval_norm_with_statistic(name, groups, eps, low, high)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 12, generator=gen, dtype=torch.float64) * 2 + 0.5
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[0, 3:] = 0
+    weight, bias = norm.weight.double(), norm.bias.double()
+    if name == "batchnorm":
+        centred, statistic = x - norm.running_mean.double(), norm.running_var.double()
+    else:
+        centred, statistic = _eval_group_scale_float64(x, groups), norm.running_phi.double()
+    expected = weight * centred / (statistic + eps).sqrt() + bias
+    without_eps = weight * centred / statistic.sqrt() + bias
+    tolerance = dict(rtol=1e-5, atol=1e-5)
+    assert (without_eps - expected).abs().max() > 100 * tolerance["atol"]  # the check has the power
+    torch.testing.assert_close(norm(x.float(), mask).double(), expected, **tolerance)
+    torch.testing.assert_close(norm(x[1:].float()).double(), expected[1:], **tolerance)  # no batch dependence
+
+
+@pytest.mark.parametrize("name", ["powernorm", "powernorm_v"])
+def test_eval_group_scaling_divides_out_each_groups_own_scale(name):
+    """A second guard for eval group scaling, with no reference formula: scaling one channel group of
+    one token by c leaves every output unchanged; scaling part of a group does not; without group
+    scaling the same change of scale shows in the output."""
+    x = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(2)) * 2 + 0.5
+    grouped = _eval_norm_with_statistic(name, 4, 1e-5, 0.5, 2.0)
+    ungrouped = _eval_norm_with_statistic(name, None, 1e-5, 0.5, 2.0)
+    whole_group, part_of_group = x.clone(), x.clone()
+    whole_group[1, 2, 3:6] *= 7.0  # channels 3-5: the second of four groups
+    part_of_group[1, 2, 3:5] *= 7.0
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(whole_group), grouped(x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(grouped(part_of_group)[1, 2], grouped(x)[1, 2], rtol=1e-2, atol=1e-2)
+        assert not torch.allclose(ungrouped(whole_group)[1, 2], ungrouped(x)[1, 2], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(ungrouped(whole_group)[0], ungrouped(x)[0])  # other tokens untouched
