@@ -29,7 +29,7 @@ demo: install
 
 test: install
 	mkdir -p .cache/hf .cache/tmp
-	$(TEST_ENV) $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q -p randomly --randomly-seed=$${TEST_SEED:-1234} tests
 
 bench: install
 	$(PY) -m hf_powernorm.bench_norms
