@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from .normalization import BACKWARD_DENOMINATORS, normalize_norm_name
+from .normalization import BACKWARD_DENOMINATORS, WARMUP_STATISTICS, normalize_norm_name
 
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
@@ -69,6 +69,9 @@ class PowerNormTransformerConfig(PreTrainedConfig):
 
     `normalize_before=True` is pre-norm (the paper's setting); `False` is post-norm.
     `powernorm_group_num` defaults to `num_attention_heads`; `None` disables group scaling.
+    `powernorm_warmup_statistic` ("cumulative" or "reference") and `powernorm_warmup_ramp_steps`
+    choose PN's running statistic during warmup and the length of the blend from the batch to the
+    running denominator after it (0: the paper's switch); see `PowerNorm`.
     """
 
     model_type = "powernorm_transformer"
@@ -95,6 +98,8 @@ class PowerNormTransformerConfig(PreTrainedConfig):
     powernorm_alpha_fwd: float = 0.9
     powernorm_alpha_bkw: float = 0.9
     powernorm_warmup_steps: int = 0
+    powernorm_warmup_statistic: str = "cumulative"
+    powernorm_warmup_ramp_steps: int = 0
     powernorm_group_num: int | str | None = GROUP_NUM_HEADS
     powernorm_backward_denominator: str = "running"
     powernorm_sync_stats: bool = False
@@ -129,7 +134,7 @@ class PowerNormTransformerConfig(PreTrainedConfig):
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
                      "max_position_embeddings"):
             self._check(name, _is_int(getattr(self, name)) and getattr(self, name) >= 1, "a positive integer")
-        for name in ("encoder_layers", "decoder_layers", "powernorm_warmup_steps"):
+        for name in ("encoder_layers", "decoder_layers", "powernorm_warmup_steps", "powernorm_warmup_ramp_steps"):
             self._check(name, _is_int(getattr(self, name)) and getattr(self, name) >= 0, "a non-negative integer")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
@@ -146,6 +151,8 @@ class PowerNormTransformerConfig(PreTrainedConfig):
                     f"one of {POSITION_EMBEDDING_TYPES}")
         self._check("powernorm_backward_denominator", self.powernorm_backward_denominator in BACKWARD_DENOMINATORS,
                     f"one of {BACKWARD_DENOMINATORS}")
+        self._check("powernorm_warmup_statistic", self.powernorm_warmup_statistic in WARMUP_STATISTICS,
+                    f"one of {WARMUP_STATISTICS}")
         group_num = self.powernorm_group_num
         self._check("powernorm_group_num", group_num is None or (
             _is_int(group_num) and group_num >= 1 and self.hidden_size % group_num == 0),
@@ -172,6 +179,8 @@ class PowerNormTransformerConfig(PreTrainedConfig):
                 alpha_fwd=self.powernorm_alpha_fwd,
                 alpha_bkw=self.powernorm_alpha_bkw,
                 warmup_steps=self.powernorm_warmup_steps,
+                warmup_statistic=self.powernorm_warmup_statistic,
+                warmup_ramp_steps=self.powernorm_warmup_ramp_steps,
                 group_num=self.powernorm_group_num,
                 backward_denominator=self.powernorm_backward_denominator,
                 sync_stats=self.powernorm_sync_stats,

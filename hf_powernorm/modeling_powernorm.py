@@ -6,7 +6,7 @@ language modelling (Table 3), pre-norm or post-norm. Every norm receives the pad
 batch statistics are taken over real tokens only. Heads: encoder-decoder translation, decoder-only
 language model, encoder-only sequence classifier.
 
-In eval, PN, PN-V and BN are a per-channel affine map after group scaling (`powernorm-notes.md`,
+In eval, PN, PN-V, BN, BRN and MABN are a per-channel affine map after group scaling (`powernorm-notes.md`,
 "Inference"); `fold_norms()` moves that map into the linear layers that read the norm's output.
 """
 
@@ -39,20 +39,12 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_powernorm import PowerNormTransformerConfig
-from .normalization import (
-    GroupNorm,
-    LayerNorm,
-    MaskedBatchNorm,
-    PowerNorm,
-    PowerNormV,
-    RMSNorm,
-    build_norm,
-    group_scale,
-)
+from .normalization import NORM_CLASSES, build_norm, group_scale
 
-RUNNING_BUFFERS = ("running_phi", "running_nu", "running_mean", "running_var", "num_batches_tracked")
+RUNNING_BUFFERS = ("running_phi", "running_nu", "running_mean", "running_var", "window_phi", "window_gz",
+                   "num_batches_tracked")
 # Norms that are a per-channel affine map after group scaling in eval, hence foldable.
-FOLDABLE_NORMS = ("powernorm", "powernorm_v", "batchnorm")
+FOLDABLE_NORMS = ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn")
 # Which options of the config give each foldable norm its group scaling.
 _FOLDED_GROUP_NUM = {"powernorm": "powernorm_group_num"}
 
@@ -342,7 +334,8 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _no_split_modules = ["PowerNormTransformerEncoderLayer", "PowerNormTransformerDecoderLayer"]
     # Running statistics stay float32 when loading with dtype=torch.bfloat16 / float16.
-    _keep_in_fp32_modules_strict = ["running_phi", "running_nu", "running_mean", "running_var"]
+    _keep_in_fp32_modules_strict = ["running_phi", "running_nu", "running_mean", "running_var", "window_phi",
+                                    "window_gz"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -355,14 +348,16 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
-        elif isinstance(module, (PowerNorm, PowerNormV, MaskedBatchNorm, LayerNorm, RMSNorm, GroupNorm)):
+        elif isinstance(module, tuple(NORM_CLASSES.values())):
             self._init_norm(module)
 
     @staticmethod
     def _init_norm(module: nn.Module) -> None:
-        """weight 1, bias 0, and the initial running statistics (phi 1, nu 0, mean 0, var 1, counter 0)."""
+        """weight 1, bias 0, and the initial running statistics (phi 1, nu 0, mean 0, var 1, windows 0,
+        counter 0)."""
         for name, value in (("weight", 1), ("bias", 0), ("running_phi", 1), ("running_nu", 0),
-                            ("running_mean", 0), ("running_var", 1), ("num_batches_tracked", 0)):
+                            ("running_mean", 0), ("running_var", 1), ("window_phi", 0), ("window_gz", 0),
+                            ("num_batches_tracked", 0)):
             tensor = getattr(module, name, None)
             if tensor is not None:
                 (init.ones_ if value == 1 else init.zeros_)(tensor)
@@ -376,8 +371,8 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
         if missing:
             warnings.warn(
                 f"The checkpoint has no running statistics {missing}; they start from their initial values "
-                "(running_phi=1, running_nu=0, running_mean=0, running_var=1, num_batches_tracked=0), so eval "
-                "outputs are not those of the trained model.",
+                "(running_phi=1, running_nu=0, running_mean=0, running_var=1, window_phi=window_gz=0, "
+                "num_batches_tracked=0), so eval outputs are not those of the trained model.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -391,7 +386,7 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def fold_norms(self) -> int:
-        """Fold every eval-mode PN / PN-V / BN affine map into the linear layers that read it.
+        """Fold every eval-mode PN / PN-V / BN / BRN / MABN affine map into the linear layers that read it.
 
         Pre-norm only: the norm in front of self-attention goes into `q_proj`, `k_proj`, `v_proj`,
         the one in front of cross-attention into `q_proj`, the one in front of the feed-forward

@@ -2,10 +2,12 @@
 
 `PowerNorm` is Power Normalization (Shen et al., ICML 2020): Section 4, Algorithm 2 and
 eqs. (11)-(13), with the group scaling of the authors' reference code and the choices written down
-in `powernorm-notes.md` (forward with the previous running quadratic mean after warmup, cumulative
-mean during warmup, approximate backward with the running gradient statistic `nu`). Its relatives
-are the paper's baselines (Table 1, Appendix B.3): `PowerNormV`, `MaskedBatchNorm`, `LayerNorm`,
-`RMSNorm`, `GroupNorm` and `Identity` ("none").
+in `powernorm-notes.md` (forward with the previous running quadratic mean after warmup, the warmup
+statistic of the notes or of the reference code, an optional ramp from the batch to the running
+denominator, approximate backward with the running gradient statistic `nu`). Its relatives are the
+paper's baselines (Table 1, Appendix B.3): `PowerNormV`, `MaskedBatchNorm`, `BatchRenorm` (Ioffe,
+2017), `MovingAverageBatchNorm` (Yan et al., 2020), `LayerNorm`, `RMSNorm`, `GroupNorm` and
+`Identity` ("none").
 
 Interface shared by all: `Norm(hidden_size, eps=..., **options)` and
 `forward(hidden_states, attention_mask=None)` with hidden states `(batch, seq, hidden)` or
@@ -37,6 +39,7 @@ from .kernels_cpu import (
 
 GROUP_SCALE_EPS = 1e-5
 BACKWARD_DENOMINATORS = ("running", "batch")
+WARMUP_STATISTICS = ("cumulative", "reference")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,6 +153,17 @@ def _check_fraction(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
+def _check_count(name: str, value: int, minimum: int = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        expected = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _check_at_least(name: str, value: float, minimum: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= minimum:
+        raise ValueError(f"{name} must be a number >= {minimum}, got {value!r}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Base class
 
@@ -172,9 +186,11 @@ class _Norm(nn.Module):
 
 class _RunningStatsNorm(_Norm):
     """Affine norm with float32 running statistics (`_running_buffers`: name -> initial value) and a
-    `num_batches_tracked` counter; the statistics stay float32 when the module is cast."""
+    `num_batches_tracked` counter; the statistics (and any buffer a subclass lists in
+    `_window_buffers`) stay float32 when the module is cast."""
 
     _running_buffers: dict[str, float] = {}
+    _window_buffers: tuple[str, ...] = ()
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps)
@@ -205,7 +221,7 @@ class _RunningStatsNorm(_Norm):
         return True
 
     def _apply(self, fn, recurse=True):
-        before = {name: self._buffers[name] for name in self._running_buffers}
+        before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
@@ -314,13 +330,26 @@ def _group_scale_backward(grad_z0, z0, r, group_num, scratch):
 class PowerNorm(_RunningStatsNorm):
     """Power Normalization (Shen et al., 2020, Algorithm 2) with masked statistics.
 
-    Training step t (t = num_batches_tracked + 1): `z0 = GS(x)`, `v = mean_V(z0^2)`;
-    denominator `s = sqrt(v + eps)` while `t <= warmup_steps`, else `sqrt(running_phi + eps)`
-    (the statistic of the previous step); `y = weight * z0 / s + bias`; `running_phi` is the
-    cumulative mean of `v` during warmup and an EMA with `alpha_fwd` after. The backward is the
-    paper's approximation with the running gradient statistic `running_nu` (EMA with `alpha_bkw`),
-    dividing by `s` (`backward_denominator="running"`, eq. 12) or always by the batch statistic
-    (`"batch"`, the reference code). In eval: `y = weight * GS(x) / sqrt(running_phi + eps) + bias`.
+    Training step t (t = num_batches_tracked + 1), with `W = warmup_steps`, `K = warmup_ramp_steps`
+    and `phi = running_phi` as it was before the step: `z0 = GS(x)`, `v = mean_V(z0^2)`;
+    denominator `s^2 = (1 - r) * (v + eps) + r * (phi + eps)` with the weight of the running statistic
+    `r = clamp((t - W) / (K + 1), 0, 1)`: `s = sqrt(v + eps)` while `t <= W`, `s = sqrt(phi + eps)`
+    from `t = W + K + 1` on, and over the K steps in between a linear blend of the two second moments
+    (`K = 0`, the default, is the paper's switch; the blend removes its jump when the batch statistics
+    have drifted from the running one). `y = weight * z0 / s + bias`.
+
+    Running statistic (`warmup_statistic`): `"cumulative"` makes `phi` the cumulative mean of `v` while
+    `t <= W` and an EMA with `alpha_fwd` after; `"reference"` (the authors' `MaskPowerNorm`) takes,
+    while `t < W`, the cumulative step `phi <- phi * (t - 1) / t + v / t` followed by the EMA step
+    `phi <- alpha_fwd * phi + (1 - alpha_fwd) * v`, and the EMA step alone from `t = W` on.
+
+    Backward: the paper's approximation (eqs. 11-13) for whatever `s` the step used, ramp included:
+    with `Z = z0 / s` and `g = weight * dY`, `dz0 = (g - nu * Z) / s_b` on real tokens and `g / s_b`
+    on padding, where `s_b = s` (`backward_denominator="running"`, eq. 12) or `sqrt(v + eps)` always
+    (`"batch"`, the reference code); no gradient flows through `v` or `phi`. The running gradient
+    statistic `nu = running_nu` takes `Gamma = mean_V(Z^2) = v / s^2` and `Lambda = mean_V(g * Z)`:
+    `nu <- nu * (1 - (1 - alpha_bkw) * Gamma) + (1 - alpha_bkw) * Lambda`.
+    In eval: `y = weight * GS(x) / sqrt(running_phi + eps) + bias`.
 
     `sync_stats=True` sums the statistics over `process_group` (default: the world) under
     `torch.distributed`, so every rank holds the buffers of one process on the whole batch.
@@ -339,20 +368,26 @@ class PowerNorm(_RunningStatsNorm):
         backward_denominator: str = "running",
         sync_stats: bool = False,
         process_group=None,
+        warmup_statistic: str = "cumulative",
+        warmup_ramp_steps: int = 0,
     ) -> None:
         super().__init__(hidden_size, eps)
         _check_fraction("alpha_fwd", alpha_fwd)
         _check_fraction("alpha_bkw", alpha_bkw)
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+        _check_count("warmup_steps", warmup_steps)
+        _check_count("warmup_ramp_steps", warmup_ramp_steps)
         _check_group_num(group_num, hidden_size)
         if backward_denominator not in BACKWARD_DENOMINATORS:
             raise ValueError(
                 f"backward_denominator must be one of {BACKWARD_DENOMINATORS}, got {backward_denominator!r}"
             )
+        if warmup_statistic not in WARMUP_STATISTICS:
+            raise ValueError(f"warmup_statistic must be one of {WARMUP_STATISTICS}, got {warmup_statistic!r}")
         self.alpha_fwd = float(alpha_fwd)
         self.alpha_bkw = float(alpha_bkw)
         self.warmup_steps = warmup_steps
+        self.warmup_statistic = warmup_statistic
+        self.warmup_ramp_steps = warmup_ramp_steps
         self.group_num = group_num
         self.backward_denominator = backward_denominator
         self.sync_stats = bool(sync_stats)
@@ -401,14 +436,39 @@ class PowerNorm(_RunningStatsNorm):
             return self._last_denominators
         step = int(self.num_batches_tracked) + 1
         batch = torch.rsqrt(v + self.eps)
-        inv_s = batch if step <= self.warmup_steps else running
+        inv_s = self._blended_inverse_denominator(step, v, batch, running)
         inv_s_b = inv_s if self.backward_denominator == "running" else batch
         with torch.no_grad():
-            weight = 1.0 / step if step <= self.warmup_steps else 1.0 - self.alpha_fwd
-            self.running_phi.lerp_(v.float(), weight)
+            self._update_phi(step, v.float())
             self.num_batches_tracked.add_(1)
         self._last_denominators = (inv_s, inv_s_b, v, count)
         return self._last_denominators
+
+    def running_weight(self, step: int) -> float:
+        """Weight `r` of the running statistic in the denominator at step t: 0 while `t <= W`,
+        `(t - W) / (K + 1)` over the K ramp steps, 1 after."""
+        return min(max(step - self.warmup_steps, 0) / (self.warmup_ramp_steps + 1), 1.0)
+
+    def _blended_inverse_denominator(self, step: int, v: torch.Tensor, batch: torch.Tensor,
+                                     running: torch.Tensor) -> torch.Tensor:
+        """`1/s` with `s^2 = (1 - r) * (v + eps) + r * (phi + eps)`, phi before this step's update."""
+        weight = self.running_weight(step)
+        if weight == 0.0:
+            return batch
+        if weight == 1.0:
+            return running
+        phi = self.running_phi.to(v.dtype)
+        return torch.rsqrt((1.0 - weight) * v + weight * phi + self.eps)
+
+    def _update_phi(self, step: int, v: torch.Tensor) -> None:
+        """`running_phi` after step t, per `warmup_statistic` (see the class docstring)."""
+        ema_rate = 1.0 - self.alpha_fwd
+        if self.warmup_statistic == "cumulative":
+            self.running_phi.lerp_(v, 1.0 / step if step <= self.warmup_steps else ema_rate)
+            return
+        if step < self.warmup_steps:
+            self.running_phi.lerp_(v, 1.0 / step)  # phi * (t - 1) / t + v / t
+        self.running_phi.lerp_(v, ema_rate)
 
     def _update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor) -> None:
         """`nu <- nu * (1 - (1 - a) * Gamma) + (1 - a) * Lambda` (eq. 13), Lambda summed over ranks."""
@@ -424,7 +484,8 @@ class PowerNorm(_RunningStatsNorm):
     def extra_repr(self) -> str:
         return (
             f"{self.hidden_size}, eps={self.eps}, alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}, "
-            f"warmup_steps={self.warmup_steps}, group_num={self.group_num}, "
+            f"warmup_steps={self.warmup_steps}, warmup_statistic={self.warmup_statistic!r}, "
+            f"warmup_ramp_steps={self.warmup_ramp_steps}, group_num={self.group_num}, "
             f"backward_denominator={self.backward_denominator!r}, sync_stats={self.sync_stats}"
         )
 
@@ -545,6 +606,197 @@ class MaskedBatchNorm(_RunningStatsNorm):
         return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}"
 
 
+class BatchRenorm(MaskedBatchNorm):
+    """Batch Renormalization (Ioffe, 2017, Algorithm 1) over real tokens: a paper baseline (App. B.3).
+
+    Training: with the batch statistics `mu_B`, `sigma_B = sqrt(var_B + eps)` (biased variance) and
+    the running ones `mu`, `sigma = sqrt(running_var + eps)` as they were before the step,
+    `r = clip(sigma_B / sigma, 1/rmax, rmax)` and `d = clip((mu_B - mu) / sigma, -dmax, dmax)`, both
+    constants in the backward; `y = weight * ((x - mu_B) / sigma_B * r + d) + bias`, the gradient
+    flowing through `mu_B` and `sigma_B` as in batch norm. `r = 1, d = 0` (`rmax=1, dmax=0`) is batch
+    norm. Eval and the running estimates are those of `MaskedBatchNorm` (EMA with `momentum` of the
+    mean and of the unbiased variance; Ioffe averages `sigma` instead of the variance, which changes
+    the estimate by second-order terms only). The paper relaxes `rmax` from 1 to 3 and `dmax` from 0
+    to 5 over training; the attributes can be changed between steps to do the same.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1, rmax: float = 3.0,
+                 dmax: float = 5.0):
+        super().__init__(hidden_size, eps, momentum)
+        _check_at_least("rmax", rmax, 1.0)
+        _check_at_least("dmax", dmax, 0.0)
+        self.rmax = float(rmax)
+        self.dmax = float(dmax)
+        self._last_correction = None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        dtype = _stat_dtype(flat)
+        with _float32(flat.device):
+            xf = flat.to(dtype)
+            weight, bias = self.weight.to(dtype), self.bias.to(dtype)
+            mean, scale = self.running_mean.to(dtype), weight * torch.rsqrt(self.running_var.to(dtype) + self.eps)
+            if self.training:
+                count = _token_count(xf, token_weights)
+                batch_mean = _token_sum(xf, token_weights) / count.clamp_min(1.0)
+                batch_var = _token_sum((xf - batch_mean).square(), token_weights) / count.clamp_min(1.0)
+                r, d = self._correction(batch_mean, batch_var)
+                if self._update(batch_mean, batch_var, count):
+                    mean, scale, bias = batch_mean, weight * r * torch.rsqrt(batch_var + self.eps), bias + weight * d
+            out = torch.addcmul(bias, xf - mean, scale)
+        return out.to(flat.dtype).view(hidden_states.shape)
+
+    def _correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(r, d)` from the running statistics before this step; a recomputation reuses the step's pair."""
+        if _in_recomputation() and self._last_correction is not None:
+            return self._last_correction
+        with torch.no_grad():
+            dtype = batch_mean.dtype
+            inv_sigma = torch.rsqrt(self.running_var.to(dtype) + self.eps)
+            r = (torch.sqrt(batch_var + self.eps) * inv_sigma).clamp(1.0 / self.rmax, self.rmax)
+            d = ((batch_mean - self.running_mean.to(dtype)) * inv_sigma).clamp(-self.dmax, self.dmax)
+        self._last_correction = (r, d)
+        return self._last_correction
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}, rmax={self.rmax}, dmax={self.dmax}"
+
+
+class _MovingAverageBatchNormFunction(torch.autograd.Function):
+    """MABN's forward `y = weight * r * z + bias`, `z = x / chi`, and its backward with the moving
+    average `Psi` of `mean_V(g * z)`: `dx = (g - z * Psi) / chi` on real tokens, `g / chi` on padding."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, token_weights, norm, inv_chi, r, step):
+        z = x * inv_chi
+        ctx.save_for_backward(z, token_weights, weight, inv_chi, r)
+        ctx.norm, ctx.step = norm, step
+        return torch.addcmul(bias, z, weight * r)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        z, token_weights, weight, inv_chi, r = ctx.saved_tensors
+        with _float32(grad_output.device):
+            dy = grad_output.to(z.dtype)
+            g = dy * (weight * r)
+            count = _token_count(z, token_weights)
+            psi = ctx.norm._backward_statistic(_token_sum(g * z, token_weights) / count.clamp_min(1.0), ctx.step)
+            correction = z * psi if token_weights is None else z * psi * token_weights[:, None]
+            grad_x = (g - correction) * inv_chi
+            grad_weight = (dy * z).sum(0) * r if ctx.needs_input_grad[1] else None
+            grad_bias = dy.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+class MovingAverageBatchNorm(_RunningStatsNorm):
+    """Moving Average Batch Normalization (Yan et al., ICLR 2020) over real tokens: App. B.3 baseline.
+
+    MABN replaces the batch statistics of both passes by moving averages. As in the authors' layer
+    it normalizes by the quadratic mean (no mean subtraction) and renormalizes towards the running
+    statistic. Training step t (t = num_batches_tracked + 1), `m = window`, `W = warmup_steps`:
+    - forward statistic: `chi2_B = mean_V(x^2)` is stored in `window_phi[t % m]`;
+      `chi2 = chi2_B` while `t <= m` or `t < W`, else the simple moving average of the last m
+      batches `chi2 = mean(window_phi)`;
+    - renormalization: `r = clip(sqrt(chi2 + eps) / sqrt(running_phi + eps), 1/rmax, rmax)`
+      (running statistic before the step), `r = 1` while `t <= max(renorm_warmup_steps, W)`;
+    - `z = x / sqrt(chi2 + eps)`, `y = weight * r * z + bias`;
+      `running_phi <- (1 - momentum) * running_phi + momentum * chi2` (used in eval);
+    - backward: `g = weight * r * dY`, `Psi_B = mean_V(g * z)` stored in `window_gz[t % m]`;
+      `Psi = Psi_B` while `t <= m` or `t < W`, else `mean(window_gz)`;
+      `dx = (g - z * Psi) / sqrt(chi2 + eps)` on real tokens and `g / sqrt(chi2 + eps)` on padding
+      (no gradient through `chi2` otherwise), `dweight = sum(dY * r * z)`, `dbias = sum(dY)`.
+    During the batch phase (and `r = 1`) this is the exact gradient of `weight * x / sqrt(chi2_B +
+    eps) + bias` on the real tokens. Eval: `y = weight * x / sqrt(running_phi + eps) + bias`.
+
+    Simplified against the paper: the preceding linear layers are not weight-centralized (the paper
+    centralizes them so that the quadratic mean stands for the variance), and the moving averages
+    are unweighted means over batches, as in the authors' code, whatever their token counts.
+    `momentum=0.02` is the authors' `momentum=0.98` written as an update rate.
+    """
+
+    _running_buffers = {"running_phi": 1.0}
+    _window_buffers = ("window_phi", "window_gz")
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.02, window: int = 16,
+                 warmup_steps: int = 100, rmax: float = 5.0, renorm_warmup_steps: int = 1000):
+        super().__init__(hidden_size, eps)
+        _check_fraction("momentum", momentum)
+        _check_count("window", window, minimum=1)
+        _check_count("warmup_steps", warmup_steps)
+        _check_at_least("rmax", rmax, 1.0)
+        _check_count("renorm_warmup_steps", renorm_warmup_steps)
+        self.momentum, self.window, self.warmup_steps = float(momentum), window, warmup_steps
+        self.rmax, self.renorm_warmup_steps = float(rmax), renorm_warmup_steps
+        self.group_num = None
+        for name in self._window_buffers:
+            self.register_buffer(name, torch.zeros(window, hidden_size, dtype=torch.float32))
+        self._last_statistics = None
+
+    def reset_running_stats(self) -> None:
+        super().reset_running_stats()
+        with torch.no_grad():
+            self.window_phi.zero_()
+            self.window_gz.zero_()
+        self._last_statistics = None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        dtype = _stat_dtype(flat)
+        with _float32(flat.device):
+            xf = flat.to(dtype)
+            weight, bias = self.weight.to(dtype), self.bias.to(dtype)
+            statistics = self._forward_statistics(xf, token_weights) if self.training else None
+            if statistics is None:
+                out = torch.addcmul(bias, xf, weight * torch.rsqrt(self.running_phi.to(dtype) + self.eps))
+            else:
+                out = _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, self, *statistics)
+        return out.to(flat.dtype).view(hidden_states.shape)
+
+    def _batch_phase(self, step: int) -> bool:
+        return step <= self.window or step < self.warmup_steps
+
+    def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
+        """`(1/sqrt(chi2 + eps), r, t)` of this step, updating the buffers; None for an unusable batch."""
+        if _in_recomputation() and self._last_statistics is not None:
+            return self._last_statistics  # same step: reuse its statistics, update nothing
+        with torch.no_grad():  # no gradient flows through chi2 (see the backward)
+            count = _token_count(xf, token_weights)
+            chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
+        self._last_statistics = None
+        if not self._usable(count, chi2_batch):
+            return None
+        step = int(self.num_batches_tracked) + 1
+        with torch.no_grad():
+            self.window_phi[step % self.window].copy_(chi2_batch)
+            chi2 = chi2_batch if self._batch_phase(step) else self.window_phi.mean(0).to(xf.dtype)
+            r = torch.sqrt((chi2 + self.eps) / (self.running_phi.to(xf.dtype) + self.eps))
+            r = torch.ones_like(r) if step <= max(self.renorm_warmup_steps, self.warmup_steps) \
+                else r.clamp(1.0 / self.rmax, self.rmax)
+            self.running_phi.lerp_(chi2.float(), self.momentum)
+            self.num_batches_tracked.add_(1)
+        self._last_statistics = (torch.rsqrt(chi2 + self.eps), r, step)
+        return self._last_statistics
+
+    def _backward_statistic(self, psi_batch: torch.Tensor, step: int) -> torch.Tensor:
+        """Store `Psi_B` of step t and return the `Psi` its backward uses."""
+        if not bool(torch.isfinite(psi_batch).all()):
+            _warn_non_finite(type(self).__name__, "gradient statistic")
+            return psi_batch
+        with torch.no_grad():
+            self.window_gz[step % self.window].copy_(psi_batch)
+        return psi_batch if self._batch_phase(step) else self.window_gz.mean(0).to(psi_batch.dtype)
+
+    def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eval-mode map `y = x * scale + shift` as float32 `(scale, shift)`."""
+        return self.weight.float() * torch.rsqrt(self.running_phi + self.eps), self.bias.float()
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}, window={self.window}, "
+            f"warmup_steps={self.warmup_steps}, rmax={self.rmax}, renorm_warmup_steps={self.renorm_warmup_steps}"
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-token norms
 
@@ -630,6 +882,8 @@ NORM_CLASSES: dict[str, type[nn.Module]] = {
     "powernorm": PowerNorm,
     "powernorm_v": PowerNormV,
     "batchnorm": MaskedBatchNorm,
+    "batchrenorm": BatchRenorm,
+    "mabn": MovingAverageBatchNorm,
     "layernorm": LayerNorm,
     "rmsnorm": RMSNorm,
     "groupnorm": GroupNorm,
@@ -644,6 +898,11 @@ _ALIASES = {
     "batchnorm": "batchnorm",
     "maskedbatchnorm": "batchnorm",
     "bn": "batchnorm",
+    "batchrenorm": "batchrenorm",
+    "batchrenormalization": "batchrenorm",
+    "brn": "batchrenorm",
+    "mabn": "mabn",
+    "movingaveragebatchnorm": "mabn",
     "layernorm": "layernorm",
     "ln": "layernorm",
     "rmsnorm": "rmsnorm",
@@ -677,10 +936,13 @@ def build_norm(name: str, hidden_size: int, **options) -> nn.Module:
 __all__ = [
     "BACKWARD_DENOMINATORS",
     "NORM_CLASSES",
+    "WARMUP_STATISTICS",
+    "BatchRenorm",
     "GroupNorm",
     "Identity",
     "LayerNorm",
     "MaskedBatchNorm",
+    "MovingAverageBatchNorm",
     "PowerNorm",
     "PowerNormV",
     "RMSNorm",

@@ -13,15 +13,30 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from hf_powernorm import NORM_CLASSES, PowerNorm, build_norm, group_scale, normalize_norm_name
+from hf_powernorm import (
+    NORM_CLASSES,
+    BatchRenorm,
+    MovingAverageBatchNorm,
+    PowerNorm,
+    build_norm,
+    group_scale,
+    normalize_norm_name,
+)
 
 HIDDEN = 12
 GROUPS = 4
-BATCH_NORMS = ("powernorm", "powernorm_v", "batchnorm")
+# Every norm of the registry that keeps running statistics (and a step counter).
+BATCH_NORMS = tuple(sorted(name for name, cls in NORM_CLASSES.items() if "num_batches_tracked" in cls(HIDDEN).state_dict()))
+# MABN leaves its batch phase after two steps here, so that the edge cases reach its moving averages.
+_NORM_OPTIONS = {"groupnorm": dict(group_num=GROUPS), "mabn": dict(window=2, warmup_steps=0, renorm_warmup_steps=1)}
 
 
 def _options(name: str) -> dict:
-    return {"group_num": GROUPS} if name == "groupnorm" else {}
+    return dict(_NORM_OPTIONS.get(name, {}))
+
+
+def test_batch_norms_cover_the_registry():
+    assert set(BATCH_NORMS) == {"powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn"}
 
 
 def _batch(seed: int, batch: int = 3, seq: int = 5, hidden: int = HIDDEN, dtype=torch.float64):
@@ -47,9 +62,13 @@ def _reference_group_scale(x: torch.Tensor, groups: int | None) -> torch.Tensor:
 
 
 class ReferencePN:
-    def __init__(self, hidden, eps=1e-5, alpha_fwd=0.9, alpha_bkw=0.9, warmup=0, groups=1, denominator="running"):
+    """`statistic="reference"` restates the authors' MaskPowerNorm: cumulative then EMA step while t < W,
+    EMA alone after. `ramp=K` blends the second moments over the K steps after warmup."""
+
+    def __init__(self, hidden, eps=1e-5, alpha_fwd=0.9, alpha_bkw=0.9, warmup=0, groups=1, denominator="running",
+                 statistic="cumulative", ramp=0):
         self.eps, self.a_f, self.a_b, self.warmup = eps, alpha_fwd, alpha_bkw, warmup
-        self.groups, self.denominator = groups, denominator
+        self.groups, self.denominator, self.statistic, self.ramp = groups, denominator, statistic, ramp
         self.phi = torch.ones(hidden, dtype=torch.float64)
         self.nu = torch.zeros(hidden, dtype=torch.float64)
         self.t = 0
@@ -60,13 +79,24 @@ class ReferencePN:
         z0 = _reference_group_scale(x, self.groups)
         v = (z0.detach()[real] ** 2).mean(dim=0)
         self.t += 1
-        in_warmup = self.t <= self.warmup
-        s = torch.sqrt(v + self.eps) if in_warmup else torch.sqrt(self.phi + self.eps)
+        t, W, K = self.t, self.warmup, self.ramp
+        if t <= W:
+            s = torch.sqrt(v + self.eps)
+        elif t <= W + K:
+            r = (t - W) / (K + 1)
+            s = torch.sqrt((1 - r) * (v + self.eps) + r * (self.phi + self.eps))
+        else:
+            s = torch.sqrt(self.phi + self.eps)
         z = z0.detach() / s
         y = gamma * z + beta
-        if in_warmup:
-            self.phi = self.phi + (v - self.phi) / self.t
+        if self.statistic == "cumulative":
+            if t <= W:
+                self.phi = self.phi + (v - self.phi) / t
+            else:
+                self.phi = self.a_f * self.phi + (1 - self.a_f) * v
         else:
+            if t < W:
+                self.phi = self.phi * (t - 1) / t + v / t
             self.phi = self.a_f * self.phi + (1 - self.a_f) * v
         g = gamma * dy
         g_tilde = g.clone()
@@ -80,18 +110,23 @@ class ReferencePN:
         return y, dx, (dy * z).sum(0), dy.sum(0)
 
 
+WARMUP_VARIANTS = [("cumulative", 0), ("reference", 0), ("cumulative", 2), ("reference", 2)]
+
+
+@pytest.mark.parametrize("statistic, ramp", WARMUP_VARIANTS)
 @pytest.mark.parametrize("denominator", ["running", "batch"])
 @pytest.mark.parametrize("groups", [None, 1, GROUPS])
 @pytest.mark.parametrize("padded", [False, True])
-def test_powernorm_matches_reference_across_warmup(denominator, groups, padded):
-    warmup = 2
+def test_powernorm_matches_reference_across_warmup(denominator, groups, padded, statistic, ramp):
+    warmup = 3
     norm = PowerNorm(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup_steps=warmup, group_num=groups,
-                     backward_denominator=denominator).double()
+                     backward_denominator=denominator, warmup_statistic=statistic, warmup_ramp_steps=ramp).double()
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
         norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
-    ref = ReferencePN(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup=warmup, groups=groups, denominator=denominator)
-    for step in range(5):  # steps 1-2 in warmup, 3-5 after
+    ref = ReferencePN(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup=warmup, groups=groups, denominator=denominator,
+                      statistic=statistic, ramp=ramp)
+    for step in range(7):  # steps 1-3 in warmup, 4-5 in the ramp (if any), 6-7 on the running statistic
         x, mask, dy = _batch(step)
         if not padded:
             mask = torch.ones_like(mask)
@@ -113,6 +148,24 @@ def test_powernorm_matches_reference_across_warmup(denominator, groups, padded):
         assert int(norm.num_batches_tracked) == step + 1
 
 
+def test_warmup_statistics_differ_only_where_the_notes_say():
+    norms = {name: PowerNorm(HIDDEN, warmup_steps=3, warmup_statistic=name) for name in ("cumulative", "reference")}
+    phis = {name: [] for name in norms}
+    for step in range(4):
+        x, mask, _ = _batch(40 + step, dtype=torch.float32)
+        for name, norm in norms.items():
+            norm(x, mask)
+            phis[name].append(norm.running_phi.clone())
+    torch.testing.assert_close(phis["cumulative"][0], phis["reference"][0])  # t=1: both are v
+    assert not torch.allclose(phis["cumulative"][1], phis["reference"][1])
+
+
+def test_warmup_ramp_weights_go_linearly_from_batch_to_running():
+    norm = PowerNorm(HIDDEN, warmup_steps=2, warmup_ramp_steps=3)
+    assert [norm.running_weight(t) for t in range(1, 8)] == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert [PowerNorm(HIDDEN, warmup_steps=2).running_weight(t) for t in (2, 3)] == [0.0, 1.0]
+
+
 def test_powernorm_after_warmup_output_of_a_token_ignores_its_batch():
     x, mask, _ = _batch(0, dtype=torch.float32)
     x_other = x.clone()
@@ -125,6 +178,104 @@ def test_powernorm_after_warmup_output_of_a_token_ignores_its_batch():
     torch.testing.assert_close(outputs[0], outputs[1])
     warm = PowerNorm(HIDDEN, warmup_steps=1)
     assert not torch.allclose(warm(x, mask)[0], PowerNorm(HIDDEN, warmup_steps=1)(x_other, mask)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent float64 references of the Appendix B.3 baselines
+
+
+class ReferenceBRN:
+    """Batch Renormalization (Ioffe, 2017, Algorithm 1) on real tokens, r and d held constant."""
+
+    def __init__(self, hidden, eps=1e-5, momentum=0.1, rmax=3.0, dmax=5.0):
+        self.eps, self.momentum, self.rmax, self.dmax = eps, momentum, rmax, dmax
+        self.mean = torch.zeros(hidden, dtype=torch.float64)
+        self.var = torch.ones(hidden, dtype=torch.float64)
+
+    def step(self, x, real, dy, gamma, beta):
+        x = x.detach().clone().requires_grad_(True)
+        mu = x[real].mean(0)
+        sigma_b = torch.sqrt(((x[real] - mu) ** 2).mean(0) + self.eps)
+        sigma = torch.sqrt(self.var + self.eps)
+        r = torch.clamp(sigma_b.detach() / sigma, 1 / self.rmax, self.rmax)
+        d = torch.clamp((mu.detach() - self.mean) / sigma, -self.dmax, self.dmax)
+        gamma, beta = gamma.detach().clone().requires_grad_(True), beta.detach().clone().requires_grad_(True)
+        y = gamma * ((x - mu) / sigma_b * r + d) + beta
+        dx, dgamma, dbeta = torch.autograd.grad(y, (x, gamma, beta), dy)
+        n = int(real.sum())
+        self.mean = self.mean + self.momentum * (mu.detach() - self.mean)
+        self.var = self.var + self.momentum * ((sigma_b.detach() ** 2 - self.eps) * n / (n - 1) - self.var)
+        return y.detach(), dx, dgamma, dbeta
+
+
+class ReferenceMABN:
+    """MABN (Yan et al., 2020) as the authors' layer computes it, with lists for the moving windows."""
+
+    def __init__(self, hidden, eps=1e-5, momentum=0.02, window=16, warmup=100, rmax=5.0, renorm_warmup=1000):
+        self.eps, self.momentum, self.m, self.warmup = eps, momentum, window, warmup
+        self.rmax, self.renorm_warmup = rmax, renorm_warmup
+        self.running = torch.ones(hidden, dtype=torch.float64)
+        self.chi2_history, self.psi_history = [], []
+        self.t = 0
+
+    def step(self, x, real, dy, gamma, beta):
+        self.t += 1
+        batch_phase = self.t <= self.m or self.t < self.warmup
+        self.chi2_history.append((x[real] ** 2).mean(0))
+        chi2 = self.chi2_history[-1] if batch_phase else torch.stack(self.chi2_history[-self.m:]).mean(0)
+        r = torch.sqrt((chi2 + self.eps) / (self.running + self.eps))
+        r = torch.ones_like(r) if self.t <= max(self.renorm_warmup, self.warmup) else r.clamp(1 / self.rmax, self.rmax)
+        self.running = (1 - self.momentum) * self.running + self.momentum * chi2
+        chi = torch.sqrt(chi2 + self.eps)
+        z = x / chi
+        y = gamma * r * z + beta
+        g = gamma * r * dy
+        self.psi_history.append((g[real] * z[real]).mean(0))
+        psi = self.psi_history[-1] if batch_phase else torch.stack(self.psi_history[-self.m:]).mean(0)
+        dx = g.clone()
+        dx[real] = g[real] - z[real] * psi
+        return y, dx / chi, (dy * r * z).sum(0), dy.sum(0)
+
+
+def _run_against_reference(norm, ref, steps, padded, seed):
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
+        norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
+    for step in range(steps):
+        x, mask, dy = _batch(seed + step)
+        x = x * (1 + 0.3 * step) + 0.4 * step  # statistics that drift, so the running ones lag behind
+        if not padded:
+            mask = torch.ones_like(mask)
+        x.requires_grad_(True)
+        norm.zero_grad()
+        y = norm(x, mask)
+        y.backward(dy)
+        expected = ref.step(x.detach().reshape(-1, HIDDEN), mask.reshape(-1).bool(), dy.reshape(-1, HIDDEN),
+                            norm.weight.detach(), norm.bias.detach())
+        tol = dict(rtol=1e-5, atol=1e-6)  # buffers are float32; the references keep float64
+        for got, want in zip((y, x.grad, norm.weight.grad, norm.bias.grad), expected):
+            torch.testing.assert_close(got.reshape(want.shape), want, **tol)
+        assert int(norm.num_batches_tracked) == step + 1
+    return norm
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_batch_renorm_matches_reference(padded):
+    options = dict(momentum=0.3, rmax=1.3, dmax=0.4)  # tight bounds: some channels clip, others do not
+    ref = ReferenceBRN(HIDDEN, **options)
+    norm = _run_against_reference(BatchRenorm(HIDDEN, **options).double(), ref, steps=5, padded=padded, seed=60)
+    torch.testing.assert_close(norm.running_mean.double(), ref.mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.running_var.double(), ref.var, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_mabn_matches_reference_across_its_phases(padded):
+    # batch statistics for t <= 3 (t < warmup), moving averages of 2 batches after; r = 1 up to t = 5, clipped after.
+    options = dict(momentum=0.3, window=2, rmax=1.2)
+    norm = MovingAverageBatchNorm(HIDDEN, warmup_steps=4, renorm_warmup_steps=5, **options).double()
+    ref = ReferenceMABN(HIDDEN, warmup=4, renorm_warmup=5, **options)
+    _run_against_reference(norm, ref, steps=8, padded=padded, seed=70)
+    torch.testing.assert_close(norm.running_phi.double(), ref.running, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +292,30 @@ def test_gradcheck_exact_norms(name):
     x.requires_grad_(True)
     params = tuple(norm.parameters())
     assert torch.autograd.gradcheck(lambda inp, *ps: norm(inp, mask), (x, *params))
+
+
+@pytest.mark.parametrize("options", [dict(rmax=1.0, dmax=0.0), dict(rmax=2.0, dmax=0.5)])
+def test_gradcheck_batch_renorm_where_exact(options):
+    # r and d are constants of the backward: exact where they are (rmax=1, dmax=0 is batch norm) or where
+    # the clipping holds them (running statistics far from the batch's); momentum=0 freezes the running ones.
+    norm = BatchRenorm(HIDDEN, momentum=0.0, **options).double()
+    with torch.no_grad():
+        norm.running_var.fill_(100.0)
+        norm.running_mean.fill_(-50.0)
+        norm.weight.uniform_(0.5, 1.5)
+    x, mask, _ = _batch(1, batch=2, seq=4)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda inp, w, b: norm(inp, mask) * mask[..., None], (x, norm.weight, norm.bias))
+
+
+def test_gradcheck_mabn_in_its_batch_phase():
+    # While t <= window or t < warmup_steps (and r = 1), MABN's backward is the exact gradient on real tokens.
+    norm = MovingAverageBatchNorm(HIDDEN, warmup_steps=10**6).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, mask, _ = _batch(1, batch=2, seq=4)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda inp, w, b: norm(inp, mask) * mask[..., None], (x, norm.weight, norm.bias))
 
 
 def test_gradcheck_group_scale():
@@ -191,9 +366,9 @@ def test_padding_never_changes_real_tokens_or_statistics(name):
 @pytest.mark.parametrize("name", BATCH_NORMS)
 def test_statistics_exclude_padding(name):
     x, mask, _ = _batch(4, dtype=torch.float32)
-    norm = build_norm(name, HIDDEN)
+    norm = build_norm(name, HIDDEN, **_options(name))
     norm(x, mask)
-    real_only = build_norm(name, HIDDEN)
+    real_only = build_norm(name, HIDDEN, **_options(name))
     real_only(x[mask.bool()])  # (N_real, C): the same tokens, no padding at all
     for a, b in zip(norm.buffers(), real_only.buffers()):
         torch.testing.assert_close(a, b)
@@ -234,7 +409,7 @@ def test_low_precision_inputs_keep_float32_statistics(name, dtype):
 
 @pytest.mark.parametrize("name", BATCH_NORMS)
 def test_cast_to_bfloat16_keeps_running_buffers_float32(name):
-    norm = build_norm(name, HIDDEN)
+    norm = build_norm(name, HIDDEN, **_options(name))
     x, mask, _ = _batch(7, dtype=torch.float32)
     norm(x, mask)
     before = {k: v.clone() for k, v in norm.named_buffers()}
@@ -249,8 +424,9 @@ def test_cast_to_bfloat16_keeps_running_buffers_float32(name):
 # When running statistics update
 
 
-def test_running_statistics_update_once_per_training_forward_and_never_in_eval():
-    norm = PowerNorm(HIDDEN)
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_running_statistics_update_once_per_training_forward_and_never_in_eval(name):
+    norm = build_norm(name, HIDDEN, **_options(name))
     x, mask, dy = _batch(8, dtype=torch.float32)
     norm(x, mask).backward(dy)
     norm(x, mask).backward(dy)
@@ -267,7 +443,7 @@ def test_running_statistics_update_once_per_training_forward_and_never_in_eval()
 @pytest.mark.parametrize("name", BATCH_NORMS)
 def test_activation_checkpointing_updates_statistics_once(name, use_reentrant):
     x, mask, dy = _batch(9, dtype=torch.float32)
-    plain, ckpt = build_norm(name, HIDDEN), build_norm(name, HIDDEN)
+    plain, ckpt = build_norm(name, HIDDEN, **_options(name)), build_norm(name, HIDDEN, **_options(name))
     grads = []
     for norm, wrap in ((plain, False), (ckpt, True)):
         for step in range(3):
@@ -284,7 +460,7 @@ def test_activation_checkpointing_updates_statistics_once(name, use_reentrant):
 
 @pytest.mark.parametrize("name", BATCH_NORMS)
 def test_batch_without_real_tokens_changes_nothing(name):
-    norm = build_norm(name, HIDDEN)
+    norm = build_norm(name, HIDDEN, **_options(name))
     x, mask, dy = _batch(10, dtype=torch.float32)
     norm(x, mask).backward(dy)
     state = {k: v.clone() for k, v in norm.state_dict().items()}
@@ -299,7 +475,7 @@ def test_batch_without_real_tokens_changes_nothing(name):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("name", BATCH_NORMS)
 def test_non_finite_input_never_poisons_buffers(name, bad):
-    norm = build_norm(name, HIDDEN)
+    norm = build_norm(name, HIDDEN, **_options(name))
     x, mask, dy = _batch(11, dtype=torch.float32)
     norm(x, mask).backward(dy)
     state = {k: v.clone() for k, v in norm.state_dict().items()}
@@ -311,13 +487,16 @@ def test_non_finite_input_never_poisons_buffers(name, bad):
         assert torch.equal(value, state[key]), key
 
 
-def test_non_finite_gradient_never_poisons_nu():
-    norm = PowerNorm(HIDDEN)
+@pytest.mark.parametrize("name, gradient_statistic", [("powernorm", "running_nu"), ("mabn", "window_gz")])
+def test_non_finite_gradient_never_poisons_the_gradient_statistic(name, gradient_statistic):
+    norm = build_norm(name, HIDDEN, **_options(name))
     x, mask, dy = _batch(12, dtype=torch.float32)
+    norm(x, mask).backward(dy)
+    before = getattr(norm, gradient_statistic).clone()
     dy[0, 0, 0] = float("nan")
     with pytest.warns(RuntimeWarning, match="gradient statistic"):
         norm(x, mask).backward(dy)
-    assert torch.equal(norm.running_nu, torch.zeros(HIDDEN))
+    assert torch.equal(getattr(norm, gradient_statistic), before)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +552,13 @@ def test_norm_names_are_normalised(spelling):
     assert isinstance(build_norm(spelling, HIDDEN), PowerNorm)
 
 
+@pytest.mark.parametrize("spelling, cls", [("brn", BatchRenorm), ("BatchRenorm", BatchRenorm),
+                                           ("batch_renorm", BatchRenorm), ("MABN", MovingAverageBatchNorm),
+                                           ("moving_average_batch_norm", MovingAverageBatchNorm)])
+def test_baseline_names_are_normalised(spelling, cls):
+    assert isinstance(build_norm(spelling, HIDDEN), cls)
+
+
 def test_every_registry_name_builds_and_keeps_shape():
     x, mask, _ = _batch(15, dtype=torch.float32)
     for name in NORM_CLASSES:
@@ -381,8 +567,8 @@ def test_every_registry_name_builds_and_keeps_shape():
 
 
 def test_unknown_norm_name_lists_valid_ones():
-    with pytest.raises(ValueError, match="unknown norm 'batch_renorm'.*layernorm"):
-        build_norm("batch_renorm", HIDDEN)
+    with pytest.raises(ValueError, match="unknown norm 'switch_norm'.*layernorm"):
+        build_norm("switch_norm", HIDDEN)
 
 
 def test_unknown_option_is_rejected_by_name():
@@ -398,11 +584,31 @@ def test_unknown_option_is_rejected_by_name():
         (dict(warmup_steps=-1), "warmup_steps must be a non-negative integer, got -1"),
         (dict(backward_denominator="exact"), "backward_denominator must be one of"),
         (dict(eps=0.0), "eps must be a positive number, got 0.0"),
+        (dict(warmup_statistic="ema"), r"warmup_statistic must be one of \('cumulative', 'reference'\), got 'ema'"),
+        (dict(warmup_ramp_steps=-2), "warmup_ramp_steps must be a non-negative integer, got -2"),
+        (dict(warmup_ramp_steps=1.5), "warmup_ramp_steps must be a non-negative integer, got 1.5"),
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PowerNorm(HIDDEN, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("batchrenorm", dict(rmax=0.5), "rmax must be a number >= 1.0, got 0.5"),
+        ("batchrenorm", dict(dmax=-1.0), "dmax must be a number >= 0.0, got -1.0"),
+        ("batchrenorm", dict(momentum=2.0), r"momentum must be a number in \[0, 1\], got 2.0"),
+        ("mabn", dict(window=0), "window must be an integer >= 1, got 0"),
+        ("mabn", dict(warmup_steps=-1), "warmup_steps must be a non-negative integer, got -1"),
+        ("mabn", dict(rmax="big"), "rmax must be a number >= 1.0, got 'big'"),
+        ("mabn", dict(renorm_warmup_steps=None), "renorm_warmup_steps must be a non-negative integer, got None"),
+    ],
+)
+def test_baseline_bad_options_raise_clear_errors(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_norm(name, HIDDEN, **kwargs)
 
 
 def test_bad_shapes_raise_clear_errors():
@@ -477,21 +683,23 @@ def test_fused_cpu_kernels_are_built_here():
     assert kernels_cpu.load() is not None, "a C compiler is expected on this machine"
 
 
+@pytest.mark.parametrize("statistic, ramp", WARMUP_VARIANTS)
 @pytest.mark.parametrize("denominator", ["running", "batch"])
 @pytest.mark.parametrize("groups", [None, 1, GROUPS])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded):
+def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, statistic, ramp):
     import hf_powernorm.normalization as normalization
 
     results = []
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
-        norm = PowerNorm(HIDDEN, warmup_steps=2, group_num=groups, backward_denominator=denominator)
+        norm = PowerNorm(HIDDEN, warmup_steps=2, group_num=groups, backward_denominator=denominator,
+                         warmup_statistic=statistic, warmup_ramp_steps=ramp)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
         trace = []
-        for step in range(4):
+        for step in range(6):  # warmup, ramp (if any), running statistic
             x, mask, dy = _batch(20 + step, dtype=torch.float32)
             mask = mask if padded else None
             x.requires_grad_(True)
