@@ -15,6 +15,7 @@ from .normalization import (
     group_scale,
     normalize_norm_name,
 )
+from .instrumentation import NormStatisticsRecorder, read_norm_statistics
 from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
 from .modeling_powernorm import (
     AUTO_CLASSES,
@@ -56,10 +57,12 @@ __all__ = [
     "LayerNorm",
     "MaskedBatchNorm",
     "MovingAverageBatchNorm",
+    "NormStatisticsRecorder",
     "PowerNorm",
     "PowerNormV",
     "RMSNorm",
     "build_norm",
     "group_scale",
     "normalize_norm_name",
+    "read_norm_statistics",
 ]
