@@ -26,7 +26,9 @@ from hf_powernorm import (
 HIDDEN = 12
 GROUPS = 4
 # Every norm of the registry that keeps running statistics (and a step counter).
-BATCH_NORMS = tuple(sorted(name for name, cls in NORM_CLASSES.items() if "num_batches_tracked" in cls(HIDDEN).state_dict()))
+BATCH_NORMS = tuple(sorted(
+    name for name, cls in NORM_CLASSES.items() if "num_batches_tracked" in cls(HIDDEN).state_dict()
+))
 # MABN leaves its batch phase after two steps here, so that the edge cases reach its moving averages.
 _NORM_OPTIONS = {"groupnorm": dict(group_num=GROUPS), "mabn": dict(window=2, warmup_steps=0, renorm_warmup_steps=1)}
 
