@@ -21,17 +21,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-import average_checkpoints  # noqa: E402
-import recipe_training  # noqa: E402
-import recipe_utils as ru  # noqa: E402
-import train_classification  # noqa: E402
-import train_lm  # noqa: E402
-import train_wmt  # noqa: E402
+from recipe_scripts import average_checkpoints, train_classification, train_lm, train_wmt
+
+from hf_powernorm import training
 
 FAST = ["--max_eval_samples", "8", "--eval_batch_size", "4", "--max_tokens", "512", "--vocab_size", "300",
         "--warmup_steps", "3", "--num_beams", "2", "--max_new_tokens", "8"]
@@ -46,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 def translation_files(tmp_path_factory) -> dict[str, str]:
     """Train and test as JSON lines, validation as aligned text files `valid.de` / `valid.en`."""
     root = tmp_path_factory.mktemp("wmt_data")
-    corpus = ru.synthetic_translation_corpus(sizes={"train": 120, "validation": 24, "test": 16}, seed=3)
+    corpus = training.synthetic_translation_corpus(sizes={"train": 120, "validation": 24, "test": 16}, seed=3)
     for split in ("train", "test"):
         rows = [json.dumps({"translation": pair}, ensure_ascii=False) for pair in corpus[split]["translation"]]
         (root / f"{split}.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
@@ -91,7 +88,7 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys, reset_acce
     import hf_powernorm  # noqa: F401  (registers the Auto classes)
 
     model = AutoModelForSeq2SeqLM.from_pretrained(first)
-    tokenizer = AutoTokenizer.from_pretrained(first)
+    tokenizer = AutoTokenizer.from_pretrained(first, trust_remote_code=False)
     assert len(tokenizer) == model.config.vocab_size and model.config.pad_token_id == tokenizer.pad_token_id
     encoded = tokenizer(["Der Hund schläft ."], return_tensors="pt")
     assert model.generate(**encoded, max_new_tokens=5).shape[0] == 1
@@ -110,7 +107,7 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys, reset_acce
     second.mkdir()  # the folder of a run interrupted after update 4
     for name in ("tokenizer", "step_2", "step_4"):
         (second / name).symlink_to(first / name, target_is_directory=True)
-    shutil.copytree(first / recipe_training.BEST_MODEL_DIR, second / recipe_training.BEST_MODEL_DIR)
+    shutil.copytree(first / training.BEST_MODEL_DIR, second / training.BEST_MODEL_DIR)
     resumed = train_wmt.main([*run, "--tokenizer_name", str(second / "tokenizer"), "--resume_from_checkpoint",
                               "latest", "--output_dir", str(second)])
     assert f"Resuming from {second / 'step_4'}" in capsys.readouterr().out
@@ -122,12 +119,19 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys, reset_acce
 
 
 def test_train_wmt_early_stopping_exports_the_best_model(translation_files, tmp_path, monkeypatch):
-    scores = iter([10.0, 20.0, 15.0, 12.0, 30.0, 40.0, 50.0])  # validation BLEU after each update, then final
-    measured = train_wmt.evaluate_bleu
+    scripted_scores = iter([10.0, 20.0, 15.0, 12.0])  # validation BLEU after each update
+    measured, translate = train_wmt.evaluate_bleu, training.evaluation.translate
+    translations = []
+
+    def recording_translate(*args, **kwargs):
+        translations.append(translate(*args, **kwargs))
+        return translations[-1]
 
     def scripted(*args, **kwargs):
-        return {**measured(*args, **kwargs), "bleu": next(scores)}
+        scores = measured(*args, **kwargs)
+        return {**scores, "bleu": next(scripted_scores, scores["bleu"])}
 
+    monkeypatch.setattr(training.evaluation, "translate", recording_translate)
     monkeypatch.setattr(train_wmt, "evaluate_bleu", scripted)
     results = train_wmt.main(_file_args(translation_files, tmp_path, "--max_train_steps", "20", "--eval_steps", "1",
                                         "--patience", "2", "--checkpointing_steps", "1"))
@@ -135,12 +139,19 @@ def test_train_wmt_early_stopping_exports_the_best_model(translation_files, tmp_
     assert (results["train_steps"], results["best_step"], results["best_validation"]) == (4, 2, 20.0)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2", "step_3", "step_4"]
     _assert_same_weights(tmp_path / "model.safetensors", tmp_path / "step_2" / "model.safetensors")
-    _assert_same_weights(tmp_path / recipe_training.BEST_MODEL_DIR / "model.safetensors",
+    _assert_same_weights(tmp_path / training.BEST_MODEL_DIR / "model.safetensors",
                          tmp_path / "step_2" / "model.safetensors")
     assert load_file(str(tmp_path / "model.safetensors"))[
         "model.encoder.final_norm.num_batches_tracked"].item() == 2
+    # Four validations, then the exported model on validation and test: the final validation
+    # translates exactly as the model of update 2 did, so its BLEU is that model's.
+    assert len(translations) == 6 and translations[4] == translations[1]
+    assert results["validation_bleu"] == pytest.approx(training.bleu_scores(*translations[1])["bleu"])
+    predictions, references = translations[5]
+    assert (tmp_path / "generated_predictions.txt").read_text(encoding="utf-8").splitlines() == predictions
+    assert results["test_bleu"] == pytest.approx(sacrebleu.corpus_bleu(predictions, [references]).score)
     # Validation pairs came from aligned text files, test pairs from JSON lines.
-    assert results["test_bleu"] >= 0.0 and "nrefs:1" in results["validation_bleu_signature"]
+    assert "nrefs:1" in results["validation_bleu_signature"]
 
 
 @pytest.mark.parametrize("bad, error, message", [
@@ -202,7 +213,7 @@ WMT_CHILD = textwrap.dedent(
         encoded = tokenizer(part["sources"], max_length=MAX_LENGTH, truncation=True)["input_ids"]
         assert encoded == part["input_ids"], f"{split}: the tokenizer encodes the sources differently"
         sequences, scores = _beam_search(model, tokenizer.pad_token_id, part["input_ids"], **GENERATE)
-        # ru.decode_for_bleu: special tokens dropped, stripped
+        # training.decode_for_bleu: special tokens dropped, stripped
         hypotheses = [text.strip() for text in tokenizer.batch_decode(sequences, skip_special_tokens=True)]
         out[split] = {"sequences": sequences, "scores": scores, "hypotheses": hypotheses,
                       "bleu": sacrebleu.corpus_bleu(hypotheses, [part["references"]]).score,
@@ -224,17 +235,18 @@ def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_fi
     assert json.loads((out / "all_results.json").read_text()) == pytest.approx(results)
 
     # The evaluation inputs of the run: its data loading and tokenization, its first examples.
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    files = ru.data_files_from_args(validation_file=args.validation_file, test_file=args.test_file)
-    raw = ru.load_translation_dataset(args.source_lang, args.target_lang, data_files=files)
-    encoded = ru.tokenize_translation(raw, tokenizer, args.source_lang, args.target_lang, args.max_length)
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
+    files = training.data_files_from_args(validation_file=args.validation_file, test_file=args.test_file)
+    raw = training.load_translation_dataset(args.source_lang, args.target_lang, data_files=files)
+    encoded = training.tokenize_translation(raw, tokenizer, args.source_lang, args.target_lang,
+                                            args.max_source_length, args.max_target_length)
     data = {}
     for split in ("validation", "test"):
         first = range(args.max_eval_samples)
         pairs = list(raw[split].select(first)["translation"])
         references = [pair[args.target_lang] for pair in pairs]
         # The recipe scores against its decoded labels: they are the reference text itself.
-        assert ru.decode_for_bleu(tokenizer, encoded[split].select(first)["labels"]) == references, split
+        assert training.decode_for_bleu(tokenizer, encoded[split].select(first)["labels"]) == references, split
         data[split] = {"sources": [pair[args.source_lang] for pair in pairs], "references": references,
                        "input_ids": [list(ids) for ids in encoded[split].select(first)["input_ids"]]}
     (tmp_path / "data.json").write_text(json.dumps(data, ensure_ascii=False))
@@ -266,7 +278,7 @@ def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_fi
         sequences, scores = _beam_search(model, tokenizer.pad_token_id, data[split]["input_ids"], **generate)
         assert got[split]["sequences"] == sequences, f"{split}: the fresh process generates other tokens"
         assert got[split]["scores"] == pytest.approx(scores, rel=1e-5, abs=1e-6), split
-        assert got[split]["hypotheses"] == ru.decode_for_bleu(tokenizer, torch.tensor(sequences)), split
+        assert got[split]["hypotheses"] == training.decode_for_bleu(tokenizer, torch.tensor(sequences)), split
     # Not a degenerate comparison: the translations are text, depend on the source, and score above 0.
     hypotheses = got["validation"]["hypotheses"]
     assert all(hypotheses) and len(set(got["validation"]["scores"])) == len(hypotheses), hypotheses
@@ -281,22 +293,25 @@ def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_fi
 # after every checkpoint and after the export.
 RANK_DUMPER = textwrap.dedent(
     """
+    import importlib.util
     import sys
-    sys.path.insert(0, RECIPES)
     from safetensors.torch import save_file
-    import recipe_training as rt
-    import train_wmt
+    from hf_powernorm.training import loop
+
+    spec = importlib.util.spec_from_file_location("train_wmt", f"{RECIPES}/train_wmt.py")
+    train_wmt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_wmt)
 
     def dump(name, accelerator, model):
         state = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).named_buffers()
                  if k.endswith(STATISTICS)}
         save_file(state, f"{OUT}/{name}.rank{accelerator.process_index}.safetensors")
 
-    save_checkpoint, save_outputs = rt.save_checkpoint, rt.save_outputs
+    save_checkpoint, save_outputs = loop.save_checkpoint, train_wmt.save_outputs
 
-    def dumping_save_checkpoint(accelerator, args, model, tokenizer, completed):
+    def dumping_save_checkpoint(accelerator, output_dir, model, tokenizer, completed):
         dump(f"before_step_{completed}", accelerator, model)
-        folder = save_checkpoint(accelerator, args, model, tokenizer, completed)
+        folder = save_checkpoint(accelerator, output_dir, model, tokenizer, completed)
         dump(f"step_{completed}", accelerator, model)
         return folder
 
@@ -304,7 +319,7 @@ RANK_DUMPER = textwrap.dedent(
         save_outputs(accelerator, model, *args)
         dump("final", accelerator, model)
 
-    rt.save_checkpoint, rt.save_outputs = dumping_save_checkpoint, dumping_save_outputs
+    loop.save_checkpoint, train_wmt.save_outputs = dumping_save_checkpoint, dumping_save_outputs
     train_wmt.main(sys.argv[1:])
     """
 )
@@ -437,12 +452,12 @@ def _tiny_scale(script: str, args: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def tiny_data(translation_files, tmp_path_factory) -> dict[str, dict[str, str]]:
     root = tmp_path_factory.mktemp("tiny_data")
-    lm = ru.synthetic_lm_corpus({"train": 120, "validation": 20, "test": 20}, seed=4)
+    lm = training.synthetic_lm_corpus({"train": 120, "validation": 20, "test": 20}, seed=4)
     text = {}
     for split, name in (("train", "--train_file"), ("validation", "--validation_file"), ("test", "--test_file")):
         text[name] = str(root / f"{split}.txt")
         Path(text[name]).write_text("\n".join(lm[split]["text"]) + "\n", encoding="utf-8")
-    cls = ru.synthetic_classification_corpus({"train": 150, "validation": 30, "test": 30}, seed=4)
+    cls = training.synthetic_classification_corpus({"train": 150, "validation": 30, "test": 30}, seed=4)
     labelled = {}
     for split, name in (("train", "--train_file"), ("validation", "--validation_file"), ("test", "--test_file")):
         labelled[name] = str(root / f"{split}.csv")
@@ -450,7 +465,7 @@ def tiny_data(translation_files, tmp_path_factory) -> dict[str, dict[str, str]]:
             csv.writer(handle).writerows([("text", "label"), *zip(cls[split]["text"], cls[split]["label"])])
     labelled["--phrasebank_file"] = str(root / "Sentences_AllAgree.txt")
     Path(labelled["--phrasebank_file"]).write_text("".join(
-        f"{t}@{ru.SENTIMENT_LABELS[l]}\n" for t, l in zip(cls["train"]["text"], cls["train"]["label"])))
+        f"{t}@{training.SENTIMENT_LABELS[l]}\n" for t, l in zip(cls["train"]["text"], cls["train"]["label"])))
     return {"train_wmt.py": translation_files, "train_lm.py": text, "train_classification.py": labelled}
 
 

@@ -21,12 +21,11 @@ from safetensors.torch import load_file
 
 from hf_powernorm import NORM_CLASSES
 
+from recipe_scripts import train_classification, train_lm
+
+from hf_powernorm import training
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-import recipe_training  # noqa: E402
-import recipe_utils as ru  # noqa: E402
-import train_classification  # noqa: E402
-import train_lm  # noqa: E402
 
 LM_FAST = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "16"]
@@ -45,22 +44,22 @@ def _write_lines(path: Path, lines: list[str]) -> str:
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lm_data")
-    corpus = ru.synthetic_lm_corpus({"train": 240, "validation": 40, "test": 30}, seed=5)
+    corpus = training.synthetic_lm_corpus({"train": 240, "validation": 40, "test": 30}, seed=5)
     return {split: _write_lines(root / f"{split}.txt", corpus[split]["text"]) for split in corpus}
 
 
 @pytest.fixture(scope="module")
 def classification_files(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cls_data")
-    corpus = ru.synthetic_classification_corpus({"train": 300, "validation": 45, "test": 30}, seed=7)
+    corpus = training.synthetic_classification_corpus({"train": 300, "validation": 45, "test": 30}, seed=7)
     files = {}
     for split, part in corpus.items():
         files[split] = str(root / f"{split}.csv")
         with open(files[split], "w", newline="", encoding="utf-8") as handle:
             writer = csv.writer(handle)
             writer.writerow(["sentence", "label"])
-            writer.writerows((t, ru.SENTIMENT_LABELS[l]) for t, l in zip(part["text"], part["label"]))
-    rows = [f"{t}@{ru.SENTIMENT_LABELS[l]}" for t, l in zip(corpus["train"]["text"], corpus["train"]["label"])]
+            writer.writerows((t, training.SENTIMENT_LABELS[l]) for t, l in zip(part["text"], part["label"]))
+    rows = [f"{t}@{training.SENTIMENT_LABELS[l]}" for t, l in zip(corpus["train"]["text"], corpus["train"]["label"])]
     files["phrasebank"] = _write_lines(root / "Sentences_AllAgree.txt", rows)
     return files
 
@@ -107,9 +106,9 @@ def test_lm_embedded_default_learns_and_scores_the_whole_stream(tmp_path):
                              "--eval_steps", "25", "--output_dir", str(tmp_path)])
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    validation = ru.synthetic_lm_corpus()["validation"]
-    stream = ru.token_stream(validation, tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=False)
+    validation = training.synthetic_lm_corpus()["validation"]
+    stream = [token for line in validation["text"] for token in tokenizer(line)["input_ids"]]
     assert results["validation_tokens"] == len(stream) - 1  # every token after the first, once
     words = sum(len(line.split()) + 1 for line in validation["text"])
     assert results["validation_word_perplexity"] == pytest.approx(math.exp(results["validation_nll"] / words))
@@ -135,7 +134,7 @@ def test_lm_local_files_export(lm_run):
     config = json.loads((out / "config.json").read_text())
     assert config["dropout"] == 0.1 and config["powernorm_sync_stats"] is False
     # The best of the evaluations at steps 2, 4, 6 is the exported model.
-    best = load_file(str(out / recipe_training.BEST_MODEL_DIR / "model.safetensors"))
+    best = load_file(str(out / training.BEST_MODEL_DIR / "model.safetensors"))
     final = load_file(str(out / "model.safetensors"))
     for key in best:
         torch.testing.assert_close(final[key], best[key], msg=key)
@@ -169,11 +168,13 @@ def test_lm_resume_from_latest_matches_an_unbroken_run(lm_run, text_files, tmp_p
 
 
 def test_lm_early_stopping_exports_the_best_model(text_files, tmp_path, monkeypatch):
-    scores = iter([10.0, 9.0, 12.0, 13.0, 14.0, 15.0, 16.0])  # validation perplexity after each update
-    measured = train_lm.evaluate_perplexity
+    scripted_scores = iter([10.0, 9.0, 12.0, 13.0])  # validation perplexity after each update
+    measured, real_scores = train_lm.evaluate_perplexity, []
 
-    def scripted(accelerator, model, loader):
-        return {**measured(accelerator, model, loader), "perplexity": next(scores)}
+    def scripted(accelerator, model, loader, num_words=None):
+        scores = measured(accelerator, model, loader, num_words)
+        real_scores.append(scores["perplexity"])
+        return {**scores, "perplexity": next(scripted_scores, scores["perplexity"])}
 
     monkeypatch.setattr(train_lm, "evaluate_perplexity", scripted)
     results = train_lm.main(_lm_args(text_files, tmp_path, "--max_train_steps", "20", "--eval_steps", "1",
@@ -185,17 +186,20 @@ def test_lm_early_stopping_exports_the_best_model(text_files, tmp_path, monkeypa
     step_2 = load_file(str(tmp_path / "step_2" / "model.safetensors"))
     for key in exported:
         torch.testing.assert_close(exported[key], step_2[key], msg=key)
+    # Four validations, then the export on validation and test: it scores as update 2's model did.
+    assert len(real_scores) == 6 and real_scores[1] != real_scores[3]
+    assert results["validation_perplexity"] == pytest.approx(real_scores[1], rel=1e-6)
 
 
 def test_early_stopping_state_round_trips():
-    stopper = recipe_training.EarlyStopping("max", patience=2)
+    stopper = training.EarlyStopping("max", patience=2)
     assert [stopper.update(v, step) for step, v in enumerate([0.5, 0.7, 0.6, 0.7], 1)] == [True, True, False, False]
     assert stopper.should_stop and (stopper.best, stopper.best_step) == (0.7, 2)
-    restored = recipe_training.EarlyStopping("max", patience=2)
+    restored = training.EarlyStopping("max", patience=2)
     restored.load_state_dict(stopper.state_dict())
     assert restored == stopper
     with pytest.raises(ValueError, match="'lowest'"):
-        recipe_training.EarlyStopping("lowest")
+        training.EarlyStopping("lowest")
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,8 +295,9 @@ def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_fi
     from transformers import AutoTokenizer
 
     (lm_dir, lm_results), (cls_dir, cls_results) = lm_run, cls_run
-    lm_tokenizer, cls_tokenizer = AutoTokenizer.from_pretrained(lm_dir), AutoTokenizer.from_pretrained(cls_dir)
-    validation = ru.load_classification_dataset(data_files={"validation": classification_files["validation"]})
+    lm_tokenizer = AutoTokenizer.from_pretrained(lm_dir, trust_remote_code=False)
+    cls_tokenizer = AutoTokenizer.from_pretrained(cls_dir, trust_remote_code=False)
+    validation = training.load_classification_dataset(data_files={"validation": classification_files["validation"]})
     line = Path(text_files["validation"]).read_text().splitlines()[0]
     data = {"lm_blocks": _stream_blocks(lm_tokenizer, text_files["validation"], 16),
             "lm_line": line, "lm_line_ids": lm_tokenizer(line)["input_ids"],
@@ -406,7 +411,7 @@ def _average_on_rank(rank: int, init_file: str, out_file: str) -> None:
         norm.running_nu.fill_(float(rank))
         norm.num_batches_tracked.fill_(7)
     accelerator = types.SimpleNamespace(num_processes=2, unwrap_model=lambda m: m)
-    assert recipe_training.average_buffers_across_processes(accelerator, norm) == 2
+    assert training.average_buffers_across_processes(accelerator, norm) == 2
     torch.save({k: v.clone() for k, v in norm.state_dict().items()}, f"{out_file}.{rank}")
     dist.destroy_process_group()
 

@@ -5,7 +5,6 @@ from the tests: the `hub` fixture of `conftest.py` records what the recipe creat
 """
 
 import json
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -13,12 +12,11 @@ import huggingface_hub
 import pytest
 from safetensors.torch import load_file
 
+from recipe_scripts import train_classification, train_lm
+
+from hf_powernorm import training
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-import recipe_training as rt  # noqa: E402
-import recipe_utils as ru  # noqa: E402
-import train_classification  # noqa: E402
-import train_lm  # noqa: E402
 
 LM_TINY = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "16", "--max_train_steps", "4", "--eval_steps", "2"]
@@ -29,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("lm_data")
-    corpus = ru.synthetic_lm_corpus({"train": 80, "validation": 12}, seed=5)
+    corpus = training.synthetic_lm_corpus({"train": 80, "validation": 12}, seed=5)
     args = []
     for split in ("train", "validation"):
         (root / f"{split}.txt").write_text("".join(line + "\n" for line in corpus[split]["text"]), encoding="utf-8")
@@ -67,7 +65,7 @@ def test_with_tracking_writes_tensorboard_scalars(text_files, tmp_path):
     ("all", "no tracker is installed; pip install tensorboard"),
 ])
 def test_trackers_that_cannot_log_fail_before_training(report_to, message, tmp_path, monkeypatch):
-    monkeypatch.setattr(rt, "get_available_trackers", lambda: [])  # as on a machine without any tracker
+    monkeypatch.setattr(training.arguments, "get_available_trackers", lambda: [])  # as on a machine without any tracker
     with pytest.raises(ValueError, match=message):
         train_lm.main(["--with_tracking", "--report_to", report_to, "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
@@ -86,13 +84,13 @@ def online_with_token(monkeypatch):
 
 def test_push_to_hub_creates_the_repository_first_and_uploads_the_export(online_with_token, hub, tmp_path):
     first_update = []
-    step = ru.inverse_sqrt_schedule
+    step = training.inverse_sqrt_schedule
 
     def schedule(*args, **kwargs):  # built before training: the repository must exist by then
         first_update.append(len(hub.repos))
         return step(*args, **kwargs)
 
-    with mock.patch.object(ru, "inverse_sqrt_schedule", schedule):
+    with mock.patch.object(training.optimization, "inverse_sqrt_schedule", schedule):
         results = train_classification.main([
             "--vocab_size", "150", "--max_tokens", "256", "--warmup_steps", "3", "--max_train_steps", "3",
             "--max_eval_samples", "30", "--checkpointing_steps", "1", "--push_to_hub", "--hub_model_id",

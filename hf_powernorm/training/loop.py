@@ -239,6 +239,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
 
     epochs = math.ceil(max_steps / max(updates_per_epoch, 1))
     losses: list[torch.Tensor] = []
+    model.train()  # `from_pretrained` returns a model in eval mode: no dropout, no statistics updates
     # A run resumed from its last checkpoint has nothing left to do.
     for epoch in range(start_epoch if completed < max_steps else epochs, epochs):
         for batch in _epoch_batches(accelerator, loader, sampler, epoch, skip):

@@ -1,0 +1,144 @@
+"""The recipes as a user of Transformers' `*_no_trainer.py` examples runs them: an export
+fine-tuned or only scored by a second run (`--model_name_or_path`, `--no-do_train`), the results
+files and the run's JSON-lines log, fixed-size batches, a second run over the same data reading the
+`datasets` cache, and an exported tokenizer that loads without a remote-code question."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from recipe_scripts import train_classification, train_lm
+
+from hf_powernorm import training
+
+LM_FAST = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
+           "--learning_rate", "5e-3", "--eval_batch_size", "16"]
+COUNTER = "model.decoder.layers.0.self_attn_norm.num_batches_tracked"
+
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
+
+
+def _text_files(root: Path, seed: int) -> list[str]:
+    corpus = training.synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=seed)
+    args = []
+    for split, name in (("train", "train"), ("validation", "valid"), ("test", "test")):
+        path = root / f"{name}.txt"
+        path.write_text("".join(line + "\n" for line in corpus[split]["text"]), encoding="utf-8")
+        args += [f"--{split}_file", str(path)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> tuple[Path, list[str], dict]:
+    root = tmp_path_factory.mktemp("lm_first")
+    files = _text_files(root, seed=11)
+    out = root / "out"
+    results = train_lm.main([*LM_FAST, *files, "--max_train_steps", "4", "--eval_steps", "2", "--output_dir", str(out)])
+    return out, files, results
+
+
+def test_results_files_and_the_run_log(first_run):
+    out, _, results = first_run
+    everything = json.loads((out / "all_results.json").read_text())
+    assert everything == pytest.approx(results)
+    train = json.loads((out / "train_results.json").read_text())
+    assert train == {"train_steps": 4, "best_step": results["best_step"], "best_validation": results["best_validation"]}
+    scores = json.loads((out / "eval_results.json").read_text())
+    assert set(scores) == set(everything) - set(train) and "test_perplexity" in scores
+    log = training.read_run_log(out)
+    updates = [r for r in log if "loss" in r]
+    assert [r["step"] for r in updates] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["learning_rate"] > 0 and r["tokens_per_second"] > 0 for r in updates)
+    validations = [r for r in log if "validation" in r]
+    assert [r["step"] for r in validations] == [2, 4]
+    assert validations[-1]["best_validation"] == pytest.approx(results["best_validation"])
+
+
+def test_an_export_is_fine_tuned_then_scored_by_later_runs(first_run, tmp_path):
+    """`--model_name_or_path` starts from the export's weights, running statistics and tokenizer
+    (PN's step counter goes on from the export's); `--no-do_train` only scores and exports it."""
+    first, files, _ = first_run
+    second = tmp_path / "second"
+    tuned = train_lm.main([*LM_FAST, *files, "--model_name_or_path", str(first), "--max_train_steps", "3",
+                           "--eval_steps", "3", "--output_dir", str(second)])
+    assert tuned["train_steps"] == 3
+    start, end = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert end[COUNTER].item() == start[COUNTER].item() + 3
+    assert json.loads((second / "tokenizer.json").read_text()) == json.loads((first / "tokenizer.json").read_text())
+    assert not (second / "tokenizer").exists()  # no new BPE: the export's own
+    third = tmp_path / "third"
+    scored = train_lm.main([*LM_FAST, *files, "--model_name_or_path", str(second), "--no-do_train",
+                            "--output_dir", str(third)])
+    assert "train_steps" not in scored
+    assert scored["test_perplexity"] == pytest.approx(tuned["test_perplexity"], rel=1e-6)
+    again = load_file(str(third / "model.safetensors"))
+    assert all((again[k] == end[k]).all() for k in end)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--norm_type", "layernorm"], "brings its own architecture; leave out --norm_type"),
+    (["--no-do_train"], "--no-do_train scores an existing model: give --model_name_or_path"),
+])
+def test_model_source_conflicts_fail_before_any_work(first_run, bad, message, tmp_path):
+    first, files, _ = first_run
+    source = ["--model_name_or_path", str(first)] if "--norm_type" in bad else []
+    with pytest.raises(ValueError, match=message):
+        train_lm.main([*LM_FAST, *files, *source, *bad, "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_classifier_of_other_labels_is_refused(tmp_path):
+    out = tmp_path / "cls"
+    train_classification.main(["--vocab_size", "150", "--max_tokens", "256", "--max_train_steps", "1",
+                               "--max_eval_samples", "8", "--output_dir", str(out)])
+    two_classes = tmp_path / "two.csv"
+    two_classes.write_text("text,label\n" + "".join(f"sales rose {i} %,positive\nsales fell {i} %,negative\n"
+                                                    for i in range(20)))
+    with pytest.raises(ValueError, match=r"num_labels is 3 in the model, 2 here"):
+        train_classification.main(["--model_name_or_path", str(out), "--train_file", str(two_classes),
+                                   "--label_names", "negative,positive", "--max_train_steps", "1",
+                                   "--output_dir", str(tmp_path / "again")])
+
+
+def test_fixed_size_batches(tmp_path):
+    out = tmp_path / "cls"
+    results = train_classification.main([
+        "--vocab_size", "150", "--per_device_train_batch_size", "32", "--max_train_samples", "320",
+        "--num_train_epochs", "2", "--max_eval_samples", "16", "--lr_scheduler_type", "linear",
+        "--num_warmup_steps", "2", "--output_dir", str(out)])
+    assert results["train_steps"] == 2 * 10  # 320 examples in batches of 32, two epochs
+    rates = [r["learning_rate"] for r in training.read_run_log(out) if "loss" in r]
+    assert rates[-1] == pytest.approx(0.0, abs=1e-12) and max(rates) == pytest.approx(1e-3)
+
+
+def test_a_second_run_over_the_same_data_reads_the_cache(tmp_path, capfd):
+    files = _text_files(tmp_path, seed=12)
+    run = [*LM_FAST, *files, "--max_train_steps", "1", "--max_eval_samples", "10"]
+    train_lm.main([*run, "--output_dir", str(tmp_path / "first")])
+    first = capfd.readouterr().err
+    assert "Tokenizing lines (train)" in first and "Cutting 16-token blocks (train)" in first
+    train_lm.main([*run, "--output_dir", str(tmp_path / "second")])
+    second = capfd.readouterr().err
+    assert "Tokenizing lines" not in second and "Cutting" not in second
+    train_lm.main([*run, "--overwrite_cache", "--output_dir", str(tmp_path / "third")])
+    assert "Tokenizing lines (train)" in capfd.readouterr().err
+
+
+def test_the_exported_tokenizer_loads_without_a_question(first_run, run_without_the_package, tmp_path):
+    """`AutoTokenizer` always reads the folder's config.json, whose remote-code `auto_map` makes it
+    ask before running code; `trust_remote_code=False` answers no up front and the tokenizer loads
+    all the same (it needs no code), as does `PreTrainedTokenizerFast` directly."""
+    out = first_run[0]
+    child = run_without_the_package(
+        "from transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
+        f"auto = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=False)\n"
+        f"fast = PreTrainedTokenizerFast.from_pretrained({str(out)!r})\n"
+        "print(auto.model_max_length, fast.model_max_length, auto('the dog .')['input_ids'] == "
+        "fast('the dog .')['input_ids'])\n",
+        tmp_path / "hf")
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in child.stdout + child.stderr
+    assert child.stdout.split() == ["16", "16", "True"]
