@@ -52,10 +52,12 @@ CHILD = textwrap.dedent(
     # A translation directory through AutoConfig, AutoModel, AutoModelForSeq2SeqLM.
     config = AutoConfig.from_pretrained(DIRS["seq2seq"], trust_remote_code=True)
     assert type(config).__name__ == "PowerNormTransformerConfig" and config.encoder_norm_type == "powernorm"
+    assert (config.powernorm_warmup_statistic, config.powernorm_warmup_ramp_steps) == ("reference", 3)
     base = AutoModel.from_pretrained(DIRS["seq2seq"], trust_remote_code=True)
     assert type(base).__name__ == "PowerNormTransformerModel"
     seq2seq = AutoModelForSeq2SeqLM.from_pretrained(DIRS["seq2seq"], trust_remote_code=True)
     results["seq2seq_module"] = remote(seq2seq)
+    assert seq2seq.model.encoder.layers[0].self_attn_norm.warmup_statistic == "reference"
     results["seq2seq_buffers"] = check_buffers(seq2seq, "seq2seq")
     inputs = expected["inputs"]
     logits = seq2seq(input_ids=inputs, decoder_input_ids=inputs).logits
@@ -144,7 +146,9 @@ def saved(tmp_path_factory):
     inputs = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(42))
     expected = {"inputs": inputs}
     dirs = {}
-    seq2seq_config = PowerNormTransformerConfig.from_preset("tiny", powernorm_warmup_steps=2)
+    seq2seq_config = PowerNormTransformerConfig.from_preset("tiny", powernorm_warmup_steps=2,
+                                                            powernorm_warmup_statistic="reference",
+                                                            powernorm_warmup_ramp_steps=3)
     models = {
         "seq2seq": PowerNormTransformerForConditionalGeneration(seq2seq_config),
         "causal": PowerNormTransformerForCausalLM(
