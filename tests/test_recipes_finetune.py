@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from recipe_scripts import train_classification, train_lm
 
-from hf_powernorm import training
+from hf_powernorm import PowerNorm, PowerNormTransformerForCausalLM, training
+from hf_powernorm.instrumentation import read_norm_statistics
 
 LM_FAST = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "16"]
@@ -142,3 +143,22 @@ def test_the_exported_tokenizer_loads_without_a_question(first_run, run_without_
     assert child.returncode == 0, child.stderr[-3000:]
     assert "Do you wish to run the custom code" not in child.stdout + child.stderr
     assert child.stdout.split() == ["16", "16", "True"]
+
+
+def test_record_norm_stats_writes_every_norm_layer(tmp_path):
+    """`--record_norm_stats 2` writes, every second update, one row per norm layer with the batch
+    and running statistics, the gradient contributions and Lemma 2's condition."""
+    out = tmp_path / "lm"
+    files = _text_files(tmp_path, seed=13)
+    train_lm.main([*LM_FAST, *files, "--max_train_steps", "4", "--record_norm_stats", "2", "--output_dir", str(out)])
+    rows = read_norm_statistics(out / "norm_stats.jsonl")
+    model = PowerNormTransformerForCausalLM.from_pretrained(out)
+    layers = sorted(name for name, module in model.named_modules() if isinstance(module, PowerNorm))
+    assert len(layers) == 2 * 2 + 1  # two sub-layers in each of two layers, and the final norm
+    assert sorted({r["layer"] for r in rows}) == layers and sorted({r["step"] for r in rows}) == [2, 4]
+    assert len(rows) == 2 * len(layers)
+    for row in rows:
+        for key in ("batch_psi2_avg", "running_phi_avg", "dist_psi2", "g_mu", "g_sigma2", "g_psi2",
+                    "weight_grad_norm", "lemma2_fraction"):
+            assert row[key] is not None and math.isfinite(row[key]) and row[key] >= 0, (key, row)
+        assert row["tokens"] > 0 and row["norm"] == "PowerNorm"

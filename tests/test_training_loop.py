@@ -47,6 +47,12 @@ def test_model_config_from_the_command_line(bpe):
     assert config.powernorm_sync_stats is True  # several processes: synchronised by default
     assert training.build_config(parser.parse_args([]), bpe, 1, {}, 100).powernorm_sync_stats is False
     assert training.build_config(parser.parse_args(["--no-sync_stats"]), bpe, 2, {}, 100).powernorm_sync_stats is False
+    options = parser.parse_args(["--powernorm_warmup_statistic", "reference", "--powernorm_warmup_ramp_steps", "5",
+                                 "--gradient_accumulation_steps", "2"])
+    reference = training.build_config(options, bpe, 1, {}, 100)
+    assert (reference.powernorm_warmup_statistic, reference.powernorm_warmup_ramp_steps) == ("reference", 10)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--powernorm_warmup_statistic", "ema"])
     paper = training.build_config(parser.parse_args(["--preset", "iwslt14-small"]), bpe, 1, {"hidden_size": 64}, 100)
     assert (paper.hidden_size, paper.powernorm_warmup_steps, paper.decoder_norm_type) == (512, 8000, "layernorm")
 

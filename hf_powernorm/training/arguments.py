@@ -23,11 +23,13 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 
 from ..configuration_powernorm import PRESETS
-from ..normalization import normalize_norm_name
+from ..normalization import WARMUP_STATISTICS, normalize_norm_name
 from .optimization import SCHEDULER_TYPES
 
 PN_OPTIONS = ("powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps", "powernorm_group_num",
-              "powernorm_backward_denominator")
+              "powernorm_backward_denominator", "powernorm_warmup_statistic", "powernorm_warmup_ramp_steps")
+# Options that count updates on the command line and training forward passes in the config.
+PN_UPDATE_COUNTS = ("powernorm_warmup_steps", "powernorm_warmup_ramp_steps")
 NORM_OPTIONS = ("norm_type", "encoder_norm_type", "decoder_norm_type")
 
 
@@ -95,6 +97,12 @@ def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
                        help="group scaling groups, or 'none'; default: one per attention head")
     norms.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
                        help="'running' (paper, eq. 12) or 'batch' (the reference code)")
+    norms.add_argument("--powernorm_warmup_statistic", choices=WARMUP_STATISTICS,
+                       help="running statistic during warmup: 'cumulative' mean of the batch statistics, or "
+                            "'reference' (the authors' code: cumulative then EMA step)")
+    norms.add_argument("--powernorm_warmup_ramp_steps", type=int,
+                       help="updates after warmup over which the denominator blends from the batch statistic "
+                            "to the running one (0: the paper's switch)")
     norms.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
                        help="sum PN/BN statistics over processes; default: on with several processes. "
                             "With --no-sync_stats each process keeps its own. Either way they are "
@@ -125,6 +133,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
     train.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
     train.add_argument("--output_dir", default="outputs/run")
+    train.add_argument("--record_norm_stats", type=int, nargs="?", const=1, default=0, metavar="EVERY_N",
+                       help="write what every norm layer sees (batch and running statistics, gradient "
+                            "contributions, Lemma 2) every N updates to output_dir/norm_stats.jsonl")
     train.add_argument("--with_tracking", action="store_true",
                        help="log loss, learning rate, tokens/s, validation and final scores to --report_to")
     train.add_argument("--report_to", default="tensorboard",
@@ -191,6 +202,10 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option} must be at least 1; got {value}")
+    for option in ("record_norm_stats", "powernorm_warmup_ramp_steps"):
+        value = getattr(args, option)
+        if value is not None and value < 0:
+            raise ValueError(f"--{option} must be at least 0; got {value}")
 
 
 def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -> None:

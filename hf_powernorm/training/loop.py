@@ -6,7 +6,8 @@
   (`run_log.py`), tracking, validation every `--eval_steps` (else every epoch) and after the last
   update, the best model in `output_dir/best_model`, early stopping after `--patience`
   validations without improvement, and `save_state` checkpoints that resume exactly
-  (`load_state` + `skip_first_batches`, batches shuffled by (seed, epoch) alone);
+  (`load_state` + `skip_first_batches`, batches shuffled by (seed, epoch) alone), and with
+  `--record_norm_stats N` what every norm layer sees every N updates (`instrumentation.py`);
 - `finish_training`: statistics averaged over the processes and the best model put back.
 """
 
@@ -39,6 +40,7 @@ from .checkpoints import (
     save_best_model,
     save_checkpoint,
 )
+from ..instrumentation import NormStatisticsRecorder
 from .batching import PaddingCollator, eval_loader, train_loader
 from .models import norm_types
 from .optimization import build_optimizer, build_scheduler
@@ -49,6 +51,7 @@ logger = get_logger(__name__)
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 EvalFn = Callable[[], float]
 UpdateHook = Callable[[int, float], None]
+NORM_STATS_NAME = "norm_stats.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,12 +203,15 @@ def _epoch_batches(accelerator: Accelerator, loader: DataLoader, sampler: Any | 
 
 
 def _micro_step(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward and backward of one micro-batch; at the end of an accumulation, clipping and the
-    optimizer step (Accelerate skips them in between)."""
+                optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: dict[str, torch.Tensor],
+                recorder: NormStatisticsRecorder, step: int) -> torch.Tensor:
+    """Forward and backward of one micro-batch of update `step`, recorded when the recorder asks;
+    at the end of an accumulation, clipping and the optimizer step (Accelerate skips them in between)."""
     with accelerator.accumulate(model):
+        recorder.before_forward(step)
         loss = loss_fn(model, batch)
         accelerator.backward(loss)
+        recorder.after_backward(step)
         if accelerator.sync_gradients and args.clip_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), args.clip_norm)
         optimizer.step()
@@ -240,10 +246,13 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     epochs = math.ceil(max_steps / max(updates_per_epoch, 1))
     losses: list[torch.Tensor] = []
     model.train()  # `from_pretrained` returns a model in eval mode: no dropout, no statistics updates
+    every = getattr(args, "record_norm_stats", 0) if accelerator.is_main_process else 0
+    recorder = NormStatisticsRecorder(accelerator.unwrap_model(model), every_n_steps=every,
+                                      output_file=Path(args.output_dir) / NORM_STATS_NAME)
     # A run resumed from its last checkpoint has nothing left to do.
     for epoch in range(start_epoch if completed < max_steps else epochs, epochs):
         for batch in _epoch_batches(accelerator, loader, sampler, epoch, skip):
-            losses.append(_micro_step(args, accelerator, model, optimizer, loss_fn, batch))
+            losses.append(_micro_step(args, accelerator, model, optimizer, loss_fn, batch, recorder, completed + 1))
             progress.tokens += int(batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
@@ -257,6 +266,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
                 save_checkpoint(accelerator, args.output_dir, model, tokenizer, completed)
             if stop or completed >= max_steps:
                 bar.close()
+                recorder.close()
                 return completed
         skip = 0  # only the first epoch of a resumed run starts inside
         stop = args.eval_steps is None and validate(completed)
@@ -265,6 +275,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
         if stop:
             break
     bar.close()
+    recorder.close()
     return completed
 
 

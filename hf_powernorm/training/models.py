@@ -16,7 +16,7 @@ import torch
 
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..normalization import NORM_CLASSES
-from .arguments import PN_OPTIONS
+from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
 
 
 def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -24,8 +24,9 @@ def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {name: getattr(args, name) for name in PN_OPTIONS if getattr(args, name) is not None}
     if overrides.get("powernorm_group_num") == "none":
         overrides["powernorm_group_num"] = None
-    if "powernorm_warmup_steps" in overrides:  # updates on the command line, forward passes in the config
-        overrides["powernorm_warmup_steps"] *= args.gradient_accumulation_steps
+    for name in PN_UPDATE_COUNTS:  # updates on the command line, forward passes in the config
+        if name in overrides:
+            overrides[name] *= args.gradient_accumulation_steps
     if args.dropout is not None:
         overrides["dropout"] = args.dropout
     return overrides

@@ -1,0 +1,99 @@
+"""Data benchmark: peak memory and time of the language-modelling data path against corpus size.
+
+    python -m hf_powernorm.bench_data [--text ../shared/data/ptb/ptb.train.txt] [--copies 1 10 100]
+
+The corpus is the text file repeated `--copies` times (100 copies of PTB's training text are
+about WikiText-103's 100M tokens). For each size a fresh process reads it with `load_lm_dataset`,
+tokenizes it with `tokenize_lines`, cuts `--block_size` blocks with `lm_blocks` and takes the
+batching lengths (`sequence_lengths`) - what `recipes/train_lm.py` does before training - with a
+BPE trained once on the original file, and reports its peak resident memory (`ru_maxrss`) and
+wall time. Each size uses an empty `datasets` cache of its own, so tokenization is really done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_CHILD = """
+import json, resource, sys, time
+from hf_powernorm.training import lm_blocks, load_lm_dataset, load_tokenizer, sequence_lengths, tokenize_lines
+corpus, tokenizer_dir, block_size, num_proc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+started = time.perf_counter()
+raw = load_lm_dataset(data_files={"train": corpus})
+lines = tokenize_lines(raw, load_tokenizer(tokenizer_dir), num_proc=num_proc or None)
+blocks = lm_blocks(lines, block_size, num_proc=num_proc or None)["train"]
+lengths = sequence_lengths(blocks)
+print(json.dumps({"lines": len(raw["train"]), "tokens": sum(lengths) - len(lengths) + 1, "blocks": len(lengths),
+                  "seconds": time.perf_counter() - started,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _repeat(text: Path, copies: int, target: Path) -> Path:
+    with open(target, "wb") as out:
+        for _ in range(copies):
+            with open(text, "rb") as handle:
+                shutil.copyfileobj(handle, out)
+    return target
+
+
+def measure(text: Path, copies: int, tokenizer_dir: Path, block_size: int, num_proc: int, workdir: Path) -> dict:
+    """Run the data path on `copies` copies of `text` in a fresh process; its figures."""
+    corpus = _repeat(text, copies, workdir / f"corpus_{copies}.txt")
+    env = {"HF_HOME": str(workdir / f"hf_{copies}"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "PATH": "/usr/bin:/bin", "TMPDIR": str(workdir)}
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(corpus), str(tokenizer_dir), str(block_size),
+                            str(num_proc)], env=env, capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise RuntimeError(f"the data path failed on {copies} copies:\n{child.stderr[-3000:]}")
+    figures = json.loads(child.stdout.strip().splitlines()[-1])
+    corpus.unlink()
+    shutil.rmtree(workdir / f"hf_{copies}", ignore_errors=True)
+    return {"copies": copies, "megabytes": corpus_size(text) * copies / 2**20, **figures}
+
+
+def corpus_size(text: Path) -> int:
+    return text.stat().st_size
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--text", default="../shared/data/ptb/ptb.train.txt", help="a plain-text corpus file")
+    parser.add_argument("--copies", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--vocab_size", type=int, default=16000)
+    parser.add_argument("--block_size", type=int, default=256)
+    parser.add_argument("--num_proc", type=int, default=0, help="tokenization processes (0: in-process)")
+    args = parser.parse_args(argv)
+    text = Path(args.text)
+    if not text.is_file():
+        raise FileNotFoundError(f"--text {text}: not found (the shared corpora live in ../shared/data)")
+    from .training import column_texts, load_lm_dataset, train_bpe_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
+        workdir = Path(tmp)
+        tokenizer_dir = workdir / "tokenizer"
+        raw = load_lm_dataset(data_files={"train": str(text)})
+        train_bpe_tokenizer(column_texts(raw["train"]), args.vocab_size).save_pretrained(tokenizer_dir)
+        rows = [measure(text, copies, tokenizer_dir, args.block_size, args.num_proc, workdir)
+                for copies in args.copies]
+    print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+          f"baseline process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+    print("| copies | text MB | tokens | blocks | peak RSS MB | seconds |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['copies']} | {row['megabytes']:.0f} | {row['tokens']:,} | {row['blocks']:,} | "
+              f"{row['peak_rss_mb']:.0f} | {row['seconds']:.0f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
