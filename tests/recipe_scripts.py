@@ -9,8 +9,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def load_recipe(name: str) -> ModuleType:
-    """`recipes/<name>.py` as a module named `recipes_<name>`."""
-    spec = importlib.util.spec_from_file_location(f"recipes_{name}", RECIPES / f"{name}.py")
+    """`recipes/<name>.py` (e.g. "train_lm", "studies/warmup_switch") as a module `recipes_<name>`."""
+    spec = importlib.util.spec_from_file_location(f"recipes_{name.replace('/', '_')}", RECIPES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -32,6 +32,7 @@ from .corpora import (
 )
 from .evaluation import bleu_scores, evaluate_accuracy, evaluate_bleu, evaluate_perplexity, score_splits, translate
 from .export import save_json, save_outputs, save_results, training_command
+from .grid import Cell, cell_result, run_grid
 from .losses import label_smoothed_loss, model_loss, sequence_nll, token_nll, translation_loss
 from .loop import (
     EarlyStopping,
@@ -76,17 +77,17 @@ from .tokenization import (
 )
 
 __all__ = [
-    "BEST_MODEL_DIR", "IGNORE_INDEX", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES", "SENTIMENT_LABELS",
+    "BEST_MODEL_DIR", "Cell", "IGNORE_INDEX", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES", "SENTIMENT_LABELS",
     "SPECIAL_TOKENS", "EarlyStopping", "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler",
     "TokenBudgetBatchSampler", "add_recipe_args", "average_buffers_across_processes", "average_state_dicts",
-    "bleu_scores", "build_config", "build_model", "build_optimizer", "build_scheduler", "check_args",
+    "bleu_scores", "build_config", "build_model", "build_optimizer", "build_scheduler", "cell_result", "check_args",
     "column_texts", "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy",
     "evaluate_bleu", "evaluate_perplexity", "finish_training", "fit", "inverse_sqrt_schedule", "label_names_of",
     "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints", "lm_blocks",
     "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric", "load_tokenizer",
     "load_translation_dataset", "log_run_start", "make_accelerator", "max_update_steps", "model_loss",
     "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity", "prepare_eval_loaders", "prepare_tokenizer",
-    "read_lines", "read_phrasebank", "read_run_log", "resolve_model_path", "save_checkpoint", "save_json",
+    "read_lines", "read_phrasebank", "read_run_log", "resolve_model_path", "run_grid", "save_checkpoint", "save_json",
     "save_outputs", "save_results", "score_splits", "select_checkpoints", "sequence_lengths", "sequence_nll",
     "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
     "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines",

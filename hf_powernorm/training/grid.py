@@ -1,0 +1,93 @@
+"""Grids of runs for the studies: each cell runs once, a killed grid resumes, cells run in parallel.
+
+A study is a list of `Cell`s (a name and JSON options) and a module-level function
+`run_cell(cell, folder) -> dict` that trains and measures one of them in `folder`. `run_grid`
+skips the cells whose `result.json` exists, clears and reruns the others (a cell killed midway left
+no result), runs them in `jobs` fresh processes at once (or in this process with `jobs=1`), and
+writes each result atomically, so that a grid stopped at any moment (a session ends, a machine goes
+away) starts again where it stopped without redoing a finished cell.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+RESULT_NAME = "result.json"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of a study: `name` is its folder (unique in the grid), `options` what it varies."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"a cell name must be a plain folder name; got {self.name!r}")
+
+
+def cell_result(output_dir: str | Path, cell: Cell) -> dict[str, Any] | None:
+    """The saved result of `cell`, or None if it has not finished."""
+    path = Path(output_dir) / "cells" / cell.name / RESULT_NAME
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _write_atomically(path: Path, data: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path) -> dict[str, Any]:
+    if folder.exists():
+        shutil.rmtree(folder)  # what a killed attempt left behind
+    folder.mkdir(parents=True)
+    result = {"cell": cell.name, **cell.options, **run_cell(cell, folder)}
+    _write_atomically(folder / RESULT_NAME, result)
+    return result
+
+
+def _reset_accelerate() -> None:
+    """Accelerate keeps one state per process; the next in-process cell starts afresh."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], output_dir: str | Path, *,
+             jobs: int = 1, desc: str = "Runs") -> list[dict[str, Any]]:
+    """Run every unfinished cell of `cells` (in `jobs` processes); return all results in order."""
+    names = [cell.name for cell in cells]
+    if len(set(names)) != len(names):
+        raise ValueError(f"cell names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1; got {jobs}")
+    root = Path(output_dir) / "cells"
+    root.mkdir(parents=True, exist_ok=True)
+    todo = [cell for cell in cells if cell_result(output_dir, cell) is None]
+    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc)
+    if jobs == 1:
+        for cell in todo:
+            _run_one(run_cell, cell, root / cell.name)
+            _reset_accelerate()
+            bar.update(1)
+    else:
+        # Fresh processes, one cell each: no state (threads, Accelerate, caches) crosses cells.
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(jobs, maxtasksperchild=1) as pool:
+            pending = [pool.apply_async(_run_one, (run_cell, cell, root / cell.name)) for cell in todo]
+            for result in pending:
+                result.get()
+                bar.update(1)
+    bar.close()
+    return [cell_result(output_dir, cell) for cell in cells]

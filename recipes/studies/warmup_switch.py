@@ -1,0 +1,244 @@
+"""PowerNorm's switch from the batch statistic to the running one, on Penn Treebank language modelling.
+
+PN divides by the batch quadratic mean during its warmup and by the running statistic `phi`
+afterwards (Algorithm 2). If `phi` lags the batch statistics when warmup ends, the first update
+that divides by it changes the scale of every normalized activation at once, and the training loss
+jumps. This study trains the same small causal LM on PTB with:
+
+- `layernorm`: the baseline;
+- `pn-cumulative`: PN with `phi` the cumulative mean of the warmup's batch statistics;
+- `pn-reference`: the authors' code (cumulative then EMA step at each warmup update);
+- `pn-cumulative-ramp`, `pn-reference-ramp`: the same, with the denominator blended from the batch
+  statistic to `phi` over `--ramp_steps` updates after warmup (`warmup_ramp_steps`);
+
+each for every seed, the same budget and hyper-parameters, and reports the loss jump at the switch
+(mean training loss of the 10 updates after warmup minus that of the 10 before, and the largest
+excess over the pre-switch mean in the 50 after), validation and test perplexity (per BPE token and
+per word), as `results.csv`, `summary.md` and `loss_at_switch.png` in `--output_dir`.
+
+    python recipes/studies/warmup_switch.py --jobs 2                      # PTB from ../shared/data
+    python recipes/studies/warmup_switch.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
+
+Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hf_powernorm import PowerNormTransformerForCausalLM
+from hf_powernorm.training import (
+    Cell,
+    PaddingCollator,
+    add_recipe_args,
+    build_model,
+    check_args,
+    column_texts,
+    count_words,
+    evaluate_perplexity,
+    fit,
+    lm_blocks,
+    load_lm_dataset,
+    load_tokenizer,
+    make_accelerator,
+    model_loss,
+    prepare_eval_loaders,
+    read_run_log,
+    run_grid,
+    score_splits,
+    synthetic_lm_corpus,
+    tokenize_lines,
+    train_bpe_tokenizer,
+)
+
+SETTINGS = {
+    "layernorm": {"norm_type": "layernorm"},
+    "pn-cumulative": {"norm_type": "powernorm", "powernorm_warmup_statistic": "cumulative"},
+    "pn-reference": {"norm_type": "powernorm", "powernorm_warmup_statistic": "reference"},
+    "pn-cumulative-ramp": {"norm_type": "powernorm", "powernorm_warmup_statistic": "cumulative", "ramp": True},
+    "pn-reference-ramp": {"norm_type": "powernorm", "powernorm_warmup_statistic": "reference", "ramp": True},
+}
+# The model: lm-small's layout (pre-norm decoder, learned positions) at a size 2 CPU cores train.
+MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
+         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
+         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 2048, "max_train_steps": 800,
+                  "warmup_steps": 200, "ramp_steps": 100, "eval_steps": 200, "learning_rate": 1e-3},
+         "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 14,
+                   "warmup_steps": 4, "ramp_steps": 2, "eval_steps": 7, "learning_rate": 5e-3}}
+WINDOW, PEAK_WINDOW = 10, 50
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
+    p.add_argument("--output_dir", default="outputs/studies/warmup_switch")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
+    for name, value in SIZES["real"].items():
+        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
+    args = p.parse_args(argv)
+    for name, value in SIZES["smoke" if args.smoke else "real"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not args.smoke and not (Path(args.data_dir) / "ptb" / "ptb.train.txt").is_file():
+        raise FileNotFoundError(f"--data_dir {args.data_dir}: no ptb/ptb.train.txt there (the shared corpora "
+                                f"live in ../shared/data; --smoke runs on the embedded corpus)")
+    return args
+
+
+def _corpus(args: argparse.Namespace, output_dir: Path) -> dict[str, str]:
+    """The split files: PTB's, or the embedded corpus written once for --smoke."""
+    if not args.smoke:
+        return {split: str(Path(args.data_dir).resolve() / "ptb" / f"ptb.{name}.txt")
+                for split, name in (("train", "train"), ("validation", "valid"), ("test", "test"))}
+    corpus = synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=3)
+    files = {}
+    for split, part in corpus.items():
+        files[split] = str(output_dir / f"smoke.{split}.txt")
+        if not Path(files[split]).is_file():
+            Path(files[split]).write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
+    return files
+
+
+def _prepare_data(files: dict[str, str], output_dir: Path, vocab_size: int, block_size: int) -> str:
+    """Train the BPE once and fill the datasets cache, so the runs only read it."""
+    tokenizer_dir = output_dir / "tokenizer"
+    raw = load_lm_dataset(data_files=files)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        train_bpe_tokenizer(column_texts(raw["train"]), vocab_size).save_pretrained(tokenizer_dir)
+    lm_blocks(tokenize_lines(raw, load_tokenizer(tokenizer_dir)), block_size)
+    return str(tokenizer_dir)
+
+
+def _run_args(options: dict[str, Any], folder: Path) -> argparse.Namespace:
+    """The training options of one run, through the recipes' own parser and checks."""
+    argv = ["--output_dir", str(folder), "--seed", str(options["seed"]), "--max_tokens", str(options["max_tokens"]),
+            "--learning_rate", str(options["learning_rate"]), "--num_warmup_steps", str(options["warmup_steps"]),
+            "--max_train_steps", str(options["max_train_steps"]), "--eval_steps", str(options["eval_steps"]),
+            "--clip_norm", "0.25", "--weight_decay", "0.01", "--eval_batch_size", "32",
+            "--norm_type", options["norm_type"], "--tokenizer_name", options["tokenizer"]]
+    if options["norm_type"] == "powernorm":
+        argv += ["--powernorm_warmup_statistic", options["powernorm_warmup_statistic"],
+                 "--powernorm_warmup_ramp_steps", str(options["ramp_steps"] if options["ramp"] else 0)]
+    args = add_recipe_args(argparse.ArgumentParser()).parse_args(argv)
+    check_args(args)
+    return args
+
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    """Train one setting with one seed; its scores and its loss around the switch."""
+    import torch
+
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+    options = cell.options
+    args = _run_args(options, folder)
+    accelerator = make_accelerator(args)
+    tokenizer = load_tokenizer(options["tokenizer"])
+    raw = load_lm_dataset(data_files=options["files"])
+    blocks = lm_blocks(tokenize_lines(raw, tokenizer), options["block_size"])
+    norms = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type}
+    model = build_model(args, PowerNormTransformerForCausalLM, tokenizer, 1, MODEL, options["block_size"], **norms)
+    collate = PaddingCollator(tokenizer.pad_token_id)
+    evals = prepare_eval_loaders(accelerator, blocks, collate, args.eval_batch_size)
+    validate = lambda m: evaluate_perplexity(accelerator, m, evals["validation"])["perplexity"]  # noqa: E731
+    model, summary = fit(args, accelerator, model, blocks["train"], collate, model_loss, tokenizer=tokenizer,
+                         mode="min", validate=validate)
+    words = {split: count_words(column_texts(part)) for split, part in raw.items()}
+    scores = score_splits(lambda split, loader: evaluate_perplexity(accelerator, model, loader, words[split]), evals)
+    accelerator.end_training()
+    losses = {r["step"]: r["loss"] for r in read_run_log(folder) if "loss" in r}
+    return {**summary, **{k: v for k, v in scores.items() if k.endswith(("perplexity", "loss"))},
+            **loss_jump(losses, options["warmup_steps"])}
+
+
+def loss_jump(losses: dict[int, float], warmup_steps: int) -> dict[str, float]:
+    """The training loss around the first update after warmup (`warmup_steps + 1`): the mean of the
+    `WINDOW` updates after it minus that of the `WINDOW` before, and the largest excess over the
+    pre-switch mean within `PEAK_WINDOW` updates."""
+    before = [losses[s] for s in range(warmup_steps - WINDOW + 1, warmup_steps + 1) if s in losses]
+    after = [losses[s] for s in range(warmup_steps + 1, warmup_steps + WINDOW + 1) if s in losses]
+    later = [losses[s] for s in range(warmup_steps + 1, warmup_steps + PEAK_WINDOW + 1) if s in losses]
+    if not before or not after:
+        return {"loss_jump": float("nan"), "loss_peak_excess": float("nan")}
+    reference = statistics.fmean(before)
+    return {"loss_jump": statistics.fmean(after) - reference, "loss_peak_excess": max(later) - reference}
+
+
+def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
+    sizes = {name: getattr(args, name) for name in SIZES["real"]}
+    return [Cell(f"{name}-seed{seed}", {"setting": name, "seed": seed, "files": files, "tokenizer": tokenizer,
+                                         "ramp": False, **sizes, **SETTINGS[name]})
+            for name in args.settings for seed in args.seeds]
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+COLUMNS = ("loss_jump", "loss_peak_excess", "validation_perplexity", "test_perplexity", "test_word_perplexity")
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
+    """`results.csv` (one row per run), `summary.md` (mean ± std over seeds), `loss_at_switch.png`."""
+    keys = ["setting", "seed", *COLUMNS, "best_step", "best_validation", "train_steps"]
+    with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    lines = [f"# PowerNorm's warmup switch ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
+             f"{args.max_train_steps} updates of {args.max_tokens} tokens, warmup {args.warmup_steps} updates "
+             f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {args.seeds}; mean ± std over seeds.",
+             "", "| setting | " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
+    for setting in args.settings:
+        rows = [r for r in results if r["setting"] == setting]
+        lines.append(f"| {setting} | " + " | ".join(_mean_std([r[c] for r in rows]) for c in COLUMNS) + " |")
+    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot(results, args, output_dir / "loss_at_switch.png")
+
+
+def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    """Mean training loss over seeds around the switch, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first, last = max(1, args.warmup_steps - 3 * WINDOW), args.warmup_steps + PEAK_WINDOW + 3 * WINDOW
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for setting in args.settings:
+        logs = [{r["step"]: r["loss"] for r in read_run_log(Path(args.output_dir) / "cells" / row["cell"])
+                 if "loss" in r} for row in results if row["setting"] == setting]
+        steps = [s for s in range(first, last + 1) if all(s in log for log in logs)]
+        axis.plot(steps, [statistics.fmean(log[s] for log in logs) for s in steps], label=setting, linewidth=1)
+    axis.axvline(args.warmup_steps + 0.5, color="grey", linestyle="--", linewidth=0.8)
+    axis.set_xlabel("update")
+    axis.set_ylabel("training loss (mean over seeds)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files = _corpus(args, output_dir)
+    tokenizer = _prepare_data(files, output_dir, args.vocab_size, args.block_size)
+    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="Warmup switch")
+    write_results(results, args, output_dir)
+    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    return results
+
+
+if __name__ == "__main__":
+    main()
