@@ -5,6 +5,7 @@ files and the run's JSON-lines log, fixed-size batches, a second run over the sa
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,24 @@ def test_record_norm_stats_writes_every_norm_layer(tmp_path):
                     "weight_grad_norm", "lemma2_fraction"):
             assert row[key] is not None and math.isfinite(row[key]) and row[key] >= 0, (key, row)
         assert row["tokens"] > 0 and row["norm"] == "PowerNorm"
+
+
+def test_a_hub_repository_in_the_cache_is_fine_tuned_offline(first_run, tmp_path, monkeypatch):
+    """`--model_name_or_path ORG/NAME` resolves to the repository's snapshot in the Hub cache
+    (offline here), with its tokenizer."""
+    import huggingface_hub
+
+    first, files, _ = first_run
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--pn-lm"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(first, repo / "snapshots" / commit, ignore=shutil.ignore_patterns("step_*", "best_model"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    results = train_lm.main([*LM_FAST, *files, "--model_name_or_path", "org/pn-lm", "--max_train_steps", "1",
+                             "--output_dir", str(tmp_path / "tuned")])
+    assert results["train_steps"] == 1
+    start = load_file(str(first / "model.safetensors"))
+    assert load_file(str(tmp_path / "tuned" / "model.safetensors"))[COUNTER].item() == start[COUNTER].item() + 1
+    with pytest.raises(ValueError, match="'org/absent' is neither a folder nor a Hub repository"):
+        train_lm.main([*LM_FAST, *files, "--model_name_or_path", "org/absent", "--output_dir", str(tmp_path / "x")])
