@@ -66,8 +66,8 @@ SETTINGS = {
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
          "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
          "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
-SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 2048, "max_train_steps": 800,
-                  "warmup_steps": 200, "ramp_steps": 100, "eval_steps": 200, "learning_rate": 1e-3},
+SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
+                  "warmup_steps": 150, "ramp_steps": 75, "eval_steps": 150, "learning_rate": 1e-3},
          "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 14,
                    "warmup_steps": 4, "ramp_steps": 2, "eval_steps": 7, "learning_rate": 5e-3}}
 WINDOW, PEAK_WINDOW = 10, 50
