@@ -223,7 +223,8 @@ WMT_CHILD = textwrap.dedent(
 )
 
 
-def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_files, tmp_path):
+def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_files, tmp_path,
+                                                                   run_without_the_package):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import hf_powernorm  # noqa: F401  (registers the Auto classes)
@@ -254,15 +255,10 @@ def test_train_wmt_export_loads_as_remote_code_in_a_fresh_process(translation_fi
                 "length_penalty": args.length_penalty, "max_new_tokens": args.max_new_tokens}
     assert generate == {"batch_size": 4, "num_beams": 2, "length_penalty": 1.0, "max_new_tokens": 8}
 
-    sys_path = [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
-    script = tmp_path / "child.py"
-    script.write_text(f"import sys\nsys.path.extend({sys_path!r})\nDATA = {str(tmp_path / 'data.json')!r}\n"
-                      f"MODEL_DIR = {str(out)!r}\nMAX_LENGTH = {args.max_length!r}\nGENERATE = {generate!r}\n\n"
-                      + inspect.getsource(_beam_search) + WMT_CHILD)
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-           "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    child = subprocess.run([sys.executable, "-S", str(script)], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=300)
+    child = run_without_the_package(
+        f"DATA = {str(tmp_path / 'data.json')!r}\nMODEL_DIR = {str(out)!r}\n"
+        f"MAX_LENGTH = {args.max_source_length!r}\nGENERATE = {generate!r}\n\n"
+        + inspect.getsource(_beam_search) + WMT_CHILD, hf_home=tmp_path / "hf", workdir=tmp_path)
     assert child.returncode == 0 and "RESULTS " in child.stdout, child.stdout[-3000:] + child.stderr[-6000:]
     got = json.loads(child.stdout.rsplit("RESULTS ", 1)[1].splitlines()[0])  # after any progress bar
 
@@ -309,9 +305,9 @@ RANK_DUMPER = textwrap.dedent(
 
     save_checkpoint, save_outputs = loop.save_checkpoint, train_wmt.save_outputs
 
-    def dumping_save_checkpoint(accelerator, output_dir, model, tokenizer, completed):
+    def dumping_save_checkpoint(accelerator, output_dir, model, tokenizer, completed, **state):
         dump(f"before_step_{completed}", accelerator, model)
-        folder = save_checkpoint(accelerator, output_dir, model, tokenizer, completed)
+        folder = save_checkpoint(accelerator, output_dir, model, tokenizer, completed, **state)
         dump(f"step_{completed}", accelerator, model)
         return folder
 

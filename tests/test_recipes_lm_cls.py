@@ -275,10 +275,7 @@ def test_classification_embedded_default_and_phrasebank(classification_files, tm
 
 CHILD = textwrap.dedent(
     r"""
-    import sys
-    sys.path.extend(SYS_PATH)
-    import importlib.util, json
-    assert importlib.util.find_spec("hf_powernorm") is None, "hf_powernorm must not be importable here"
+    import json
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -310,7 +307,8 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_files, classification_files, tmp_path):
+def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_files, classification_files, tmp_path,
+                                                        run_without_the_package):
     from transformers import AutoTokenizer
 
     (lm_dir, lm_results), (cls_dir, cls_results) = lm_run, cls_run
@@ -324,14 +322,9 @@ def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_fi
                                      truncation=True)["input_ids"],
             "cls_labels": list(validation["validation"]["label"])}
     (tmp_path / "data.json").write_text(json.dumps(data))
-    sys_path = [p for p in sys.path if p and os.path.isdir(p) and not os.path.exists(os.path.join(p, "hf_powernorm"))]
-    script = tmp_path / "child.py"
-    script.write_text(f"SYS_PATH = {sys_path!r}\nDATA = {str(tmp_path / 'data.json')!r}\n"
-                      f"DIRS = {({'lm': str(lm_dir), 'cls': str(cls_dir)})!r}\n" + CHILD)
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-           "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    child = subprocess.run([sys.executable, "-S", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=300)
+    child = run_without_the_package(
+        f"DATA = {str(tmp_path / 'data.json')!r}\nDIRS = {({'lm': str(lm_dir), 'cls': str(cls_dir)})!r}\n" + CHILD,
+        hf_home=tmp_path / "hf", workdir=tmp_path)
     assert child.returncode == 0 and "RESULTS " in child.stdout, child.stdout[-3000:] + child.stderr[-6000:]
     got = json.loads(child.stdout.rsplit("RESULTS ", 1)[1].splitlines()[0])  # after any progress bar
     assert got["lm_tokens"] == lm_results["validation_tokens"]
