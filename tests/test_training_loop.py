@@ -1,5 +1,6 @@
 """Tests of the training library's loop side: the model config from the command line, optimizer
-and schedules, losses, metrics (local evaluate modules, offline), checkpoint listing and averaging."""
+and schedules, losses, metrics (local evaluate modules, offline), checkpoint listing and averaging
+(`test_training_checkpoints.py` has the rest of the checkpoints)."""
 
 import argparse
 import json
@@ -19,7 +20,7 @@ from transformers import get_inverse_sqrt_schedule, get_scheduler
 
 from recipe_scripts import average_checkpoints as avg
 
-from hf_powernorm import training
+from hf_powernorm import PowerNormTransformerConfig, training
 
 
 @pytest.fixture(scope="module")
@@ -183,19 +184,25 @@ def test_accuracy_f1_metric():
 # Checkpoints and averaging
 # ---------------------------------------------------------------------------------------------
 
-def _checkpoint(folder: Path, value: float, step: int) -> None:
+def _checkpoint(folder: Path, value: float, step: int, tokenizer) -> None:
+    """A complete checkpoint: weights, config, tokenizer, a pickled optimizer state as Accelerate
+    writes one, and the manifest."""
     folder.mkdir(parents=True)
     save_file({"weight": torch.full((2, 3), value), "half": torch.full((2,), value, dtype=torch.float16),
                "norm.num_batches_tracked": torch.tensor(step)}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({"step": step}))
+    config = PowerNormTransformerConfig.from_preset("tiny", vocab_size=len(tokenizer), powernorm_warmup_steps=step,
+                                                    architectures=["PowerNormTransformerForCausalLM"])
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     (folder / "optimizer.bin").write_bytes(b"state")
-    (folder / "custom_checkpoint_0.pkl").write_bytes(b"scheduler")
+    (folder / "training_state.json").write_text(json.dumps({"step": step}))
+    training.write_manifest(folder, step, {"run": "test"})
 
 
-def test_average_checkpoints_keeps_integer_counters(tmp_path):
+def test_average_checkpoints_keeps_integer_counters(bpe, tmp_path):
     for step, value in ((9, 1.0), (10, 2.0), (100, 6.0), (2, 50.0)):
-        _checkpoint(tmp_path / f"step_{step}", value, step)
+        _checkpoint(tmp_path / f"step_{step}", value, step, bpe)
     assert training.latest_checkpoint(tmp_path).name == "step_100"  # numeric, not lexicographic order
     chosen = training.select_checkpoints(tmp_path, 3)
     assert [p.name for p in chosen] == ["step_9", "step_10", "step_100"]
@@ -206,15 +213,16 @@ def test_average_checkpoints_keeps_integer_counters(tmp_path):
     assert state["half"].dtype == torch.float16 and state["half"][0].item() == 3.0
     assert state["norm.num_batches_tracked"].item() == 100
     assert state["norm.num_batches_tracked"].dtype == torch.int64
-    assert json.loads((tmp_path / "averaged" / "config.json").read_text()) == {"step": 100}
-    assert not any((tmp_path / "averaged" / n).exists() for n in ("optimizer.bin", "custom_checkpoint_0.pkl"))
-    with pytest.raises(ValueError, match=r"last 5 checkpoints.*holds 4"):
+    assert json.loads((tmp_path / "averaged" / "config.json").read_text())["powernorm_warmup_steps"] == 100
+    assert not any((tmp_path / "averaged" / n).exists() for n in ("optimizer.bin", "training_state.json",
+                                                                  "checkpoint.json"))
+    with pytest.raises(ValueError, match=r"last 5 checkpoints.*holds 4 complete"):
         training.select_checkpoints(tmp_path, 5)
 
 
-def test_checkpoint_listing_errors(tmp_path):
-    _checkpoint(tmp_path / "epoch_1", 1.0, 1)
-    _checkpoint(tmp_path / "step_5", 1.0, 5)
+def test_checkpoint_listing_errors(bpe, tmp_path):
+    _checkpoint(tmp_path / "epoch_1", 1.0, 1, bpe)
+    _checkpoint(tmp_path / "step_5", 1.0, 5, bpe)
     with pytest.raises(ValueError, match=r"\['epoch', 'step'\]"):
         training.list_checkpoints(tmp_path)
     assert [p.name for p in training.list_checkpoints(tmp_path, prefix="step")] == ["step_5"]

@@ -5,7 +5,7 @@ metrics and the export. Never copied next to a checkpoint: the model files impor
     from hf_powernorm.training import load_lm_dataset, tokenize_lines, lm_blocks, train
 """
 
-from .arguments import PN_OPTIONS, add_recipe_args, check_args
+from .arguments import PN_OPTIONS, add_recipe_args, check_args, check_batch_budget
 from .batching import (
     IGNORE_INDEX,
     PaddingCollator,
@@ -16,13 +16,25 @@ from .batching import (
 )
 from .checkpoints import (
     BEST_MODEL_DIR,
+    MANIFEST_NAME,
+    TRAINING_STATE_NAME,
+    IncompleteCheckpointError,
     average_buffers_across_processes,
     average_state_dicts,
+    check_average_inputs,
+    check_output_dir,
+    incomplete_checkpoints,
     latest_checkpoint,
     list_checkpoints,
+    load_scheduler_state,
+    prune_checkpoints,
+    read_manifest,
+    resolve_resume_path,
     save_checkpoint,
+    scheduler_state,
     select_checkpoints,
     write_average,
+    write_manifest,
 )
 from .corpora import (
     SENTIMENT_LABELS,
@@ -31,11 +43,12 @@ from .corpora import (
     synthetic_translation_corpus,
 )
 from .evaluation import bleu_scores, evaluate_accuracy, evaluate_bleu, evaluate_perplexity, score_splits, translate
-from .export import save_json, save_outputs, save_results, training_command
+from .export import complete_average_export, save_json, save_outputs, save_results, training_command
 from .grid import Cell, cell_result, run_grid
 from .losses import label_smoothed_loss, model_loss, sequence_nll, token_nll, translation_loss
 from .loop import (
     EarlyStopping,
+    check_run_start,
     finish_training,
     fit,
     log_run_start,
@@ -77,20 +90,23 @@ from .tokenization import (
 )
 
 __all__ = [
-    "BEST_MODEL_DIR", "Cell", "IGNORE_INDEX", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES", "SENTIMENT_LABELS",
-    "SPECIAL_TOKENS", "EarlyStopping", "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler",
-    "TokenBudgetBatchSampler", "add_recipe_args", "average_buffers_across_processes", "average_state_dicts",
-    "bleu_scores", "build_config", "build_model", "build_optimizer", "build_scheduler", "cell_result", "check_args",
-    "column_texts", "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy",
-    "evaluate_bleu", "evaluate_perplexity", "finish_training", "fit", "inverse_sqrt_schedule", "label_names_of",
-    "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints", "lm_blocks",
-    "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric", "load_tokenizer",
-    "load_translation_dataset", "log_run_start", "make_accelerator", "max_update_steps", "model_loss",
-    "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity", "prepare_eval_loaders", "prepare_tokenizer",
-    "read_lines", "read_phrasebank", "read_run_log", "resolve_model_path", "run_grid", "save_checkpoint", "save_json",
-    "save_outputs", "save_results", "score_splits", "select_checkpoints", "sequence_lengths", "sequence_nll",
-    "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
-    "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines",
-    "tokenize_translation", "train", "train_bpe_tokenizer", "train_loader", "training_command", "translate",
-    "translation_loss", "translation_texts", "write_average",
+    "BEST_MODEL_DIR", "IGNORE_INDEX", "MANIFEST_NAME", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES",
+    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "TRAINING_STATE_NAME", "Cell", "EarlyStopping", "IncompleteCheckpointError",
+    "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler", "TokenBudgetBatchSampler", "add_recipe_args",
+    "average_buffers_across_processes", "average_state_dicts", "bleu_scores", "build_config", "build_model",
+    "build_optimizer", "build_scheduler", "cell_result", "check_args", "check_average_inputs", "check_batch_budget",
+    "check_output_dir", "check_run_start", "column_texts", "complete_average_export", "count_words",
+    "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",
+    "evaluate_perplexity", "finish_training", "fit", "incomplete_checkpoints", "inverse_sqrt_schedule",
+    "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints",
+    "lm_blocks", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
+    "load_scheduler_state", "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator",
+    "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity",
+    "prepare_eval_loaders", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
+    "read_run_log", "resolve_model_path", "resolve_resume_path", "run_grid", "save_checkpoint", "save_json",
+    "save_outputs", "save_results", "scheduler_state", "score_splits", "select_checkpoints", "sequence_lengths",
+    "sequence_nll", "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
+    "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines", "tokenize_translation",
+    "train", "train_bpe_tokenizer", "train_loader", "training_command", "translate", "translation_loss",
+    "translation_texts", "write_average", "write_manifest",
 ]

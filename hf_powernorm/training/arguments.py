@@ -131,8 +131,16 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
     train.add_argument("--seed", type=int, default=1)
     train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
-    train.add_argument("--resume_from_checkpoint", help="a step_<N> folder, or 'latest' in --output_dir")
-    train.add_argument("--output_dir", default="outputs/run")
+    train.add_argument("--checkpoints_total_limit", type=int,
+                       help="keep only the newest N complete checkpoints (the best model and the checkpoint "
+                            "resumed from are kept too)")
+    train.add_argument("--resume_from_checkpoint",
+                       help="a complete step_<N> folder, or 'latest': the newest complete one in --output_dir")
+    train.add_argument("--output_dir", default="outputs/run",
+                       help="a new or empty folder, the folder of the run to resume, or any with "
+                            "--overwrite_output_dir")
+    train.add_argument("--overwrite_output_dir", action="store_true",
+                       help="clear --output_dir first if it holds files (of another run)")
     train.add_argument("--record_norm_stats", type=int, nargs="?", const=1, default=0, metavar="EVERY_N",
                        help="write what every norm layer sees (batch and running statistics, gradient "
                             "contributions, Lemma 2) every N updates to output_dir/norm_stats.jsonl")
@@ -198,7 +206,8 @@ def _check_counts(args: argparse.Namespace) -> None:
                          f"got {args.checkpointing_steps!r}")
     for option in ("gradient_accumulation_steps", "max_tokens", "eval_batch_size", "eval_steps", "patience",
                    "max_eval_samples", "max_train_samples", "max_train_steps", "num_train_epochs",
-                   "num_warmup_steps", "per_device_train_batch_size", "preprocessing_num_workers"):
+                   "num_warmup_steps", "per_device_train_batch_size", "preprocessing_num_workers",
+                   "checkpoints_total_limit"):
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option} must be at least 1; got {value}")
@@ -206,6 +215,21 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and value < 0:
             raise ValueError(f"--{option} must be at least 0; got {value}")
+
+
+def check_batch_budget(args: argparse.Namespace) -> None:
+    """Token-budget batches must hold the longest example the maximum lengths allow: `--max_tokens`
+    at least `--max_source_length` / `--max_target_length` (else `--max_length`) and `--block_size`,
+    checked before any data is read."""
+    if not getattr(args, "do_train", True) or getattr(args, "per_device_train_batch_size", None) is not None:
+        return
+    names = ("max_source_length", "max_target_length") if getattr(args, "max_source_length", None) is not None \
+        else ("max_length",)
+    for name in (*names, "block_size"):
+        value = getattr(args, name, None)
+        if value is not None and value > args.max_tokens:
+            raise ValueError(f"--max_tokens {args.max_tokens} is less than --{name} {value}: a batch must hold "
+                             f"the longest example; raise --max_tokens or lower --{name}")
 
 
 def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -> None:

@@ -2,30 +2,76 @@
 of the last checkpoints (the paper's translation recipe, Section 5.1).
 
 A checkpoint is `<output_dir>/step_<N>`: Accelerate's training state (weights with the running
-statistics, optimizer, schedule, RNG) plus the model config and the tokenizer, so that it also
-loads with `from_pretrained` and averages with `average_checkpoints`. Statistics are averaged over
-the processes first, so a checkpoint never depends on the process that wrote it. Averaging takes
-floating-point tensors in float64 and keeps integer tensors (PN's `num_batches_tracked`) from the
-newest checkpoint, since the mean of step counters is not a step.
+statistics, optimizer, RNG), the loop's own state as JSON (`training_state.json`: schedule, early
+stopping, sampler), the model config and the tokenizer, so that it also loads with
+`from_pretrained` and averages with `average_checkpoints`. Statistics are averaged over the
+processes first, so a checkpoint never depends on the process that wrote it.
+
+A checkpoint is written under a temporary name (`.step_<N>.tmp-<pid>`) and renamed into place when
+complete; its manifest `checkpoint.json` is written last: every file with its size and SHA-256,
+the step, the run's command-line model options and the hash of what must not change when the run
+resumes (the model class, its config but for the fields of `RESUMABLE_CONFIG_FIELDS`, the
+tokenizer). A folder without a manifest that matches its files is incomplete: resuming and
+averaging pass it over. Nothing the project writes is unpickled; Accelerate's optimizer and RNG
+files are pickles, so checkpoint folders are trusted local files and never part of an export.
+
+Averaging takes floating-point tensors in float64 and keeps integer tensors (PN's
+`num_batches_tracked`) from the newest checkpoint, since the mean of step counters is not a step.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import os
 import re
 import shutil
+import signal
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
+
+from .arguments import PN_OPTIONS
+from .export import complete_average_export
+from .tokenization import has_tokenizer, load_tokenizer
 
 BEST_MODEL_DIR = "best_model"
 WEIGHTS_NAME = "model.safetensors"
-_TRAINING_STATE = ("optimizer", "scheduler", "random_states", "scaler", "sampler", "custom_checkpoint")
+MANIFEST_NAME = "checkpoint.json"
+TRAINING_STATE_NAME = "training_state.json"
+BEST_MODEL_STATE_NAME = "best_model.json"
+MANIFEST_FORMAT = 1
+# Test hook: "K" or "K@STEP" makes the checkpoint writer SIGKILL its own process once K files of
+# the checkpoint (of update STEP) are written, the rename into place counting as one more.
+CRASH_AFTER_FILES_ENV = "HF_POWERNORM_CRASH_CHECKPOINT_AFTER"
+# Config fields that may change between the parts of one run: bookkeeping, what the first forward
+# pass sets (`problem_type`), dropout, the number of processes; everything else (sizes, vocabulary,
+# norms and their options) must match.
+RESUMABLE_CONFIG_FIELDS = ("transformers_version", "_name_or_path", "architectures", "auto_map", "dtype",
+                           "torch_dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+                           "chunk_size_feed_forward", "problem_type", "dropout", "attention_dropout",
+                           "activation_dropout", "classifier_dropout", "powernorm_sync_stats")
+# Command-line options that decide the model before the tokenizer exists, compared on resume.
+MODEL_OPTIONS = ("preset", "config_name", "config_overrides", "norm_type", "encoder_norm_type",
+                 "decoder_norm_type", *PN_OPTIONS)
+# What an export copies from a checkpoint besides the weights: config, code, tokenizer.
+_EXPORT_SUFFIXES = (".json", ".py", ".txt", ".model")
 _CHECKPOINT_NAME = re.compile(r"^(?P<prefix>.*?)[_-]?(?P<number>\d+)$")
+_LEFTOVER_NAME = re.compile(r"^\.(?P<name>step_\d+|best_model)\.(?:tmp|old)-\d+$")
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint folder whose manifest is missing or does not match its files."""
 
 
 def average_buffers_across_processes(accelerator: Accelerator, model: torch.nn.Module) -> int:
@@ -43,23 +89,126 @@ def average_buffers_across_processes(accelerator: Accelerator, model: torch.nn.M
 
 
 # ---------------------------------------------------------------------------------------------
+# Manifest: the files, the step and what the run is
+# ---------------------------------------------------------------------------------------------
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A hash of the tokenizer's vocabulary, merges, normalisation and special tokens, leaving out
+    the truncation and padding state that tokenizing leaves in a fast tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        content = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+    else:
+        content = tokenizer.get_vocab()
+    text = json.dumps([content, tokenizer.special_tokens_map, len(tokenizer)], sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def run_identity(model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+    """What must not change when a run resumes: the model class, its config without
+    `RESUMABLE_CONFIG_FIELDS`, and the tokenizer (as JSON would hold them)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in RESUMABLE_CONFIG_FIELDS}
+    identity = {"model_class": type(model).__name__, "config": config, "tokenizer": tokenizer_hash(tokenizer),
+                "vocabulary_size": len(tokenizer)}
+    return json.loads(json.dumps(identity, sort_keys=True, default=str))
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """The SHA-256 of a `run_identity`."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line options of `MODEL_OPTIONS` and `--vocab_size` as given, for the manifest."""
+    return {name: getattr(args, name, None) for name in (*MODEL_OPTIONS, "vocab_size")}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or folder to the disk (a folder: its entries, after a rename)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON to a temporary file beside `path`, flush it, and rename it into place."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _fsync(temporary)
+    os.replace(temporary, path)
+
+
+def write_manifest(folder: str | Path, step: int, identity: dict[str, Any],
+                   options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Flush every file of `folder` and write its manifest last (files, sizes, SHA-256, step, the
+    run's `identity` and its hash, its command-line model `options`); return the manifest."""
+    folder = Path(folder)
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
+        _fsync(path)
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "config_hash": config_hash(identity), "identity": identity,
+                "options": options or {}, "files": files}
+    write_json_atomically(folder / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def read_manifest(folder: str | Path, verify_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of checkpoint `folder`, checked against its files (sizes, and SHA-256 with
+    `verify_hashes`); raises `IncompleteCheckpointError` saying what is wrong."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"{folder}: no {MANIFEST_NAME} (its write did not finish)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} cannot be read ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} is not a manifest of format {MANIFEST_FORMAT}")
+    for name, expected in manifest["files"].items():
+        _check_file(folder, name, expected, verify_hashes)
+    return manifest
+
+
+def _check_file(folder: Path, name: str, expected: dict[str, Any], verify_hashes: bool) -> None:
+    path = folder / name
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"{folder}: {name} is missing")
+    size = path.stat().st_size
+    if size != expected["size"]:
+        raise IncompleteCheckpointError(f"{folder}: {name} has {size} bytes, the manifest says {expected['size']}")
+    if verify_hashes and _sha256(path) != expected["sha256"]:
+        raise IncompleteCheckpointError(f"{folder}: {name} does not match its SHA-256 in the manifest")
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    """N of a `step_<N>` folder name."""
+    name = Path(folder).name
+    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
+        raise ValueError(f"{folder}: expected a step_<N> checkpoint folder written by a recipe")
+    return int(name.removeprefix("step_"))
+
+
+# ---------------------------------------------------------------------------------------------
 # Listing
 # ---------------------------------------------------------------------------------------------
 
-def list_checkpoints(directory: str | Path, prefix: str | None = None,
-                     required_file: str | None = None) -> list[Path]:
-    """Checkpoint folders `<prefix>_<N>` (or `<prefix>-<N>`) in `directory`, oldest to newest by N.
-
-    With `prefix=None` the folders must share one prefix (`step_10`, `step_200`); mixing e.g.
-    `epoch_*` and `step_*` is an error because their numbers are not comparable.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+def _numbered_folders(directory: Path, prefix: str | None) -> list[Path]:
     found: dict[str, list[tuple[int, Path]]] = {}
     for path in directory.iterdir():
         match = _CHECKPOINT_NAME.match(path.name)
-        if path.is_dir() and match and (required_file is None or (path / required_file).is_file()):
+        if path.is_dir() and match and not path.name.startswith("."):
             found.setdefault(match["prefix"], []).append((int(match["number"]), path))
     if prefix is not None:
         found = {prefix: found.get(prefix, [])}
@@ -68,64 +217,351 @@ def list_checkpoints(directory: str | Path, prefix: str | None = None,
     return [path for _, path in sorted(next(iter(found.values()), []))]
 
 
+def list_checkpoints(directory: str | Path, prefix: str | None = None) -> list[Path]:
+    """Complete checkpoint folders `<prefix>_<N>` (or `<prefix>-<N>`) in `directory`, oldest to
+    newest by N: each has a manifest whose files are all there with their sizes.
+
+    With `prefix=None` the folders must share one prefix (`step_10`, `step_200`); mixing e.g.
+    `epoch_*` and `step_*` is an error because their numbers are not comparable.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    return [path for path in _numbered_folders(directory, prefix) if _is_complete(path)]
+
+
+def _is_complete(folder: Path, verify_hashes: bool = False) -> bool:
+    try:
+        read_manifest(folder, verify_hashes)
+    except IncompleteCheckpointError:
+        return False
+    return True
+
+
+def incomplete_checkpoints(directory: str | Path, prefix: str = "step") -> list[tuple[Path, str]]:
+    """The checkpoint folders of `directory` that are not complete, with the reason: interrupted
+    writes (`.step_<N>.tmp-<pid>`) and `step_<N>` folders whose manifest is missing or wrong."""
+    directory = Path(directory)
+    found = [(path, "an interrupted write") for path in sorted(directory.glob(f".{prefix}_*"))
+             if path.is_dir() and _LEFTOVER_NAME.match(path.name)]
+    for path in _numbered_folders(directory, prefix):
+        try:
+            read_manifest(path, verify_hashes=False)
+        except IncompleteCheckpointError as error:
+            found.append((path, str(error).removeprefix(f"{path}: ")))
+    return found
+
+
 def latest_checkpoint(directory: str | Path, prefix: str | None = None) -> Path | None:
-    """The newest checkpoint folder in `directory` (for `--resume_from_checkpoint latest`)."""
+    """The newest complete checkpoint folder in `directory` (for `--resume_from_checkpoint latest`)."""
     checkpoints = list_checkpoints(directory, prefix)
     return checkpoints[-1] if checkpoints else None
 
 
 # ---------------------------------------------------------------------------------------------
-# Training state
+# Writing the training state
 # ---------------------------------------------------------------------------------------------
 
+def _crash_point(files_written: int, step: int) -> None:
+    """The test hook of `CRASH_AFTER_FILES_ENV`: die here as a killed process would."""
+    spec = os.environ.get(CRASH_AFTER_FILES_ENV)
+    if not spec:
+        return
+    after, _, at_step = spec.partition("@")
+    if files_written >= int(after) and (not at_step or int(at_step) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _count_files(folder: Path) -> int:
+    return sum(1 for path in folder.rglob("*") if path.is_file())
+
+
 def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
-                    completed_steps: int) -> Path:
-    """`save_state` to `<output_dir>/step_<N>` with process-averaged statistics, plus config and
-    tokenizer so that the folder loads with `from_pretrained` and averages."""
+                    completed_steps: int, *, training_state: dict[str, Any] | None = None,
+                    options: dict[str, Any] | None = None) -> Path:
+    """`save_state` to `<output_dir>/step_<N>` with process-averaged statistics, plus config,
+    tokenizer, `training_state` (JSON) and the manifest, written under a temporary name and renamed
+    into place when complete; then the leftovers of interrupted writes are removed."""
     average_buffers_across_processes(accelerator, model)
-    folder = Path(output_dir) / f"step_{completed_steps}"
-    accelerator.save_state(str(folder))
+    output_dir = Path(output_dir)
+    final = output_dir / f"step_{completed_steps}"
+    # One temporary name for every process: the main process's id.
+    [pid] = broadcast_object_list([os.getpid()]) if accelerator.num_processes > 1 else [os.getpid()]
+    temporary = output_dir / f".{final.name}.tmp-{pid}"
+    if accelerator.is_main_process and temporary.exists():
+        shutil.rmtree(temporary)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(temporary))
+    accelerator.wait_for_everyone()  # every process's RNG state is written
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).config.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    return folder
+        _complete_checkpoint(temporary, accelerator.unwrap_model(model), tokenizer, completed_steps,
+                             training_state or {}, options)
+        _replace(temporary, final)
+        _crash_point(_count_files(final) + 1, completed_steps)
+        remove_leftovers(output_dir)
+    accelerator.wait_for_everyone()
+    return final
 
 
-def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path) -> Path:
-    """`--resume_from_checkpoint`: a `step_<N>` folder, or `latest` (the newest in `output_dir`)."""
-    path = resume_from_checkpoint
-    if path == "latest":
-        path = latest_checkpoint(output_dir, prefix="step") if Path(output_dir).is_dir() else None
-        if path is None:
-            raise ValueError(f"--resume_from_checkpoint latest: no step_* checkpoint in {output_dir}")
-    name = Path(path).name
-    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
-        raise ValueError(f"--resume_from_checkpoint {path}: expected a step_<N> folder written by a recipe")
-    return Path(path)
+def _complete_checkpoint(folder: Path, model: torch.nn.Module, tokenizer: Any, step: int,
+                         training_state: dict[str, Any], options: dict[str, Any] | None) -> None:
+    """What the main process adds to Accelerate's files: config, tokenizer, the loop's state and
+    the manifest, in that order (the manifest last)."""
+    _crash_point(_count_files(folder), step)
+    model.config.architectures = [type(model).__name__]  # as `save_pretrained` records it
+    model.config.save_pretrained(folder)
+    _crash_point(_count_files(folder), step)
+    tokenizer.save_pretrained(folder)
+    _crash_point(_count_files(folder), step)
+    write_json_atomically(folder / TRAINING_STATE_NAME, {"step": step, **training_state})
+    _crash_point(_count_files(folder), step)
+    write_manifest(folder, step, run_identity(model, tokenizer), options)
+    _crash_point(_count_files(folder), step)
 
 
-def resume(accelerator: Accelerator, path: Path, gradient_accumulation_steps: int,
-           batches_per_epoch: int) -> tuple[int, int, int]:
-    """Load the training state of checkpoint `path`; return (completed updates, epoch, batches to
-    skip in it)."""
+def _replace(temporary: Path, final: Path) -> None:
+    """Rename the complete `temporary` folder to `final`; an older `final` (the same update
+    written again) is moved aside first and removed after."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.is_symlink():
+        final.unlink()
+    elif final.exists():
+        os.rename(final, old)
+    os.rename(temporary, final)
+    _fsync(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def remove_leftovers(output_dir: str | Path) -> list[Path]:
+    """Remove the temporary folders that interrupted checkpoint writes left in `output_dir`;
+    return them."""
+    leftovers = [p for p in Path(output_dir).iterdir() if p.is_dir() and _LEFTOVER_NAME.match(p.name)]
+    for path in leftovers:
+        _remove(path)
+    return leftovers
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int, protect: Iterable[str | Path] = ()) -> list[Path]:
+    """Delete all but the newest `keep` complete `step_<N>` checkpoints of `output_dir`, never one
+    of `protect` (the checkpoint a run resumed from); return the deleted folders. The best model
+    is a folder of its own and is not touched."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1; got {keep}")
+    protected = {Path(p).absolute() for p in protect}
+    old = list_checkpoints(output_dir, prefix="step")[:-keep]
+    deleted = [path for path in old if path.absolute() not in protected]
+    for path in deleted:
+        _remove(path)
+    return deleted
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop's state as JSON
+# ---------------------------------------------------------------------------------------------
+
+def scheduler_state(scheduler: Any) -> dict[str, Any]:
+    """The schedule's position (`last_epoch`, `_step_count`, `base_lrs`, the last rates) as JSON
+    values. A `LambdaLR`'s functions are left out: the recipe builds them again from the command
+    line, and `load_scheduler_state` puts the position back into them."""
+    state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    try:
+        return json.loads(json.dumps(state))
+    except TypeError as error:
+        raise TypeError(f"the state of {type(scheduler).__name__} is not JSON ({error}): "
+                        f"only schedules driven by the update count are checkpointed") from None
+
+
+def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
+    """Put a `scheduler_state` back into a schedule built as the saved one was."""
+    state = dict(state)
+    if isinstance(scheduler, LambdaLR):
+        state["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)
+    scheduler.load_state_dict(state)
+
+
+def read_training_state(folder: str | Path) -> dict[str, Any]:
+    """The loop's state of checkpoint `folder` (`training_state.json`)."""
+    path = Path(folder) / TRAINING_STATE_NAME
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"{folder}: no {TRAINING_STATE_NAME}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
+# ---------------------------------------------------------------------------------------------
+
+def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
+                        report: Callable[[str], None] = print) -> Path:
+    """`--resume_from_checkpoint`: a complete `step_<N>` folder, or `latest`, the newest complete
+    one in `output_dir` (`report` names the incomplete ones passed over). Every file is checked
+    against the manifest's SHA-256."""
+    if resume_from_checkpoint != "latest":
+        path = Path(resume_from_checkpoint)
+        checkpoint_step(path)
+        try:
+            read_manifest(path)
+        except IncompleteCheckpointError as error:
+            raise ValueError(f"--resume_from_checkpoint {path} is not a complete checkpoint: {error}") from None
+        return path
+    output_dir = Path(output_dir)
+    skipped = incomplete_checkpoints(output_dir) if output_dir.is_dir() else []
+    candidates = list_checkpoints(output_dir, prefix="step") if output_dir.is_dir() else []
+    chosen = None
+    for path in reversed(candidates):
+        try:
+            read_manifest(path)
+        except IncompleteCheckpointError as error:
+            skipped.append((path, str(error).removeprefix(f"{path}: ")))
+            continue
+        chosen = path
+        break
+    reasons = ", ".join(f"{path.name} ({reason})" for path, reason in skipped)
+    if chosen is None:
+        raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
+                         + (f"; incomplete: {reasons}" if skipped else ""))
+    if skipped:
+        report(f"Passing over incomplete checkpoints in {output_dir}: {reasons}")
+    return chosen
+
+
+def check_resume_options(path: str | Path, args: argparse.Namespace) -> None:
+    """Before any data is read: the command-line model options and the tokenizer of this run
+    against those of the run that wrote checkpoint `path`. Without a tokenizer of its own the run
+    takes the checkpoint's (`args.tokenizer_name` is set to it). Raises a `ValueError` naming every
+    difference."""
+    manifest = read_manifest(path, verify_hashes=False)
+    saved, identity = manifest["options"], manifest["identity"]
+    differences = [f"--{name} is {getattr(args, name, None)!r} here, {saved[name]!r} there"
+                   for name in MODEL_OPTIONS if name in saved and getattr(args, name, None) != saved[name]]
+    source = args.tokenizer_name or (args.model_name_or_path if has_tokenizer(args.model_name_or_path) else None)
+    if source is not None:
+        tokenizer = load_tokenizer(source)
+        if tokenizer_hash(tokenizer) != identity["tokenizer"]:
+            differences.append(f"the tokenizer of {source} ({len(tokenizer)} tokens) is not the checkpoint's "
+                               f"({identity['vocabulary_size']} tokens)")
+    else:
+        if saved.get("vocab_size") is not None and args.vocab_size != saved["vocab_size"]:
+            differences.append(f"--vocab_size is {args.vocab_size} here, {saved['vocab_size']} there")
+        args.tokenizer_name = str(path)
+    if differences:
+        raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another "
+                         f"configuration: {'; '.join(differences)}. Resume with that run's options, or start "
+                         f"a new run in another --output_dir")
+
+
+def check_resume_model(path: str | Path, model: torch.nn.Module, tokenizer: Any) -> None:
+    """Before loading checkpoint `path`: its model class, config (but for
+    `RESUMABLE_CONFIG_FIELDS`) and tokenizer must be this run's; raises a `ValueError` naming the
+    differences."""
+    manifest = read_manifest(path, verify_hashes=False)
+    identity = run_identity(model, tokenizer)
+    if config_hash(identity) == manifest["config_hash"]:
+        return
+    saved = manifest["identity"]
+    differences = [f"the model is {identity['model_class']} here, {saved['model_class']} there"] \
+        if identity["model_class"] != saved["model_class"] else []
+    ours, theirs = identity["config"], saved["config"]
+    differences += [f"{key} is {ours.get(key)!r} here, {theirs.get(key)!r} there"
+                    for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
+    if identity["tokenizer"] != saved["tokenizer"]:
+        differences.append(f"the tokenizer differs ({identity['vocabulary_size']} tokens here, "
+                           f"{saved['vocabulary_size']} there)")
+    raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another configuration: "
+                     f"{'; '.join(differences)}")
+
+
+def resume(accelerator: Accelerator, path: Path, gradient_accumulation_steps: int, batches_per_epoch: int,
+           scheduler: Any | None = None, stopper: Any | None = None) -> tuple[int, int, int, dict[str, Any]]:
+    """Load the training state of checkpoint `path` (Accelerate's files, then the schedule and
+    early stopping from `training_state.json`); return (completed updates, epoch, batches to skip
+    in it, the saved state)."""
     accelerator.print(f"Resuming from {path}")
+    state = read_training_state(path)
     accelerator.load_state(str(path))
-    completed = int(path.name.removeprefix("step_"))
+    if scheduler is not None and "scheduler" in state:
+        load_scheduler_state(scheduler, state["scheduler"])
+    if stopper is not None and state.get("early_stopping") is not None:
+        stopper.load_state_dict(state["early_stopping"])
+    completed = int(state["step"])
     batches = completed * gradient_accumulation_steps
-    return completed, batches // batches_per_epoch, batches % batches_per_epoch
+    return completed, batches // batches_per_epoch, batches % batches_per_epoch, state
+
+
+# ---------------------------------------------------------------------------------------------
+# Output folders
+# ---------------------------------------------------------------------------------------------
+
+def _inside(path: str | Path, folder: Path) -> bool:
+    return Path(path).resolve().is_relative_to(folder.resolve())
+
+
+def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | None,
+                     inputs: Iterable[str | None] = ()) -> None:
+    """A run starts in an empty or new `output_dir`, or continues the run it holds (`resume`), or
+    clears it (`overwrite`); never in another run's files. Clearing must not delete an input of
+    the run (`inputs`: data, tokenizer, model paths) nor the current directory."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output_dir {folder} is a file, not a folder")
+    if overwrite and resume is not None and (resume == "latest" or _inside(resume, folder)):
+        raise ValueError(f"--overwrite_output_dir would delete the checkpoint of --resume_from_checkpoint "
+                         f"{resume}: give one of the two")
+    contents = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if not contents or resume is not None:
+        return
+    if not overwrite:
+        shown = ", ".join(contents[:6]) + (", ..." if len(contents) > 6 else "")
+        raise ValueError(f"--output_dir {folder} already holds another run's files ({shown}): pass "
+                         f"--overwrite_output_dir to clear it, --resume_from_checkpoint latest to continue "
+                         f"the run it holds, or choose another --output_dir")
+    if _inside(Path.cwd(), folder):
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds the current directory")
+    for path in inputs:
+        if path and _inside(path, folder):
+            raise ValueError(f"--overwrite_output_dir would delete {path}, an input of this run inside "
+                             f"--output_dir {folder}")
+
+
+def clear_folder(folder: str | Path) -> None:
+    """Remove everything inside `folder` (kept itself)."""
+    for path in Path(folder).iterdir():
+        _remove(path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Best model
 # ---------------------------------------------------------------------------------------------
 
-def save_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path) -> None:
+def save_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path,
+                    step: int | None = None, score: float | None = None) -> None:
     """The current weights and statistics (averaged over processes by the caller) in
-    `output_dir/best_model`."""
-    accelerator.unwrap_model(model).save_pretrained(
-        Path(output_dir) / BEST_MODEL_DIR, is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save)
+    `output_dir/best_model`, with `best_model.json` (the update and validation score), written
+    under a temporary name and renamed into place: a kill leaves the previous best model whole."""
+    if accelerator.is_main_process:
+        final = Path(output_dir) / BEST_MODEL_DIR
+        temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        _remove(temporary)
+        accelerator.unwrap_model(model).save_pretrained(temporary, save_function=accelerator.save)
+        write_json_atomically(temporary / BEST_MODEL_STATE_NAME, {"step": step, "validation": score})
+        _replace(temporary, final)
     accelerator.wait_for_everyone()
+
+
+def best_model_step(output_dir: str | Path) -> int | None:
+    """The update whose weights `output_dir/best_model` holds, or None if there is none."""
+    path = Path(output_dir) / BEST_MODEL_DIR / BEST_MODEL_STATE_NAME
+    if not path.is_file() or not (path.parent / WEIGHTS_NAME).is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))["step"]
 
 
 def load_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | Path) -> None:
@@ -148,53 +584,105 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir
 # ---------------------------------------------------------------------------------------------
 
 def select_checkpoints(checkpoint_dir: str | Path, num_checkpoints: int, prefix: str | None = None) -> list[Path]:
-    """The newest `num_checkpoints` folders with a `model.safetensors` in `checkpoint_dir`."""
+    """The newest `num_checkpoints` complete checkpoints in `checkpoint_dir`, oldest first."""
     if num_checkpoints < 1:
         raise ValueError(f"num_checkpoints must be at least 1; got {num_checkpoints}")
-    found = list_checkpoints(checkpoint_dir, prefix, required_file=WEIGHTS_NAME)
+    found = list_checkpoints(checkpoint_dir, prefix)
     if len(found) < num_checkpoints:
+        incomplete = [p.name for p, _ in incomplete_checkpoints(checkpoint_dir, prefix or "step")]
         raise ValueError(f"asked to average the last {num_checkpoints} checkpoints but {checkpoint_dir} "
-                         f"holds {len(found)} with a {WEIGHTS_NAME}: {[p.name for p in found]}")
+                         f"holds {len(found)} complete ones: {[p.name for p in found]}"
+                         + (f" (incomplete: {incomplete})" if incomplete else ""))
     return found[-num_checkpoints:]
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
+def check_average_inputs(folders: list[Path]) -> list[int]:
+    """Before averaging: every folder a complete checkpoint (each file against its SHA-256), given
+    oldest first without repeats; return their steps."""
+    if not folders:
+        raise ValueError("no checkpoint to average")
+    steps = []
+    for folder in folders:
+        try:
+            steps.append(read_manifest(folder)["step"])
+        except IncompleteCheckpointError as error:
+            raise ValueError(f"{folder} is not a complete checkpoint: {error}") from None
+    for (earlier, a), (later, b) in zip(zip(folders, steps), zip(folders[1:], steps[1:])):
+        if b <= a:
+            raise ValueError(f"checkpoints must be given oldest first, each once: {later} (update {b}) comes "
+                             f"after {earlier} (update {a})")
+    return steps
+
+
+def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     path = folder / WEIGHTS_NAME
     if not path.is_file():
         contents = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
         raise FileNotFoundError(f"{path} not found (contents: {contents})")
-    return load_file(str(path))
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+
+
+def _check_same_tensors(folder: Path, shapes: dict[str, tuple[int, ...]], newest: Path,
+                        reference: dict[str, tuple[int, ...]]) -> None:
+    if shapes.keys() != reference.keys():
+        diff = sorted(shapes.keys() ^ reference.keys())
+        raise ValueError(f"{folder} and {newest} hold different tensors: {diff[:10]}")
+    for key, shape in shapes.items():
+        if shape != reference[key]:
+            raise ValueError(f"tensor {key!r} has shape {shape} in {folder} but {reference[key]} in {newest}")
 
 
 def average_state_dicts(folders: list[Path]) -> dict[str, torch.Tensor]:
-    """The averaged state dict of `folders`, ordered oldest to newest."""
+    """The averaged state dict of `folders`, ordered oldest to newest; tensors of other names or
+    shapes are refused (from the files' headers) before any is read."""
     if not folders:
         raise ValueError("no checkpoint to average")
-    newest = _weights(folders[-1])
+    reference = _tensor_shapes(folders[-1])
+    for folder in folders[:-1]:
+        _check_same_tensors(folder, _tensor_shapes(folder), folders[-1], reference)
+    newest = load_file(str(folders[-1] / WEIGHTS_NAME))
     sums = {k: v.double() for k, v in newest.items() if v.is_floating_point()}
     for folder in tqdm(folders[:-1], desc="Averaging checkpoints"):
-        state = _weights(folder)
-        if state.keys() != newest.keys():
-            diff = sorted(state.keys() ^ newest.keys())
-            raise ValueError(f"{folder} and {folders[-1]} hold different tensors: {diff[:10]}")
+        state = load_file(str(folder / WEIGHTS_NAME))
         for key, total in sums.items():
-            if state[key].shape != total.shape:
-                raise ValueError(f"tensor {key!r} has shape {tuple(state[key].shape)} in {folder} "
-                                 f"but {tuple(total.shape)} in {folders[-1]}")
             total += state[key].double()
     return {k: (sums[k] / len(folders)).to(v.dtype) if k in sums else v.clone() for k, v in newest.items()}
 
 
-def write_average(folders: list[Path], output_dir: str | Path) -> Path:
-    """Average `folders` into `output_dir`, copying the newest checkpoint's other files (config,
-    code, tokenizer) but not its optimizer, schedule and RNG states."""
+def write_average(folders: list[Path], output_dir: str | Path, *, overwrite: bool = False,
+                  command: str | None = None) -> Path:
+    """Average the complete checkpoints `folders` (oldest first) into the export `output_dir`:
+    the averaged `model.safetensors`, the newest checkpoint's config, code and tokenizer (none of
+    its training state), `all_results.json`, and the model card (with `command`, how it was made).
+    The export is written in a temporary folder and renamed into place: it is complete or absent.
+    An existing `output_dir` is replaced only with `overwrite`."""
     output_dir = Path(output_dir)
-    if output_dir.resolve() in {f.resolve() for f in folders}:
+    if output_dir.absolute() in {f.absolute() for f in folders}:
         raise ValueError(f"output_dir {output_dir} is one of the averaged checkpoints")
+    if output_dir.exists() and not overwrite:
+        raise ValueError(f"output_dir {output_dir} already exists; pass --overwrite to replace it")
+    steps = check_average_inputs(folders)
     averaged = average_state_dicts(folders)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for item in folders[-1].iterdir():
-        if item.is_file() and item.name != WEIGHTS_NAME and not item.name.startswith(_TRAINING_STATE):
-            shutil.copy2(item, output_dir / item.name)
-    save_file(averaged, str(output_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    temporary = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    _remove(temporary)
+    temporary.mkdir()
+    try:
+        _write_export(folders, steps, averaged, temporary)
+        complete_average_export(temporary, output_dir.resolve().name, steps, command)
+    except BaseException:
+        _remove(temporary)
+        raise
+    _replace(temporary, output_dir)
     return output_dir
+
+
+def _write_export(folders: list[Path], steps: list[int], averaged: dict[str, torch.Tensor], folder: Path) -> None:
+    newest = folders[-1]
+    for name in read_manifest(newest, verify_hashes=False)["files"]:
+        if "/" not in name and name.endswith(_EXPORT_SUFFIXES) and name not in (MANIFEST_NAME, TRAINING_STATE_NAME):
+            shutil.copy2(newest / name, folder / name)
+    save_file(averaged, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    results = {"averaged_checkpoints": [f.name for f in folders], "averaged_steps": steps, "train_steps": steps[-1]}
+    write_json_atomically(folder / "all_results.json", results)

@@ -1,7 +1,9 @@
 """The export of a run: `save_pretrained` (weights with every running statistic, config, code
 files), the tokenizer, the results files of Transformers' examples (`all_results.json`,
 `train_results.json`, `eval_results.json`), the model card with the command as given, the final
-scores to the trackers and, with `--push_to_hub`, the export to the Hub."""
+scores to the trackers and, with `--push_to_hub`, the export to the Hub; and what an average of
+checkpoints needs to be an export. An export holds no pickle: weights in safetensors, everything
+else JSON or text."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from transformers.dynamic_module_utils import custom_object_save
 
+from .. import modeling_powernorm
+from ..configuration_powernorm import PowerNormTransformerConfig
 from ..hub import render_model_card, upload_saved_model
 
 logger = get_logger(__name__)
@@ -77,3 +82,20 @@ def _push(output_dir: str | Path, hub_model_id: str, results: dict[str, Any]) ->
         raise RuntimeError(f"uploading to {hub_model_id} failed ({error}); the export in {output_dir} "
                            f"is complete: upload it again with hf_powernorm.hub.upload_saved_model") from error
     logger.info(f"pushed {output_dir} to {commit.commit_url}", main_process_only=True)
+
+
+def complete_average_export(folder: str | Path, repo_id: str, steps: list[int], command: str | None = None) -> None:
+    """What an average of checkpoints lacks to be an export: the model's code files (the
+    checkpoints hold the config's only) and the model card `README.md`, for the model that the
+    config in `folder` describes (built on the meta device: neither needs weights)."""
+    config = PowerNormTransformerConfig.from_pretrained(folder)
+    head = (config.architectures or ["PowerNormTransformerModel"])[0]
+    if not hasattr(modeling_powernorm, head):
+        raise ValueError(f"{folder}/config.json names the architecture {head!r}, not a PowerNorm Transformer head")
+    with torch.device("meta"):
+        model = getattr(modeling_powernorm, head)(config)
+    custom_object_save(model, folder)
+    card = render_model_card(model, repo_id=repo_id, with_tokenizer=True, training_command=command,
+                             description=f"The average of the weights of {len(steps)} checkpoints of a PowerNorm "
+                                         f"Transformer run (updates {', '.join(map(str, steps))}).")
+    card.save(Path(folder) / "README.md")

@@ -1,12 +1,14 @@
 """The Accelerate training loop of the recipes and studies (the paper's Section 5 setting).
 
-- `make_accelerator` / `start_run` / `log_run_start`: the `Accelerator`, the Hub repository and
-  trackers of a run, and its start-of-run log;
+- `make_accelerator` / `check_run_start` / `start_run` / `log_run_start`: the `Accelerator`, the
+  checks that need no data (output folder, checkpoint to resume and its configuration, batch
+  budget), the Hub repository and trackers of a run, and its start-of-run log;
 - `train`: the update loop with gradient accumulation, clipping, a tqdm bar, the JSON-lines log
   (`run_log.py`), tracking, validation every `--eval_steps` (else every epoch) and after the last
   update, the best model in `output_dir/best_model`, early stopping after `--patience`
-  validations without improvement, and `save_state` checkpoints that resume exactly
-  (`load_state` + `skip_first_batches`, batches shuffled by (seed, epoch) alone), and with
+  validations without improvement, and atomic checkpoints that resume exactly (`load_state` +
+  `skip_first_batches`, batches shuffled by (seed, epoch) alone; schedule, early stopping and
+  sampler as JSON), the newest `--checkpoints_total_limit` of them kept, and with
   `--record_norm_stats N` what every norm layer sees every N updates (`instrumentation.py`);
 - `finish_training`: statistics averaged over the processes and the best model put back.
 """
@@ -14,8 +16,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,19 +36,27 @@ from tqdm.auto import tqdm
 
 from .checkpoints import (
     BEST_MODEL_DIR,
-    WEIGHTS_NAME,
     average_buffers_across_processes,
+    best_model_step,
+    check_output_dir,
+    check_resume_model,
+    check_resume_options,
+    clear_folder,
     load_best_model,
+    model_options,
+    prune_checkpoints,
     resolve_resume_path,
     resume,
     save_best_model,
     save_checkpoint,
+    scheduler_state,
 )
 from ..instrumentation import NormStatisticsRecorder
+from .arguments import check_batch_budget
 from .batching import PaddingCollator, eval_loader, train_loader
 from .models import norm_types
 from .optimization import build_optimizer, build_scheduler
-from .run_log import RunLog
+from .run_log import LOG_NAME, RunLog
 
 logger = get_logger(__name__)
 
@@ -59,18 +71,46 @@ NORM_STATS_NAME = "norm_stats.jsonl"
 # ---------------------------------------------------------------------------------------------
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
-    """The Accelerator, logging, seed and output folder. Without synchronised statistics DDP must
-    not overwrite the other ranks' buffers with rank 0's at every forward: each process keeps its
-    own, and `average_buffers_across_processes` merges them before evaluating or saving."""
+    """The Accelerator, logging, `check_run_start`, seed and output folder (cleared first with
+    `--overwrite_output_dir`). Without synchronised statistics DDP must not overwrite the other
+    ranks' buffers with rank 0's at every forward: each process keeps its own, and
+    `average_buffers_across_processes` merges them before evaluating or saving."""
     handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)] if args.sync_stats is False else []
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
                               log_with=args.report_to if args.with_tracking else None, project_dir=args.output_dir,
                               kwargs_handlers=handlers)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    check_run_start(accelerator, args)
     set_seed(args.seed)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    output_dir = Path(args.output_dir)
+    if accelerator.is_main_process:
+        if getattr(args, "overwrite_output_dir", False) and output_dir.is_dir():
+            clear_folder(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
     return accelerator
+
+
+INPUT_OPTIONS = ("train_file", "validation_file", "test_file", "phrasebank_file", "tokenizer_name",
+                 "model_name_or_path", "config_name")
+
+
+def check_run_start(accelerator: Accelerator, args: argparse.Namespace) -> None:
+    """The checks that need no data, before any is read or anything written: the batch budget
+    against the maximum lengths, the output folder (`check_output_dir`), and the checkpoint to
+    resume: complete, and of this run's command-line configuration and tokenizer.
+    `args.resume_from_checkpoint` becomes the checkpoint's path (`latest` resolved)."""
+    check_batch_budget(args)
+    resume_from = getattr(args, "resume_from_checkpoint", None)
+    if resume_from and not getattr(args, "do_train", True):
+        raise ValueError("--resume_from_checkpoint continues training; it does not go with --no-do_train")
+    check_output_dir(args.output_dir, overwrite=getattr(args, "overwrite_output_dir", False), resume=resume_from,
+                     inputs=[getattr(args, name, None) for name in INPUT_OPTIONS])
+    if resume_from:
+        path = resolve_resume_path(resume_from, args.output_dir, report=accelerator.print)
+        check_resume_options(path, args)
+        args.resume_from_checkpoint = str(path)
 
 
 def start_run(accelerator: Accelerator, args: argparse.Namespace, name: str) -> None:
@@ -112,8 +152,8 @@ def max_update_steps(args: argparse.Namespace, batches_per_epoch: int) -> int:
 
 @dataclass
 class EarlyStopping:
-    """Best validation score and evaluations since it improved; saved with the training state
-    (`accelerator.register_for_checkpointing`) so a resumed run stops where an unbroken one would."""
+    """Best validation score and evaluations since it improved; saved as JSON in each checkpoint's
+    `training_state.json`, so a resumed run stops where an unbroken one would."""
 
     mode: str = "min"  # "min" for perplexity, "max" for accuracy and BLEU
     patience: int | None = None
@@ -172,6 +212,76 @@ class _Progress:
             self.on_update(step, loss)
 
 
+@dataclass
+class _Checkpoints:
+    """Writes the checkpoints of a run: the training state with the loop's own state as JSON
+    (schedule, early stopping, sampler), then the oldest complete ones beyond
+    `--checkpoints_total_limit` removed, never the one the run resumed from."""
+
+    args: argparse.Namespace
+    accelerator: Accelerator
+    model: torch.nn.Module
+    tokenizer: Any
+    scheduler: Any
+    stopper: EarlyStopping | None
+    sampler: Any | None
+    batches_per_epoch: int
+    resumed_from: Path | None = None
+
+    def save(self, step: int, epoch: int) -> None:
+        state = {"epoch": epoch, "scheduler": scheduler_state(self.scheduler),
+                 "early_stopping": self.stopper.state_dict() if self.stopper is not None else None,
+                 "sampler": {"seed": getattr(self.sampler, "seed", self.args.seed), "epoch": epoch,
+                             "batches_per_epoch": self.batches_per_epoch}}
+        save_checkpoint(self.accelerator, self.args.output_dir, self.model, self.tokenizer, step,
+                        training_state=state, options=model_options(self.args))
+        limit = getattr(self.args, "checkpoints_total_limit", None)
+        if limit is not None and self.accelerator.is_main_process:
+            protect = [self.resumed_from] if self.resumed_from is not None else []
+            prune_checkpoints(self.args.output_dir, limit, protect=protect)
+        self.accelerator.wait_for_everyone()
+
+    def resume(self, resume_from: str, gradient_accumulation_steps: int) -> tuple[int, int, int]:
+        """Check and load checkpoint `resume_from` (`latest` resolved); return (completed updates,
+        epoch, batches to skip in it)."""
+        path = resolve_resume_path(resume_from, self.args.output_dir, report=self.accelerator.print) \
+            if resume_from == "latest" else Path(resume_from)
+        check_resume_model(path, self.accelerator.unwrap_model(self.model), self.tokenizer)
+        completed, epoch, skip, state = resume(self.accelerator, path, gradient_accumulation_steps,
+                                               self.batches_per_epoch, self.scheduler, self.stopper)
+        saved = state.get("sampler", {}).get("batches_per_epoch", self.batches_per_epoch)
+        if saved != self.batches_per_epoch:
+            logger.warning(f"{path} was written with {saved} batches an epoch, the data gives {self.batches_per_epoch} "
+                           f"now: the resumed run does not see the batches an unbroken one would",
+                           main_process_only=True)
+        self.resumed_from = path
+        if self.accelerator.is_main_process:
+            _drop_log_records_after(self.args.output_dir, completed)
+        return completed, epoch, skip
+
+
+def _log_step(line: str) -> float:
+    """The update of a log record; a line cut short by a kill counts as after every update."""
+    try:
+        return json.loads(line).get("step", 0) if line.endswith("\n") else math.inf
+    except json.JSONDecodeError:
+        return math.inf
+
+
+def _drop_log_records_after(output_dir: str | Path, step: int) -> None:
+    """A run killed after its last checkpoint logged updates that the resumed run does again: keep
+    the log's records up to `step` (and none cut short), so that each update is logged once."""
+    path = Path(output_dir) / LOG_NAME
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if _log_step(line) <= step]
+    if len(kept) < len(lines):
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        temporary.write_text("".join(kept), encoding="utf-8")
+        os.replace(temporary, path)
+
+
 def _due(every: str | int | None, completed: int) -> bool:
     return every is not None and str(every).isdigit() and completed % int(every) == 0
 
@@ -184,7 +294,7 @@ def _validate(args: argparse.Namespace, accelerator: Accelerator, model: torch.n
     average_buffers_across_processes(accelerator, model)  # every rank evaluates the model that is saved
     score = evaluate()
     if stopper.update(score, step):
-        save_best_model(accelerator, model, args.output_dir)
+        save_best_model(accelerator, model, args.output_dir, step, score)
     accelerator.print(f"step {step}: validation {score:.4f} (best {stopper.best:.4f} at step {stopper.best_step})")
     run_log.write(step=step, validation=score, best_validation=stopper.best, best_step=stopper.best_step)
     if args.with_tracking:
@@ -228,16 +338,16 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
     validation score that `stopper` tracks; it runs every `args.eval_steps` updates (else at the
     end of each epoch) and after the last update, on statistics averaged over the processes, and
-    each new best is written to `output_dir/best_model`. The scheduler and `stopper` must be
-    registered for checkpointing (`accelerator.register_for_checkpointing`). `on_update(step,
-    loss)` is called after every update with the update's mean micro-batch loss.
+    each new best is written to `output_dir/best_model`. Checkpoints hold the state of the
+    scheduler and `stopper` as JSON (`_Checkpoints`). `on_update(step, loss)` is called after every
+    update with the update's mean micro-batch loss.
     """
     updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     max_steps = max_update_steps(args, len(loader))
     completed, start_epoch, skip = 0, 0, 0
+    saver = _Checkpoints(args, accelerator, model, tokenizer, scheduler, stopper, sampler, len(loader))
     if args.resume_from_checkpoint:
-        path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir)
-        completed, start_epoch, skip = resume(accelerator, path, args.gradient_accumulation_steps, len(loader))
+        completed, start_epoch, skip = saver.resume(args.resume_from_checkpoint, args.gradient_accumulation_steps)
     bar = tqdm(total=max_steps, initial=completed, disable=not accelerator.is_local_main_process)
     run_log = RunLog(args.output_dir, enabled=accelerator.is_main_process)
     progress = _Progress(args, accelerator, bar, run_log, on_update, started=time.perf_counter())
@@ -263,7 +373,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
             # The last update is always validated, so the best model is chosen over the whole run.
             stop = (_due(args.eval_steps, completed) or completed >= max_steps) and validate(completed)
             if _due(args.checkpointing_steps, completed):
-                save_checkpoint(accelerator, args.output_dir, model, tokenizer, completed)
+                saver.save(completed, epoch)
             if stop or completed >= max_steps:
                 bar.close()
                 recorder.close()
@@ -271,7 +381,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
         skip = 0  # only the first epoch of a resumed run starts inside
         stop = args.eval_steps is None and validate(completed)
         if args.checkpointing_steps == "epoch":
-            save_checkpoint(accelerator, args.output_dir, model, tokenizer, completed)
+            saver.save(completed, epoch)
         if stop:
             break
     bar.close()
@@ -289,11 +399,13 @@ def finish_training(accelerator: Accelerator, model: torch.nn.Module, output_dir
         summary.update(best_step=stopper.best_step, best_validation=stopper.best)
         if stopper.best_step == completed:
             return summary
-        if (Path(output_dir) / BEST_MODEL_DIR / WEIGHTS_NAME).is_file():
+        saved_step = best_model_step(output_dir)
+        if saved_step == stopper.best_step:
             load_best_model(accelerator, model, output_dir)
         else:
-            logger.warning(f"no {BEST_MODEL_DIR} in {output_dir} (resumed elsewhere?): exporting the last "
-                           f"model, not the best one of step {stopper.best_step}", main_process_only=True)
+            found = f"the weights of update {saved_step}" if saved_step is not None else "none (resumed elsewhere?)"
+            logger.warning(f"{output_dir}/{BEST_MODEL_DIR} holds {found}: exporting the last model, not the best "
+                           f"one of update {stopper.best_step}", main_process_only=True)
     return summary
 
 
@@ -313,7 +425,6 @@ def fit(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Modu
     scheduler = build_scheduler(args.lr_scheduler_type, optimizer, args.num_warmup_steps, updates, args.warmup_init_lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     stopper = EarlyStopping(mode, args.patience)
-    accelerator.register_for_checkpointing(scheduler, stopper)
     evaluate = (lambda: validate(model)) if validate is not None else None
     steps = train(args, accelerator, model, optimizer, scheduler, loader, loss_fn, sampler=sampler, evaluate=evaluate,
                   stopper=stopper, tokenizer=tokenizer, on_update=on_update)
