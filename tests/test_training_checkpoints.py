@@ -222,6 +222,8 @@ def _listing(folder: Path) -> dict[str, tuple[int, int]]:
     (["--powernorm_alpha_fwd", "0.5", "--vocab_size", "130"],
      r"--powernorm_alpha_fwd is 0.5 here, None there; --vocab_size is 130 here, 120 there"),
     (["--config_overrides", "hidden_size=32"], r"--config_overrides is 'hidden_size=32' here"),
+    (["--gradient_accumulation_steps", "2", "--lr_scheduler_type", "linear"],
+     r"--gradient_accumulation_steps is 2 here, 1 there; --lr_scheduler_type is 'linear' here, 'inverse_sqrt'"),
 ])
 def test_resuming_a_checkpoint_of_another_configuration_is_refused_before_any_work(
         extra, message, lm_files, unbroken, tmp_path, no_data):

@@ -9,11 +9,12 @@ processes first, so a checkpoint never depends on the process that wrote it.
 
 A checkpoint is written under a temporary name (`.step_<N>.tmp-<pid>`) and renamed into place when
 complete; its manifest `checkpoint.json` is written last: every file with its size and SHA-256,
-the step, the run's command-line model options and the hash of what must not change when the run
-resumes (the model class, its config but for the fields of `RESUMABLE_CONFIG_FIELDS`, the
-tokenizer). A folder without a manifest that matches its files is incomplete: resuming and
-averaging pass it over. Nothing the project writes is unpickled; Accelerate's optimizer and RNG
-files are pickles, so checkpoint folders are trusted local files and never part of an export.
+the step, the command-line options a resumed run must share (`RESUME_OPTIONS`), and the hash of
+what must not change when the run resumes (the model class, its config but for the fields of
+`RESUMABLE_CONFIG_FIELDS`, the tokenizer). A folder without a manifest that matches its files
+is incomplete: resuming and averaging pass it over. Nothing the project writes is unpickled;
+Accelerate's optimizer and RNG files are pickles, so checkpoint folders are trusted local files
+and never part of an export.
 
 Averaging takes floating-point tensors in float64 and keeps integer tensors (PN's
 `num_batches_tracked`) from the newest checkpoint, since the mean of step counters is not a step.
@@ -61,9 +62,12 @@ RESUMABLE_CONFIG_FIELDS = ("transformers_version", "_name_or_path", "architectur
                            "torch_dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
                            "chunk_size_feed_forward", "problem_type", "dropout", "attention_dropout",
                            "activation_dropout", "classifier_dropout", "powernorm_sync_stats")
-# Command-line options that decide the model before the tokenizer exists, compared on resume.
-MODEL_OPTIONS = ("preset", "config_name", "config_overrides", "norm_type", "encoder_norm_type",
-                 "decoder_norm_type", *PN_OPTIONS)
+# Command-line options a resumed run must share with the checkpoint's: those that decide the model
+# before the tokenizer exists, and those of the schedule that is built again around the saved
+# position (updates to train may change: `--max_train_steps`, `--num_train_epochs`).
+RESUME_OPTIONS = ("preset", "config_name", "config_overrides", "norm_type", "encoder_norm_type",
+                  "decoder_norm_type", *PN_OPTIONS, "gradient_accumulation_steps", "lr_scheduler_type",
+                  "num_warmup_steps", "warmup_init_lr")
 # What an export copies from a checkpoint besides the weights: config, code, tokenizer.
 _EXPORT_SUFFIXES = (".json", ".py", ".txt", ".model")
 _CHECKPOINT_NAME = re.compile(r"^(?P<prefix>.*?)[_-]?(?P<number>\d+)$")
@@ -118,9 +122,9 @@ def config_hash(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The command-line options of `MODEL_OPTIONS` and `--vocab_size` as given, for the manifest."""
-    return {name: getattr(args, name, None) for name in (*MODEL_OPTIONS, "vocab_size")}
+def resume_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line options of `RESUME_OPTIONS` and `--vocab_size` as given, for the manifest."""
+    return {name: getattr(args, name, None) for name in (*RESUME_OPTIONS, "vocab_size")}
 
 
 def _sha256(path: Path) -> str:
@@ -151,7 +155,7 @@ def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
 def write_manifest(folder: str | Path, step: int, identity: dict[str, Any],
                    options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Flush every file of `folder` and write its manifest last (files, sizes, SHA-256, step, the
-    run's `identity` and its hash, its command-line model `options`); return the manifest."""
+    run's `identity` and its hash, its command-line `options`); return the manifest."""
     folder = Path(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
@@ -434,14 +438,14 @@ def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
 
 
 def check_resume_options(path: str | Path, args: argparse.Namespace) -> None:
-    """Before any data is read: the command-line model options and the tokenizer of this run
-    against those of the run that wrote checkpoint `path`. Without a tokenizer of its own the run
+    """Before any data is read: the command-line options of `RESUME_OPTIONS` and the tokenizer of
+    this run against those of the run that wrote checkpoint `path`. Without a tokenizer of its own the run
     takes the checkpoint's (`args.tokenizer_name` is set to it). Raises a `ValueError` naming every
     difference."""
     manifest = read_manifest(path, verify_hashes=False)
     saved, identity = manifest["options"], manifest["identity"]
     differences = [f"--{name} is {getattr(args, name, None)!r} here, {saved[name]!r} there"
-                   for name in MODEL_OPTIONS if name in saved and getattr(args, name, None) != saved[name]]
+                   for name in RESUME_OPTIONS if name in saved and getattr(args, name, None) != saved[name]]
     source = args.tokenizer_name or (args.model_name_or_path if has_tokenizer(args.model_name_or_path) else None)
     if source is not None:
         tokenizer = load_tokenizer(source)

@@ -43,7 +43,7 @@ from .checkpoints import (
     check_resume_options,
     clear_folder,
     load_best_model,
-    model_options,
+    resume_options,
     prune_checkpoints,
     resolve_resume_path,
     resume,
@@ -234,7 +234,7 @@ class _Checkpoints:
                  "sampler": {"seed": getattr(self.sampler, "seed", self.args.seed), "epoch": epoch,
                              "batches_per_epoch": self.batches_per_epoch}}
         save_checkpoint(self.accelerator, self.args.output_dir, self.model, self.tokenizer, step,
-                        training_state=state, options=model_options(self.args))
+                        training_state=state, options=resume_options(self.args))
         limit = getattr(self.args, "checkpoints_total_limit", None)
         if limit is not None and self.accelerator.is_main_process:
             protect = [self.resumed_from] if self.resumed_from is not None else []
