@@ -146,7 +146,8 @@ def test_latest_passes_over_incomplete_checkpoints_and_says_so(unbroken, tmp_pat
     with pytest.raises(ValueError, match=r"step_6 is not a complete checkpoint: .*SHA-256"):
         training.resolve_resume_path(str(broken), out)
     (tmp_path / "only" / "step_1").mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"no complete step_\* checkpoint in .*only; incomplete: step_1 \("):
+    with pytest.raises(ValueError, match=r"no complete step_\* checkpoint in .*only; incomplete: step_1 \(.*\)\. "
+                                         r"Nothing to resume: start the run again with --overwrite_output_dir"):
         training.resolve_resume_path("latest", tmp_path / "only")
 
 
