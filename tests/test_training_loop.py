@@ -239,3 +239,12 @@ def test_metrics_load_offline_with_an_empty_cache(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("name", training.SCHEDULER_TYPES)
+def test_every_offered_schedule_builds_and_warms_up(name):
+    optimizer = training.build_optimizer(torch.nn.Linear(2, 2), lr=1e-3)
+    lrs = _lrs(training.build_scheduler(name, optimizer, 10, 100), optimizer, 100)
+    assert all(0 <= lr <= 1e-3 + 1e-12 for lr in lrs)
+    if name not in ("constant",):
+        assert lrs[0] < lrs[10]  # a warmup

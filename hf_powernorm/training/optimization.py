@@ -15,9 +15,11 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from transformers import SchedulerType, get_scheduler
 
-# Schedules driven by the update count alone (not by a validation metric).
-SCHEDULER_TYPES = ("inverse_sqrt", *(kind.value for kind in SchedulerType
-                                     if kind.value not in ("inverse_sqrt", "reduce_lr_on_plateau", "greedy")))
+# Schedules built from the warmup and the number of updates alone: not those driven by a validation
+# metric, nor those that need options the recipes do not have (a minimum rate, decay steps).
+_NOT_OFFERED = ("inverse_sqrt", "reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                "warmup_stable_decay")
+SCHEDULER_TYPES = ("inverse_sqrt", *(kind.value for kind in SchedulerType if kind.value not in _NOT_OFFERED))
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
