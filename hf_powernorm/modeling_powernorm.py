@@ -98,6 +98,40 @@ def position_ids_from_mask(
     return positions[:, -seq_length:]
 
 
+def check_padding_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: int) -> None:
+    """A padding mask is (batch, length) of 0 (padding) and 1 (real token); anything else is refused
+    here, before a norm takes it into its batch statistics."""
+    if mask is None:
+        return
+    if mask.dim() != 2 or tuple(mask.shape) != (batch_size, length):
+        raise ValueError(
+            f"{name} must have shape ({batch_size}, {length}) (batch, tokens it covers), got {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        bad = mask[(mask != 0) & (mask != 1)]
+        if bad.numel():
+            raise ValueError(
+                f"{name} must hold only 0 (padding) and 1 (real token), got the values "
+                f"{sorted(set(bad.flatten().tolist()), key=str)[:5]}"
+            )
+
+
+def _past_length(past_key_values: Cache | None) -> int:
+    return past_key_values.get_seq_length() if past_key_values is not None else 0
+
+
+def decoder_padding_mask(decoder_input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor | None:
+    """The decoder's padding from its input ids: the pad tokens after the last other token (right
+    padding, as collators build it). The first position is always real: it holds the start token,
+    which some checkpoints set to the pad id. None when every position is real. Shape (batch, seq)."""
+    if pad_token_id is None:
+        return None
+    real = decoder_input_ids != pad_token_id
+    real[:, 0] = True
+    real = real.flip(-1).cumsum(-1).flip(-1) > 0  # a pad followed by a real token is a token
+    return None if bool(real.all()) else real.long()
+
+
 def shift_tokens_right(input_ids: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
     """Decoder inputs from labels: prepend the start token, drop the last one, map -100 to padding."""
     shifted = input_ids.new_zeros(input_ids.shape)
@@ -467,6 +501,7 @@ class PowerNormTransformerEncoder(PowerNormTransformerPreTrainedModel):
     ) -> BaseModelOutput:
         reference = input_ids if input_ids is not None else inputs_embeds
         batch_size, seq_length = reference.shape[:2]
+        check_padding_mask("attention_mask", attention_mask, batch_size, seq_length)
         position_ids = position_ids_from_mask(attention_mask, batch_size, seq_length, 0, reference.device)
         hidden_states = self.embeddings(input_ids, inputs_embeds, position_ids)
         attn_mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
@@ -536,7 +571,12 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
             past_key_values = self._new_cache()
         reference = input_ids if input_ids is not None else inputs_embeds
         batch_size, seq_length = reference.shape[:2]
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_length = _past_length(past_key_values)
+        # The mask covers the cached tokens and the new ones.
+        check_padding_mask("attention_mask", attention_mask, batch_size, past_length + seq_length)
+        if encoder_hidden_states is not None:
+            check_padding_mask("encoder_attention_mask", encoder_attention_mask, batch_size,
+                               encoder_hidden_states.shape[1])
         position_ids = position_ids_from_mask(attention_mask, batch_size, seq_length, past_length, reference.device)
         hidden_states = self.embeddings(input_ids, inputs_embeds, position_ids)
         # The norms see the mask of the new tokens only: (batch, seq).
@@ -618,6 +658,14 @@ class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
         output_hidden_states: bool | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
+        past_length = _past_length(past_key_values)
+        if decoder_attention_mask is None and decoder_input_ids is not None and past_length == 0:
+            decoder_attention_mask = decoder_padding_mask(decoder_input_ids, self.config.pad_token_id)
+        decoder_reference = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        if decoder_reference is not None:
+            # Checked here, before the encoder's norms update their statistics.
+            check_padding_mask("decoder_attention_mask", decoder_attention_mask, decoder_reference.shape[0],
+                               past_length + decoder_reference.shape[1])
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
@@ -687,10 +735,11 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-                if decoder_attention_mask is None:
-                    # A position whose label is ignored is padding (as in fairseq's prev_output_tokens):
-                    # keep it out of the decoder's batch statistics.
-                    decoder_attention_mask = (labels != -100).long()
+            if decoder_attention_mask is None:
+                # A position whose label is ignored is padding (as in fairseq's prev_output_tokens):
+                # keep it out of the decoder's batch statistics, also when a collator built the
+                # decoder inputs from the labels.
+                decoder_attention_mask = (labels != -100).long()
         outputs = self.model(
             input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs,

@@ -652,3 +652,92 @@ def test_casting_to_bfloat16_keeps_running_statistics_float32():
     for name, buffer in _buffers(model).items():
         assert buffer.dtype == before[name].dtype and torch.equal(buffer, before[name]), name
     assert torch.isfinite(logits(model, "seq2seq", ids())).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs are refused before any statistic moves
+
+
+def _assert_refused(model, pattern: str, **batch) -> None:
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.raises(ValueError, match=pattern):
+        model(**batch)
+    assert all(torch.equal(before[k], v) for k, v in model.named_buffers())
+
+
+@pytest.mark.parametrize("head, key, shape, expected", [
+    ("seq2seq", "decoder_attention_mask", (BATCH, 3), r"decoder_attention_mask must have shape \(3, 2\).*\(3, 3\)"),
+    ("seq2seq", "attention_mask", (BATCH, SEQ + 1), r"attention_mask must have shape \(3, 7\).*\(3, 8\)"),
+    ("causal", "attention_mask", (BATCH, 6), r"attention_mask must have shape \(3, 4\).*\(3, 6\)"),
+    ("classifier", "attention_mask", (BATCH, SEQ - 2), r"attention_mask must have shape \(3, 7\).*\(3, 5\)"),
+])
+def test_a_mask_of_the_wrong_length_is_refused_naming_it(head, key, shape, expected):
+    model = make_model(head, decoder_norm_type="powernorm").train()
+    batch = {"input_ids": ids(seq=4 if head == "causal" else SEQ)}
+    if head == "seq2seq":
+        batch["decoder_input_ids"] = ids(seed=2, seq=2)
+    batch[key] = torch.ones(shape, dtype=torch.long)
+    _assert_refused(model, expected, **batch)
+
+
+@pytest.mark.parametrize("value", [2.0, -1.0, float("nan")])
+@pytest.mark.parametrize("head, key", [("seq2seq", "decoder_attention_mask"), ("seq2seq", "attention_mask"),
+                                       ("causal", "attention_mask"), ("classifier", "attention_mask")])
+def test_mask_values_other_than_zero_and_one_are_refused(head, key, value):
+    model = make_model(head, decoder_norm_type="powernorm").train()
+    batch = inputs_for(head, ids(), torch.ones(BATCH, SEQ))
+    batch[key] = torch.ones(BATCH, SEQ)
+    batch[key][1, 2] = value
+    _assert_refused(model, rf"{key} must hold only 0 \(padding\) and 1 \(real token\), got the values "
+                           rf"\[{value}\]", **batch)
+
+
+def test_a_mask_with_the_cached_tokens_is_accepted_during_generation():
+    model = make_model("causal").eval()
+    out = model.generate(ids(seq=4), attention_mask=torch.ones(BATCH, 4, dtype=torch.long), max_new_tokens=3,
+                         do_sample=False)
+    assert out.shape == (BATCH, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder's padding without a decoder mask
+
+
+def test_collator_batches_without_a_decoder_mask_equal_the_labels_path():
+    from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+                                        pad_token="t1", eos_token="t2", bos_token="t0", unk_token="t3")
+    model = make_model("seq2seq", "layernorm", decoder_norm_type="powernorm", powernorm_warmup_steps=10).train()
+    features = [{"input_ids": ids(seed=s, batch=1, seq=n)[0].tolist(),
+                 "labels": ids(seed=s + 5, batch=1, seq=m)[0].tolist() + [2]}
+                for s, n, m in ((1, 7, 5), (2, 4, 2), (3, 6, 3))]
+    batch = DataCollatorForSeq2Seq(tokenizer, model=model)(features)
+    assert "decoder_input_ids" in batch and "decoder_attention_mask" not in batch
+    reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    expected = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    got = candidate(**batch)
+    torch.testing.assert_close(got.logits, expected.logits)
+    for (name, buffer), other in zip(candidate.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(buffer, other, msg=name)
+    # Without labels, trailing pad tokens of the decoder inputs are its padding (the start token is not).
+    no_labels = copy.deepcopy(model)
+    decoder_input_ids = batch["decoder_input_ids"]
+    mask = torch.ones_like(decoder_input_ids)
+    mask[1, 4:], mask[2, 5:] = 0, 0
+    assert torch.equal(decoder_input_ids[mask == 0], torch.full(((mask == 0).sum(),), 1))
+    explicit = copy.deepcopy(model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    decoder_input_ids=decoder_input_ids, decoder_attention_mask=mask)
+    derived = no_labels(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        decoder_input_ids=decoder_input_ids)
+    torch.testing.assert_close(derived.logits, explicit.logits)
+
+
+def test_a_start_token_equal_to_the_pad_token_is_not_padding():
+    from hf_powernorm.modeling_powernorm import decoder_padding_mask
+
+    tokens = torch.tensor([[1, 5, 1, 6, 1, 1], [1, 7, 8, 9, 4, 5]])
+    assert torch.equal(decoder_padding_mask(tokens, 1), torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]))
+    assert decoder_padding_mask(tokens[1:], 1) is None
