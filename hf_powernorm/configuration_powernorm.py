@@ -160,6 +160,11 @@ class PowerNormTransformerConfig(PreTrainedConfig):
         for name in ("normalize_before", "powernorm_sync_stats", "tie_word_embeddings", "scale_embedding",
                      "use_cache", "norms_folded"):
             self._check(name, isinstance(getattr(self, name), bool), "a bool")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = getattr(self, name, None)
+            values = value if isinstance(value, list) else [value]
+            self._check(name, all(v is None or (_is_int(v) and 0 <= v < self.vocab_size) for v in values),
+                        f"None or a token id in [0, vocab_size={self.vocab_size})")
         for name in ("encoder_norm_type", "decoder_norm_type"):
             try:
                 setattr(self, name, normalize_norm_name(getattr(self, name)))

@@ -1,5 +1,7 @@
 """Config fields, defaults, presets, validation and serialisation."""
 
+import re
+
 import pytest
 from transformers import AutoConfig
 
@@ -67,6 +69,16 @@ def test_bad_values_raise_value_error_naming_them(field, value):
     message = str(error.value)
     assert message.startswith(field), message  # about this field, not one that merely mentions it
     assert repr(value) in message or f"{field}={value}" in message, message
+
+
+@pytest.mark.parametrize("field", ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"])
+@pytest.mark.parametrize("value", [99, -1, 1000, [2, 99]])
+def test_special_token_ids_outside_the_vocabulary_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be None or a token id in \[0, vocab_size=99\), "
+                                         rf"got {re.escape(repr(value))}"):
+        PowerNormTransformerConfig.from_preset("tiny", **{field: value})
+    assert getattr(PowerNormTransformerConfig.from_preset("tiny", **{field: 98}), field) == 98
+    assert getattr(PowerNormTransformerConfig.from_preset("tiny", **{field: None}), field) is None
 
 
 def test_warmup_statistic_error_names_the_valid_values():
