@@ -1,0 +1,462 @@
+"""Power Normalization for any Transformers model: replace its per-token norms by registry norms.
+
+`convert_norms(model, norm_type, **options)` swaps every LayerNorm / RMSNorm of a Transformers
+model for a norm of `normalization.py` (PN by default, Shen et al., 2020, Algorithm 2), keeping the
+affine weights, and makes the batch's padding mask reach the new norms: batch statistics are then
+taken over real tokens only (the masked statistics of `powernorm-notes.md`), which Transformers'
+own norm layers never need and never receive. `load_converted(path, auto_class)` rebuilds a saved
+converted model with its running statistics.
+
+Which modules are norms (found by structure, not by a list of classes): a module that is a
+`torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`
+or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). A norm converts when it has no submodules, a
+1-D `weight` (or none) and optional 1-D `bias` over the model's hidden size, an epsilon attribute
+(`eps`, `variance_epsilon` or `epsilon`), and when a probe on random inputs shows it computes
+`LN(x) * w + b`, `RMS(x) * w` or `RMS(x) * (1 + w)` over the last dimension; any other norm raises
+a `ValueError` naming it.
+
+How the mask reaches the norms: forward pre-hooks on the top model (and on the encoder of an
+encoder-decoder model, which `generate` calls on its own) push the call's `attention_mask` (and
+`decoder_attention_mask`) on a small context object shared by the new norms; a forward hook that
+runs even on error pops it. Each new norm is wrapped in `MaskAwareNorm`, which reads the mask of
+its stack (encoder or decoder) and passes `attention_mask=` on. A call without a mask treats every
+token as real; with a KV cache the mask covers past and new positions, and the norms take its last
+`seq` columns, the new positions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
+
+CONVERSION_CONFIG_KEY = "powernorm_conversion"
+EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
+NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
+# Norms whose training statistics mix the tokens of a batch at every step.
+POSITION_MIXING_NORMS = ("batchnorm", "powernorm_v", "mabn", "batchrenorm")
+ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
+
+
+# ----------------------------------------------------------------------------------------------
+# The mask context and the wrapper
+
+
+class NormMaskContext:
+    """The padding masks of the forward in progress, one per stack (`main`, `encoder`, `decoder`).
+
+    Its hooks are bound methods, so `copy.deepcopy(model)` copies the context with the model.
+    """
+
+    def __init__(self, encoder_decoder: bool) -> None:
+        self.encoder_decoder = encoder_decoder
+        self._stack: list[dict[str, torch.Tensor | None]] = []
+
+    def mask_for(self, role: str, hidden_states: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The `(batch, seq)` mask of `role` for `hidden_states`; its last `seq` columns under a cache."""
+        mask = self._stack[-1].get(role) if self._stack else None
+        if mask is None or hidden_states.dim() != 3:
+            return None
+        batch, seq = hidden_states.shape[:2]
+        if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < seq:
+            raise ValueError(
+                f"{name}: attention mask of shape {tuple(mask.shape)} does not cover hidden states of shape "
+                f"{tuple(hidden_states.shape)}; expected a (batch, seq) 0/1 mask with seq >= {seq}"
+            )
+        return mask[:, mask.shape[1] - seq:]
+
+    def _push(self, masks: dict[str, torch.Tensor | None]) -> None:
+        current = self._stack[-1] if self._stack else {}
+        self._stack.append({**current, **masks})
+
+    def top_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Take the call's masks: `attention_mask` (encoder / main) and `decoder_attention_mask`."""
+        bound = _bound_arguments(module, args, kwargs)
+        if self.encoder_decoder:
+            self._push({ENCODER: bound.get("attention_mask"), DECODER: bound.get("decoder_attention_mask")})
+        else:
+            self._push({MAIN: bound.get("attention_mask")})
+
+    def encoder_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The encoder called on its own (as `generate` does) gets its `attention_mask` too."""
+        self._push({ENCODER: _bound_arguments(module, args, kwargs).get("attention_mask")})
+
+    def pop_hook(self, module: nn.Module, args: tuple, output) -> None:
+        if self._stack:
+            self._stack.pop()
+
+
+def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, positional ones included."""
+    try:
+        return inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return dict(kwargs)
+
+
+class MaskAwareNorm(nn.Module):
+    """A registry norm that receives the padding mask of its stack from a `NormMaskContext`."""
+
+    def __init__(self, norm: nn.Module, context: NormMaskContext, role: str, name: str) -> None:
+        super().__init__()
+        self.norm = norm
+        self.role = role
+        self._context = context
+        self._name = name
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.norm, "weight", None)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.norm, "bias", None)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mask = self._context.mask_for(self.role, hidden_states, self._name)
+        return self.norm(hidden_states, attention_mask=mask)
+
+    def extra_repr(self) -> str:
+        return f"role={self.role!r}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and reading the norms
+
+
+@dataclass
+class SourceNorm:
+    """What a model's norm computes: `kind` is `layernorm`, `rmsnorm` or `rmsnorm_offset` (1 + w)."""
+
+    kind: str
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+
+def is_norm_candidate(module: nn.Module) -> bool:
+    """True for `nn.LayerNorm`, `nn.RMSNorm` and classes named `*LayerNorm` / `*RMSNorm` (bases too),
+    except the norms of this project's registry and their wrapper."""
+    if isinstance(module, MaskAwareNorm) or type(module) in NORM_CLASSES.values():
+        return False
+    if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
+        return True
+    return any(NORM_CLASS_NAME.search(cls.__name__) for cls in type(module).__mro__[:-1])
+
+
+def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNorm:
+    """Check the structure of a candidate norm and probe what it computes; ValueError if it cannot map."""
+    where = f"norm {name!r} ({type(module).__name__})"
+    if any(True for _ in module.children()):
+        raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer")
+    weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
+    eps = next((getattr(module, a) for a in EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float)), None)
+    if eps is None:
+        raise ValueError(f"cannot convert {where}: no float epsilon attribute among {EPS_ATTRIBUTES}")
+    kind = _probe_kind(module, weight, bias, eps, hidden_size)
+    if kind is None:
+        raise ValueError(
+            f"cannot convert {where}: it does not compute LN(x) * w + b, RMS(x) * w or RMS(x) * (1 + w) "
+            "over the last dimension"
+        )
+    return SourceNorm(kind, weight, bias, eps)
+
+
+def _vector(module: nn.Module, attribute: str, hidden_size: int, where: str) -> torch.Tensor | None:
+    value = getattr(module, attribute, None)
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.shape != (hidden_size,):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"cannot convert {where}: its {attribute} has shape {shape}, expected ({hidden_size},) "
+            "(a per-token norm over the model's hidden size)"
+        )
+    return value
+
+
+@torch.no_grad()
+def _probe_kind(module, weight, bias, eps, hidden_size) -> str | None:
+    """Run the norm on random float32 inputs and match its output against the three forms."""
+    device = weight.device if weight is not None else torch.device("cpu")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(2, 3, hidden_size, generator=generator) * 2 + 0.5).to(device)
+    dtype = weight.dtype if weight is not None else torch.float32
+    out = module(x.to(dtype)).float()
+    w = weight.float() if weight is not None else torch.ones(hidden_size, device=device)
+    b = bias.float() if bias is not None else torch.zeros(hidden_size, device=device)
+    rms = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    forms = {
+        "layernorm": F.layer_norm(x, (hidden_size,), w, b, eps),
+        "rmsnorm": rms * w + b,
+        "rmsnorm_offset": rms * (1 + w) + b,
+    }
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    return next((kind for kind, ref in forms.items() if torch.allclose(out, ref, atol=tolerance, rtol=tolerance)),
+                None)
+
+
+def find_norms(model: nn.Module, hidden_size: int) -> dict[str, SourceNorm]:
+    """Every per-token norm of `model` by module path, read and checked by `read_source_norm`."""
+    return {
+        name: read_source_norm(module, name, hidden_size)
+        for name, module in model.named_modules()
+        if name and is_norm_candidate(module)
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion
+
+
+@dataclass
+class ConversionReport:
+    """What `convert_norms` replaced: `(module path, old class, new class)` per norm, and the options."""
+
+    norm_type: str
+    options: dict
+    replaced: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[str]:
+        return [name for name, _, _ in self.replaced]
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.replaced)} norms converted to {self.norm_type} {self.options}"]
+        lines += [f"  {name}: {old} -> {new}" for name, old, new in self.replaced]
+        return "\n".join(lines)
+
+
+def convert_norms(model: nn.Module, norm_type: str = "powernorm", **options) -> ConversionReport:
+    """Replace every per-token norm of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
+
+    Weights map where both norms have them (`weight`, `bias`; `1 + w` for RMS norms that scale by
+    it), the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's
+    `num_attention_heads` for norms that take it. The new norms sit on the model's device and dtype
+    (running statistics stay float32) and receive the padding mask of each forward (module
+    docstring). The conversion is recorded in `model.config.powernorm_conversion`.
+    """
+    config = _model_config(model)
+    if getattr(model, "_powernorm_mask_context", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already converted ({getattr(config, CONVERSION_CONFIG_KEY)})")
+    norm_type = normalize_norm_name(norm_type)
+    options = _resolve_options(norm_type, options, config)
+    hidden_size = _hidden_size(config)
+    sources = find_norms(model, hidden_size)
+    if not sources:
+        raise ValueError(f"{type(model).__name__} has no LayerNorm or RMSNorm to convert")
+    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
+    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    report = ConversionReport(norm_type, options)
+    for name, source in sources.items():
+        old = model.get_submodule(name)
+        role = _role(name, encoder_prefix, context.encoder_decoder)
+        new = MaskAwareNorm(_build_from_source(norm_type, source, hidden_size, options), context, role, name)
+        _set_submodule(model, name, new)
+        report.replaced.append((name, type(old).__name__, type(new.norm).__name__))
+    _install_hooks(model, context, encoder_prefix)
+    setattr(config, CONVERSION_CONFIG_KEY, {"norm_type": norm_type, "options": options, "modules": report.modules})
+    _warn_position_mixing(model, config, norm_type, options, report)
+    return report
+
+
+def _model_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"convert_norms expects a Transformers PreTrainedModel with a config, got {type(model).__name__}")
+    return config
+
+
+def _hidden_size(config) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden_size = getattr(text_config, "hidden_size", None)
+    if not isinstance(hidden_size, int):
+        raise ValueError(f"cannot read the hidden size from {type(config).__name__}: hidden_size={hidden_size!r}")
+    return hidden_size
+
+
+def _resolve_options(norm_type: str, options: dict, config) -> dict:
+    """The options as built: `group_num` from the config's heads where the norm takes one; JSON-able."""
+    options = dict(options)
+    accepted = inspect.signature(NORM_CLASSES[norm_type].__init__).parameters
+    if "group_num" in accepted and "group_num" not in options:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        options["group_num"] = getattr(text_config, "num_attention_heads", None)
+    try:
+        json.dumps(options)
+    except TypeError as error:
+        raise TypeError(f"convert_norms options must be JSON values to be saved in the config, got {options!r}") from error
+    return options
+
+
+def _build_from_source(norm_type: str, source: SourceNorm, hidden_size: int, options: dict) -> nn.Module:
+    """`build_norm` with the source's epsilon, weight and bias, on its device and dtype."""
+    norm = build_norm(norm_type, hidden_size, **{"eps": source.eps, **options})
+    reference = source.weight if source.weight is not None else source.bias
+    if reference is not None:
+        norm.to(device=reference.device, dtype=reference.dtype)
+    with torch.no_grad():
+        if source.weight is not None and isinstance(getattr(norm, "weight", None), torch.Tensor):
+            norm.weight.copy_(source.weight + 1 if source.kind == "rmsnorm_offset" else source.weight)
+        if source.bias is not None and isinstance(getattr(norm, "bias", None), torch.Tensor):
+            norm.bias.copy_(source.bias)
+    return norm
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)
+
+
+def _encoder_prefix(model: nn.Module) -> str:
+    """The module path of the encoder of an encoder-decoder model."""
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+    for name, module in model.named_modules():
+        if module is encoder and name:
+            return name
+    raise ValueError(f"cannot find the encoder of encoder-decoder model {type(model).__name__} (get_encoder())")
+
+
+def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool) -> str:
+    if not encoder_decoder:
+        return MAIN
+    return ENCODER if name == encoder_prefix or name.startswith(encoder_prefix + ".") else DECODER
+
+
+def _install_hooks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> None:
+    """Pre-hooks push the call's masks, forward hooks (run on error too) pop them."""
+    stacks = [(model, context.top_pre_hook)]
+    if encoder_prefix is not None:
+        stacks.append((model.get_submodule(encoder_prefix), context.encoder_pre_hook))
+    for module, pre_hook in stacks:
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(context.pop_hook, always_call=True)
+    model._powernorm_mask_context = context
+
+
+# ----------------------------------------------------------------------------------------------
+# The causal-model warning (README: "causal models with BN or PN-V see the future")
+
+
+def mixes_positions(norm_type: str, options: dict) -> bool:
+    """True when the norm's training output uses batch statistics over every position of the batch:
+    BN, PN-V, MABN and BRN always, PN during its warmup and ramp."""
+    if norm_type in POSITION_MIXING_NORMS:
+        return True
+    return norm_type == "powernorm" and (options.get("warmup_steps", 0) > 0 or options.get("warmup_ramp_steps", 0) > 0)
+
+
+def is_causal(model: nn.Module, config) -> bool:
+    """True for decoder-only language models (or any model with a decoder): their norms see one
+    position's past only, unless batch statistics mix the positions."""
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False):
+        return True
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dict, report: ConversionReport) -> None:
+    if not (mixes_positions(norm_type, options) and is_causal(model, config)):
+        return
+    when = "during its warmup (warmup_steps / warmup_ramp_steps)" if norm_type == "powernorm" else "at every step"
+    stack = "decoder" if getattr(config, "is_encoder_decoder", False) else "causal"
+    warnings.warn(
+        f"{type(model).__name__}: the {stack} norms converted to {norm_type} leak future tokens in training "
+        f"mode {when}: their batch statistics mix every position of the batch, so a later token changes an "
+        "earlier position's training output. Use powernorm with warmup_steps=0, layernorm, rmsnorm or groupnorm "
+        "for a causal model, or treat its results with suspicion.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_converted(path: str | os.PathLike, auto_class, **config_kwargs) -> nn.Module:
+    """Load a model saved after `convert_norms`: build it from `config.json` (no weights), convert it
+    as recorded in `config.powernorm_conversion`, then load every weight and running buffer.
+
+    `path` is a local folder or a Hub repo id; `auto_class` e.g. `AutoModelForCausalLM`. Loading such
+    a folder with `auto_class.from_pretrained` instead keeps the original norm classes: it reports the
+    norms' keys as missing and unexpected and starts the norms afresh, and their statistics are lost.
+    """
+    from transformers import AutoConfig
+
+    folder = _local_folder(path)
+    config = AutoConfig.from_pretrained(folder, **config_kwargs)
+    conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
+    if not isinstance(conversion, dict) or "norm_type" not in conversion:
+        raise ValueError(f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {auto_class.__name__}.from_pretrained")
+    delattr(config, CONVERSION_CONFIG_KEY)
+    model = auto_class.from_config(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
+        report = convert_norms(model, conversion["norm_type"], **conversion["options"])
+    if report.modules != conversion["modules"]:
+        raise ValueError(f"{path}: converting again replaced {report.modules}, the saved model had {conversion['modules']}")
+    _load_state_dict(model, _read_state_dict(folder))
+    return model.eval()
+
+
+def _local_folder(path: str | os.PathLike) -> str:
+    if os.path.isdir(path):
+        return str(path)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"])
+
+
+def _read_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    """`model.safetensors`, or every shard listed in `model.safetensors.index.json`."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        return load_file(single)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        raise FileNotFoundError(f"{folder}: neither model.safetensors nor model.safetensors.index.json")
+    with open(index) as handle:
+        shards = sorted(set(json.load(handle)["weight_map"].values()))
+    return {k: v for shard in shards for k, v in load_file(os.path.join(folder, shard)).items()}
+
+
+def _load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load strictly, except for tied parameters that the checkpoint stores once."""
+    result = model.load_state_dict(state_dict, strict=False)
+    names_of = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names_of.setdefault(id(tensor), []).append(name)
+    loaded = set(state_dict)
+    tied = {n for names in names_of.values() if loaded & set(names) for n in names}
+    missing = sorted(set(result.missing_keys) - tied)
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint does not match the converted model: missing {missing}, "
+                         f"unexpected {sorted(result.unexpected_keys)}")
+
+
+__all__ = [
+    "ConversionReport",
+    "MaskAwareNorm",
+    "NormMaskContext",
+    "convert_norms",
+    "find_norms",
+    "is_norm_candidate",
+    "load_converted",
+]
