@@ -102,6 +102,24 @@ def _in_recomputation() -> bool:
     return _GRAPH_TASK_ID() != -1
 
 
+def _refuse_double_backward(name: str) -> None:
+    """Autograd runs a backward with grad mode on only under `create_graph=True`: an approximate
+    backward has no derivative of its own, so refuse instead of returning a constant gradient."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}'s approximate backward is not twice differentiable: create_graph=True (a gradient "
+            "penalty, double backward) is not supported through it"
+        )
+
+
+def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
+    """`buffer += weight * (end - buffer)` in place, computed in `end`'s dtype also when someone
+    else has cast the buffer (FSDP v1's `MixedPrecision(buffer_dtype=torch.bfloat16)`)."""
+    if buffer.dtype == end.dtype:
+        return buffer.lerp_(end, weight)
+    return buffer.copy_(buffer.to(end.dtype).lerp_(end, weight))
+
+
 def _stat_dtype(tensor: torch.Tensor) -> torch.dtype:
     """Statistics are float32, or float64 for float64 inputs (so `gradcheck` can run)."""
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
@@ -269,6 +287,7 @@ class _PowerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        _refuse_double_backward("PowerNorm")
         saved, r, token_weights, weight = ctx.saved_tensors
         inv_s, inv_s_b, v, count = ctx.stats
         norm = ctx.norm
@@ -464,11 +483,11 @@ class PowerNorm(_RunningStatsNorm):
         """`running_phi` after step t, per `warmup_statistic` (see the class docstring)."""
         ema_rate = 1.0 - self.alpha_fwd
         if self.warmup_statistic == "cumulative":
-            self.running_phi.lerp_(v, 1.0 / step if step <= self.warmup_steps else ema_rate)
+            _lerp_(self.running_phi, v, 1.0 / step if step <= self.warmup_steps else ema_rate)
             return
         if step < self.warmup_steps:
-            self.running_phi.lerp_(v, 1.0 / step)  # phi * (t - 1) / t + v / t
-        self.running_phi.lerp_(v, ema_rate)
+            _lerp_(self.running_phi, v, 1.0 / step)  # phi * (t - 1) / t + v / t
+        _lerp_(self.running_phi, v, ema_rate)
 
     def _update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor) -> None:
         """`nu <- nu * (1 - (1 - a) * Gamma) + (1 - a) * Lambda` (eq. 13), Lambda summed over ranks."""
@@ -543,7 +562,7 @@ class PowerNormV(_RunningStatsNorm):
             return False
         if not _in_recomputation():
             with torch.no_grad():
-                self.running_phi.lerp_(v.detach().float(), 1.0 - self.alpha_fwd)
+                _lerp_(self.running_phi, v.detach().float(), 1.0 - self.alpha_fwd)
                 self.num_batches_tracked.add_(1)
         return True
 
@@ -593,8 +612,8 @@ class MaskedBatchNorm(_RunningStatsNorm):
         if not _in_recomputation():
             unbiased = var.detach().float() * (n / max(n - 1.0, 1.0))
             with torch.no_grad():
-                self.running_mean.lerp_(mean.detach().float(), self.momentum)
-                self.running_var.lerp_(unbiased, self.momentum)
+                _lerp_(self.running_mean, mean.detach().float(), self.momentum)
+                _lerp_(self.running_var, unbiased, self.momentum)
                 self.num_batches_tracked.add_(1)
         return True
 
@@ -675,6 +694,7 @@ class _MovingAverageBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        _refuse_double_backward("MovingAverageBatchNorm")
         z, token_weights, weight, inv_chi, r = ctx.saved_tensors
         with _float32(grad_output.device):
             dy = grad_output.to(z.dtype)
@@ -772,7 +792,7 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
             r = torch.sqrt((chi2 + self.eps) / (self.running_phi.to(xf.dtype) + self.eps))
             r = torch.ones_like(r) if step <= max(self.renorm_warmup_steps, self.warmup_steps) \
                 else r.clamp(1.0 / self.rmax, self.rmax)
-            self.running_phi.lerp_(chi2.float(), self.momentum)
+            _lerp_(self.running_phi, chi2.float(), self.momentum)
             self.num_batches_tracked.add_(1)
         self._last_statistics = (torch.rsqrt(chi2 + self.eps), r, step)
         return self._last_statistics
