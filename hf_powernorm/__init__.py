@@ -16,6 +16,7 @@ from .normalization import (
     normalize_norm_name,
 )
 from .instrumentation import NormStatisticsRecorder, read_norm_statistics
+from .converter import ConversionReport, convert_norms, load_converted
 from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
 from .modeling_powernorm import (
     AUTO_CLASSES,
@@ -52,6 +53,7 @@ __all__ = [
     "PowerNormTransformerModel",
     "PowerNormTransformerPreTrainedModel",
     "BatchRenorm",
+    "ConversionReport",
     "GroupNorm",
     "Identity",
     "LayerNorm",
@@ -62,7 +64,9 @@ __all__ = [
     "PowerNormV",
     "RMSNorm",
     "build_norm",
+    "convert_norms",
     "group_scale",
+    "load_converted",
     "normalize_norm_name",
     "read_norm_statistics",
 ]
