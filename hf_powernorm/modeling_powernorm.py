@@ -371,6 +371,12 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["running_phi", "running_nu", "running_mean", "running_var", "window_phi",
                                     "window_gz"]
 
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None,
+                                  **kwargs: Any) -> torch.Tensor | None:
+        """`generate` with a static cache keeps the 2-D padding mask: the norms and the positions need
+        it, and each stack builds its attention mask from it and the cache."""
+        return attention_mask
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.init_std

@@ -741,3 +741,23 @@ def test_a_start_token_equal_to_the_pad_token_is_not_padding():
     tokens = torch.tensor([[1, 5, 1, 6, 1, 1], [1, 7, 8, 9, 4, 5]])
     assert torch.equal(decoder_padding_mask(tokens, 1), torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]))
     assert decoder_padding_mask(tokens[1:], 1) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Static cache
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+@pytest.mark.parametrize("head", ["seq2seq", "causal"])
+def test_static_cache_generation_equals_the_dynamic_cache(head, num_beams):
+    model = make_model(head, "powernorm", decoder_norm_type="powernorm")
+    train_steps(model, head)
+    input_ids = ids(seed=8, seq=6)
+    mask = torch.ones_like(input_ids)
+    mask[0, :2] = 0  # left padding: the positions and the attention mask must follow it
+    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, num_beams=num_beams,
+                   return_dict_in_generate=True, output_scores=True, pad_token_id=1)
+    dynamic = model.generate(input_ids, **options)
+    static = model.generate(input_ids, cache_implementation="static", **options)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), atol=1e-5, rtol=1e-5)
