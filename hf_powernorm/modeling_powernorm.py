@@ -407,6 +407,7 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
         """Load as usual; warn by name about running statistics the checkpoint lacks."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        _check_norm_layout(model, loading_info)
         missing = sorted(k for k in loading_info["missing_keys"] if k.rsplit(".", 1)[-1] in RUNNING_BUFFERS)
         if missing:
             warnings.warn(
@@ -447,6 +448,30 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
             raise ValueError(f"no foldable norm ({', '.join(FOLDABLE_NORMS)}) in this model")
         self.config.norms_folded = True
         return folded
+
+
+def _check_norm_layout(model: nn.Module, loading_info: dict) -> None:
+    """Refuse weights whose norm at some position is not the one the config builds (another norm
+    type, or folded against `norms_folded`): an unexpected key there, or a missing parameter.
+    Missing running statistics alone are a checkpoint saved without them (a warning, not this)."""
+    positions = {name: type(module).__name__ for name, module in model.named_modules()
+                 if isinstance(module, (GroupScale, *NORM_CLASSES.values()))}
+    differing: dict[str, list[str]] = {}
+    for kind, keys in (("unexpected", loading_info["unexpected_keys"]), ("missing", loading_info["missing_keys"])):
+        for key in keys:
+            position, leaf = key.rsplit(".", 1) if "." in key else ("", key)
+            if position in positions and (kind == "unexpected" or leaf not in RUNNING_BUFFERS):
+                differing.setdefault(position, []).append(f"{kind} {leaf}")
+    if differing:
+        config = model.config
+        details = "; ".join(f"{position}: config builds {positions[position]}, weights: {', '.join(sorted(found))}"
+                            for position, found in sorted(differing.items()))
+        raise ValueError(
+            f"config.json disagrees with the weights at the norm positions {sorted(differing)} "
+            f"(config: encoder_norm_type={config.encoder_norm_type!r}, decoder_norm_type="
+            f"{config.decoder_norm_type!r}, norms_folded={config.norms_folded}). {details}. Use the config "
+            "saved with these weights."
+        )
 
 
 def _fold_into(norm: nn.Module, linears: list[nn.Linear]) -> nn.Module:
@@ -621,11 +646,26 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
 # Models and heads
 
 
-class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
-    """Encoder-decoder base. With `tie_word_embeddings`, the decoder shares the encoder's embedding."""
+def _stacks_of(config: PowerNormTransformerConfig) -> tuple[bool, bool]:
+    """(encoder, decoder) a config describes: both for translation, the decoder for a language model
+    (`is_decoder`), the encoder for a classifier."""
+    if config.is_encoder_decoder:
+        classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+        return True, not classifier  # a classifier saved before it marked its config encoder-only
+    return not config.is_decoder, config.is_decoder
 
-    def __init__(self, config: PowerNormTransformerConfig, add_encoder: bool = True, add_decoder: bool = True) -> None:
+
+class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
+    """The base model of each checkpoint kind, with the stacks its config describes: encoder-decoder
+    (translation), decoder-only (`is_decoder`, a language model) or encoder-only (a classifier).
+    With `tie_word_embeddings`, the decoder shares the encoder's embedding."""
+
+    def __init__(self, config: PowerNormTransformerConfig, add_encoder: bool | None = None,
+                 add_decoder: bool | None = None) -> None:
         super().__init__(config)
+        encoder, decoder = _stacks_of(config)
+        add_encoder = encoder if add_encoder is None else add_encoder
+        add_decoder = decoder if add_decoder is None else add_decoder
         # The heads keep one layout (`model.encoder`, `model.decoder`), so a translation checkpoint
         # loads its encoder into the classifier.
         self.encoder = PowerNormTransformerEncoder(config) if add_encoder else None
@@ -663,7 +703,17 @@ class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         **kwargs,
-    ) -> Seq2SeqModelOutput:
+    ) -> Seq2SeqModelOutput | BaseModelOutputWithPastAndCrossAttentions | BaseModelOutput:
+        """Encoder-decoder: as the translation head. Decoder-only or encoder-only: that stack on
+        `input_ids` / `inputs_embeds` and `attention_mask`."""
+        if self.encoder is None:
+            return self.decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                                inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+                                output_hidden_states=output_hidden_states, **kwargs)
+        if self.decoder is None:
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                **kwargs)
         past_length = _past_length(past_key_values)
         if decoder_attention_mask is None and decoder_input_ids is not None and past_length == 0:
             decoder_attention_mask = decoder_padding_mask(decoder_input_ids, self.config.pad_token_id)
@@ -776,6 +826,13 @@ def _decoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransfo
     return config
 
 
+def _encoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransformerConfig:
+    config = copy.deepcopy(config)
+    config.is_encoder_decoder = False
+    config.is_decoder = False
+    return config
+
+
 class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, GenerationMixin):
     """Decoder-only language model (no cross-attention): `decoder_layers` layers."""
 
@@ -836,6 +893,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
     """Encoder-only classifier: mean over real tokens of the encoder output, dropout, linear."""
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
+        config = _encoder_only_config(config)
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = PowerNormTransformerModel(config, add_decoder=False)

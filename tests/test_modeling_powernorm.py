@@ -761,3 +761,74 @@ def test_static_cache_generation_equals_the_dynamic_cache(head, num_beams):
     static = model.generate(input_ids, cache_implementation="static", **options)
     assert torch.equal(static.sequences, dynamic.sequences)
     torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# AutoModel of each checkpoint kind
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_auto_model_of_each_checkpoint_is_its_own_base_model_with_hidden_states(head, tmp_path, recwarn):
+    from transformers import AutoModel
+
+    model = make_model(head, "powernorm", decoder_norm_type="powernorm")
+    train_steps(model, head)
+    model.save_pretrained(tmp_path)
+    base, info = AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(base) is PowerNormTransformerModel
+    assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
+    assert not [w for w in recwarn if "running statistics" in str(w.message)]
+    assert ((base.encoder is not None), (base.decoder is not None)) == {
+        "seq2seq": (True, True), "causal": (False, True), "classifier": (True, False)}[head]
+    input_ids, mask = ids(), torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, -2:] = 0
+    batch = inputs_for(head, input_ids, mask)
+    with torch.no_grad():
+        out = base.eval()(**batch, output_hidden_states=True)
+        stack = model.model if head == "seq2seq" else model.model.decoder if head == "causal" else model.model.encoder
+        expected = stack(**{k: v for k, v in batch.items() if head == "seq2seq" or not k.startswith("decoder")})
+    assert out.last_hidden_state.shape == (BATCH, SEQ, 32)
+    torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state)
+    hidden_states = out.decoder_hidden_states if head == "seq2seq" else out.hidden_states
+    assert len(hidden_states) == 3
+
+
+def test_a_classifier_config_saved_as_encoder_decoder_still_builds_the_encoder_only_base():
+    config = make_config(architectures=["PowerNormTransformerForSequenceClassification"])
+    assert config.is_encoder_decoder
+    base = PowerNormTransformerModel(config)
+    assert base.encoder is not None and base.decoder is None
+
+
+# ---------------------------------------------------------------------------------------------
+# A config that disagrees with its weights
+
+
+def _edit_config(directory, **changes) -> None:
+    import json
+
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, saved, position", [
+    (dict(encoder_norm_type="layernorm"), {}, "model.encoder.layers.0.self_attn_norm"),
+    (dict(encoder_norm_type="batchnorm"), {}, "model.encoder.final_norm"),
+    (dict(decoder_norm_type="rmsnorm"), {}, "model.decoder.layers.1.ffn_norm"),
+    (dict(norms_folded=True), {}, "model.encoder.layers.1.ffn_norm"),
+    (dict(norms_folded=False), dict(folded=True), "model.encoder.layers.0.self_attn_norm"),
+])
+def test_a_config_that_disagrees_with_the_weights_refuses_to_load(changes, saved, position, tmp_path):
+    model = make_model("seq2seq", "powernorm", decoder_norm_type="layernorm")
+    if saved.get("folded"):
+        model.eval().fold_norms()
+    model.save_pretrained(tmp_path)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=r"config\.json disagrees with the weights at the norm positions") as error:
+        AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert f"'{position}'" in message and f"{position}: config builds" in message, message
+    for field, value in changes.items():
+        assert f"{field}={value!r}" in message, message
