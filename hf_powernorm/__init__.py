@@ -16,6 +16,7 @@ from .normalization import (
     normalize_norm_name,
 )
 from .instrumentation import NormStatisticsRecorder, read_norm_statistics
+from .integrations import peft_modules_to_save
 from .converter import ConversionReport, convert_norms, load_converted
 from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
 from .modeling_powernorm import (
@@ -68,5 +69,6 @@ __all__ = [
     "group_scale",
     "load_converted",
     "normalize_norm_name",
+    "peft_modules_to_save",
     "read_norm_statistics",
 ]

@@ -95,3 +95,82 @@ def test_a_training_step_with_bfloat16_buffers_updates_the_statistics():
     phi = {k: v for k, v in model.named_buffers() if k.endswith(("running_phi", "running_nu"))}
     assert phi and all(v.dtype == torch.bfloat16 for v in phi.values())
     assert all(not torch.equal(v, before[k]) for k, v in phi.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT: the statistics a LoRA adapter trained come back with it
+
+
+def _tiny(head: str, seed: int = 0):
+    from hf_powernorm import (PowerNormTransformerConfig, PowerNormTransformerForCausalLM,
+                              PowerNormTransformerForConditionalGeneration)
+
+    torch.manual_seed(seed)
+    config = PowerNormTransformerConfig.from_preset("tiny", decoder_norm_type="powernorm", powernorm_warmup_steps=1)
+    cls = PowerNormTransformerForCausalLM if head == "causal" else PowerNormTransformerForConditionalGeneration
+    return cls(config)
+
+
+def _lm_batch(head: str, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    batch = {"input_ids": torch.randint(3, 99, (3, 7), generator=generator)}
+    batch["labels"] = batch["input_ids"] if head == "causal" else torch.randint(3, 99, (3, 5), generator=generator)
+    return batch
+
+
+def test_peft_modules_to_save_names_every_norm_with_running_statistics():
+    from hf_powernorm import peft_modules_to_save
+
+    model = _tiny("seq2seq")
+    names = peft_modules_to_save(model)
+    assert len(names) == 2 * 2 + 1 + 2 * 3 + 1  # encoder: 2 per layer + final; decoder: 3 per layer + final
+    assert "model.encoder.layers.0.self_attn_norm" in names and "model.decoder.final_norm" in names
+    with pytest.raises(ValueError, match="has no norm with running statistics"):
+        peft_modules_to_save(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("head", ["causal", "seq2seq"])
+def test_a_reloaded_lora_adapter_with_the_norms_to_save_equals_the_trained_model(head, tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[dev])")
+    from hf_powernorm import peft_modules_to_save
+
+    base = _tiny(head)
+    base.save_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             modules_to_save=peft_modules_to_save(base))
+    model = peft.get_peft_model(base, config).train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(3):
+        model(**_lm_batch(head, step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(tmp_path / "adapter")
+    eval_batch = {"input_ids": _lm_batch(head, 9)["input_ids"]}
+    if head == "seq2seq":
+        eval_batch["decoder_input_ids"] = _lm_batch(head, 10)["input_ids"][:, :4]
+    with torch.no_grad():
+        expected = model.eval()(**eval_batch).logits
+        cls = type(_tiny(head))
+        reloaded = peft.PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+        got = reloaded.eval()(**eval_batch).logits
+        without = peft.PeftModel.from_pretrained(
+            cls.from_pretrained(tmp_path / "base"),
+            _adapter_without_norms(tmp_path, peft)).eval()(**eval_batch).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert not torch.allclose(without, expected, atol=1e-4)  # the norms' statistics matter
+
+
+def _adapter_without_norms(tmp_path, peft):
+    """The same LoRA weights saved without `modules_to_save`: what a plain LoRA config keeps."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source, target = tmp_path / "adapter", tmp_path / "adapter_without_norms"
+    target.mkdir()
+    config = json.loads((source / "adapter_config.json").read_text())
+    config["modules_to_save"] = None
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    weights = load_file(source / "adapter_model.safetensors")
+    save_file({k: v for k, v in weights.items() if "lora_" in k}, target / "adapter_model.safetensors")
+    return target
