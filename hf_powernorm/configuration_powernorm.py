@@ -69,7 +69,7 @@ class PowerNormTransformerConfig(PreTrainedConfig):
 
     `normalize_before=True` is pre-norm (the paper's setting); `False` is post-norm.
     `powernorm_group_num` defaults to `num_attention_heads`; `None` disables group scaling.
-    `powernorm_warmup_statistic` ("cumulative" or "reference") and `powernorm_warmup_ramp_steps`
+    `powernorm_warmup_statistic` ("reference", the default, or "cumulative") and `powernorm_warmup_ramp_steps`
     choose PN's running statistic during warmup and the length of the blend from the batch to the
     running denominator after it (0: the paper's switch); see `PowerNorm`.
     """
@@ -98,7 +98,7 @@ class PowerNormTransformerConfig(PreTrainedConfig):
     powernorm_alpha_fwd: float = 0.9
     powernorm_alpha_bkw: float = 0.9
     powernorm_warmup_steps: int = 0
-    powernorm_warmup_statistic: str = "cumulative"
+    powernorm_warmup_statistic: str = "reference"
     powernorm_warmup_ramp_steps: int = 0
     powernorm_group_num: int | str | None = GROUP_NUM_HEADS
     powernorm_backward_denominator: str = "running"

@@ -120,6 +120,28 @@ def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tens
     return buffer.copy_(buffer.to(end.dtype).lerp_(end, weight))
 
 
+_BROADCAST_WARNED = []  # one warning per process
+
+
+def _warn_if_ddp_overwrites_statistics(module: nn.Module, args) -> None:
+    """Forward pre-hook: DDP syncing buffers (`broadcast_buffers`, the default, Trainer's too)
+    overwrites every rank's running statistics with rank 0's at each forward."""
+    ddp = nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is None or not module.training or _BROADCAST_WARNED or getattr(module, "sync_stats", False):
+        return
+    if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", False)):
+        return
+    _BROADCAST_WARNED.append(True)
+    warnings.warn(
+        f"{type(module).__name__} trains under DistributedDataParallel with broadcast_buffers=True: at every "
+        "forward DDP overwrites each rank's running statistics with rank 0's, so the other ranks' batches "
+        "never reach them. Wrap with broadcast_buffers=False (Trainer: ddp_broadcast_buffers=False), and "
+        "sync_stats=True (powernorm_sync_stats) for statistics over the whole global batch.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def _stat_dtype(tensor: torch.Tensor) -> torch.dtype:
     """Statistics are float32, or float64 for float64 inputs (so `gradcheck` can run)."""
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
@@ -217,6 +239,7 @@ class _RunningStatsNorm(_Norm):
         for name, value in self._running_buffers.items():
             self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.register_forward_pre_hook(_warn_if_ddp_overwrites_statistics)
 
     def reset_running_stats(self) -> None:
         with torch.no_grad():
@@ -361,6 +384,9 @@ class PowerNorm(_RunningStatsNorm):
     `t <= W` and an EMA with `alpha_fwd` after; `"reference"` (the authors' `MaskPowerNorm`) takes,
     while `t < W`, the cumulative step `phi <- phi * (t - 1) / t + v / t` followed by the EMA step
     `phi <- alpha_fwd * phi + (1 - alpha_fwd) * v`, and the EMA step alone from `t = W` on.
+    `"reference"` is the default: on Penn Treebank language modelling (3 seeds, STUDIES.md) it
+    removes the loss jump of the switch (+0.39 nats with `"cumulative"`) and gives the lowest
+    perplexity, below LayerNorm's.
 
     Backward: the paper's approximation (eqs. 11-13) for whatever `s` the step used, ramp included:
     with `Z = z0 / s` and `g = weight * dY`, `dz0 = (g - nu * Z) / s_b` on real tokens and `g / s_b`
@@ -387,7 +413,7 @@ class PowerNorm(_RunningStatsNorm):
         backward_denominator: str = "running",
         sync_stats: bool = False,
         process_group=None,
-        warmup_statistic: str = "cumulative",
+        warmup_statistic: str = "reference",
         warmup_ramp_steps: int = 0,
     ) -> None:
         super().__init__(hidden_size, eps)

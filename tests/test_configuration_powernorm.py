@@ -16,7 +16,7 @@ def test_defaults_follow_the_paper_translation_setting():
     assert (config.powernorm_alpha_fwd, config.powernorm_alpha_bkw) == (0.9, 0.9)
     assert config.powernorm_group_num == config.num_attention_heads
     assert config.powernorm_backward_denominator == "running"
-    assert (config.powernorm_warmup_statistic, config.powernorm_warmup_ramp_steps) == ("cumulative", 0)
+    assert (config.powernorm_warmup_statistic, config.powernorm_warmup_ramp_steps) == ("reference", 0)
     assert config.num_hidden_layers == config.decoder_layers
 
 
