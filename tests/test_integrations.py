@@ -1,5 +1,11 @@
 """PN's statistics where they meet the ecosystem: double backward, FSDP's buffer dtype, PEFT, DDP."""
 
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -174,3 +180,80 @@ def _adapter_without_norms(tmp_path, peft):
     weights = load_file(source / "adapter_model.safetensors")
     save_file({k: v for k, v in weights.items() if "lora_" in k}, target / "adapter_model.safetensors")
     return target
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP's buffer broadcast overwrites the statistics: warned once
+
+
+def _train_under_ddp(norm_name: str, broadcast: bool, steps: int = 3) -> list[str]:
+    """The messages of our warning while a Linear and two norms train (then evaluate) under DDP."""
+    import warnings
+
+    from hf_powernorm import normalization
+
+    normalization._BROADCAST_WARNED.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), build_norm(norm_name, HIDDEN),
+                                build_norm(norm_name, HIDDEN))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=broadcast)
+        for _ in range(steps):
+            ddp(torch.randn(4, HIDDEN)).sum().backward()
+        ddp.eval()
+        with torch.no_grad():
+            ddp(torch.randn(4, HIDDEN))
+    return [str(w.message) for w in caught if "broadcast_buffers=True" in str(w.message)]
+
+
+@pytest.mark.parametrize("norm_name, broadcast, expected", [
+    ("powernorm", True, 1), ("powernorm", False, 0), ("batchnorm", True, 1), ("mabn", True, 1),
+    ("layernorm", True, 0),
+])
+def test_ddp_broadcasting_buffers_is_warned_once(norm_name, broadcast, expected, tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        found = _train_under_ddp(norm_name, broadcast)
+    finally:
+        dist.destroy_process_group()
+    assert len(found) == expected, found
+    if expected:
+        assert "broadcast_buffers=False (Trainer: ddp_broadcast_buffers=False)" in found[0]
+
+
+_DDP_WORKER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[3])
+    from test_integrations import _train_under_ddp
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    print("WARNINGS", len(_train_under_ddp("powernorm", True)), len(_train_under_ddp("powernorm", False)))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ddp_broadcasting_buffers_is_warned_once_in_each_of_two_processes(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_DDP_WORKER)
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, os.path.dirname(__file__)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for stdout, _ in outputs:
+        assert "WARNINGS 1 0" in stdout, stdout
