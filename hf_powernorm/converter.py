@@ -60,10 +60,18 @@ class NormMaskContext:
     def __init__(self, encoder_decoder: bool) -> None:
         self.encoder_decoder = encoder_decoder
         self._stack: list[dict[str, torch.Tensor | None]] = []
+        self._last: dict[str, torch.Tensor | None] = {}
+
+    def current(self) -> dict[str, torch.Tensor | None]:
+        """The masks of the forward in progress; during a backward pass, those of the last forward,
+        for the layers that activation checkpointing runs again there."""
+        if self._stack:
+            return self._stack[-1]
+        return self._last if _in_backward() else {}
 
     def mask_for(self, role: str, hidden_states: torch.Tensor, name: str) -> torch.Tensor | None:
         """The `(batch, seq)` mask of `role` for `hidden_states`; its last `seq` columns under a cache."""
-        mask = self._stack[-1].get(role) if self._stack else None
+        mask = self.current().get(role)
         if mask is None or hidden_states.dim() != 3:
             return None
         batch, seq = hidden_states.shape[:2]
@@ -92,7 +100,12 @@ class NormMaskContext:
 
     def pop_hook(self, module: nn.Module, args: tuple, output) -> None:
         if self._stack:
-            self._stack.pop()
+            self._last = self._stack.pop()
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (where checkpointed layers are recomputed)."""
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
 
 
 def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -388,11 +401,14 @@ def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dic
 # Loading
 
 
-def load_converted(path: str | os.PathLike, auto_class, **config_kwargs) -> nn.Module:
+def load_converted(path: str | os.PathLike, auto_class, dtype: torch.dtype | None = None,
+                   **config_kwargs) -> nn.Module:
     """Load a model saved after `convert_norms`: build it from `config.json` (no weights), convert it
     as recorded in `config.powernorm_conversion`, then load every weight and running buffer.
 
-    `path` is a local folder or a Hub repo id; `auto_class` e.g. `AutoModelForCausalLM`. Loading such
+    `path` is a local folder or a Hub repo id; `auto_class` e.g. `AutoModelForCausalLM`; `dtype`
+    casts the loaded model (running statistics stay float32); the model is returned in eval mode,
+    as `from_pretrained` returns it. Loading such
     a folder with `auto_class.from_pretrained` instead keeps the original norm classes: it reports the
     norms' keys as missing and unexpected and starts the norms afresh, and their statistics are lost.
     """
@@ -411,6 +427,8 @@ def load_converted(path: str | os.PathLike, auto_class, **config_kwargs) -> nn.M
     if report.modules != conversion["modules"]:
         raise ValueError(f"{path}: converting again replaced {report.modules}, the saved model had {conversion['modules']}")
     _load_state_dict(model, _read_state_dict(folder))
+    if dtype is not None:
+        model.to(dtype)
     return model.eval()
 
 

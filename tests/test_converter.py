@@ -327,6 +327,23 @@ def test_buffers_update_once_per_training_step(name):
         assert norm.running_nu.abs().sum() > 0, path
 
 
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_activation_checkpointing_recomputes_with_the_same_mask(name):
+    """Layers run again in the backward pass see the mask of their forward: same gradients and buffers."""
+    model, _ = build(name, warmup_steps=5)
+    model.train()
+    plain, checkpointed = copy.deepcopy(model), copy.deepcopy(model)
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
+    enable()
+    inputs = batch_inputs(name)
+    for each in (plain, checkpointed):
+        outputs(each, inputs)[real_mask(inputs)].square().mean().backward()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(checkpointed.state_dict()[key], value, atol=1e-7, rtol=1e-5)
+    for (key, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("name", GENERATORS)
 def test_generation_with_cache_equals_without(name):
     model, _ = build(name)
@@ -368,6 +385,16 @@ def test_save_and_load_round_trip(name, tmp_path):
         assert torch.equal(loaded.state_dict()[key], value), key
     model.eval()
     torch.testing.assert_close(outputs(loaded, inputs), outputs(model, inputs), atol=0, rtol=0)
+
+
+def test_load_converted_in_bfloat16_keeps_float32_statistics(tmp_path):
+    model, _ = build("llama")
+    train_step(model, batch_inputs("llama"), torch.optim.SGD(model.parameters(), lr=0.1))
+    model.save_pretrained(tmp_path)
+    loaded = hf_powernorm.load_converted(tmp_path, AutoModelForCausalLM, dtype=torch.bfloat16)
+    for path, norm in converted_norms(loaded).items():
+        assert norm.weight.dtype == torch.bfloat16 and norm.running_phi.dtype == torch.float32, path
+        assert torch.equal(norm.running_phi, converted_norms(model)[path].running_phi), path
 
 
 def test_plain_auto_class_reports_the_statistics_it_drops(tmp_path):
