@@ -172,7 +172,7 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
     if any(True for _ in module.children()):
         raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
-    eps = next((getattr(module, a) for a in EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float)), None)
+    eps = _epsilon(module, weight)
     if eps is None:
         raise ValueError(f"cannot convert {where}: no float epsilon attribute among {EPS_ATTRIBUTES}")
     kind = _probe_kind(module, weight, bias, eps, hidden_size)
@@ -182,6 +182,14 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
             "over the last dimension"
         )
     return SourceNorm(kind, weight, bias, eps)
+
+
+def _epsilon(module: nn.Module, weight: torch.Tensor | None) -> float | None:
+    """The norm's epsilon; `torch.nn.RMSNorm(eps=None)` uses the machine epsilon of its dtype."""
+    eps = next((getattr(module, a) for a in EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float)), None)
+    if eps is None and isinstance(module, getattr(nn, "RMSNorm", ())) and module.eps is None:
+        eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
+    return eps
 
 
 def _vector(module: nn.Module, attribute: str, hidden_size: int, where: str) -> torch.Tensor | None:
@@ -278,14 +286,16 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", **options) -> 
         report.replaced.append((name, type(old).__name__, type(new.norm).__name__))
     _install_hooks(model, context, encoder_prefix)
     setattr(config, CONVERSION_CONFIG_KEY, {"norm_type": norm_type, "options": options, "modules": report.modules})
-    _warn_position_mixing(model, config, norm_type, options, report)
+    _warn_position_mixing(model, config, norm_type, options)
     return report
 
 
 def _model_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
-        raise TypeError(f"convert_norms expects a Transformers PreTrainedModel with a config, got {type(model).__name__}")
+        raise TypeError(
+            f"convert_norms expects a Transformers PreTrainedModel with a config, got {type(model).__name__}"
+        )
     return config
 
 
@@ -301,13 +311,16 @@ def _resolve_options(norm_type: str, options: dict, config) -> dict:
     """The options as built: `group_num` from the config's heads where the norm takes one; JSON-able."""
     options = dict(options)
     accepted = inspect.signature(NORM_CLASSES[norm_type].__init__).parameters
-    if "group_num" in accepted and "group_num" not in options:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        options["group_num"] = getattr(text_config, "num_attention_heads", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text_config, "num_attention_heads", None)
+    if "group_num" in accepted and "group_num" not in options and isinstance(heads, int):
+        options["group_num"] = heads
     try:
         json.dumps(options)
     except TypeError as error:
-        raise TypeError(f"convert_norms options must be JSON values to be saved in the config, got {options!r}") from error
+        raise TypeError(
+            f"convert_norms options must be JSON values to be saved in the config, got {options!r}"
+        ) from error
     return options
 
 
@@ -382,7 +395,7 @@ def is_causal(model: nn.Module, config) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dict, report: ConversionReport) -> None:
+def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dict) -> None:
     if not (mixes_positions(norm_type, options) and is_causal(model, config)):
         return
     when = "during its warmup (warmup_steps / warmup_ramp_steps)" if norm_type == "powernorm" else "at every step"
@@ -418,14 +431,18 @@ def load_converted(path: str | os.PathLike, auto_class, dtype: torch.dtype | Non
     config = AutoConfig.from_pretrained(folder, **config_kwargs)
     conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
     if not isinstance(conversion, dict) or "norm_type" not in conversion:
-        raise ValueError(f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {auto_class.__name__}.from_pretrained")
+        raise ValueError(
+            f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {auto_class.__name__}.from_pretrained"
+        )
     delattr(config, CONVERSION_CONFIG_KEY)
     model = auto_class.from_config(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
         report = convert_norms(model, conversion["norm_type"], **conversion["options"])
     if report.modules != conversion["modules"]:
-        raise ValueError(f"{path}: converting again replaced {report.modules}, the saved model had {conversion['modules']}")
+        raise ValueError(
+            f"{path}: converting again replaced {report.modules}, the saved model had {conversion['modules']}"
+        )
     _load_state_dict(model, _read_state_dict(folder))
     if dtype is not None:
         model.to(dtype)

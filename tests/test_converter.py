@@ -207,6 +207,9 @@ def test_structural_rule_on_transformers_norm_classes():
     offset = _OffsetRMSNorm(HIDDEN)
     (source,) = find_norms(nn.ModuleDict({"norm": offset}), HIDDEN).values()
     assert source.kind == "rmsnorm_offset"
+    torch_norms = find_norms(nn.ModuleDict({"ln": nn.LayerNorm(HIDDEN), "rms": nn.RMSNorm(HIDDEN)}), HIDDEN)
+    assert [(s.kind, s.eps) for s in torch_norms.values()] == [("layernorm", 1e-5),
+                                                               ("rmsnorm", torch.finfo(torch.float32).eps)]
 
 
 def test_a_norm_that_cannot_convert_is_named():
@@ -333,8 +336,8 @@ def test_activation_checkpointing_recomputes_with_the_same_mask(name):
     model, _ = build(name, warmup_steps=5)
     model.train()
     plain, checkpointed = copy.deepcopy(model), copy.deepcopy(model)
-    enable = getattr(checkpointed, "activation_checkpointing_enable", None) or checkpointed.gradient_checkpointing_enable
-    enable()
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None)
+    (enable or checkpointed.gradient_checkpointing_enable)()
     inputs = batch_inputs(name)
     for each in (plain, checkpointed):
         outputs(each, inputs)[real_mask(inputs)].square().mean().backward()
