@@ -8,6 +8,9 @@ input gradient), parallel over tokens with OpenMP, and recompute `z0 = x * r` in
 The C source below is compiled on first use with the system C compiler into a cache directory
 (`$HF_POWERNORM_CACHE`, else `$XDG_CACHE_HOME/hf_powernorm`, else `~/.cache/hf_powernorm`) and loaded
 with `ctypes`: no build step at install time and no torch headers, so it builds in about a second.
+The directory is private (mode 0700, owned by the user; another owner's is refused), and a library
+is loaded only when the record written next to it names the hash of this source and these flags
+and the library's own hash; any other file of that name is rebuilt, never loaded.
 Without a compiler, or with `HF_POWERNORM_KERNELS=0`, `load()` returns None and PowerNorm runs
 eagerly; the results agree to float32 rounding (tested).
 """
@@ -16,10 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import pathlib
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -184,17 +189,56 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "hf_powernorm"
 
 
+def _private_dir(path: pathlib.Path) -> pathlib.Path:
+    """`path`, created with mode 0700, or made 0700 when it is ours; another user's is refused."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise RuntimeError(f"kernel cache {path} belongs to another user (uid {info.st_uid})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _source_digest() -> str:
+    return hashlib.sha256("\0".join([_SOURCE, *_FLAGS]).encode()).hexdigest()
+
+
+def _file_digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record_path(target: pathlib.Path) -> pathlib.Path:
+    return target.with_suffix(".json")
+
+
+def _trusted(target: pathlib.Path) -> bool:
+    """True when the record next to `target` names this source and flags and `target`'s hash."""
+    try:
+        record = json.loads(_record_path(target).read_text())
+        return record.get("source_and_flags") == _source_digest() and record.get("library") == _file_digest(target)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _write_atomically(target: pathlib.Path, data: bytes) -> None:
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as handle:
+        handle.write(data)
+    os.replace(handle.name, target)
+
+
 def _compile(target: pathlib.Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         source = pathlib.Path(tmp) / "powernorm_cpu.c"
         source.write_text(_SOURCE)
         built = pathlib.Path(tmp) / target.name
         subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
+        record = {"source_and_flags": _source_digest(), "library": _file_digest(built), "flags": _FLAGS}
         os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+        _write_atomically(_record_path(target), json.dumps(record).encode())
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -216,11 +260,12 @@ def load() -> ctypes.CDLL | None:
     _tried = True
     if os.environ.get("HF_POWERNORM_KERNELS", "1") == "0":
         return None
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"powernorm_cpu_{digest}.so"
     try:
-        if not target.exists():
+        target = _private_dir(_cache_dir()) / f"powernorm_cpu_{_source_digest()[:16]}.so"
+        if not _trusted(target):
             _compile(target)
+            if not _trusted(target):
+                raise RuntimeError(f"{target} changed while it was being built")
         _library = _bind(ctypes.CDLL(str(target)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", b"") or b""

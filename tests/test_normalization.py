@@ -786,3 +786,65 @@ def test_eval_group_scaling_divides_out_each_groups_own_scale(name):
         assert not torch.allclose(grouped(part_of_group)[1, 2], grouped(x)[1, 2], rtol=1e-2, atol=1e-2)
         assert not torch.allclose(ungrouped(whole_group)[1, 2], ungrouped(x)[1, 2], rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(ungrouped(whole_group)[0], ungrouped(x)[0])  # other tokens untouched
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel cache: private, and a library is loaded only with a matching record
+
+
+def _fresh_kernels(monkeypatch, cache):
+    from hf_powernorm import kernels_cpu
+
+    monkeypatch.setenv("HF_POWERNORM_CACHE", str(cache))
+    monkeypatch.delenv("HF_POWERNORM_KERNELS", raising=False)
+    monkeypatch.setattr(kernels_cpu, "_tried", False)
+    monkeypatch.setattr(kernels_cpu, "_library", None)
+    return kernels_cpu
+
+
+def test_kernel_cache_is_private_and_records_the_hash_of_source_and_flags(monkeypatch, tmp_path):
+    import json
+    import stat
+
+    kernels_cpu = _fresh_kernels(monkeypatch, tmp_path / "new" / "kernels")
+    assert kernels_cpu.load() is not None
+    cache = tmp_path / "new" / "kernels"
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    (library,) = cache.glob("*.so")
+    record = json.loads(library.with_suffix(".json").read_text())
+    assert record["source_and_flags"] == kernels_cpu._source_digest()
+    assert record["library"] == kernels_cpu._file_digest(library)
+    # An existing cache folder of ours that others can read becomes private.
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    kernels_cpu._private_dir(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("tamper", ["library", "record_missing", "record_of_other_source"])
+def test_a_library_without_a_matching_record_is_never_loaded(monkeypatch, tmp_path, tamper):
+    import json
+
+    kernels_cpu = _fresh_kernels(monkeypatch, tmp_path)
+    assert kernels_cpu.load() is not None
+    (library,) = tmp_path.glob("*.so")
+    record = library.with_suffix(".json")
+    if tamper == "library":
+        library.write_bytes(library.read_bytes() + b"\0")
+    elif tamper == "record_missing":
+        record.unlink()
+    else:
+        record.write_text(json.dumps({**json.loads(record.read_text()), "source_and_flags": "0" * 64}))
+    kernels_cpu = _fresh_kernels(monkeypatch, tmp_path)
+    builds = []
+
+    def refuse_to_build(target):
+        builds.append(target)
+        raise RuntimeError("no build in this test")
+
+    monkeypatch.setattr(kernels_cpu, "_compile", refuse_to_build)
+    loaded = []
+    monkeypatch.setattr(kernels_cpu.ctypes, "CDLL", lambda path: loaded.append(path))
+    assert kernels_cpu.load() is None  # the file of the expected name was rebuilt, not loaded
+    assert builds == [library] and loaded == []
