@@ -126,7 +126,7 @@ _BROADCAST_WARNED = []  # one warning per process
 def _warn_if_ddp_overwrites_statistics(module: nn.Module, args) -> None:
     """Forward pre-hook: DDP syncing buffers (`broadcast_buffers`, the default, Trainer's too)
     overwrites every rank's running statistics with rank 0's at each forward."""
-    ddp = nn.parallel.DistributedDataParallel._active_ddp_module
+    ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
     if ddp is None or not module.training or _BROADCAST_WARNED or getattr(module, "sync_stats", False):
         return
     if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", False)):
