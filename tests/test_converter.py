@@ -284,25 +284,32 @@ def test_padding_never_reaches_the_statistics(name):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_no_mask_means_every_token_is_real():
-    model, _ = build("gpt2", warmup_steps=5)
+@pytest.mark.parametrize("name", ["gpt2", "bart"])
+def test_no_mask_means_every_token_is_real(name):
+    """Without a mask (a decoder fed `decoder_input_ids` alone too) every token counts, in warmup."""
+    model, _ = build(name, warmup_steps=5)
     model.train()
-    ids = batch_inputs("gpt2")["input_ids"]
+    mask_name = "decoder_attention_mask" if name in SEQ2SEQ else "attention_mask"
+    inputs = {k: v for k, v in batch_inputs(name).items() if k != mask_name}
+    ones = torch.ones_like(inputs.get("decoder_input_ids", inputs["input_ids"]))
     first, second = copy.deepcopy(model), copy.deepcopy(model)
-    torch.testing.assert_close(first(ids).logits, second(ids, attention_mask=torch.ones_like(ids)).logits)
+    torch.testing.assert_close(outputs(first, inputs), outputs(second, {**inputs, mask_name: ones}))
 
 
-def test_encoder_and_decoder_norms_get_their_own_mask():
-    model, _ = build("bart")
-    inputs = batch_inputs("bart")
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_and_decoder_norms_get_their_own_mask(name):
+    model, _ = build(name)
+    inputs = batch_inputs(name)
     seen = {}
     for name, norm in converted_norms(model).items():
         norm.register_forward_pre_hook(
             lambda module, args, kwargs, name=name: seen.update({name: kwargs["attention_mask"]}), with_kwargs=True)
     model(**inputs)
     for name, mask in seen.items():
-        expected = inputs["attention_mask"] if ".encoder." in name else inputs["decoder_attention_mask"]
+        expected = inputs["attention_mask"] if name.startswith(("encoder.", "model.encoder.")) \
+            else inputs["decoder_attention_mask"]
         assert torch.equal(mask, expected), name
+    assert len(seen) == len(converted_norms(model))
     assert model._powernorm_mask_context._stack == []
 
 
