@@ -753,7 +753,7 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
         super().__init__(config)
-        self.model = PowerNormTransformerModel(config)
+        self.model = PowerNormTransformerModel(config, add_encoder=True, add_decoder=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -841,7 +841,7 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
     def __init__(self, config: PowerNormTransformerConfig) -> None:
         config = _decoder_only_config(config)
         super().__init__(config)
-        self.model = PowerNormTransformerModel(config, add_encoder=False)
+        self.model = PowerNormTransformerModel(config, add_encoder=False, add_decoder=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -896,7 +896,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
         config = _encoder_only_config(config)
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = PowerNormTransformerModel(config, add_decoder=False)
+        self.model = PowerNormTransformerModel(config, add_encoder=True, add_decoder=False)
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()

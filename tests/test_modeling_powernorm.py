@@ -798,6 +798,9 @@ def test_a_classifier_config_saved_as_encoder_decoder_still_builds_the_encoder_o
     assert config.is_encoder_decoder
     base = PowerNormTransformerModel(config)
     assert base.encoder is not None and base.decoder is None
+    # A head builds the stacks it needs whatever the config's architectures say.
+    seq2seq = PowerNormTransformerForConditionalGeneration(config)
+    assert seq2seq.model.encoder is not None and seq2seq.model.decoder is not None
 
 
 # ---------------------------------------------------------------------------------------------
