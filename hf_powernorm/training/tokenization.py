@@ -4,7 +4,7 @@
 `<pad>`, `</s>`, `<unk>` as ids 0-3, `</s>` appended to every sequence) and wraps it as a
 Transformers fast tokenizer that `AutoTokenizer` loads without remote code. The `tokenize_*`
 functions and `lm_blocks` are batched `Dataset.map` passes whose cache key is the input dataset's
-fingerprint, the tokenizer's serialisation and the pass's parameters: a second run over the same
+fingerprint, the pass's own code, the tokenizer's serialisation and the pass's parameters: a second run over the same
 data with the same tokenizer reads the Arrow cache instead of tokenizing again
 (`overwrite_cache=True` forces the work), and `num_proc` spreads the work over processes.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,6 @@ from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order: ids 0-3
-# Bumped when a pass below changes what it writes, so that older cache files are not reused.
-_CACHE_VERSION = "1"
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
@@ -114,8 +114,25 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(content.encode("utf-8")).hexdigest()
 
 
-def _fingerprint(dataset: Dataset, *parts: Any) -> str:
-    text = json.dumps([_CACHE_VERSION, dataset._fingerprint, *parts], sort_keys=True, default=str)
+def function_fingerprint(function: Callable) -> str:
+    """A hash of what a map function computes: its compiled code and the plain values (numbers,
+    strings) it closes over, so that a changed function never reads an older function's cache.
+    Objects it closes over (a tokenizer, a dataset) are keyed by the caller."""
+    plain = [cell.cell_contents for cell in function.__closure__ or ()
+             if isinstance(cell.cell_contents, (int, float, str, bool, tuple, type(None)))]
+    payload = repr((sys.version_info[:2], _code_key(function.__code__), plain)).encode("utf-8")
+    return hashlib.sha256(payload).hexdigest()
+
+
+def _code_key(code: types.CodeType) -> tuple:
+    """What a code object computes, in a form that is the same in every process (unlike `marshal`,
+    whose output depends on reference counts)."""
+    constants = tuple(_code_key(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts)
+    return code.co_code, constants, code.co_names, code.co_varnames, code.co_freevars
+
+
+def _fingerprint(dataset: Dataset, function: Callable, *parts: Any) -> str:
+    text = json.dumps([dataset._fingerprint, function_fingerprint(function), *parts], sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
@@ -125,7 +142,8 @@ def cached_map(dataset: DatasetDict, function: Callable, key: Sequence[Any], *, 
     split's own fingerprint and `key` (what the function depends on besides its input)."""
     return DatasetDict({
         split: part.map(function, batched=True, num_proc=num_proc, load_from_cache_file=not overwrite_cache,
-                        new_fingerprint=_fingerprint(part, desc, *key), desc=f"{desc} ({split})", **map_kwargs)
+                        new_fingerprint=_fingerprint(part, function, desc, *key), desc=f"{desc} ({split})",
+                        **map_kwargs)
         for split, part in dataset.items()
     })
 
@@ -194,13 +212,14 @@ def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None =
 
     out = DatasetDict()
     for split, part in tokenized.items():
+        cut = blocks_of(part)
         # Every line holds at least its `</s>`: two lines, or one of two tokens, make a target.
         if len(part) == 0 or (len(part) == 1 and len(part[0]["input_ids"]) < 2):
             raise ValueError(f"the token stream of split {split!r} has fewer than 2 tokens")
-        out[split] = part.map(blocks_of(part), batched=True, batch_size=lines_per_batch, with_indices=True,
+        out[split] = part.map(cut, batched=True, batch_size=lines_per_batch, with_indices=True,
                               num_proc=num_proc, remove_columns=part.column_names,
                               load_from_cache_file=not overwrite_cache,
-                              new_fingerprint=_fingerprint(part, "blocks", block_size, lines_per_batch),
+                              new_fingerprint=_fingerprint(part, cut, "blocks", block_size, lines_per_batch),
                               desc=f"Cutting {block_size}-token blocks ({split})")
     return out
 

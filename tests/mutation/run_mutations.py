@@ -208,7 +208,60 @@ MODELING_MUTATIONS = [
 
 # Mutations of the training library's loss and learning-rate schedule (`hf_powernorm/training/`,
 # targets: the training and recipe tests) go here, in the same form.
-TRAINING_MUTATIONS: list[Mutation] = []
+LOSSES = "hf_powernorm/training/losses.py"
+OPTIMIZATION = "hf_powernorm/training/optimization.py"
+TOKENIZATION = "hf_powernorm/training/tokenization.py"
+BATCHING = "hf_powernorm/training/batching.py"
+CHECKPOINTS = "hf_powernorm/training/checkpoints.py"
+LOOP = "hf_powernorm/training/loop.py"
+TRAINING_TESTS = ("tests/test_training_loop.py",)
+DATA_TESTS = ("tests/test_training_data.py",)
+
+TRAINING_MUTATIONS: list[Mutation] = [
+    Mutation(
+        "label-smoothing-ignored", LOSSES,
+        "                           ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)\n",
+        "                           ignore_index=IGNORE_INDEX)\n",
+        TRAINING_TESTS, "the translation loss ignores --label_smoothing"),
+    Mutation(
+        "inverse-sqrt-decays-linearly", OPTIMIZATION,
+        "        return math.sqrt(warmup_steps / step)\n",
+        "        return warmup_steps / step\n",
+        TRAINING_TESTS, "fairseq's inverse-sqrt schedule decays as 1/step"),
+    Mutation(
+        "lm-blocks-without-overlap", TOKENIZATION,
+        "    stride = block_size - 1\n",
+        "    stride = block_size\n",
+        DATA_TESTS, "consecutive LM blocks do not overlap: one token in every block is never a target"),
+    Mutation(
+        "lm-blocks-drop-the-carried-token", TOKENIZATION,
+        '            stream = [part[indices[0] - 1]["input_ids"][-1]] if indices[0] > 0 else []\n',
+        "            stream = []\n",
+        DATA_TESTS, "the first token of each map batch of lines is never a target"),
+    Mutation(
+        "decoder-mask-marks-padding-real", BATCHING,
+        '                batch["decoder_attention_mask"] = (batch["labels"] != IGNORE_INDEX).long()\n',
+        '                batch["decoder_attention_mask"] = torch.ones_like(batch["labels"])\n',
+        DATA_TESTS, "the collator's decoder mask counts padded target positions as real"),
+    Mutation(
+        "statistics-summed-not-averaged", CHECKPOINTS,
+        "                buffer.copy_(total / accelerator.num_processes)\n",
+        "                buffer.copy_(total)\n",
+        ("tests/test_recipes_lm_cls.py::test_statistics_are_averaged_across_processes",),
+        "the processes' running statistics are summed instead of averaged before a save"),
+    Mutation(
+        "early-stopping-comparison-flipped", LOOP,
+        '        better = self.best is None or (value < self.best if self.mode == "min" else value > self.best)\n',
+        '        better = self.best is None or (value > self.best if self.mode == "min" else value < self.best)\n',
+        ("tests/test_recipes_lm_cls.py::test_early_stopping_state_round_trips",),
+        "early stopping keeps the worst validation as the best"),
+    Mutation(
+        "resume-restarts-the-epoch", CHECKPOINTS,
+        "    return completed, batches // batches_per_epoch, batches % batches_per_epoch, state\n",
+        "    return completed, batches // batches_per_epoch, 0, state\n",
+        ("tests/test_recipes_lm_cls.py::test_lm_resume_from_latest_matches_an_unbroken_run",),
+        "a resumed run starts its epoch from the first batch again instead of where it stopped"),
+]
 
 MUTATIONS = NORMALIZATION_MUTATIONS + MODELING_MUTATIONS + TRAINING_MUTATIONS
 
