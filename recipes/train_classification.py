@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from accelerate import Accelerator
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
 from hf_powernorm import PowerNormTransformerForSequenceClassification
 from hf_powernorm.training import (
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     if args.norm_type:
         fields["encoder_norm_type"] = args.norm_type
     model = build_model(args, PowerNormTransformerForSequenceClassification, tokenizer, accelerator.num_processes,
-                        DEFAULT_SIZE, args.max_length, **fields)
+                        DEFAULT_SIZE, args.max_length, auto_class=AutoModelForSequenceClassification, **fields)
     log_run_start(accelerator, args, model, f"{len(data.get('train', []))} training sentences, classes {labels}, "
                                             f"vocabulary {len(tokenizer)}")
     collate = PaddingCollator(tokenizer.pad_token_id)

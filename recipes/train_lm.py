@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 
 from accelerate import Accelerator
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from hf_powernorm import PRESETS, PowerNormTransformerForCausalLM
 from hf_powernorm.training import (
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     tokenizer, data, words = load_data(args, accelerator)
     fields = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type} if args.norm_type else {}
     model = build_model(args, PowerNormTransformerForCausalLM, tokenizer, accelerator.num_processes, DEFAULT_SIZE,
-                        args.block_size, **fields)
+                        args.block_size, auto_class=AutoModelForCausalLM, **fields)
     log_run_start(accelerator, args, model, f"{len(data.get('train', []))} training blocks of up to "
                                             f"{args.block_size} tokens, vocabulary {len(tokenizer)}")
     collate = PaddingCollator(tokenizer.pad_token_id)

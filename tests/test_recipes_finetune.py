@@ -184,3 +184,63 @@ def test_a_hub_repository_in_the_cache_is_fine_tuned_offline(first_run, tmp_path
     assert load_file(str(tmp_path / "tuned" / "model.safetensors"))[COUNTER].item() == start[COUNTER].item() + 1
     with pytest.raises(ValueError, match="'org/absent' is neither a folder nor a Hub repository"):
         train_lm.main([*LM_FAST, *files, "--model_name_or_path", "org/absent", "--output_dir", str(tmp_path / "x")])
+
+
+def _transformers_model_folder(root: Path, kind: str, texts: list[str]) -> Path:
+    """A tiny randomly initialised BERT classifier or GPT-2 LM with a BPE of `texts`, saved as a
+    Transformers model folder (no Hub weights)."""
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = training.train_bpe_tokenizer(texts, vocab_size=150)
+    if kind == "bert":
+        config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=37, max_position_embeddings=160, pad_token_id=tokenizer.pad_token_id,
+                            num_labels=3)
+        model = BertForSequenceClassification(config)
+    else:
+        config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+        model = GPT2LMHeadModel(config)
+    folder = root / kind
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_convert_norms_fine_tunes_a_transformers_model(kind, tmp_path):
+    """`--model_name_or_path` a Transformers model folder with `--convert_norms powernorm`: its
+    norms become PowerNorm with the command line's options, it trains with real-token statistics,
+    and the export reloads with `load_converted` to the same scores."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hf_powernorm import load_converted
+
+    if kind == "bert":
+        script, auto, score = train_classification, AutoModelForSequenceClassification, "test_accuracy"
+        corpus = training.synthetic_classification_corpus({"train": 60})["train"]["text"]
+        extra = ["--max_tokens", "256", "--max_eval_samples", "16"]
+    else:
+        script, auto, score = train_lm, AutoModelForCausalLM, "test_perplexity"
+        files = _text_files(tmp_path, seed=14)
+        corpus = Path(files[1]).read_text().splitlines()
+        extra = [*files, "--block_size", "16", "--max_tokens", "128"]
+    folder = _transformers_model_folder(tmp_path, kind, corpus)
+    out = tmp_path / "out"
+    results = script.main([*extra, "--model_name_or_path", str(folder), "--convert_norms", "PowerNorm",
+                           "--powernorm_warmup_steps", "2", "--powernorm_group_num", "none", "--max_train_steps", "4",
+                           "--output_dir", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    conversion = config["powernorm_conversion"]
+    assert conversion["norm_type"] == "powernorm" and len(conversion["modules"]) == 5  # two a layer, and the embeddings or final one
+    assert conversion["options"]["warmup_steps"] == 2 and conversion["options"]["group_num"] is None
+    saved = load_file(str(out / "model.safetensors"))
+    counters = [v.item() for k, v in saved.items() if k.endswith("num_batches_tracked")]
+    assert counters and set(counters) == {4}  # every converted norm, once per update
+    assert "load_converted" in (out / "README.md").read_text()
+    reloaded = load_converted(out, auto)
+    assert sum(k.endswith("running_phi") for k in reloaded.state_dict()) == len(counters)
+    scored = script.main([*extra, "--model_name_or_path", str(out), "--convert_norms", "powernorm", "--no-do_train",
+                          "--output_dir", str(tmp_path / "scored")])
+    assert scored[score] == pytest.approx(results[score], rel=1e-6)

@@ -84,6 +84,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--encoder_norm_type", help="override the encoder norm (e.g. powernorm)")
     model.add_argument("--decoder_norm_type", help="override the decoder norm (e.g. layernorm)")
     model.add_argument("--dropout", type=float, help="residual dropout; default: the preset's")
+    model.add_argument("--convert_norms", metavar="NORM",
+                       help="with --model_name_or_path a Transformers model folder (BERT, GPT-2, Llama, ...): "
+                            "replace its LayerNorm/RMSNorm layers by this norm of the registry (e.g. powernorm; "
+                            "PN options from the --powernorm_* flags) and fine-tune it")
 
 
 def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
@@ -236,6 +240,14 @@ def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -
     """`--model_name_or_path` brings its own architecture; building options would contradict it."""
     if args.preset is not None and args.config_name is not None:
         raise ValueError(f"give --preset {args.preset!r} or --config_name {args.config_name}, not both")
+    if args.convert_norms is not None:
+        try:
+            args.convert_norms = normalize_norm_name(args.convert_norms)
+        except ValueError as error:
+            raise ValueError(f"--convert_norms: {error}") from None
+        if args.model_name_or_path is None:
+            raise ValueError(f"--convert_norms {args.convert_norms} converts an existing Transformers model: "
+                             f"give --model_name_or_path")
     if args.model_name_or_path is None:
         if not args.do_train:
             raise ValueError("--no-do_train scores an existing model: give --model_name_or_path")

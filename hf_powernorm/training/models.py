@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.logging import get_logger
 
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..normalization import NORM_CLASSES
 from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
+
+logger = get_logger(__name__)
 
 
 def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,9 +88,60 @@ def load_pretrained_model(args: argparse.Namespace, model_class: type, tokenizer
     return model_class.from_pretrained(path, **overrides)
 
 
+def converter_options(args: argparse.Namespace, num_processes: int) -> dict[str, Any]:
+    """PowerNorm's options for `convert_norms` from the `--powernorm_*` flags: warmup counted in
+    forward passes like the family's config (default: the learning-rate warmup), statistics
+    synchronised with several processes unless `--no-sync_stats`."""
+    if args.convert_norms != "powernorm":
+        return {}
+    names = {"powernorm_alpha_fwd": "alpha_fwd", "powernorm_alpha_bkw": "alpha_bkw",
+             "powernorm_group_num": "group_num", "powernorm_backward_denominator": "backward_denominator",
+             "powernorm_warmup_statistic": "warmup_statistic", "powernorm_warmup_ramp_steps": "warmup_ramp_steps"}
+    overrides = powernorm_overrides(args)
+    options = {option: overrides[flag] for flag, option in names.items() if flag in overrides}
+    options["warmup_steps"] = overrides.get("powernorm_warmup_steps",
+                                            args.num_warmup_steps * args.gradient_accumulation_steps)
+    options["sync_stats"] = num_processes > 1 if args.sync_stats is None else args.sync_stats
+    return options
+
+
+def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any, num_processes: int,
+                     **fields: Any) -> torch.nn.Module:
+    """A Transformers model (`--model_name_or_path`, an `auto_class` checkpoint such as BERT or
+    GPT-2) with its per-token norms replaced by `--convert_norms`; a folder that was converted
+    before is loaded with its running statistics and fine-tuned on."""
+    from transformers import AutoConfig
+
+    from ..converter import convert_norms, load_converted
+
+    path = args.model_name_or_path
+    config = AutoConfig.from_pretrained(path)
+    conversion = getattr(config, "powernorm_conversion", None)
+    if conversion:
+        if conversion["norm_type"] != args.convert_norms:
+            raise ValueError(f"--model_name_or_path {path} was converted to {conversion['norm_type']!r}, "
+                             f"not --convert_norms {args.convert_norms!r}")
+        model = load_converted(path, auto_class)
+    else:
+        task = {k: v for k, v in fields.items() if k in ("num_labels", "id2label", "label2id")}
+        model = auto_class.from_pretrained(path, **task)
+        report = convert_norms(model, args.convert_norms, **converter_options(args, num_processes))
+        logger.info(f"converted the norms of {path}: {report}")
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ValueError(f"--model_name_or_path {path} embeds {embeddings} tokens; the tokenizer has {len(tokenizer)}")
+    return model.train()
+
+
 def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num_processes: int,
-                default_size: dict[str, Any], max_length: int, **fields: Any) -> torch.nn.Module:
-    """`--model_name_or_path` loaded, else a new `model_class` from `build_config`."""
+                default_size: dict[str, Any], max_length: int, *, auto_class: type | None = None,
+                **fields: Any) -> torch.nn.Module:
+    """`--model_name_or_path` converted (`--convert_norms`, with `auto_class`) or loaded, else a
+    new `model_class` from `build_config`."""
+    if getattr(args, "convert_norms", None):
+        if auto_class is None:
+            raise ValueError("--convert_norms is not offered by this script")
+        return load_and_convert(args, auto_class, tokenizer, num_processes, **fields)
     if args.model_name_or_path:
         return load_pretrained_model(args, model_class, tokenizer, num_processes, max_length, **fields)
     return model_class(build_config(args, tokenizer, num_processes, default_size, max_length, **fields))

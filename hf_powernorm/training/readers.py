@@ -124,7 +124,8 @@ def _translation_from_prefix(prefix: str, source_lang: str, target_lang: str, sp
                          f"parallel files must be aligned line by line")
     if line_counts[0] == 0:
         raise ValueError(f"split {split!r} is empty: {paths[0]} and {paths[1]} hold no line")
-    features = datasets.Features({"translation": {lang: datasets.Value("string") for lang in (source_lang, target_lang)}})
+    columns = {lang: datasets.Value("string") for lang in (source_lang, target_lang)}
+    features = datasets.Features({"translation": columns})
     # Tuples, not lists: `from_generator` would shard list arguments over several generator calls.
     return Dataset.from_generator(_aligned_rows, features=features, gen_kwargs={
         "paths": tuple(str(p) for p in paths), "languages": (source_lang, target_lang),
