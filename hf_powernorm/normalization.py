@@ -123,9 +123,9 @@ def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tens
 _BROADCAST_WARNED = []  # one warning per process
 
 
-def _warn_if_ddp_overwrites_statistics(module: nn.Module, args) -> None:
-    """Forward pre-hook: DDP syncing buffers (`broadcast_buffers`, the default, Trainer's too)
-    overwrites every rank's running statistics with rank 0's at each forward."""
+def _warn_if_ddp_overwrites_statistics(module: nn.Module) -> None:
+    """Called where a norm takes a statistic: DDP syncing buffers (`broadcast_buffers`, the default,
+    Trainer's too) overwrites every rank's running statistics with rank 0's at each forward."""
     ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
     if ddp is None or not module.training or _BROADCAST_WARNED or getattr(module, "sync_stats", False):
         return
@@ -239,7 +239,6 @@ class _RunningStatsNorm(_Norm):
         for name, value in self._running_buffers.items():
             self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
-        self.register_forward_pre_hook(_warn_if_ddp_overwrites_statistics)
 
     def reset_running_stats(self) -> None:
         with torch.no_grad():
@@ -254,6 +253,7 @@ class _RunningStatsNorm(_Norm):
 
     def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> bool:
         """False for a batch without real tokens, or (with a warning) for non-finite statistics."""
+        _warn_if_ddp_overwrites_statistics(self)
         if count.item() == 0:
             return False
         if not all(bool(torch.isfinite(stat).all()) for stat in statistics):
