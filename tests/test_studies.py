@@ -38,3 +38,19 @@ def test_loss_jump_is_measured_around_the_first_update_after_warmup():
     losses = {s: 5.0 for s in range(1, 21)} | {s: 6.0 for s in range(21, 31)} | {s: 5.5 for s in range(31, 71)}
     jump = warmup_switch.loss_jump(losses, warmup_steps=20)
     assert jump == {"loss_jump": pytest.approx(1.0), "loss_peak_excess": pytest.approx(1.0)}
+
+
+converted_models = load_recipe("studies/converted_models")
+
+
+@pytest.mark.slow  # four recipe processes: about 30 s on an idle 2-core machine, minutes on a busy one
+def test_converted_models_smoke_runs_both_norms_from_the_same_weights(tmp_path):
+    results = converted_models.main(["--smoke", "--seeds", "1", "--output_dir", str(tmp_path)])
+    assert sorted((r["task"], r["norm"]) for r in results) == sorted(
+        (task, norm) for task in converted_models.TASKS for norm in ("layernorm", "powernorm"))
+    assert all(r["train_steps"] == 3 for r in results)
+    for result in results:
+        config = (tmp_path / "cells" / result["cell"] / "run" / "config.json").read_text()
+        assert f'"norm_type": "{result["norm"]}"' in config
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| bert-classification (test_accuracy) | powernorm |" in summary
