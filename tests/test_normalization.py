@@ -4,6 +4,7 @@ The PowerNorm reference below restates `powernorm-notes.md` step by step with ga
 and autograd for group scaling; it shares no code with `hf_powernorm.normalization`.
 """
 
+import os
 import socket
 import subprocess
 import sys
@@ -831,7 +832,10 @@ def test_a_library_without_a_matching_record_is_never_loaded(monkeypatch, tmp_pa
     (library,) = tmp_path.glob("*.so")
     record = library.with_suffix(".json")
     if tamper == "library":
-        library.write_bytes(library.read_bytes() + b"\0")
+        # A new file in its place: writing into the loaded library's own pages would crash this process.
+        tampered = library.with_suffix(".tampered")
+        tampered.write_bytes(library.read_bytes() + b"\0")
+        os.replace(tampered, library)
     elif tamper == "record_missing":
         record.unlink()
     else:
