@@ -622,14 +622,19 @@ class MaskedBatchNorm(_RunningStatsNorm):
             xf = flat.to(dtype)
             mean, var = self.running_mean.to(dtype), self.running_var.to(dtype)
             if self.training:
-                count = _token_count(xf, token_weights)
-                batch_mean = _token_sum(xf, token_weights) / count.clamp_min(1.0)
-                batch_var = _token_sum((xf - batch_mean).square(), token_weights) / count.clamp_min(1.0)
+                count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
                 if self._update(batch_mean, batch_var, count):
                     mean, var = batch_mean, batch_var
             scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
             out = torch.addcmul(self.bias.to(dtype), xf - mean, scale)
         return out.to(flat.dtype).view(hidden_states.shape)
+
+    @staticmethod
+    def _batch_moments(xf: torch.Tensor, token_weights: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Real-token count, mean and biased variance of the batch, per channel."""
+        count = _token_count(xf, token_weights)
+        mean = _token_sum(xf, token_weights) / count.clamp_min(1.0)
+        return count, mean, _token_sum((xf - mean).square(), token_weights) / count.clamp_min(1.0)
 
     def _update(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> bool:
         if not self._usable(count, mean, var):
@@ -682,9 +687,7 @@ class BatchRenorm(MaskedBatchNorm):
             weight, bias = self.weight.to(dtype), self.bias.to(dtype)
             mean, scale = self.running_mean.to(dtype), weight * torch.rsqrt(self.running_var.to(dtype) + self.eps)
             if self.training:
-                count = _token_count(xf, token_weights)
-                batch_mean = _token_sum(xf, token_weights) / count.clamp_min(1.0)
-                batch_var = _token_sum((xf - batch_mean).square(), token_weights) / count.clamp_min(1.0)
+                count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
                 r, d = self._correction(batch_mean, batch_var)
                 if self._update(batch_mean, batch_var, count):
                     mean, scale, bias = batch_mean, weight * r * torch.rsqrt(batch_var + self.eps), bias + weight * d
