@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+from .checkpoints import write_json_atomically
 
 RESULT_NAME = "result.json"
 
@@ -42,18 +43,12 @@ def cell_result(output_dir: str | Path, cell: Cell) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _write_atomically(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
-
-
 def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path) -> dict[str, Any]:
     if folder.exists():
         shutil.rmtree(folder)  # what a killed attempt left behind
     folder.mkdir(parents=True)
     result = {"cell": cell.name, **cell.options, **run_cell(cell, folder)}
-    _write_atomically(folder / RESULT_NAME, result)
+    write_json_atomically(folder / RESULT_NAME, result)
     return result
 
 
