@@ -68,8 +68,8 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS, "the running gradient statistic nu subtracts Lambda (eq. 13 sign)"),
     Mutation(
         "pn-warmup-phi-not-cumulative", NORMALIZATION,
-        "            self.running_phi.lerp_(v, 1.0 / step if step <= self.warmup_steps else ema_rate)\n",
-        "            self.running_phi.lerp_(v, ema_rate)\n",
+        "            _lerp_(self.running_phi, v, 1.0 / step if step <= self.warmup_steps else ema_rate)\n",
+        "            _lerp_(self.running_phi, v, ema_rate)\n",
         NORM_TESTS, "during warmup running_phi is an EMA instead of the cumulative mean"),
     Mutation(
         "pn-backward-denominator-always-batch", NORMALIZATION,
@@ -168,8 +168,8 @@ MODELING_MUTATIONS = [
         MODEL_TESTS, "the decoder's norms take batch statistics over padded positions"),
     Mutation(
         "ignored-labels-not-padding", MODELING,
-        "                    decoder_attention_mask = (labels != -100).long()\n",
-        "                    decoder_attention_mask = None\n",
+        "                decoder_attention_mask = (labels != -100).long()\n",
+        "                decoder_attention_mask = None\n",
         MODEL_TESTS, "decoder positions fed from -100 labels enter the decoder's batch statistics"),
     Mutation(
         "positions-count-padding", MODELING,
