@@ -16,10 +16,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -56,7 +54,7 @@ from .arguments import check_batch_budget
 from .batching import PaddingCollator, eval_loader, train_loader
 from .models import norm_types
 from .optimization import build_optimizer, build_scheduler
-from .run_log import LOG_NAME, RunLog
+from .run_log import RunLog, drop_records_after
 
 logger = get_logger(__name__)
 
@@ -256,30 +254,8 @@ class _Checkpoints:
                            main_process_only=True)
         self.resumed_from = path
         if self.accelerator.is_main_process:
-            _drop_log_records_after(self.args.output_dir, completed)
+            drop_records_after(self.args.output_dir, completed)
         return completed, epoch, skip
-
-
-def _log_step(line: str) -> float:
-    """The update of a log record; a line cut short by a kill counts as after every update."""
-    try:
-        return json.loads(line).get("step", 0) if line.endswith("\n") else math.inf
-    except json.JSONDecodeError:
-        return math.inf
-
-
-def _drop_log_records_after(output_dir: str | Path, step: int) -> None:
-    """A run killed after its last checkpoint logged updates that the resumed run does again: keep
-    the log's records up to `step` (and none cut short), so that each update is logged once."""
-    path = Path(output_dir) / LOG_NAME
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if _log_step(line) <= step]
-    if len(kept) < len(lines):
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        temporary.write_text("".join(kept), encoding="utf-8")
-        os.replace(temporary, path)
 
 
 def _due(every: str | int | None, completed: int) -> bool:

@@ -1,11 +1,14 @@
 """The run's own log: one JSON object per line in `<output_dir>/training_log.jsonl` for every
 update (loss, learning rate, tokens/s, epoch) and every validation, written by the main process
-whether or not a tracker is on, so that a run can be plotted and compared without TensorBoard."""
+whether or not a tracker is on, so that a run can be plotted and compared without TensorBoard. A
+resumed run first drops the records after its checkpoint (`drop_records_after`), so each update is
+logged once."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +37,25 @@ def read_run_log(output_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: no run has logged to {output_dir}")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _log_step(line: str) -> float:
+    """The update of a log record; a line cut short by a kill counts as after every update."""
+    try:
+        return json.loads(line).get("step", 0) if line.endswith("\n") else math.inf
+    except json.JSONDecodeError:
+        return math.inf
+
+
+def drop_records_after(output_dir: str | Path, step: int) -> None:
+    """A run killed after its last checkpoint logged updates that the resumed run does again: keep
+    the log's records up to `step` (and none cut short), so that each update is logged once."""
+    path = Path(output_dir) / LOG_NAME
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if _log_step(line) <= step]
+    if len(kept) < len(lines):
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        temporary.write_text("".join(kept), encoding="utf-8")
+        os.replace(temporary, path)
