@@ -6,8 +6,9 @@ norm layer with:
 - the batch statistics over real tokens, `mu_B`, `sigma2_B` (biased) and the quadratic mean `psi2_B`
   (Definition 1), of the tensor the layer normalizes: its input, after group scaling for PN and PN-V;
 - the running statistics the layer held before the step (`running_mean`, `running_var`,
-  `running_phi`, `running_nu`) and the distances of Figures 2 and 4: `||mu_B - mu||` (also relative
-  to `||mu||`), `||sigma2_B - sigma2||`, `||psi2_B - phi||`, and the range of `psi2_B / phi`;
+  `running_phi`, `running_nu`) and the distances of Figures 2 and 4: `||mu_B - mu||`,
+  `||sigma2_B - sigma2||`, `||psi2_B - phi||` (each also relative to the running statistic's norm),
+  and the range of `psi2_B / phi`;
 - the gradient contributions through the batch statistics that a batch norm (eq. 3: `g_mu`,
   `g_sigma2`) and PN-V (eq. 6: `g_psi2`) would route at this position, computed in float32 from the
   layer's input, the gradient of its output and the mask, independently of the layer's backward;
@@ -215,15 +216,22 @@ def batch_statistics(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"mean": mean, "var": (x - mean).square().mean(0), "psi2": x.square().mean(0)}
 
 
+def _relative(distance: float | None, running: torch.Tensor | None) -> float | None:
+    """`distance / ||running||`, None without a running statistic or when it is zero."""
+    norm = _norm_of(running)
+    return distance / norm if distance is not None and norm else None
+
+
 def running_comparison(batch: dict[str, torch.Tensor], running: dict[str, torch.Tensor]) -> dict:
     """Channel means of the running statistics and the distances of the batch ones to them."""
     row = {f"{key}_avg": _mean_of(running.get(key)) for key in RUNNING_STATISTICS}
     mean, var, phi = running.get("running_mean"), running.get("running_var"), running.get("running_phi")
     row["dist_mean"] = _norm_of(None if mean is None else batch["mean"] - mean)
-    mean_norm = _norm_of(mean)
-    row["rel_dist_mean"] = row["dist_mean"] / mean_norm if mean_norm else None
+    row["rel_dist_mean"] = _relative(row["dist_mean"], mean)
     row["dist_var"] = _norm_of(None if var is None else batch["var"] - var)
+    row["rel_dist_var"] = _relative(row["dist_var"], var)
     row["dist_psi2"] = _norm_of(None if phi is None else batch["psi2"] - phi)
+    row["rel_dist_psi2"] = _relative(row["dist_psi2"], phi)
     ratio = None if phi is None else batch["psi2"] / phi
     row.update({f"psi2_ratio_{key}": None if ratio is None else float(getattr(ratio, key)())
                 for key in ("min", "mean", "max")})

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 HIDDEN = 32
 QUANTITIES = (
     "step", "layer", "norm", "tokens", "batch_mean_avg", "batch_var_avg", "batch_psi2_avg", "running_mean_avg",
-    "running_var_avg", "running_phi_avg", "running_nu_avg", "dist_mean", "rel_dist_mean", "dist_var", "dist_psi2",
+    "running_var_avg", "running_phi_avg", "running_nu_avg", "dist_mean", "rel_dist_mean", "dist_var", "rel_dist_var",
+    "dist_psi2", "rel_dist_psi2",
     "psi2_ratio_min", "psi2_ratio_mean", "psi2_ratio_max", "g_mu", "g_sigma2", "g_psi2", "weight_grad_norm",
     "bias_grad_norm", "lemma2_fraction", "lemma2_ratio_min", "lemma2_ratio_max",
 )
@@ -103,6 +104,7 @@ def test_recorded_values_match_a_float64_batch_norm(tmp_path):
     calls, grads = [], []  # one entry per step
     layer.register_forward_pre_hook(lambda m, args: calls.append(dict(
         x=args[0].detach().double(), mask=args[1], running_mean=m.running_mean.double(),
+        running_var=m.running_var.double(),
         gamma=m.weight.detach().double())))
     def watch(module, args, output):
         output.register_hook(lambda grad: grads.append(grad.double()))
@@ -120,6 +122,10 @@ def test_recorded_values_match_a_float64_batch_norm(tmp_path):
         assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
     assert row["running_mean_avg"] == pytest.approx(float(seen["running_mean"].mean()), rel=1e-5, abs=1e-9)
     assert row["dist_mean"] == pytest.approx(float((x.mean(0) - seen["running_mean"]).norm()), rel=1e-4)
+    assert row["rel_dist_mean"] == pytest.approx(row["dist_mean"] / float(seen["running_mean"].norm()), rel=1e-4)
+    running_var = seen["running_var"]
+    assert row["rel_dist_var"] == pytest.approx(
+        float((x.var(0, unbiased=False) - running_var).norm() / running_var.norm()), rel=1e-4)
 
 
 def _float64_reference(x, dy, gamma, eps):

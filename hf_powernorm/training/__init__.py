@@ -75,6 +75,7 @@ from .readers import (
     split_train,
 )
 from .run_log import RunLog, read_run_log
+from .study_runs import lm_run_args, lm_split_files, prepare_lm_data, train_causal_lm
 from .tokenization import (
     SPECIAL_TOKENS,
     column_texts,
@@ -99,14 +100,14 @@ __all__ = [
     "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",
     "evaluate_perplexity", "finish_training", "fit", "incomplete_checkpoints", "inverse_sqrt_schedule",
     "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints",
-    "lm_blocks", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
+    "lm_blocks", "lm_run_args", "lm_split_files", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
     "load_scheduler_state", "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator",
     "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity",
-    "prepare_eval_loaders", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
+    "prepare_eval_loaders", "prepare_lm_data", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
     "read_run_log", "resolve_model_path", "resolve_resume_path", "run_grid", "save_checkpoint", "save_json",
     "save_outputs", "save_results", "scheduler_state", "score_splits", "select_checkpoints", "sequence_lengths",
     "sequence_nll", "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
     "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines", "tokenize_translation",
-    "train", "train_bpe_tokenizer", "train_loader", "training_command", "translate", "translation_loss",
+    "train", "train_bpe_tokenizer", "train_causal_lm", "train_loader", "training_command", "translate", "translation_loss",
     "translation_texts", "write_average", "write_manifest",
 ]

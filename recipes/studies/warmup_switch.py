@@ -30,29 +30,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hf_powernorm import PowerNormTransformerForCausalLM
 from hf_powernorm.training import (
     Cell,
-    PaddingCollator,
-    add_recipe_args,
-    build_model,
-    check_args,
-    column_texts,
-    count_words,
-    evaluate_perplexity,
-    fit,
-    lm_blocks,
-    load_lm_dataset,
-    load_tokenizer,
-    make_accelerator,
-    model_loss,
-    prepare_eval_loaders,
+    lm_run_args,
+    lm_split_files,
+    prepare_lm_data,
     read_run_log,
     run_grid,
-    score_splits,
-    synthetic_lm_corpus,
-    tokenize_lines,
-    train_bpe_tokenizer,
+    train_causal_lm,
 )
 
 SETTINGS = {
@@ -87,49 +72,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in SIZES["smoke" if args.smoke else "real"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if not args.smoke and not (Path(args.data_dir) / "ptb" / "ptb.train.txt").is_file():
-        raise FileNotFoundError(f"--data_dir {args.data_dir}: no ptb/ptb.train.txt there (the shared corpora "
-                                f"live in ../shared/data; --smoke runs on the embedded corpus)")
     return args
 
 
-def _corpus(args: argparse.Namespace, output_dir: Path) -> dict[str, str]:
-    """The split files: PTB's, or the embedded corpus written once for --smoke."""
-    if not args.smoke:
-        return {split: str(Path(args.data_dir).resolve() / "ptb" / f"ptb.{name}.txt")
-                for split, name in (("train", "train"), ("validation", "valid"), ("test", "test"))}
-    corpus = synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=3)
-    files = {}
-    for split, part in corpus.items():
-        files[split] = str(output_dir / f"smoke.{split}.txt")
-        if not Path(files[split]).is_file():
-            Path(files[split]).write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
-    return files
-
-
-def _prepare_data(files: dict[str, str], output_dir: Path, vocab_size: int, block_size: int) -> str:
-    """Train the BPE once and fill the datasets cache, so the runs only read it."""
-    tokenizer_dir = output_dir / "tokenizer"
-    raw = load_lm_dataset(data_files=files)
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        train_bpe_tokenizer(column_texts(raw["train"]), vocab_size).save_pretrained(tokenizer_dir)
-    lm_blocks(tokenize_lines(raw, load_tokenizer(tokenizer_dir)), block_size)
-    return str(tokenizer_dir)
-
-
-def _run_args(options: dict[str, Any], folder: Path) -> argparse.Namespace:
-    """The training options of one run, through the recipes' own parser and checks."""
-    argv = ["--output_dir", str(folder), "--seed", str(options["seed"]), "--max_tokens", str(options["max_tokens"]),
+def _run_argv(options: dict[str, Any]) -> list[str]:
+    """The training options of one run, as on the recipes' command line."""
+    argv = ["--seed", str(options["seed"]), "--max_tokens", str(options["max_tokens"]),
             "--learning_rate", str(options["learning_rate"]), "--num_warmup_steps", str(options["warmup_steps"]),
             "--max_train_steps", str(options["max_train_steps"]), "--eval_steps", str(options["eval_steps"]),
             "--clip_norm", "0.25", "--weight_decay", "0.01", "--eval_batch_size", "32",
-            "--norm_type", options["norm_type"], "--tokenizer_name", options["tokenizer"]]
+            "--norm_type", options["norm_type"]]
     if options["norm_type"] == "powernorm":
         argv += ["--powernorm_warmup_statistic", options["powernorm_warmup_statistic"],
                  "--powernorm_warmup_ramp_steps", str(options["ramp_steps"] if options["ramp"] else 0)]
-    args = add_recipe_args(argparse.ArgumentParser()).parse_args(argv)
-    check_args(args)
-    return args
+    return argv
 
 
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
@@ -138,24 +94,10 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
     options = cell.options
-    args = _run_args(options, folder)
-    accelerator = make_accelerator(args)
-    tokenizer = load_tokenizer(options["tokenizer"])
-    raw = load_lm_dataset(data_files=options["files"])
-    blocks = lm_blocks(tokenize_lines(raw, tokenizer), options["block_size"])
-    norms = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type}
-    model = build_model(args, PowerNormTransformerForCausalLM, tokenizer, 1, MODEL, options["block_size"], **norms)
-    collate = PaddingCollator(tokenizer.pad_token_id)
-    evals = prepare_eval_loaders(accelerator, blocks, collate, args.eval_batch_size)
-    validate = lambda m: evaluate_perplexity(accelerator, m, evals["validation"])["perplexity"]  # noqa: E731
-    model, summary = fit(args, accelerator, model, blocks["train"], collate, model_loss, tokenizer=tokenizer,
-                         mode="min", validate=validate)
-    words = {split: count_words(column_texts(part)) for split, part in raw.items()}
-    scores = score_splits(lambda split, loader: evaluate_perplexity(accelerator, model, loader, words[split]), evals)
-    accelerator.end_training()
+    args = lm_run_args(folder, options["tokenizer"], _run_argv(options))
+    _, scores = train_causal_lm(args, options["files"], options["block_size"], MODEL)
     losses = {r["step"]: r["loss"] for r in read_run_log(folder) if "loss" in r}
-    return {**summary, **{k: v for k, v in scores.items() if k.endswith(("perplexity", "loss"))},
-            **loss_jump(losses, options["warmup_steps"])}
+    return {**scores, **loss_jump(losses, options["warmup_steps"])}
 
 
 def loss_jump(losses: dict[int, float], warmup_steps: int) -> dict[str, float]:
@@ -232,8 +174,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    files = _corpus(args, output_dir)
-    tokenizer = _prepare_data(files, output_dir, args.vocab_size, args.block_size)
+    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
     results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="Warmup switch")
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))

@@ -1,0 +1,86 @@
+"""The language-model runs the studies share: PTB's split files (or the embedded corpus at smoke
+size), its BPE and token blocks prepared once per study, and one causal-LM training run through the
+recipes' own argument parser and `fit`, returning the trained model with its scores."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..modeling_powernorm import PowerNormTransformerForCausalLM
+from .arguments import add_recipe_args, check_args
+from .batching import PaddingCollator
+from .corpora import synthetic_lm_corpus
+from .evaluation import evaluate_perplexity, score_splits
+from .loop import fit, make_accelerator, prepare_eval_loaders
+from .losses import model_loss
+from .models import build_model
+from .metrics import count_words
+from .readers import load_lm_dataset
+from .tokenization import column_texts, lm_blocks, load_tokenizer, tokenize_lines, train_bpe_tokenizer
+
+PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
+
+
+def lm_split_files(data_dir: str | Path, output_dir: str | Path, smoke: bool) -> dict[str, str]:
+    """PTB's `ptb.{train,valid,test}.txt` under `data_dir`, or with `smoke` the embedded corpus
+    written once into `output_dir`. A missing PTB raises `FileNotFoundError` naming the folder."""
+    if not smoke:
+        folder = Path(data_dir).resolve() / "ptb"
+        if not (folder / "ptb.train.txt").is_file():
+            raise FileNotFoundError(f"--data_dir {data_dir}: no ptb/ptb.train.txt there (the shared corpora live "
+                                    f"in ../shared/data; --smoke runs on the embedded corpus)")
+        return {split: str(folder / f"ptb.{name}.txt") for split, name in PTB_SPLITS}
+    corpus = synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=3)
+    files = {}
+    for split, part in corpus.items():
+        files[split] = str(Path(output_dir) / f"smoke.{split}.txt")
+        if not Path(files[split]).is_file():
+            Path(files[split]).write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
+    return files
+
+
+def prepare_lm_data(files: dict[str, str], output_dir: str | Path, vocab_size: int, block_size: int) -> str:
+    """Train the BPE once into `output_dir/tokenizer` and fill the datasets cache with the token
+    blocks, so that the runs (in other processes) only read them. Returns the tokenizer folder."""
+    tokenizer_dir = Path(output_dir) / "tokenizer"
+    raw = load_lm_dataset(data_files=files)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        train_bpe_tokenizer(column_texts(raw["train"]), vocab_size).save_pretrained(tokenizer_dir)
+    lm_blocks(tokenize_lines(raw, load_tokenizer(tokenizer_dir)), block_size)
+    return str(tokenizer_dir)
+
+
+def lm_run_args(folder: str | Path, tokenizer: str, argv: Sequence[str]) -> argparse.Namespace:
+    """The options of one run, through the recipes' parser and checks (`argv` as on a command line)."""
+    args = add_recipe_args(argparse.ArgumentParser()).parse_args(
+        ["--output_dir", str(folder), "--tokenizer_name", tokenizer, *argv])
+    check_args(args)
+    return args
+
+
+def train_causal_lm(args: argparse.Namespace, files: dict[str, str], block_size: int, model_size: dict[str, Any],
+                    *, eval_batch_size: int = 32) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train `PowerNormTransformerForCausalLM` of `model_size` with `args.norm_type` at every norm
+    position on `files`' token blocks; return the model (unwrapped, in eval mode) and its training
+    summary with validation and test loss and perplexity (per BPE token, and per word)."""
+    accelerator = make_accelerator(args)
+    tokenizer = load_tokenizer(args.tokenizer_name)
+    raw = load_lm_dataset(data_files=files)
+    blocks = lm_blocks(tokenize_lines(raw, tokenizer), block_size)
+    norms = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type}
+    model = build_model(args, PowerNormTransformerForCausalLM, tokenizer, 1, model_size, block_size, **norms)
+    collate = PaddingCollator(tokenizer.pad_token_id)
+    evals = prepare_eval_loaders(accelerator, blocks, collate, eval_batch_size)
+    validate = lambda m: evaluate_perplexity(accelerator, m, evals["validation"])["perplexity"]  # noqa: E731
+    model, summary = fit(args, accelerator, model, blocks["train"], collate, model_loss, tokenizer=tokenizer,
+                         mode="min", validate=validate)
+    words = {split: count_words(column_texts(part)) for split, part in raw.items()}
+    scores = score_splits(lambda split, loader: evaluate_perplexity(accelerator, model, loader, words[split]), evals)
+    accelerator.end_training()
+    model = accelerator.unwrap_model(model).eval()
+    return model, {**summary, **{k: v for k, v in scores.items() if k.endswith(("perplexity", "loss"))}}
