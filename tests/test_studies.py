@@ -2,8 +2,10 @@
 markdown summary, and a second call resumes without redoing a finished run."""
 
 import csv
+import math
 
 import pytest
+import torch
 
 from recipe_scripts import load_recipe
 
@@ -54,3 +56,44 @@ def test_converted_models_smoke_runs_both_norms_from_the_same_weights(tmp_path):
         assert f'"norm_type": "{result["norm"]}"' in config
     summary = (tmp_path / "summary.md").read_text()
     assert "| bert-classification (test_accuracy) | powernorm |" in summary
+
+
+batch_statistics = load_recipe("studies/batch_statistics")
+
+
+def test_batch_statistics_smoke_records_every_norm_and_resumes(tmp_path):
+    argv = ["--smoke", "--seeds", "1", "--output_dir", str(tmp_path)]
+    results = batch_statistics.main(argv)
+    assert [(r["model"], r["norm"]) for r in results] == [
+        *(("lm", norm) for norm in batch_statistics.LM_NORMS), ("cnn", "batchnorm")]
+    by_run = {f"{r['model']}-{r['norm']}": r for r in results}
+    # Running-mean distances exist for batch norms only; the quadratic-mean ones for PN-V and PN only.
+    assert by_run["lm-batchnorm"]["rel_dist_mean_median"] > 0 and by_run["cnn-batchnorm"]["rel_dist_var_median"] > 0
+    assert math.isnan(by_run["lm-powernorm"]["rel_dist_mean_median"]) and by_run["lm-powernorm"]["rel_dist_psi2_median"] > 0
+    assert by_run["cnn-batchnorm"]["first_layer"] == "norm1"
+    assert by_run["lm-layernorm"]["first_layer"].endswith("layers.0.self_attn_norm")
+    for norm in batch_statistics.LM_NORMS:
+        run = by_run[f"lm-{norm}"]
+        values = (tmp_path / "cells" / run["cell"] / "singular_values.csv").read_text().splitlines()[1:]
+        assert len(values) == min(120, batch_statistics.MODEL["hidden_size"])  # (vocabulary, hidden) embeddings
+        assert float(values[0].split(",")[1]) == 1.0 and 1 < run["effective_rank"] <= len(values)
+        assert run["test_perplexity"] < 120
+    with open(tmp_path / "statistics.csv", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["run"] for r in rows} == set(by_run)
+    assert {int(r["step"]) for r in rows if r["run"] == "lm-powernorm"} == {2, 4, 6, 8, 10, 12}
+    summary = (tmp_path / "summary.md").read_text()
+    assert all(f"| {run} |" in summary for run in by_run)
+    for figure in ("figure2_3", "figure4", "figure6", "figure7"):
+        assert (tmp_path / f"{figure}.png").stat().st_size > 10_000
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cells").glob("*/result.json")}
+    assert batch_statistics.main(argv) == results
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing redone
+
+
+def test_singular_value_summary_of_a_known_spectrum():
+    matrix = torch.diag(torch.tensor([4.0, 2.0, 1.0, 1.0]))
+    values = batch_statistics.normalized_singular_values(matrix)
+    assert values == pytest.approx([1.0, 0.5, 0.25, 0.25])
+    summary = batch_statistics.singular_value_summary([1.0] * 8)
+    assert summary["sv_8"] == 1.0 and summary["effective_rank"] == pytest.approx(8.0)
