@@ -97,3 +97,31 @@ def test_singular_value_summary_of_a_known_spectrum():
     assert values == pytest.approx([1.0, 0.5, 0.25, 0.25])
     summary = batch_statistics.singular_value_summary([1.0] * 8)
     assert summary["sv_8"] == 1.0 and summary["effective_rank"] == pytest.approx(8.0)
+
+
+norm_comparison = load_recipe("studies/norm_comparison")
+
+
+def test_norm_comparison_smoke_runs_both_tasks_and_reports_partial_grids(tmp_path):
+    argv = ["--smoke", "--seeds", "1", "--settings", "layernorm", "powernorm", "--output_dir", str(tmp_path)]
+    results = norm_comparison.main(argv)
+    assert [(r["task"], r["setting"]) for r in results] == [
+        ("ptb", "layernorm"), ("ptb", "powernorm"), ("multi30k", "layernorm"), ("multi30k", "powernorm")]
+    for result in results:
+        folder = tmp_path / "cells" / result["cell"]
+        config = ((folder / "run") if result["task"] == "multi30k" else folder / "best_model") / "config.json"
+        norm = "powernorm" if result["setting"] == "powernorm" else "layernorm"
+        assert f'"encoder_norm_type": "{norm}"' in config.read_text()
+        assert norm_comparison.validation_curve(tmp_path, result)  # the curve of every run is read back
+    assert all(r["test_perplexity"] < 120 for r in results if r["task"] == "ptb")
+    assert all(0 <= r["test_bleu"] <= 100 for r in results if r["task"] == "multi30k")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| powernorm | 1 |" in summary and (tmp_path / "curves_ptb.png").stat().st_size > 10_000
+    with open(tmp_path / "curves.csv", encoding="utf-8") as handle:
+        assert {(r["task"], r["setting"]) for r in csv.DictReader(handle)} == {
+            (r["task"], r["setting"]) for r in results}
+    # A grid with unfinished runs reports the finished ones and runs nothing.
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cells").glob("*/result.json")}
+    partial = norm_comparison.main([*argv[:-2], "--seeds", "1", "2", "--report_only", "--output_dir", str(tmp_path)])
+    assert partial == results and {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert not any((tmp_path / "cells").glob("*seed2"))

@@ -1,0 +1,272 @@
+"""Every norm at the same budget: the paper's Tables 1 and 2 and Appendix B.3, on PTB and Multi30k.
+
+Shen et al. (2020) compare LayerNorm, BatchNorm, PN-V and PN on IWSLT14/WMT14 (BLEU, Table 1) and
+PTB/WikiText-103 (perplexity, Table 2), and Batch Renormalization and MABN in Appendix B.3. This
+study trains each norm of the registry - LayerNorm, BatchNorm, PN-V, PN with either backward
+denominator (`running`, the paper's eqs. 11-13; `batch`, Algorithm 2 as printed), RMSNorm,
+GroupNorm, BatchRenorm, MABN - with the same model, budget and hyper-parameters, for every seed:
+
+- `ptb`: a causal LM (`lm-small`'s pre-norm layout at width 128, 2 layers, the norm at every
+  position) on Penn Treebank, scored by validation and test perplexity (per BPE token and per word);
+- `multi30k`: `recipes/train_wmt.py`'s default model (width 64, 2+2 layers, the norm in the encoder,
+  LayerNorm in the decoder as in the paper's translation models) on Multi30k de->en, scored by
+  validation and test BLEU (beam 4, the first 500 sentences of `val` and `test_2016_flickr`).
+
+It writes `results.csv` (one row per run), `curves.csv` (validation score per evaluation),
+`summary.md` (mean ± std over seeds, and the difference to LayerNorm seed by seed) and
+`curves_<task>.png` into `--output_dir`. Cells run seed-major, so that a grid stopped early has
+every norm at its first seeds.
+
+    python recipes/studies/norm_comparison.py --tasks ptb --jobs 2              # ../shared/data
+    python recipes/studies/norm_comparison.py --smoke --output_dir /tmp/nc      # embedded corpora, seconds
+
+Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`); `--report_only`
+writes the outputs of the runs finished so far while the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hf_powernorm.training import (
+    Cell,
+    cell_result,
+    lm_run_args,
+    lm_split_files,
+    prepare_lm_data,
+    read_run_log,
+    run_grid,
+    train_causal_lm,
+)
+
+RECIPES = Path(__file__).resolve().parents[1]
+SETTINGS = {
+    "layernorm": ["--norm_type", "layernorm"],
+    "batchnorm": ["--norm_type", "batchnorm"],
+    "powernorm_v": ["--norm_type", "powernorm_v"],
+    "powernorm": ["--norm_type", "powernorm", "--powernorm_backward_denominator", "running"],
+    "powernorm-batch-denominator": ["--norm_type", "powernorm", "--powernorm_backward_denominator", "batch"],
+    "rmsnorm": ["--norm_type", "rmsnorm"],
+    "groupnorm": ["--norm_type", "groupnorm"],
+    "batchrenorm": ["--norm_type", "batchrenorm"],
+    "mabn": ["--norm_type", "mabn"],
+}
+TASKS = ("ptb", "multi30k")
+LM_MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
+            "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
+            "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+SIZES = {
+    "real": {"ptb": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 1500,
+                     "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
+             "multi30k": {"vocab_size": 8000, "max_tokens": 2048, "max_train_steps": 2000, "warmup_steps": 400,
+                          "eval_steps": 250, "learning_rate": 3e-3, "max_eval_samples": 500}},
+    "smoke": {"ptb": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 8,
+                      "warmup_steps": 2, "eval_steps": 4, "learning_rate": 5e-3},
+              "multi30k": {"vocab_size": 150, "max_tokens": 256, "max_train_steps": 4, "warmup_steps": 2,
+                           "eval_steps": 2, "learning_rate": 3e-3, "max_eval_samples": 8}},
+}
+SCORES = {"ptb": ("validation_perplexity", "test_perplexity", "test_word_perplexity"),
+          "multi30k": ("validation_bleu", "test_bleu")}
+LOWER_IS_BETTER = {"ptb": True, "multi30k": False}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ and multi30k/raw/")
+    p.add_argument("--output_dir", default="outputs/studies/norm_comparison")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
+    p.add_argument("--report_only", action="store_true",
+                   help="write the outputs from the runs finished so far, and run nothing")
+    p.add_argument("--ptb_steps", type=int, help="PTB updates (default 1500; 8 with --smoke)")
+    p.add_argument("--multi30k_steps", type=int, help="Multi30k updates (default 2000; 4 with --smoke)")
+    args = p.parse_args(argv)
+    args.sizes = {task: dict(values) for task, values in SIZES["smoke" if args.smoke else "real"].items()}
+    for task in TASKS:
+        steps = getattr(args, f"{task}_steps")
+        if steps is not None:
+            if steps < 1:
+                raise ValueError(f"--{task}_steps must be at least 1; got {steps}")
+            args.sizes[task]["max_train_steps"] = steps
+    if "multi30k" in args.tasks and not args.smoke:
+        _multi30k_files(args.data_dir)  # fails now, not after the PTB runs
+    return args
+
+
+def _multi30k_files(data_dir: str) -> dict[str, str]:
+    folder = Path(data_dir).resolve() / "multi30k" / "raw"
+    files = {"train": folder / "train", "validation": folder / "val", "test": folder / "test_2016_flickr"}
+    missing = [str(prefix) + ".de" for prefix in files.values() if not Path(str(prefix) + ".de").is_file()]
+    if missing:
+        raise FileNotFoundError(f"--data_dir {data_dir}: no Multi30k files {missing} (the shared corpora live in "
+                                f"../shared/data; --smoke runs on the embedded corpus)")
+    return {split: str(prefix) for split, prefix in files.items()}
+
+
+def _common_argv(seed: int, sizes: dict[str, Any]) -> list[str]:
+    return ["--seed", str(seed), "--max_tokens", str(sizes["max_tokens"]), "--learning_rate", str(sizes["learning_rate"]),
+            "--num_warmup_steps", str(sizes["warmup_steps"]), "--max_train_steps", str(sizes["max_train_steps"]),
+            "--eval_steps", str(sizes["eval_steps"])]
+
+
+def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """One causal LM on PTB with the setting's norm at every position."""
+    sizes = options["sizes"]
+    argv = [*_common_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
+            *SETTINGS[options["setting"]]]
+    args = lm_run_args(folder, options["tokenizer"], argv)
+    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], LM_MODEL)
+    return scores
+
+
+def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`recipes/train_wmt.py` on Multi30k (or the embedded corpus at smoke size) with the setting's
+    norm in the encoder, in its own process."""
+    sizes = options["sizes"]
+    argv = [sys.executable, str(RECIPES / "train_wmt.py"), "--output_dir", str(folder / "run"),
+            *_common_argv(options["seed"], sizes), "--vocab_size", str(sizes["vocab_size"]),
+            "--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", "4", "--max_new_tokens", "50",
+            *SETTINGS[options["setting"]]]
+    if options["files"]:
+        argv += ["--train_file", options["files"]["train"], "--validation_file", options["files"]["validation"],
+                 "--test_file", options["files"]["test"]]
+    completed = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if completed.returncode != 0:
+        raise RuntimeError(f"train_wmt.py failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
+    results = json.loads((folder / "run" / "all_results.json").read_text(encoding="utf-8"))
+    return {k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+    train = train_ptb if cell.options["task"] == "ptb" else train_multi30k
+    return train(cell.options, folder)
+
+
+def cells(args: argparse.Namespace, inputs: dict[str, dict[str, Any]]) -> list[Cell]:
+    """Seed-major: every setting's first seed before any second seed."""
+    return [Cell(f"{task}-{setting}-seed{seed}", {"task": task, "setting": setting, "seed": seed,
+                                                   "sizes": args.sizes[task], **inputs[task]})
+            for seed in args.seeds for task in args.tasks for setting in args.settings]
+
+
+def _inputs(args: argparse.Namespace, output_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per task, what its runs read: PTB's files and the BPE prepared once; Multi30k's file prefixes."""
+    inputs: dict[str, dict[str, Any]] = {}
+    if "ptb" in args.tasks:
+        sizes = args.sizes["ptb"]
+        files = lm_split_files(args.data_dir, output_dir, args.smoke)
+        inputs["ptb"] = {"files": files,
+                         "tokenizer": prepare_lm_data(files, output_dir, sizes["vocab_size"], sizes["block_size"])}
+    if "multi30k" in args.tasks:
+        inputs["multi30k"] = {"files": None if args.smoke else _multi30k_files(args.data_dir)}
+    return inputs
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+def validation_curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int, float]]:
+    folder = output_dir / "cells" / result["cell"]
+    folder = folder / "run" if result["task"] == "multi30k" else folder
+    return [(r["step"], r["validation"]) for r in read_run_log(folder) if "validation" in r]
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str]) -> list[str]:
+    """Mean ± std over seeds per setting, and each seed's difference to LayerNorm's run of that seed
+    (negative is better for perplexity, positive for BLEU)."""
+    scores = SCORES[task]
+    lines = [f"| {task} | runs | " + " | ".join(scores) + " | test minus LayerNorm's, per seed |",
+             "|---|---:|" + "---:|" * len(scores) + "---|"]
+    key = "test_bleu" if task == "multi30k" else "test_perplexity"
+    baseline = {r["seed"]: r[key] for r in results if r["task"] == task and r["setting"] == "layernorm"}
+    for setting in settings:
+        rows = [r for r in results if r["task"] == task and r["setting"] == setting]
+        if not rows:
+            continue
+        diffs = ", ".join(f"{r[key] - baseline[r['seed']]:+.2f}" for r in rows if r["seed"] in baseline)
+        lines.append(f"| {setting} | {len(rows)} | " + " | ".join(_mean_std([r[s] for r in rows]) for s in scores)
+                     + f" | {diffs or '-'} |")
+    return lines
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
+    keys = list(dict.fromkeys(k for r in results for k in r if k not in ("files", "tokenizer", "sizes")))
+    with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    with open(output_dir / "curves.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "setting", "seed", "step", "validation"])
+        for result in results:
+            for step, score in validation_curve(output_dir, result):
+                writer.writerow([result["task"], result["setting"], result["seed"], step, score])
+    lines = [f"# Every norm at the same budget ({'smoke sizes' if args.smoke else 'PTB and Multi30k'})", ""]
+    for task in args.tasks:
+        sizes = args.sizes[task]
+        lines += [f"{task}: {sizes['max_train_steps']} updates of {sizes['max_tokens']} tokens, learning rate "
+                  f"{sizes['learning_rate']}, {sizes['warmup_steps']} warmup updates; seeds {args.seeds}; "
+                  "mean ± std over seeds.", "", *summary_lines(results, task, args.settings), ""]
+        _plot(results, task, args.settings, output_dir)
+    (output_dir / "summary.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def _plot(results: list[dict[str, Any]], task: str, settings: list[str], output_dir: Path) -> None:
+    """Validation score over updates, mean over seeds, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    for setting in settings:
+        curves = [dict(validation_curve(output_dir, r)) for r in results if r["task"] == task and r["setting"] == setting]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        axis.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=setting, linewidth=1,
+                  marker=".")
+    if LOWER_IS_BETTER[task]:
+        axis.set_yscale("log")
+    axis.set_xlabel("update")
+    axis.set_ylabel("validation perplexity" if task == "ptb" else "validation BLEU")
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(output_dir / f"curves_{task}.png", dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    grid = cells(args, _inputs(args, output_dir))
+    if args.report_only:
+        results = [r for r in (cell_result(output_dir, cell) for cell in grid) if r is not None]
+    else:
+        results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc="Norm comparison")
+    write_results(results, args, output_dir)
+    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    return results
+
+
+if __name__ == "__main__":
+    main()
