@@ -75,7 +75,7 @@ from .readers import (
     split_train,
 )
 from .run_log import RunLog, read_run_log
-from .study_runs import lm_run_args, lm_split_files, prepare_lm_data, train_causal_lm
+from .study_runs import budget_argv, lm_run_args, lm_split_files, prepare_lm_data, train_causal_lm
 from .tokenization import (
     SPECIAL_TOKENS,
     column_texts,
@@ -94,7 +94,7 @@ __all__ = [
     "BEST_MODEL_DIR", "IGNORE_INDEX", "MANIFEST_NAME", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES",
     "SENTIMENT_LABELS", "SPECIAL_TOKENS", "TRAINING_STATE_NAME", "Cell", "EarlyStopping", "IncompleteCheckpointError",
     "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler", "TokenBudgetBatchSampler", "add_recipe_args",
-    "average_buffers_across_processes", "average_state_dicts", "bleu_scores", "build_config", "build_model",
+    "average_buffers_across_processes", "average_state_dicts", "bleu_scores", "budget_argv", "build_config", "build_model",
     "build_optimizer", "build_scheduler", "cell_result", "check_args", "check_average_inputs", "check_batch_budget",
     "check_output_dir", "check_run_start", "column_texts", "complete_average_export", "count_words",
     "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",

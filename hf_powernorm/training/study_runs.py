@@ -55,6 +55,17 @@ def prepare_lm_data(files: dict[str, str], output_dir: str | Path, vocab_size: i
     return str(tokenizer_dir)
 
 
+def budget_argv(seed: int, sizes: dict[str, Any]) -> list[str]:
+    """The flags every run of a study shares, from a sizes dict with `max_tokens`, `learning_rate`,
+    `warmup_steps`, `max_train_steps`, `eval_steps` (and optionally `gradient_accumulation_steps`)."""
+    argv = ["--seed", str(seed), "--max_tokens", str(sizes["max_tokens"]), "--learning_rate", str(sizes["learning_rate"]),
+            "--num_warmup_steps", str(sizes["warmup_steps"]), "--max_train_steps", str(sizes["max_train_steps"]),
+            "--eval_steps", str(sizes["eval_steps"])]
+    if sizes.get("gradient_accumulation_steps", 1) != 1:
+        argv += ["--gradient_accumulation_steps", str(sizes["gradient_accumulation_steps"])]
+    return argv
+
+
 def lm_run_args(folder: str | Path, tokenizer: str, argv: Sequence[str]) -> argparse.Namespace:
     """The options of one run, through the recipes' parser and checks (`argv` as on a command line)."""
     args = add_recipe_args(argparse.ArgumentParser()).parse_args(

@@ -39,7 +39,15 @@ from torch import nn
 
 from hf_powernorm import MaskedBatchNorm, NormStatisticsRecorder
 from hf_powernorm.instrumentation import read_norm_statistics
-from hf_powernorm.training import Cell, lm_run_args, lm_split_files, prepare_lm_data, run_grid, train_causal_lm
+from hf_powernorm.training import (
+    Cell,
+    budget_argv,
+    lm_run_args,
+    lm_split_files,
+    prepare_lm_data,
+    run_grid,
+    train_causal_lm,
+)
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
@@ -156,11 +164,8 @@ def train_cnn(options: dict[str, Any], folder: Path) -> dict[str, Any]:
 def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     """One causal LM on PTB, recorded every `record_every` updates; its scores and the normalized
     singular values of its word embeddings (`singular_values.csv`)."""
-    argv = ["--seed", str(options["seed"]), "--max_tokens", str(options["max_tokens"]),
-            "--learning_rate", str(options["learning_rate"]), "--num_warmup_steps", str(options["warmup_steps"]),
-            "--max_train_steps", str(options["max_train_steps"]), "--eval_steps", str(options["eval_steps"]),
-            "--clip_norm", "0.25", "--weight_decay", "0.01", "--norm_type", options["norm"],
-            "--record_norm_stats", str(options["record_every"])]
+    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
+            "--norm_type", options["norm"], "--record_norm_stats", str(options["record_every"])]
     args = lm_run_args(folder, options["tokenizer"], argv)
     model, scores = train_causal_lm(args, options["files"], options["block_size"], MODEL)
     values = normalized_singular_values(model.get_input_embeddings().weight)

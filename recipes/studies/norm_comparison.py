@@ -38,6 +38,7 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    budget_argv,
     cell_result,
     lm_run_args,
     lm_split_files,
@@ -114,16 +115,10 @@ def _multi30k_files(data_dir: str) -> dict[str, str]:
     return {split: str(prefix) for split, prefix in files.items()}
 
 
-def _common_argv(seed: int, sizes: dict[str, Any]) -> list[str]:
-    return ["--seed", str(seed), "--max_tokens", str(sizes["max_tokens"]), "--learning_rate", str(sizes["learning_rate"]),
-            "--num_warmup_steps", str(sizes["warmup_steps"]), "--max_train_steps", str(sizes["max_train_steps"]),
-            "--eval_steps", str(sizes["eval_steps"])]
-
-
 def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     """One causal LM on PTB with the setting's norm at every position."""
     sizes = options["sizes"]
-    argv = [*_common_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
+    argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             *SETTINGS[options["setting"]]]
     args = lm_run_args(folder, options["tokenizer"], argv)
     _, scores = train_causal_lm(args, options["files"], sizes["block_size"], LM_MODEL)
@@ -135,7 +130,7 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     norm in the encoder, in its own process."""
     sizes = options["sizes"]
     argv = [sys.executable, str(RECIPES / "train_wmt.py"), "--output_dir", str(folder / "run"),
-            *_common_argv(options["seed"], sizes), "--vocab_size", str(sizes["vocab_size"]),
+            *budget_argv(options["seed"], sizes), "--vocab_size", str(sizes["vocab_size"]),
             "--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", "4", "--max_new_tokens", "50",
             *SETTINGS[options["setting"]]]
     if options["files"]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    budget_argv,
     lm_run_args,
     lm_split_files,
     prepare_lm_data,
@@ -77,11 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _run_argv(options: dict[str, Any]) -> list[str]:
     """The training options of one run, as on the recipes' command line."""
-    argv = ["--seed", str(options["seed"]), "--max_tokens", str(options["max_tokens"]),
-            "--learning_rate", str(options["learning_rate"]), "--num_warmup_steps", str(options["warmup_steps"]),
-            "--max_train_steps", str(options["max_train_steps"]), "--eval_steps", str(options["eval_steps"]),
-            "--clip_norm", "0.25", "--weight_decay", "0.01", "--eval_batch_size", "32",
-            "--norm_type", options["norm_type"]]
+    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
+            "--eval_batch_size", "32", "--norm_type", options["norm_type"]]
     if options["norm_type"] == "powernorm":
         argv += ["--powernorm_warmup_statistic", options["powernorm_warmup_statistic"],
                  "--powernorm_warmup_ramp_steps", str(options["ramp_steps"] if options["ramp"] else 0)]
