@@ -75,7 +75,16 @@ from .readers import (
     split_train,
 )
 from .run_log import RunLog, read_run_log
-from .study_runs import budget_argv, lm_run_args, lm_split_files, prepare_lm_data, train_causal_lm
+from .study_runs import (
+    budget_argv,
+    first_nonfinite_update,
+    lm_run_args,
+    lm_split_files,
+    loss_jump,
+    prepare_lm_data,
+    train_causal_lm,
+    training_losses,
+)
 from .tokenization import (
     SPECIAL_TOKENS,
     column_texts,
@@ -98,9 +107,9 @@ __all__ = [
     "build_optimizer", "build_scheduler", "cell_result", "check_args", "check_average_inputs", "check_batch_budget",
     "check_output_dir", "check_run_start", "column_texts", "complete_average_export", "count_words",
     "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",
-    "evaluate_perplexity", "finish_training", "fit", "incomplete_checkpoints", "inverse_sqrt_schedule",
+    "evaluate_perplexity", "finish_training", "first_nonfinite_update", "fit", "incomplete_checkpoints", "inverse_sqrt_schedule",
     "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints",
-    "lm_blocks", "lm_run_args", "lm_split_files", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
+    "lm_blocks", "lm_run_args", "lm_split_files", "loss_jump", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
     "load_scheduler_state", "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator",
     "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity",
     "prepare_eval_loaders", "prepare_lm_data", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
@@ -108,6 +117,6 @@ __all__ = [
     "save_outputs", "save_results", "scheduler_state", "score_splits", "select_checkpoints", "sequence_lengths",
     "sequence_nll", "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
     "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines", "tokenize_translation",
-    "train", "train_bpe_tokenizer", "train_causal_lm", "train_loader", "training_command", "translate", "translation_loss",
+    "train", "train_bpe_tokenizer", "train_causal_lm", "training_losses", "train_loader", "training_command", "translate", "translation_loss",
     "translation_texts", "write_average", "write_manifest",
 ]

@@ -5,6 +5,8 @@ recipes' own argument parser and `fit`, returning the trained model with its sco
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,12 @@ from .losses import model_loss
 from .models import build_model
 from .metrics import count_words
 from .readers import load_lm_dataset
+from .run_log import read_run_log
 from .tokenization import column_texts, lm_blocks, load_tokenizer, tokenize_lines, train_bpe_tokenizer
 
 PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
+# The loss jump at PN's switch: means over WINDOW updates either side, the peak over PEAK_WINDOW after.
+WINDOW, PEAK_WINDOW = 10, 50
 
 
 def lm_split_files(data_dir: str | Path, output_dir: str | Path, smoke: bool) -> dict[str, str]:
@@ -95,3 +100,29 @@ def train_causal_lm(args: argparse.Namespace, files: dict[str, str], block_size:
     accelerator.end_training()
     model = accelerator.unwrap_model(model).eval()
     return model, {**summary, **{k: v for k, v in scores.items() if k.endswith(("perplexity", "loss"))}}
+
+
+def training_losses(folder: str | Path) -> dict[int, float | None]:
+    """The run's training loss per update from its log (None where it was not finite)."""
+    return {r["step"]: r["loss"] for r in read_run_log(folder) if "loss" in r}
+
+
+def first_nonfinite_update(losses: dict[int, float | None]) -> int | None:
+    """The first update whose training loss was not finite (NaN or infinite), or None."""
+    return next((step for step in sorted(losses) if losses[step] is None or not math.isfinite(losses[step])), None)
+
+
+def loss_jump(losses: dict[int, float | None], warmup_steps: int) -> dict[str, float]:
+    """The training loss around the first update after warmup (`warmup_steps + 1`): the mean of the
+    `WINDOW` updates after it minus that of the `WINDOW` before, and the largest excess over the
+    pre-switch mean within `PEAK_WINDOW` updates. NaN without updates on both sides."""
+    def window(first: int, last: int) -> list[float]:
+        return [losses[s] for s in range(first, last + 1) if losses.get(s) is not None]
+
+    before = window(warmup_steps - WINDOW + 1, warmup_steps)
+    after = window(warmup_steps + 1, warmup_steps + WINDOW)
+    if warmup_steps < 1 or not before or not after:
+        return {"loss_jump": float("nan"), "loss_peak_excess": float("nan")}
+    reference = statistics.fmean(before)
+    later = window(warmup_steps + 1, warmup_steps + PEAK_WINDOW)
+    return {"loss_jump": statistics.fmean(after) - reference, "loss_peak_excess": max(later) - reference}

@@ -35,11 +35,13 @@ from hf_powernorm.training import (
     budget_argv,
     lm_run_args,
     lm_split_files,
+    loss_jump,
     prepare_lm_data,
-    read_run_log,
     run_grid,
     train_causal_lm,
+    training_losses,
 )
+from hf_powernorm.training.study_runs import PEAK_WINDOW, WINDOW
 
 SETTINGS = {
     "layernorm": {"norm_type": "layernorm"},
@@ -56,7 +58,6 @@ SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "ma
                   "warmup_steps": 150, "ramp_steps": 75, "eval_steps": 150, "learning_rate": 1e-3},
          "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 14,
                    "warmup_steps": 4, "ramp_steps": 2, "eval_steps": 7, "learning_rate": 5e-3}}
-WINDOW, PEAK_WINDOW = 10, 50
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,21 +95,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     options = cell.options
     args = lm_run_args(folder, options["tokenizer"], _run_argv(options))
     _, scores = train_causal_lm(args, options["files"], options["block_size"], MODEL)
-    losses = {r["step"]: r["loss"] for r in read_run_log(folder) if "loss" in r}
-    return {**scores, **loss_jump(losses, options["warmup_steps"])}
-
-
-def loss_jump(losses: dict[int, float], warmup_steps: int) -> dict[str, float]:
-    """The training loss around the first update after warmup (`warmup_steps + 1`): the mean of the
-    `WINDOW` updates after it minus that of the `WINDOW` before, and the largest excess over the
-    pre-switch mean within `PEAK_WINDOW` updates."""
-    before = [losses[s] for s in range(warmup_steps - WINDOW + 1, warmup_steps + 1) if s in losses]
-    after = [losses[s] for s in range(warmup_steps + 1, warmup_steps + WINDOW + 1) if s in losses]
-    later = [losses[s] for s in range(warmup_steps + 1, warmup_steps + PEAK_WINDOW + 1) if s in losses]
-    if not before or not after:
-        return {"loss_jump": float("nan"), "loss_peak_excess": float("nan")}
-    reference = statistics.fmean(before)
-    return {"loss_jump": statistics.fmean(after) - reference, "loss_peak_excess": max(later) - reference}
+    return {**scores, **loss_jump(training_losses(folder), options["warmup_steps"])}
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
@@ -155,8 +142,8 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     first, last = max(1, args.warmup_steps - 3 * WINDOW), args.warmup_steps + PEAK_WINDOW + 3 * WINDOW
     figure, axis = plt.subplots(figsize=(7, 4))
     for setting in args.settings:
-        logs = [{r["step"]: r["loss"] for r in read_run_log(Path(args.output_dir) / "cells" / row["cell"])
-                 if "loss" in r} for row in results if row["setting"] == setting]
+        logs = [training_losses(Path(args.output_dir) / "cells" / row["cell"])
+                for row in results if row["setting"] == setting]
         steps = [s for s in range(first, last + 1) if all(s in log for log in logs)]
         axis.plot(steps, [statistics.fmean(log[s] for log in logs) for s in steps], label=setting, linewidth=1)
     axis.axvline(args.warmup_steps + 0.5, color="grey", linestyle="--", linewidth=0.8)
