@@ -125,3 +125,31 @@ def test_norm_comparison_smoke_runs_both_tasks_and_reports_partial_grids(tmp_pat
     partial = norm_comparison.main([*argv[:-2], "--seeds", "1", "2", "--report_only", "--output_dir", str(tmp_path)])
     assert partial == results and {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert not any((tmp_path / "cells").glob("*seed2"))
+
+
+pn_ablation = load_recipe("studies/pn_ablation")
+
+
+def test_pn_ablation_smoke_changes_one_option_at_a_time(tmp_path):
+    settings = ["layernorm", "pn-default", "warmup=0", "alpha_bkw=0.99", "cumulative-ramp"]
+    results = pn_ablation.main(["--smoke", "--seeds", "1", "--settings", *settings, "--output_dir", str(tmp_path)])
+    assert [r["setting"] for r in results] == settings
+    configs = {r["setting"]: (tmp_path / "cells" / r["cell"] / "best_model" / "config.json").read_text()
+               for r in results}
+    assert '"encoder_norm_type": "layernorm"' in configs["layernorm"]
+    assert '"powernorm_warmup_steps": 4' in configs["pn-default"] and '"powernorm_warmup_steps": 0' in configs["warmup=0"]
+    assert '"powernorm_alpha_bkw": 0.99' in configs["alpha_bkw=0.99"] and '"powernorm_alpha_bkw": 0.9' in configs["pn-default"]
+    assert '"powernorm_warmup_ramp_steps": 2' in configs["cumulative-ramp"]
+    by_setting = {r["setting"]: r for r in results}
+    assert math.isnan(by_setting["warmup=0"]["loss_jump"]) and math.isfinite(by_setting["pn-default"]["loss_jump"])
+    summary = (tmp_path / "summary.md").read_text()
+    assert f"`{pn_ablation.best_setting(results)}`" in summary and (tmp_path / "ablation.png").stat().st_size > 5_000
+
+
+def test_pn_ablation_warmup_settings_follow_the_run_size():
+    sizes = {"warmup_steps": 150, "max_train_steps": 600}
+    assert pn_ablation.setting_argv("warmup=half-run", sizes) == (
+        ["--norm_type", "powernorm", "--powernorm_warmup_steps", "300"], 300)
+    flags, warmup = pn_ablation.setting_argv("cumulative-ramp", sizes)
+    assert warmup == 150 and flags[flags.index("--powernorm_warmup_ramp_steps") + 1] == "75"
+    assert pn_ablation.setting_argv("layernorm", sizes) == (["--norm_type", "layernorm"], 150)

@@ -81,9 +81,11 @@ from .study_runs import (
     lm_run_args,
     lm_split_files,
     loss_jump,
+    mean_std,
     prepare_lm_data,
     train_causal_lm,
     training_losses,
+    write_rows,
 )
 from .tokenization import (
     SPECIAL_TOKENS,
@@ -110,7 +112,7 @@ __all__ = [
     "evaluate_perplexity", "finish_training", "first_nonfinite_update", "fit", "incomplete_checkpoints", "inverse_sqrt_schedule",
     "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints",
     "lm_blocks", "lm_run_args", "lm_split_files", "loss_jump", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
-    "load_scheduler_state", "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator",
+    "load_scheduler_state", "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator", "mean_std",
     "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity",
     "prepare_eval_loaders", "prepare_lm_data", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
     "read_run_log", "resolve_model_path", "resolve_resume_path", "run_grid", "save_checkpoint", "save_json",
@@ -118,5 +120,5 @@ __all__ = [
     "sequence_nll", "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
     "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines", "tokenize_translation",
     "train", "train_bpe_tokenizer", "train_causal_lm", "training_losses", "train_loader", "training_command", "translate", "translation_loss",
-    "translation_texts", "write_average", "write_manifest",
+    "translation_texts", "write_average", "write_rows", "write_manifest",
 ]

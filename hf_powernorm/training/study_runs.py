@@ -126,3 +126,24 @@ def loss_jump(losses: dict[int, float | None], warmup_steps: int) -> dict[str, f
     reference = statistics.fmean(before)
     later = window(warmup_steps + 1, warmup_steps + PEAK_WINDOW)
     return {"loss_jump": statistics.fmean(after) - reference, "loss_peak_excess": max(later) - reference}
+
+
+def mean_std(values: Sequence[float | None], digits: int = 2) -> str:
+    """`mean ± std` of the finite values (sample standard deviation), the value alone for one, `-` for none."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return "-"
+    if len(finite) == 1:
+        return f"{finite[0]:.{digits}f}"
+    return f"{statistics.fmean(finite):.{digits}f} ± {statistics.stdev(finite):.{digits}f}"
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = ()) -> None:
+    """`rows` as a CSV table, columns in first-seen order, `leave_out` columns dropped."""
+    import csv
+
+    columns = list(dict.fromkeys(k for row in rows for k in row if k not in leave_out))
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,186 @@
+"""What PowerNorm's options do at the same budget, on Penn Treebank language modelling.
+
+The paper tunes PN's moving-average factors `alpha_fwd` and `alpha_bkw` and fixes a warmup; its
+reference code adds group scaling and its own warmup statistic. This study changes one option at a
+time from PN's defaults (alpha_fwd = alpha_bkw = 0.9, warmup the learning rate's 150 updates, group
+scaling per attention head, the running backward denominator of eqs. 11-13, the `reference` warmup
+statistic, no ramp) and trains the same small causal LM on PTB as the other studies, LayerNorm
+beside it:
+
+- `alpha_fwd`, `alpha_bkw` over 0.95 and 0.99 (0.9 is the default);
+- warmup of 0, 75 and 300 updates, and half the run;
+- group scaling off; the batch backward denominator; the `cumulative` warmup statistic, alone and
+  with the switch ramped over 75 updates;
+
+for every seed, and reports validation and test perplexity, the loss jump at the switch (the mean
+training loss of the 10 updates after warmup minus that of the 10 before; see `loss_jump`), the
+setting under which PN does best with its spread, as `results.csv`, `summary.md` and
+`ablation.png` in `--output_dir`.
+
+    python recipes/studies/pn_ablation.py --jobs 2                       # PTB from ../shared/data
+    python recipes/studies/pn_ablation.py --smoke --output_dir /tmp/ab   # embedded corpus, seconds
+
+Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hf_powernorm.training import (
+    Cell,
+    budget_argv,
+    lm_run_args,
+    lm_split_files,
+    loss_jump,
+    mean_std,
+    prepare_lm_data,
+    run_grid,
+    train_causal_lm,
+    training_losses,
+    write_rows,
+)
+
+MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
+         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
+         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
+                  "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
+         "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 12,
+                   "warmup_steps": 4, "eval_steps": 6, "learning_rate": 5e-3}}
+PN = ["--norm_type", "powernorm"]
+# name -> (flags, PN's warmup in updates as a function of the sizes, for the loss jump)
+SETTINGS: dict[str, tuple[list[str], Any]] = {
+    "layernorm": (["--norm_type", "layernorm"], lambda s: s["warmup_steps"]),
+    "pn-default": (PN, lambda s: s["warmup_steps"]),
+    "alpha_fwd=0.95": ([*PN, "--powernorm_alpha_fwd", "0.95"], lambda s: s["warmup_steps"]),
+    "alpha_fwd=0.99": ([*PN, "--powernorm_alpha_fwd", "0.99"], lambda s: s["warmup_steps"]),
+    "alpha_bkw=0.95": ([*PN, "--powernorm_alpha_bkw", "0.95"], lambda s: s["warmup_steps"]),
+    "alpha_bkw=0.99": ([*PN, "--powernorm_alpha_bkw", "0.99"], lambda s: s["warmup_steps"]),
+    "warmup=0": (PN, lambda s: 0),
+    "warmup=half": (PN, lambda s: s["warmup_steps"] // 2),
+    "warmup=double": (PN, lambda s: 2 * s["warmup_steps"]),
+    "warmup=half-run": (PN, lambda s: s["max_train_steps"] // 2),
+    "no-group-scaling": ([*PN, "--powernorm_group_num", "none"], lambda s: s["warmup_steps"]),
+    "batch-denominator": ([*PN, "--powernorm_backward_denominator", "batch"], lambda s: s["warmup_steps"]),
+    "cumulative-statistic": ([*PN, "--powernorm_warmup_statistic", "cumulative"], lambda s: s["warmup_steps"]),
+    "cumulative-ramp": ([*PN, "--powernorm_warmup_statistic", "cumulative", "--powernorm_warmup_ramp_steps", "RAMP"],
+                        lambda s: s["warmup_steps"]),
+}
+COLUMNS = ("validation_perplexity", "test_perplexity", "loss_jump", "loss_peak_excess")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
+    p.add_argument("--output_dir", default="outputs/studies/pn_ablation")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
+    for name, value in SIZES["real"].items():
+        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
+    args = p.parse_args(argv)
+    for name, value in SIZES["smoke" if args.smoke else "real"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def setting_argv(name: str, sizes: dict[str, Any]) -> tuple[list[str], int]:
+    """The flags of setting `name` and PN's warmup in updates under `sizes`."""
+    flags, warmup = SETTINGS[name]
+    pn_warmup = warmup(sizes)
+    flags = [str(sizes["warmup_steps"] // 2) if flag == "RAMP" else flag for flag in flags]
+    if flags[:2] == PN:
+        flags = [*flags, "--powernorm_warmup_steps", str(pn_warmup)]
+    return flags, pn_warmup
+
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+    options = cell.options
+    flags, pn_warmup = setting_argv(options["setting"], options)
+    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01", *flags]
+    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
+                                options["block_size"], MODEL)
+    return {**scores, "pn_warmup_steps": pn_warmup, **loss_jump(training_losses(folder), pn_warmup)}
+
+
+def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
+    sizes = {name: getattr(args, name) for name in SIZES["real"]}
+    return [Cell(f"{setting}-seed{seed}", {"setting": setting, "seed": seed, "files": files, "tokenizer": tokenizer,
+                                            **sizes})
+            for seed in args.seeds for setting in args.settings]
+
+
+def best_setting(results: list[dict[str, Any]]) -> str | None:
+    """The PN setting with the lowest mean test perplexity over its seeds."""
+    means = {s: statistics.fmean(r["test_perplexity"] for r in results if r["setting"] == s)
+             for s in dict.fromkeys(r["setting"] for r in results) if s != "layernorm"}
+    return min(means, key=means.get) if means else None
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer"))
+    layernorm = {r["seed"]: r["test_perplexity"] for r in results if r["setting"] == "layernorm"}
+    lines = [f"# PowerNorm's options ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
+             f"{args.max_train_steps} updates of {args.max_tokens} tokens, learning-rate warmup {args.warmup_steps} "
+             f"updates, seeds {args.seeds}; mean ± std over seeds.", "",
+             "| setting | " + " | ".join(COLUMNS) + " | test minus LayerNorm's, per seed |",
+             "|---|" + "---:|" * len(COLUMNS) + "---|"]
+    for setting in args.settings:
+        rows = [r for r in results if r["setting"] == setting]
+        diffs = ", ".join(f"{r['test_perplexity'] - layernorm[r['seed']]:+.2f}" for r in rows if r["seed"] in layernorm)
+        lines.append(f"| {setting} | " + " | ".join(mean_std([r[c] for r in rows], 3 if "loss" in c else 2)
+                                                   for c in COLUMNS) + f" | {diffs or '-'} |")
+    best = best_setting(results)
+    if best:
+        lines += ["", f"Best PN setting by mean test perplexity: `{best}`."]
+    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot(results, args, output_dir / "ablation.png")
+
+
+def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    """Test perplexity per setting (each seed a dot, the mean a bar), LayerNorm's mean as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for i, setting in enumerate(args.settings):
+        values = [r["test_perplexity"] for r in results if r["setting"] == setting]
+        axis.bar(i, statistics.fmean(values), color="tab:grey" if setting == "layernorm" else "tab:blue", alpha=0.5)
+        axis.plot([i] * len(values), values, "k.", markersize=4)
+    layernorm = [r["test_perplexity"] for r in results if r["setting"] == "layernorm"]
+    if layernorm:
+        axis.axhline(statistics.fmean(layernorm), color="tab:grey", linestyle="--", linewidth=0.8)
+    values = [r["test_perplexity"] for r in results]
+    axis.set_ylim(min(values) * 0.97, max(values) * 1.02)
+    axis.set_xticks(range(len(args.settings)), args.settings, rotation=45, ha="right", fontsize=7)
+    axis.set_ylabel("test perplexity")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
+    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="PN ablation")
+    write_results(results, args, output_dir)
+    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    return results
+
+
+if __name__ == "__main__":
+    main()
