@@ -153,3 +153,24 @@ def test_pn_ablation_warmup_settings_follow_the_run_size():
     flags, warmup = pn_ablation.setting_argv("cumulative-ramp", sizes)
     assert warmup == 150 and flags[flags.index("--powernorm_warmup_ramp_steps") + 1] == "75"
     assert pn_ablation.setting_argv("layernorm", sizes) == (["--norm_type", "layernorm"], 150)
+
+
+batch_size = load_recipe("studies/batch_size")
+
+
+def test_batch_size_smoke_keeps_the_update_and_varies_the_statistics_batch(tmp_path):
+    argv = ["--smoke", "--seeds", "1", "--norms", "layernorm", "powernorm", "--accumulations", "8", "1",
+            "--output_dir", str(tmp_path)]
+    results = batch_size.main(argv)
+    assert [(r["norm"], r["mini_batch"], r["accumulation"]) for r in results] == [
+        ("layernorm", 16, 8), ("powernorm", 16, 8), ("layernorm", 128, 1), ("powernorm", 128, 1)]
+    for result in results:
+        folder = tmp_path / "cells" / result["cell"]
+        assert result["train_steps"] == 8 and sum("loss" in line for line in open(folder / "training_log.jsonl")) == 8
+    # PN's warmup counts forward passes: the same 2 updates are 16 passes of 16 tokens.
+    config = lambda cell: (tmp_path / "cells" / cell / "best_model" / "config.json").read_text()  # noqa: E731
+    assert '"powernorm_warmup_steps": 16' in config("powernorm-mb16-seed1")
+    assert '"powernorm_warmup_steps": 2' in config("powernorm-mb128-seed1")
+    assert "| powernorm |" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(ValueError, match="--accumulations 3"):
+        batch_size.parse_args(["--smoke", "--accumulations", "3"])
