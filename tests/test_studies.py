@@ -174,3 +174,26 @@ def test_batch_size_smoke_keeps_the_update_and_varies_the_statistics_batch(tmp_p
     assert "| powernorm |" in (tmp_path / "summary.md").read_text()
     with pytest.raises(ValueError, match="--accumulations 3"):
         batch_size.parse_args(["--smoke", "--accumulations", "3"])
+
+
+long_run = load_recipe("studies/long_run")
+
+
+def test_long_run_smoke_trains_in_both_precisions(tmp_path):
+    argv = ["--smoke", "--seeds", "1", "--settings", "pn-no-group-scaling", "--output_dir", str(tmp_path)]
+    results = long_run.main(argv)
+    assert [(r["setting"], r["precision"]) for r in results] == [("pn-no-group-scaling", "fp32"),
+                                                                  ("pn-no-group-scaling", "bf16")]
+    assert all(r["first_nonfinite_update"] is None and r["train_steps"] == 10 for r in results)
+    config = (tmp_path / "cells" / results[0]["cell"] / "best_model" / "config.json").read_text()
+    assert '"powernorm_group_num": null' in config
+    losses = [long_run.training_losses(tmp_path / "cells" / r["cell"]) for r in results]
+    assert losses[0].keys() == losses[1].keys() and losses[0] != losses[1]  # bf16 autocast changed the numbers
+    assert "| pn-no-group-scaling | bf16 | 1 | none |" in (tmp_path / "summary.md").read_text()
+
+
+def test_long_run_stability_finds_the_first_nonfinite_update():
+    losses = {1: 5.0, 2: 4.0, 3: 6.0, 4: None, 5: 3.0}
+    assert long_run.stability(losses, warmup_steps=1) == {
+        "first_nonfinite_update": 4, "max_loss_after_warmup": 6.0, "final_train_loss": 4.5}
+    assert long_run.stability({1: 5.0, 2: 4.0}, warmup_steps=1)["first_nonfinite_update"] is None

@@ -1,0 +1,151 @@
+"""PowerNorm over thousands of updates: with and without group scaling, in float32 and bfloat16.
+
+Users of the paper's reference implementation report PN going to NaN after some thousands of
+updates when group scaling is off. This study trains the same small causal LM on Penn Treebank as
+the other studies for `--max_train_steps` updates (3,000 by default, about 3 epochs) with PN at
+every norm position - group scaling per attention head or none, float32 or bfloat16 autocast
+(`--mixed_precision bf16`) - and LayerNorm in both precisions beside it, for every seed, and
+reports whether and when the training loss first stopped being finite, the largest training loss
+after warmup, the last logged loss and validation and test perplexity, as `results.csv`,
+`summary.md` and `long_run.png` (training loss over updates) in `--output_dir`.
+
+    python recipes/studies/long_run.py --jobs 2                       # PTB from ../shared/data
+    python recipes/studies/long_run.py --smoke --output_dir /tmp/lr   # embedded corpus, seconds
+
+Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hf_powernorm.training import (
+    Cell,
+    budget_argv,
+    first_nonfinite_update,
+    lm_run_args,
+    lm_split_files,
+    prepare_lm_data,
+    run_grid,
+    train_causal_lm,
+    training_losses,
+    write_rows,
+)
+
+MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
+         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
+         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,
+                  "warmup_steps": 150, "eval_steps": 500, "learning_rate": 1e-3},
+         "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 10,
+                   "warmup_steps": 3, "eval_steps": 5, "learning_rate": 5e-3}}
+SETTINGS = {
+    "pn-group-scaling": ["--norm_type", "powernorm"],
+    "pn-no-group-scaling": ["--norm_type", "powernorm", "--powernorm_group_num", "none"],
+    "layernorm": ["--norm_type", "layernorm"],
+}
+PRECISIONS = ("fp32", "bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
+    p.add_argument("--output_dir", default="outputs/studies/long_run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
+    for name, value in SIZES["real"].items():
+        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
+    args = p.parse_args(argv)
+    for name, value in SIZES["smoke" if args.smoke else "real"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+    options = cell.options
+    precision = "no" if options["precision"] == "fp32" else "bf16"
+    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
+            "--mixed_precision", precision, *SETTINGS[options["setting"]]]
+    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
+                                options["block_size"], MODEL)
+    return {**scores, **stability(training_losses(folder), options["warmup_steps"])}
+
+
+def stability(losses: dict[int, float | None], warmup_steps: int) -> dict[str, Any]:
+    """The first update with a non-finite training loss (None if none), the largest finite loss
+    after warmup, and the mean loss of the last 50 logged updates."""
+    finite = {step: loss for step, loss in losses.items() if loss is not None}
+    after = [loss for step, loss in finite.items() if step > warmup_steps]
+    last = [finite[step] for step in sorted(finite)[-50:]]
+    return {"first_nonfinite_update": first_nonfinite_update(losses),
+            "max_loss_after_warmup": max(after) if after else float("nan"),
+            "final_train_loss": statistics.fmean(last) if last else float("nan")}
+
+
+def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
+    sizes = {name: getattr(args, name) for name in SIZES["real"]}
+    return [Cell(f"{setting}-{precision}-seed{seed}", {"setting": setting, "precision": precision, "seed": seed,
+                                                        "files": files, "tokenizer": tokenizer, **sizes})
+            for seed in args.seeds for precision in args.precisions for setting in args.settings]
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer"))
+    lines = [f"# PowerNorm over {args.max_train_steps} updates ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})",
+             "", "One row per run.", "",
+             "| setting | precision | seed | first non-finite loss (update) | largest loss after warmup | "
+             "final training loss | validation perplexity | test perplexity |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['setting']} | {r['precision']} | {r['seed']} | {r['first_nonfinite_update'] or 'none'} | "
+                     f"{r['max_loss_after_warmup']:.3f} | {r['final_train_loss']:.3f} | "
+                     f"{r['validation_perplexity']:.2f} | {r['test_perplexity']:.2f} |")
+    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot(results, output_dir)
+
+
+def _plot(results: list[dict[str, Any]], output_dir: Path) -> None:
+    """Training loss over updates (a moving mean of 25), one line per run of the first seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    first_seed = min(r["seed"] for r in results)
+    for r in (r for r in results if r["seed"] == first_seed):
+        losses = training_losses(output_dir / "cells" / r["cell"])
+        steps = sorted(s for s, loss in losses.items() if loss is not None)
+        smooth = [statistics.fmean(losses[t] for t in steps[max(0, i - 24):i + 1]) for i in range(len(steps))]
+        axis.plot(steps, smooth, label=f"{r['setting']} {r['precision']}", linewidth=0.9)
+    axis.set_xlabel("update")
+    axis.set_ylabel("training loss (moving mean of 25)")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(output_dir / "long_run.png", dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
+    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="Long runs")
+    write_results(results, args, output_dir)
+    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    return results
+
+
+if __name__ == "__main__":
+    main()
