@@ -180,13 +180,18 @@ long_run = load_recipe("studies/long_run")
 
 
 def test_long_run_smoke_trains_in_both_precisions(tmp_path):
-    argv = ["--smoke", "--seeds", "1", "--settings", "pn-no-group-scaling", "--output_dir", str(tmp_path)]
+    argv = ["--smoke", "--seeds", "1", "--settings", "pn-no-group-scaling", "--hidden_size", "64", "--layers", "1",
+            "--output_dir", str(tmp_path)]
     results = long_run.main(argv)
     assert [(r["setting"], r["precision"]) for r in results] == [("pn-no-group-scaling", "fp32"),
                                                                   ("pn-no-group-scaling", "bf16")]
     assert all(r["first_nonfinite_update"] is None and r["train_steps"] == 10 for r in results)
     config = (tmp_path / "cells" / results[0]["cell"] / "best_model" / "config.json").read_text()
     assert '"powernorm_group_num": null' in config
+    assert all(f'"{key}": {value}' in config for key, value in (("hidden_size", 64), ("decoder_layers", 1),
+                                                                ("num_attention_heads", 2), ("intermediate_size", 256)))
+    with pytest.raises(ValueError, match="--hidden_size must be a positive multiple of 32; got 48"):
+        long_run.main([*argv, "--hidden_size", "48"])
     losses = [long_run.training_losses(tmp_path / "cells" / r["cell"]) for r in results]
     assert losses[0].keys() == losses[1].keys() and losses[0] != losses[1]  # bf16 autocast changed the numbers
     assert "| pn-no-group-scaling | bf16 | 1 | none |" in (tmp_path / "summary.md").read_text()

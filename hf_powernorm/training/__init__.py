@@ -76,9 +76,12 @@ from .readers import (
 )
 from .run_log import RunLog, read_run_log
 from .study_runs import (
+    STUDY_LM,
+    add_lm_size_args,
     budget_argv,
     first_nonfinite_update,
     lm_run_args,
+    lm_size,
     lm_split_files,
     loss_jump,
     mean_std,
@@ -103,15 +106,15 @@ from .tokenization import (
 
 __all__ = [
     "BEST_MODEL_DIR", "IGNORE_INDEX", "MANIFEST_NAME", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES",
-    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "TRAINING_STATE_NAME", "Cell", "EarlyStopping", "IncompleteCheckpointError",
-    "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler", "TokenBudgetBatchSampler", "add_recipe_args",
+    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "STUDY_LM", "TRAINING_STATE_NAME", "Cell", "EarlyStopping", "IncompleteCheckpointError",
+    "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler", "TokenBudgetBatchSampler", "add_lm_size_args", "add_recipe_args",
     "average_buffers_across_processes", "average_state_dicts", "bleu_scores", "budget_argv", "build_config", "build_model",
     "build_optimizer", "build_scheduler", "cell_result", "check_args", "check_average_inputs", "check_batch_budget",
     "check_output_dir", "check_run_start", "column_texts", "complete_average_export", "count_words",
     "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",
     "evaluate_perplexity", "finish_training", "first_nonfinite_update", "fit", "incomplete_checkpoints", "inverse_sqrt_schedule",
     "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples", "limit_splits", "list_checkpoints",
-    "lm_blocks", "lm_run_args", "lm_split_files", "loss_jump", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
+    "lm_blocks", "lm_run_args", "lm_size", "lm_split_files", "loss_jump", "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric",
     "load_scheduler_state", "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator", "mean_std",
     "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity",
     "prepare_eval_loaders", "prepare_lm_data", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",

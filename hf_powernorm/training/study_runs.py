@@ -147,3 +147,28 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequ
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+# The studies' language model: `lm-small`'s layout (pre-norm decoder, learned positions) at a size
+# that 2 CPU cores train in minutes; `--hidden_size` and `--layers` scale it on a GPU.
+STUDY_LM = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
+            "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
+            "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
+
+
+def add_lm_size_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--hidden_size` (heads of 32 channels, feed-forward 4x) and `--layers` of the studies' LM."""
+    parser.add_argument("--hidden_size", type=int, default=STUDY_LM["hidden_size"],
+                        help="width of the LM (a multiple of 32: one attention head per 32 channels)")
+    parser.add_argument("--layers", type=int, default=STUDY_LM["decoder_layers"], help="decoder layers of the LM")
+    return parser
+
+
+def lm_size(args: argparse.Namespace) -> dict[str, Any]:
+    """The studies' LM at `args.hidden_size` and `args.layers` (checked here, at the boundary)."""
+    if args.hidden_size < 32 or args.hidden_size % 32:
+        raise ValueError(f"--hidden_size must be a positive multiple of 32; got {args.hidden_size}")
+    if args.layers < 1:
+        raise ValueError(f"--layers must be at least 1; got {args.layers}")
+    return {**STUDY_LM, "hidden_size": args.hidden_size, "intermediate_size": 4 * args.hidden_size,
+            "num_attention_heads": args.hidden_size // 32, "decoder_layers": args.layers}

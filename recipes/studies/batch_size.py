@@ -25,8 +25,10 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    add_lm_size_args,
     budget_argv,
     lm_run_args,
+    lm_size,
     lm_split_files,
     mean_std,
     prepare_lm_data,
@@ -36,9 +38,6 @@ from hf_powernorm.training import (
 )
 
 NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
-MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
-         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
-         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "update_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
          "smoke": {"vocab_size": 120, "block_size": 16, "update_tokens": 128, "max_train_steps": 8,
@@ -54,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS)
     p.add_argument("--accumulations", type=int, nargs="+", default=list(ACCUMULATIONS),
                    help="gradient accumulations per update; the mini-batch is update_tokens / this")
+    add_lm_size_args(p)
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     for name, value in SIZES["real"].items():
@@ -79,7 +79,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--norm_type", options["norm"]]
     _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], MODEL)
+                                options["block_size"], options["model_size"])
     return scores
 
 
@@ -87,12 +87,12 @@ def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> li
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{norm}-mb{args.update_tokens // k}-seed{seed}",
                  {"norm": norm, "mini_batch": args.update_tokens // k, "accumulation": k, "seed": seed,
-                  "files": files, "tokenizer": tokenizer, **sizes})
+                  "files": files, "tokenizer": tokenizer, "model_size": lm_size(args), **sizes})
             for seed in args.seeds for k in args.accumulations for norm in args.norms]
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer"))
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
     mini_batches = sorted({r["mini_batch"] for r in results})
     lines = [f"# The statistics' mini-batch at {args.update_tokens} tokens per update "
              f"({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",

@@ -24,9 +24,11 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    add_lm_size_args,
     budget_argv,
     first_nonfinite_update,
     lm_run_args,
+    lm_size,
     lm_split_files,
     prepare_lm_data,
     run_grid,
@@ -35,9 +37,6 @@ from hf_powernorm.training import (
     write_rows,
 )
 
-MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
-         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
-         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,
                   "warmup_steps": 150, "eval_steps": 500, "learning_rate": 1e-3},
          "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 10,
@@ -57,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    add_lm_size_args(p)
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     for name, value in SIZES["real"].items():
@@ -77,7 +77,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--mixed_precision", precision, *SETTINGS[options["setting"]]]
     _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], MODEL)
+                                options["block_size"], options["model_size"])
     return {**scores, **stability(training_losses(folder), options["warmup_steps"])}
 
 
@@ -95,12 +95,13 @@ def stability(losses: dict[int, float | None], warmup_steps: int) -> dict[str, A
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{setting}-{precision}-seed{seed}", {"setting": setting, "precision": precision, "seed": seed,
-                                                        "files": files, "tokenizer": tokenizer, **sizes})
+                                                        "files": files, "tokenizer": tokenizer,
+                                                        "model_size": lm_size(args), **sizes})
             for seed in args.seeds for precision in args.precisions for setting in args.settings]
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer"))
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
     lines = [f"# PowerNorm over {args.max_train_steps} updates ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})",
              "", "One row per run.", "",
              "| setting | precision | seed | first non-finite loss (update) | largest loss after warmup | "

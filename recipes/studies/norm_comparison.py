@@ -38,9 +38,11 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    add_lm_size_args,
     budget_argv,
     cell_result,
     lm_run_args,
+    lm_size,
     lm_split_files,
     prepare_lm_data,
     read_run_log,
@@ -61,9 +63,6 @@ SETTINGS = {
     "mabn": ["--norm_type", "mabn"],
 }
 TASKS = ("ptb", "multi30k")
-LM_MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
-            "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
-            "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
 SIZES = {
     "real": {"ptb": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 1500,
                      "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
@@ -86,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    add_lm_size_args(p)
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
     p.add_argument("--report_only", action="store_true",
@@ -121,7 +121,7 @@ def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             *SETTINGS[options["setting"]]]
     args = lm_run_args(folder, options["tokenizer"], argv)
-    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], LM_MODEL)
+    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], options["model_size"])
     return scores
 
 
@@ -164,7 +164,7 @@ def _inputs(args: argparse.Namespace, output_dir: Path) -> dict[str, dict[str, A
     if "ptb" in args.tasks:
         sizes = args.sizes["ptb"]
         files = lm_split_files(args.data_dir, output_dir, args.smoke)
-        inputs["ptb"] = {"files": files,
+        inputs["ptb"] = {"files": files, "model_size": lm_size(args),
                          "tokenizer": prepare_lm_data(files, output_dir, sizes["vocab_size"], sizes["block_size"])}
     if "multi30k" in args.tasks:
         inputs["multi30k"] = {"files": None if args.smoke else _multi30k_files(args.data_dir)}
@@ -205,7 +205,7 @@ def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str])
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    keys = list(dict.fromkeys(k for r in results for k in r if k not in ("files", "tokenizer", "sizes")))
+    keys = list(dict.fromkeys(k for r in results for k in r if k not in ("files", "tokenizer", "sizes", "model_size")))
     with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()

@@ -32,8 +32,10 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    add_lm_size_args,
     budget_argv,
     lm_run_args,
+    lm_size,
     lm_split_files,
     loss_jump,
     mean_std,
@@ -44,9 +46,6 @@ from hf_powernorm.training import (
     write_rows,
 )
 
-MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
-         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
-         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
          "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 12,
@@ -79,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="outputs/studies/pn_ablation")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    add_lm_size_args(p)
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     for name, value in SIZES["real"].items():
@@ -108,14 +108,14 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     flags, pn_warmup = setting_argv(options["setting"], options)
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01", *flags]
     _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], MODEL)
+                                options["block_size"], options["model_size"])
     return {**scores, "pn_warmup_steps": pn_warmup, **loss_jump(training_losses(folder), pn_warmup)}
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{setting}-seed{seed}", {"setting": setting, "seed": seed, "files": files, "tokenizer": tokenizer,
-                                            **sizes})
+                                            "model_size": lm_size(args), **sizes})
             for seed in args.seeds for setting in args.settings]
 
 
@@ -127,7 +127,7 @@ def best_setting(results: list[dict[str, Any]]) -> str | None:
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer"))
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
     layernorm = {r["seed"]: r["test_perplexity"] for r in results if r["setting"] == "layernorm"}
     lines = [f"# PowerNorm's options ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
              f"{args.max_train_steps} updates of {args.max_tokens} tokens, learning-rate warmup {args.warmup_steps} "

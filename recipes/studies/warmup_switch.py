@@ -32,8 +32,10 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
+    add_lm_size_args,
     budget_argv,
     lm_run_args,
+    lm_size,
     lm_split_files,
     loss_jump,
     prepare_lm_data,
@@ -50,10 +52,6 @@ SETTINGS = {
     "pn-cumulative-ramp": {"norm_type": "powernorm", "powernorm_warmup_statistic": "cumulative", "ramp": True},
     "pn-reference-ramp": {"norm_type": "powernorm", "powernorm_warmup_statistic": "reference", "ramp": True},
 }
-# The model: lm-small's layout (pre-norm decoder, learned positions) at a size 2 CPU cores train.
-MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
-         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
-         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "ramp_steps": 75, "eval_steps": 150, "learning_rate": 1e-3},
          "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 14,
@@ -66,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="outputs/studies/warmup_switch")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    add_lm_size_args(p)
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     for name, value in SIZES["real"].items():
@@ -94,13 +93,14 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
     options = cell.options
     args = lm_run_args(folder, options["tokenizer"], _run_argv(options))
-    _, scores = train_causal_lm(args, options["files"], options["block_size"], MODEL)
+    _, scores = train_causal_lm(args, options["files"], options["block_size"], options["model_size"])
     return {**scores, **loss_jump(training_losses(folder), options["warmup_steps"])}
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{name}-seed{seed}", {"setting": name, "seed": seed, "files": files, "tokenizer": tokenizer,
+                                         "model_size": lm_size(args),
                                          "ramp": False, **sizes, **SETTINGS[name]})
             for name in args.settings for seed in args.seeds]
 
