@@ -63,20 +63,24 @@ def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, h
             f"attention_mask must have shape {tuple(hidden_states.shape[:-1])} to match hidden_states "
             f"{tuple(hidden_states.shape)}, got {tuple(attention_mask.shape)}"
         )
+    # Always the weights, even when every token is real: asking would synchronise with the device.
     real = attention_mask.reshape(-1).to(flat.device) != 0
-    if bool(real.all()):
-        return flat, None
     return flat, real.to(_stat_dtype(flat))
 
 
 def _token_sum(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Sum `(tokens, C)` over real tokens: a matrix-vector product with the 0/1 weights, no gather."""
-    return values.sum(0) if weights is None else weights @ values
+    """Sum `(tokens, C)` over real tokens with the 0/1 weights, no gather: eagerly a matrix-vector
+    product; in a compiled graph a weighted sum, which the compiler fuses with what computes `values`."""
+    if weights is None:
+        return values.sum(0)
+    if torch.compiler.is_compiling():
+        return (values * weights[:, None]).sum(0)
+    return weights @ values
 
 
 def _token_count(flat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    if weights is None:
-        return torch.tensor(float(flat.shape[0]), device=flat.device, dtype=_stat_dtype(flat))
+    if weights is None:  # a fill on the device, not a copy from the host
+        return torch.full((), flat.shape[0], device=flat.device, dtype=_stat_dtype(flat))
     return weights.sum()
 
 
@@ -98,8 +102,18 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def _in_recomputation() -> bool:
-    """True while autograd runs a backward pass: activation checkpointing recomputes forwards there."""
+    """True while autograd runs a backward pass: activation checkpointing recomputes forwards there.
+
+    False while `torch.compile` traces: the query would break the graph, and a compiled graph
+    recomputes checkpointed regions inside its own backward, without running this forward again."""
+    if torch.compiler.is_compiling():
+        return False
     return _GRAPH_TASK_ID() != -1
+
+
+def _host_readable(flag: torch.Tensor) -> bool:
+    """Whether reading `flag` costs no synchronisation and no graph break: eager, on the CPU."""
+    return not torch.compiler.is_compiling() and flag.device.type == "cpu"
 
 
 def _refuse_double_backward(name: str) -> None:
@@ -112,12 +126,18 @@ def _refuse_double_backward(name: str) -> None:
         )
 
 
-def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
-    """`buffer += weight * (end - buffer)` in place, computed in `end`'s dtype also when someone
-    else has cast the buffer (FSDP v1's `MixedPrecision(buffer_dtype=torch.bfloat16)`)."""
-    if buffer.dtype == end.dtype:
-        return buffer.lerp_(end, weight)
-    return buffer.copy_(buffer.to(end.dtype).lerp_(end, weight))
+def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float | torch.Tensor,
+           keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`buffer += weight * (end - buffer)` in place, where the device flag `keep` holds (always
+    without one), computed in `end`'s dtype also when someone else has cast the buffer (FSDP v1's
+    `MixedPrecision(buffer_dtype=torch.bfloat16)`). `weight` may be a 0-dim tensor on the device."""
+    start = buffer if buffer.dtype == end.dtype else buffer.to(end.dtype)
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(end.dtype)
+    updated = torch.lerp(start, end, weight)
+    if keep is not None:
+        updated = torch.where(keep, updated, start)
+    return buffer.copy_(updated)
 
 
 _BROADCAST_WARNED = []  # one warning per process
@@ -126,6 +146,8 @@ _BROADCAST_WARNED = []  # one warning per process
 def _warn_if_ddp_overwrites_statistics(module: nn.Module) -> None:
     """Called where a norm takes a statistic: DDP syncing buffers (`broadcast_buffers`, the default,
     Trainer's too) overwrites every rank's running statistics with rank 0's at each forward."""
+    if torch.compiler.is_compiling():
+        return
     ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
     if ddp is None or not module.training or _BROADCAST_WARNED or getattr(module, "sync_stats", False):
         return
@@ -154,13 +176,37 @@ def _float32(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _warn_non_finite(name: str, what: str) -> None:
-    warnings.warn(
-        f"{name}: non-finite {what} (NaN or inf in the input or gradient); the running statistics "
-        "were not updated for this batch",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+def _warn_non_finite(name: str, what: str, skipped: torch.Tensor) -> None:
+    """Warn when the device flag `skipped` says a finite-statistics guard held back an update.
+
+    Only where the flag can be read for free (eager, CPU): elsewhere the update is still skipped on
+    the device, silently, because reading the flag would wait for the device or break the graph."""
+    if _host_readable(skipped) and bool(skipped):
+        warnings.warn(
+            f"{name}: non-finite {what} (NaN or inf in the input or gradient); the running statistics "
+            "were not updated for this batch",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _all_finite(*statistics: torch.Tensor) -> torch.Tensor:
+    """One boolean 0-dim tensor on the device: every value of every statistic is finite."""
+    finite = torch.isfinite(statistics[0]).all()
+    for statistic in statistics[1:]:
+        finite = finite & torch.isfinite(statistic).all()
+    return finite
+
+
+def _select_row(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[index]` for a 0-dim index tensor, without reading the index on the host."""
+    return table.index_select(0, index.view(1))[0]
+
+
+def _write_row_(table: torch.Tensor, index: torch.Tensor, row: torch.Tensor, keep: torch.Tensor) -> None:
+    """`table[index] = row` where `keep` holds, on the device (row left as it was otherwise)."""
+    current = _select_row(table, index)
+    table.index_copy_(0, index.view(1), torch.where(keep, row.to(table.dtype), current).unsqueeze(0))
 
 
 def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Tensor:
@@ -177,6 +223,11 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
     scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
     return scaled.flatten(-2)
+
+
+def _fused_kernels_usable(x: torch.Tensor) -> bool:
+    """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
+    return not torch.compiler.is_compiling() and kernels_usable(x)
 
 
 def _check_group_num(group_num: int | None, hidden_size: int, allow_none: bool = True) -> None:
@@ -251,15 +302,21 @@ class _RunningStatsNorm(_Norm):
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
-    def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> bool:
-        """False for a batch without real tokens, or (with a warning) for non-finite statistics."""
+    def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> torch.Tensor:
+        """A boolean 0-dim tensor, decided on the device: false for a batch without real tokens, or
+        (with a warning where one can be given for free) for non-finite statistics."""
         _warn_if_ddp_overwrites_statistics(self)
-        if count.item() == 0:
-            return False
-        if not all(bool(torch.isfinite(stat).all()) for stat in statistics):
-            _warn_non_finite(type(self).__name__, what)
-            return False
-        return True
+        has_tokens, finite = count > 0, _all_finite(*statistics)
+        _warn_non_finite(type(self).__name__, what, has_tokens & ~finite)
+        return has_tokens & finite
+
+    def _count_batch_(self, usable: torch.Tensor) -> None:
+        """`num_batches_tracked += 1` for a usable batch, on the device."""
+        self.num_batches_tracked.add_(usable.to(self.num_batches_tracked.dtype))
+
+    def _next_step(self) -> torch.Tensor:
+        """This training step's t = num_batches_tracked + 1, a 0-dim tensor on the device."""
+        return self.num_batches_tracked + 1
 
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
@@ -275,35 +332,117 @@ class _RunningStatsNorm(_Norm):
 # PowerNorm
 
 
-class _PowerNormFunction(torch.autograd.Function):
-    """Group scaling, PN forward and the approximate backward of eqs. (11)-(13), fused.
+def _grouped(values: torch.Tensor, group_num: int | None) -> torch.Tensor:
+    """`(tokens, C)` as `(tokens, G, C/G)`; one group without group scaling."""
+    return values.unflatten(-1, (group_num or 1, -1))
 
-    On CPU float32 inputs the work runs in the fused kernels of `kernels_cpu.py` (saving `x` and the
-    per-token group scales `r`); elsewhere in torch ops (saving `z0 = GS(x)` and `r`). Either way the
-    backward needs one batch reduction, `sum(dY * z0)`: `Gamma = mean_V(Z^2) = v / s^2` is known
-    from the forward.
+
+def _pn_group_scaled(xf: torch.Tensor, group_num: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`z0 = GS(x)` of float `(tokens, C)` and the per-token group scales `r` (tokens, G, 1)."""
+    if group_num is None:
+        return xf, None
+    grouped = _grouped(xf, group_num)
+    r = torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
+    return (grouped * r).flatten(-2), r
+
+
+def _pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None):
+    """`z0 = GS(x)`, `sum_V z0^2` per channel and the real-token count (pure tensor code)."""
+    z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num)
+    return z0, _token_sum(z0.square(), token_weights), _token_count(z0, token_weights)
+
+
+def _pn_denominators(sum_sq: torch.Tensor, count: torch.Tensor, phi: torch.Tensor, step: torch.Tensor,
+                     options: tuple) -> tuple[torch.Tensor, ...]:
+    """The step's statistics from the (reduced) sums, decided on the device (pure tensor code).
+
+    Returns `v`, `1/s`, `1/s_backward`, `usable`, `non_finite` (a batch with real tokens and
+    non-finite statistics: worth a warning) and the next `running_phi`; an unusable batch (no real
+    token, non-finite `v`) divides by the running statistic and leaves `running_phi` as it was.
+    `options`: `(eps, warmup_steps, warmup_ramp_steps, alpha_fwd, warmup_statistic, backward_denominator)`.
+    """
+    eps, warmup, ramp, _, _, backward = options
+    v = sum_sq / count.clamp_min(1.0)
+    has_tokens, finite = count > 0, _all_finite(v)
+    usable = has_tokens & finite
+    phi_v = phi.to(v.dtype)
+    running, batch = torch.rsqrt(phi_v + eps), torch.rsqrt(v + eps)
+    # s^2 = (1 - r) * (v + eps) + r * (phi + eps), r = clamp((t - W) / (K + 1), 0, 1): exactly the
+    # batch (r = 0) or the running (r = 1) denominator at the ends.
+    weight = ((step - warmup) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)
+    blended = torch.rsqrt((1.0 - weight) * v + weight * phi_v + eps)
+    inv_s = torch.where(weight == 0.0, batch, torch.where(weight == 1.0, running, blended))
+    inv_s_b = inv_s if backward == "running" else batch
+    inv_s, inv_s_b = torch.where(usable, inv_s, running), torch.where(usable, inv_s_b, running)
+    return v, inv_s, inv_s_b, usable, has_tokens & ~finite, _pn_next_phi(phi, v.float(), step, usable, options)
+
+
+def _pn_next_phi(phi: torch.Tensor, v: torch.Tensor, step: torch.Tensor, usable: torch.Tensor,
+                 options: tuple) -> torch.Tensor:
+    """`running_phi` after step t, per `warmup_statistic` (see `PowerNorm`), float32."""
+    _, warmup, _, alpha_fwd, statistic, _ = options
+    ema_rate, cumulative_rate = 1.0 - alpha_fwd, 1.0 / step.to(v.dtype)
+    phi = phi.to(v.dtype)
+    if statistic == "cumulative":
+        updated = torch.lerp(phi, v, torch.where(step <= warmup, cumulative_rate, ema_rate))
+    else:  # phi * (t - 1) / t + v / t while t < W, then the EMA step
+        updated = torch.lerp(torch.where(step < warmup, torch.lerp(phi, v, cumulative_rate), phi), v, ema_rate)
+    return torch.where(usable, updated, phi)
+
+
+def _pn_output(z0: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(shift.to(z0.dtype), z0, scale.to(z0.dtype))
+
+
+def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, weight: torch.Tensor,
+                 nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None):
+    """Input gradient and batch sums of PN's approximate backward (pure tensor code).
+
+    With `Z = z0 / s`, `g = weight * dY`: `dz0 = dY * a - (real) * c * z0`, `a = weight / s_b`,
+    `c = nu / (s * s_b)` (eqs. 11-12), then the exact group-scaling backward
+    `dx = r * (dz0 - z0 * mean_group(dz0 * z0))`; `z0` and `r` are recomputed from `x`. Returns
+    `dx`, `sum_all(dY * z0)`, `sum_V(dY * z0)` and `sum_all(dY)`.
+    """
+    dtype = _stat_dtype(x)
+    z0, r = _pn_group_scaled(x.to(dtype), group_num)
+    dy = dy.to(dtype)
+    dy_z0 = dy * z0
+    sums = dy_z0.sum(0), _token_sum(dy_z0, token_weights), dy.sum(0)
+    a, c = weight.to(dtype) * inv_s_b, nu.to(dtype) * inv_s * inv_s_b
+    correction = z0 * c if token_weights is None else z0 * c * token_weights[:, None]
+    grad_z0 = dy * a - correction
+    if r is None:
+        return grad_z0, *sums
+    dz, z = _grouped(grad_z0, group_num), _grouped(z0, group_num)
+    grad_x = r * (dz - z * (dz * z).mean(-1, keepdim=True))
+    return grad_x.flatten(-2), *sums
+
+
+class _PowerNormFunction(torch.autograd.Function):
+    """Group scaling, PN forward and the approximate backward of eqs. (11)-(13).
+
+    Saves the input `x` and recomputes `z0 = GS(x)` in the backward. The backward needs one batch
+    reduction, `sum(dY * z0)`: `Gamma = mean_V(Z^2) = v / s^2` is known from the forward. On CPU
+    float32 inputs the work runs in the fused kernels of `kernels_cpu.py`; elsewhere in the pure
+    tensor functions above.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, token_weights, norm):
-        ctx.fused = kernels_usable(x)
+        ctx.fused = _fused_kernels_usable(x)
         with _float32(x.device):
             if ctx.fused:
                 x = x.contiguous()
                 r, sum_sq = fused_forward_stats(x, token_weights, norm.group_num)
-                inv_s, inv_s_b, v, count = norm._denominators(sum_sq, _token_count(x, token_weights))
+                inv_s, inv_s_b, v, count, usable = norm._denominators(sum_sq, _token_count(x, token_weights))
                 y = fused_forward_output(x, r, norm.group_num, weight.float() * inv_s, bias)
                 ctx.save_for_backward(x, r, token_weights, weight)
             else:
-                dtype = _stat_dtype(x)
-                xf = x.to(dtype).contiguous()
-                out = torch.empty_like(xf)  # holds x^2 for the statistics, then the output
-                z0, r = _group_scale_forward(xf, norm.group_num, squares=out)
-                sum_sq = _masked_square_sum(r, out, token_weights, norm.group_num)
-                inv_s, inv_s_b, v, count = norm._denominators(sum_sq, _token_count(xf, token_weights))
-                y = torch.addcmul(bias.to(dtype), z0, weight.to(dtype) * inv_s, out=out)
-                ctx.save_for_backward(z0, r, token_weights, weight)
-        ctx.stats = (inv_s, inv_s_b, v, count)
+                z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num)
+                inv_s, inv_s_b, v, count, usable = norm._denominators(sum_sq, count)
+                y = _pn_output(z0, weight * inv_s, bias)
+                ctx.save_for_backward(x, None, token_weights, weight)
+        ctx.stats = (inv_s, inv_s_b, v, count, usable)
         ctx.norm = norm
         ctx.input_dtype = x.dtype
         return y.to(x.dtype)
@@ -311,62 +450,25 @@ class _PowerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("PowerNorm")
-        saved, r, token_weights, weight = ctx.saved_tensors
-        inv_s, inv_s_b, v, count = ctx.stats
+        x, r, token_weights, weight = ctx.saved_tensors
+        inv_s, inv_s_b, v, count, usable = ctx.stats
         norm = ctx.norm
-        dtype = torch.float32 if ctx.fused else saved.dtype
-        w = weight.to(dtype)
-        nu = norm.running_nu.to(dtype, copy=True)  # nu of the previous step, eq. (11)
+        nu = norm.running_nu.clone()  # nu of the previous step, eq. (11)
         with _float32(grad_output.device):
-            dy = grad_output.to(dtype).contiguous()
             if ctx.fused:
-                sum_dy_z0, real_dy_z0, sum_dy = fused_backward_sums(dy, saved, r, token_weights, norm.group_num)
+                dy = grad_output.float().contiguous()
+                sum_dy_z0, real_dy_z0, sum_dy = fused_backward_sums(dy, x, r, token_weights, norm.group_num)
+                a, c = weight.float() * inv_s_b, nu * inv_s * inv_s_b
+                grad_x = fused_backward_input(dy, x, r, token_weights, norm.group_num, a, c)
             else:
-                dy_z0 = dy * saved
-                sum_dy_z0, real_dy_z0, sum_dy = dy_z0.sum(0), _token_sum(dy_z0, token_weights), dy.sum(0)
-            if v is not None:
-                # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
-                norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count)
-            # dZ0 = (g - nu * Z on real tokens) / s_b = dY * a - (real) * c * z0      (eqs. 11-12)
-            a, c = w * inv_s_b, nu * inv_s * inv_s_b
-            if ctx.fused:
-                grad_x = fused_backward_input(dy, saved, r, token_weights, norm.group_num, a, c)
-            else:
-                grad_x = _eager_backward_input(dy, saved, r, token_weights, norm.group_num, a, c, scratch=dy_z0)
+                grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(
+                    grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num)
+            # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
+            w = weight.to(inv_s.dtype)
+            norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count, usable)
         grad_weight = (inv_s * sum_dy_z0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
-
-
-def _eager_backward_input(dy, z0, r, token_weights, group_num, a, c, scratch):
-    grad_z0 = dy * a
-    if token_weights is None:
-        grad_z0.addcmul_(z0, c, value=-1.0)
-    else:
-        grad_z0.addcmul_(torch.mul(z0, token_weights[:, None], out=scratch), c, value=-1.0)
-    return _group_scale_backward(grad_z0, z0, r, group_num, scratch)
-
-
-def _group_scale_forward(xf: torch.Tensor, group_num: int | None, squares: torch.Tensor):
-    """Return `z0 = GS(x)` and the per-token group scales `r` (tokens, G); fills `squares = x^2`."""
-    torch.mul(xf, xf, out=squares)
-    if group_num is None:
-        return xf, None
-    tokens, channels = xf.shape
-    r = torch.rsqrt(squares.view(tokens, group_num, -1).mean(-1) + GROUP_SCALE_EPS)
-    z0 = (xf.view(tokens, group_num, -1) * r.unsqueeze(-1)).view(tokens, channels)
-    return z0, r
-
-
-def _group_scale_backward(grad_z0, z0, r, group_num, scratch):
-    """Exact backward of group scaling, in place: `dx = r * (dz0 - z0 * mean_group(dz0 * z0))`."""
-    if group_num is None:
-        return grad_z0
-    tokens, channels = z0.shape
-    dz = grad_z0.view(tokens, group_num, -1)
-    z = z0.view(tokens, group_num, -1)
-    projection = torch.mul(dz, z, out=scratch.view_as(dz)).mean(-1, keepdim=True)
-    return dz.addcmul_(z, projection, value=-1.0).mul_(r.unsqueeze(-1)).view(tokens, channels)
 
 
 class PowerNorm(_RunningStatsNorm):
@@ -462,69 +564,55 @@ class PowerNorm(_RunningStatsNorm):
 
     # -- statistics, called from the autograd function --
 
+    def _options(self) -> tuple:
+        return (self.eps, self.warmup_steps, self.warmup_ramp_steps, self.alpha_fwd, self.warmup_statistic,
+                self.backward_denominator)
+
     def _denominators(self, sum_sq: torch.Tensor, count: torch.Tensor):
         """Forward statistics of one training step; updates `running_phi` and the step counter.
 
-        Returns `(1/s, 1/s_backward, v or None, real-token count)`; `v` is None when the step
-        takes no statistic (no real token, non-finite values, or a checkpointing recomputation).
+        Returns `(1/s, 1/s_backward, v, real-token count, usable)`, all tensors on the device;
+        `usable` is false when the step takes no statistic (no real token or non-finite values):
+        then both denominators are the running one and no buffer changes. Nothing is read on the
+        host, so no step waits for the device or breaks a compiled graph. A checkpointing
+        recomputation reuses the step's statistics and updates nothing.
         """
         if _in_recomputation() and self._last_denominators is not None:
             return self._last_denominators  # same step: reuse its statistics, update nothing
         sums = torch.cat([sum_sq, count.to(sum_sq.dtype).view(1)])
         if _sync_enabled(self.sync_stats, self.process_group):
             _all_reduce_(sums, self.process_group)
-        count = sums[-1]
-        v = sums[:-1] / count.clamp_min(1.0)
-        running = torch.rsqrt(self.running_phi.to(v.dtype) + self.eps)
-        if not self._usable(count, v):
-            self._last_denominators = (running, running, None, count)
-            return self._last_denominators
-        step = int(self.num_batches_tracked) + 1
-        batch = torch.rsqrt(v + self.eps)
-        inv_s = self._blended_inverse_denominator(step, v, batch, running)
-        inv_s_b = inv_s if self.backward_denominator == "running" else batch
+        count = sums[-1].clone()  # not a view: the step keeps it (a compiled graph refuses kept views)
+        _warn_if_ddp_overwrites_statistics(self)
+        v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(
+            sums[:-1], count, self.running_phi, self._next_step(), self._options())
+        _warn_non_finite(type(self).__name__, "batch statistic", non_finite)
         with torch.no_grad():
-            self._update_phi(step, v.float())
-            self.num_batches_tracked.add_(1)
-        self._last_denominators = (inv_s, inv_s_b, v, count)
+            self.running_phi.copy_(next_phi)
+            self._count_batch_(usable)
+        self._last_denominators = (inv_s, inv_s_b, v, count, usable)
         return self._last_denominators
 
     def running_weight(self, step: int) -> float:
         """Weight `r` of the running statistic in the denominator at step t: 0 while `t <= W`,
-        `(t - W) / (K + 1)` over the K ramp steps, 1 after."""
+        `(t - W) / (K + 1)` over the K ramp steps, 1 after (what `_pn_denominators` computes on
+        the device)."""
         return min(max(step - self.warmup_steps, 0) / (self.warmup_ramp_steps + 1), 1.0)
 
-    def _blended_inverse_denominator(self, step: int, v: torch.Tensor, batch: torch.Tensor,
-                                     running: torch.Tensor) -> torch.Tensor:
-        """`1/s` with `s^2 = (1 - r) * (v + eps) + r * (phi + eps)`, phi before this step's update."""
-        weight = self.running_weight(step)
-        if weight == 0.0:
-            return batch
-        if weight == 1.0:
-            return running
-        phi = self.running_phi.to(v.dtype)
-        return torch.rsqrt((1.0 - weight) * v + weight * phi + self.eps)
-
-    def _update_phi(self, step: int, v: torch.Tensor) -> None:
-        """`running_phi` after step t, per `warmup_statistic` (see the class docstring)."""
-        ema_rate = 1.0 - self.alpha_fwd
-        if self.warmup_statistic == "cumulative":
-            _lerp_(self.running_phi, v, 1.0 / step if step <= self.warmup_steps else ema_rate)
-            return
-        if step < self.warmup_steps:
-            _lerp_(self.running_phi, v, 1.0 / step)  # phi * (t - 1) / t + v / t
-        _lerp_(self.running_phi, v, ema_rate)
-
-    def _update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor) -> None:
-        """`nu <- nu * (1 - (1 - a) * Gamma) + (1 - a) * Lambda` (eq. 13), Lambda summed over ranks."""
+    def _update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor,
+                   usable: torch.Tensor) -> None:
+        """`nu <- nu * (1 - (1 - a) * Gamma) + (1 - a) * Lambda` (eq. 13), Lambda summed over ranks;
+        only where the forward step took a statistic and Lambda is finite (decided on the device)."""
         if _sync_enabled(self.sync_stats, self.process_group):
             _all_reduce_(lambda_sum, self.process_group)
         lam = lambda_sum / count.clamp_min(1.0)
-        if not self._usable(count, lam, what="gradient statistic"):
-            return
+        has_tokens, finite = count > 0, _all_finite(lam)
+        _warn_non_finite(type(self).__name__, "gradient statistic", usable & has_tokens & ~finite)
+        usable = usable & has_tokens & finite
         rate = 1.0 - self.alpha_bkw
         with torch.no_grad():
-            self.running_nu.mul_(1.0 - rate * gamma.float()).add_(rate * lam.float())
+            updated = self.running_nu * (1.0 - rate * gamma.float()) + rate * lam.float()
+            self.running_nu.copy_(torch.where(usable, updated, self.running_nu))
 
     def extra_repr(self) -> str:
         return (
@@ -533,19 +621,6 @@ class PowerNorm(_RunningStatsNorm):
             f"warmup_ramp_steps={self.warmup_ramp_steps}, group_num={self.group_num}, "
             f"backward_denominator={self.backward_denominator!r}, sync_stats={self.sync_stats}"
         )
-
-
-def _masked_square_sum(r, squares, token_weights, group_num) -> torch.Tensor:
-    """`sum_V z0^2` per channel from `squares = x^2`: `z0^2 = x^2 * r^2`, summed as one batched
-    matrix product per group (no `z0^2` tensor, no gather of real tokens)."""
-    if group_num is None:
-        return _token_sum(squares, token_weights)
-    coefficients = r.square()  # (tokens, G)
-    if token_weights is not None:
-        coefficients = coefficients * token_weights[:, None]
-    tokens, channels = squares.shape
-    grouped = squares.view(tokens, group_num, -1).transpose(0, 1)  # (G, tokens, C/G)
-    return torch.bmm(coefficients.t().unsqueeze(1), grouped).reshape(channels)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -577,20 +652,18 @@ class PowerNormV(_RunningStatsNorm):
             if self.training:
                 count = _token_count(z0, token_weights)
                 v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
-                if self._update(v, count):
-                    phi = v
+                usable = self._usable(count, v)
+                phi = torch.where(usable, v, phi)  # the running statistic for an unusable batch
+                self._update(v, usable)
             out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps), self.weight.to(dtype))
         return out.to(flat.dtype).view(hidden_states.shape)
 
-    def _update(self, v: torch.Tensor, count: torch.Tensor) -> bool:
-        """EMA update of `running_phi`; False when the batch gives no usable statistic."""
-        if not self._usable(count, v):
-            return False
+    def _update(self, v: torch.Tensor, usable: torch.Tensor) -> None:
+        """EMA update of `running_phi` where the batch gives a usable statistic (on the device)."""
         if not _in_recomputation():
             with torch.no_grad():
-                _lerp_(self.running_phi, v.detach().float(), 1.0 - self.alpha_fwd)
-                self.num_batches_tracked.add_(1)
-        return True
+                _lerp_(self.running_phi, v.detach().float(), 1.0 - self.alpha_fwd, keep=usable)
+                self._count_batch_(usable)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.weight.float() * torch.rsqrt(self.running_phi + self.eps)
@@ -623,8 +696,9 @@ class MaskedBatchNorm(_RunningStatsNorm):
             mean, var = self.running_mean.to(dtype), self.running_var.to(dtype)
             if self.training:
                 count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
-                if self._update(batch_mean, batch_var, count):
-                    mean, var = batch_mean, batch_var
+                usable = self._usable(count, batch_mean, batch_var)
+                mean, var = torch.where(usable, batch_mean, mean), torch.where(usable, batch_var, var)
+                self._update(batch_mean, batch_var, count, usable)
             scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
             out = torch.addcmul(self.bias.to(dtype), xf - mean, scale)
         return out.to(flat.dtype).view(hidden_states.shape)
@@ -636,17 +710,15 @@ class MaskedBatchNorm(_RunningStatsNorm):
         mean = _token_sum(xf, token_weights) / count.clamp_min(1.0)
         return count, mean, _token_sum((xf - mean).square(), token_weights) / count.clamp_min(1.0)
 
-    def _update(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> bool:
-        if not self._usable(count, mean, var):
-            return False
-        n = count.item()
+    def _update(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, usable: torch.Tensor) -> None:
+        """EMA of the mean and of the unbiased variance where the batch is usable (on the device)."""
         if not _in_recomputation():
-            unbiased = var.detach().float() * (n / max(n - 1.0, 1.0))
+            n = count.detach().float()
+            unbiased = var.detach().float() * (n / (n - 1.0).clamp_min(1.0))
             with torch.no_grad():
-                _lerp_(self.running_mean, mean.detach().float(), self.momentum)
-                _lerp_(self.running_var, unbiased, self.momentum)
-                self.num_batches_tracked.add_(1)
-        return True
+                _lerp_(self.running_mean, mean.detach().float(), self.momentum, keep=usable)
+                _lerp_(self.running_var, unbiased, self.momentum, keep=usable)
+                self._count_batch_(usable)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.weight.float() * torch.rsqrt(self.running_var + self.eps)
@@ -689,8 +761,11 @@ class BatchRenorm(MaskedBatchNorm):
             if self.training:
                 count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
                 r, d = self._correction(batch_mean, batch_var)
-                if self._update(batch_mean, batch_var, count):
-                    mean, scale, bias = batch_mean, weight * r * torch.rsqrt(batch_var + self.eps), bias + weight * d
+                usable = self._usable(count, batch_mean, batch_var)
+                mean = torch.where(usable, batch_mean, mean)
+                scale = torch.where(usable, weight * r * torch.rsqrt(batch_var + self.eps), scale)
+                bias = torch.where(usable, bias + weight * d, bias)
+                self._update(batch_mean, batch_var, count, usable)
             out = torch.addcmul(bias, xf - mean, scale)
         return out.to(flat.dtype).view(hidden_states.shape)
 
@@ -715,26 +790,27 @@ class _MovingAverageBatchNormFunction(torch.autograd.Function):
     average `Psi` of `mean_V(g * z)`: `dx = (g - z * Psi) / chi` on real tokens, `g / chi` on padding."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, token_weights, norm, inv_chi, r, step):
+    def forward(ctx, x, weight, bias, token_weights, norm, inv_chi, r, step, usable):
         z = x * inv_chi
-        ctx.save_for_backward(z, token_weights, weight, inv_chi, r)
-        ctx.norm, ctx.step = norm, step
+        ctx.save_for_backward(z, token_weights, weight, inv_chi, r, step, usable)
+        ctx.norm = norm
         return torch.addcmul(bias, z, weight * r)
 
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("MovingAverageBatchNorm")
-        z, token_weights, weight, inv_chi, r = ctx.saved_tensors
+        z, token_weights, weight, inv_chi, r, step, usable = ctx.saved_tensors
         with _float32(grad_output.device):
             dy = grad_output.to(z.dtype)
             g = dy * (weight * r)
             count = _token_count(z, token_weights)
-            psi = ctx.norm._backward_statistic(_token_sum(g * z, token_weights) / count.clamp_min(1.0), ctx.step)
+            psi_batch = _token_sum(g * z, token_weights) / count.clamp_min(1.0)
+            psi = ctx.norm._backward_statistic(psi_batch, step, usable)
             correction = z * psi if token_weights is None else z * psi * token_weights[:, None]
             grad_x = (g - correction) * inv_chi
             grad_weight = (dy * z).sum(0) * r if ctx.needs_input_grad[1] else None
             grad_bias = dy.sum(0) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class MovingAverageBatchNorm(_RunningStatsNorm):
@@ -794,46 +870,48 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         with _float32(flat.device):
             xf = flat.to(dtype)
             weight, bias = self.weight.to(dtype), self.bias.to(dtype)
-            statistics = self._forward_statistics(xf, token_weights) if self.training else None
-            if statistics is None:
-                out = torch.addcmul(bias, xf, weight * torch.rsqrt(self.running_phi.to(dtype) + self.eps))
-            else:
+            if self.training:
+                statistics = self._forward_statistics(xf, token_weights)
                 out = _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, self, *statistics)
+            else:
+                out = torch.addcmul(bias, xf, weight * torch.rsqrt(self.running_phi.to(dtype) + self.eps))
         return out.to(flat.dtype).view(hidden_states.shape)
 
-    def _batch_phase(self, step: int) -> bool:
-        return step <= self.window or step < self.warmup_steps
+    def _batch_phase(self, step: torch.Tensor) -> torch.Tensor:
+        return (step <= self.window) | (step < self.warmup_steps)
 
     def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
-        """`(1/sqrt(chi2 + eps), r, t)` of this step, updating the buffers; None for an unusable batch."""
+        """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the
+        device. An unusable batch (no real token, non-finite values) divides by the running statistic
+        with `r = 1`, stores nothing and takes no backward statistic: the eval map, with its gradient."""
         if _in_recomputation() and self._last_statistics is not None:
             return self._last_statistics  # same step: reuse its statistics, update nothing
         with torch.no_grad():  # no gradient flows through chi2 (see the backward)
             count = _token_count(xf, token_weights)
             chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
-        self._last_statistics = None
-        if not self._usable(count, chi2_batch):
-            return None
-        step = int(self.num_batches_tracked) + 1
-        with torch.no_grad():
-            self.window_phi[step % self.window].copy_(chi2_batch)
-            chi2 = chi2_batch if self._batch_phase(step) else self.window_phi.mean(0).to(xf.dtype)
-            r = torch.sqrt((chi2 + self.eps) / (self.running_phi.to(xf.dtype) + self.eps))
-            r = torch.ones_like(r) if step <= max(self.renorm_warmup_steps, self.warmup_steps) \
-                else r.clamp(1.0 / self.rmax, self.rmax)
-            _lerp_(self.running_phi, chi2.float(), self.momentum)
-            self.num_batches_tracked.add_(1)
-        self._last_statistics = (torch.rsqrt(chi2 + self.eps), r, step)
+            usable = self._usable(count, chi2_batch)
+            step = self._next_step()
+            _write_row_(self.window_phi, step % self.window, chi2_batch, keep=usable)
+            chi2 = torch.where(self._batch_phase(step), chi2_batch, self.window_phi.mean(0).to(xf.dtype))
+            running = self.running_phi.to(xf.dtype)
+            r = torch.sqrt((chi2 + self.eps) / (running + self.eps)).clamp(1.0 / self.rmax, self.rmax)
+            r = torch.where(usable & (step > max(self.renorm_warmup_steps, self.warmup_steps)), r, torch.ones_like(r))
+            inv_chi = torch.where(usable, torch.rsqrt(chi2 + self.eps), torch.rsqrt(running + self.eps))
+            _lerp_(self.running_phi, chi2.float(), self.momentum, keep=usable)
+            self._count_batch_(usable)
+        self._last_statistics = (inv_chi, r, step, usable)
         return self._last_statistics
 
-    def _backward_statistic(self, psi_batch: torch.Tensor, step: int) -> torch.Tensor:
-        """Store `Psi_B` of step t and return the `Psi` its backward uses."""
-        if not bool(torch.isfinite(psi_batch).all()):
-            _warn_non_finite(type(self).__name__, "gradient statistic")
-            return psi_batch
+    def _backward_statistic(self, psi_batch: torch.Tensor, step: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
+        """Store `Psi_B` of step t and return the `Psi` its backward uses: 0 after an unusable forward
+        (nothing stored), `Psi_B` itself when it is not finite (nothing stored, a warning)."""
+        finite = _all_finite(psi_batch)
+        _warn_non_finite(type(self).__name__, "gradient statistic", usable & ~finite)
         with torch.no_grad():
-            self.window_gz[step % self.window].copy_(psi_batch)
-        return psi_batch if self._batch_phase(step) else self.window_gz.mean(0).to(psi_batch.dtype)
+            _write_row_(self.window_gz, step % self.window, psi_batch, keep=usable & finite)
+        psi = torch.where(self._batch_phase(step), psi_batch, self.window_gz.mean(0).to(psi_batch.dtype))
+        psi = torch.where(finite, psi, psi_batch)
+        return torch.where(usable, psi, torch.zeros_like(psi))
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The eval-mode map `y = x * scale + shift` as float32 `(scale, shift)`."""

@@ -58,33 +58,33 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS, "PN's eval forward divides by sqrt(phi) instead of sqrt(phi + eps)"),
     Mutation(
         "pn-switch-before-warmup-ends", NORMALIZATION,
-        "        return min(max(step - self.warmup_steps, 0) / (self.warmup_ramp_steps + 1), 1.0)\n",
-        "        return min(max(step - self.warmup_steps + 1, 0) / (self.warmup_ramp_steps + 1), 1.0)\n",
+        "    weight = ((step - warmup) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)\n",
+        "    weight = ((step - warmup + 1) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)\n",
         NORM_TESTS, "PN's forward uses the running statistic from t = W (t < W) instead of t > W (t <= W)"),
     Mutation(
         "pn-nu-update-sign", NORMALIZATION,
-        "            self.running_nu.mul_(1.0 - rate * gamma.float()).add_(rate * lam.float())\n",
-        "            self.running_nu.mul_(1.0 - rate * gamma.float()).add_(-rate * lam.float())\n",
+        "            updated = self.running_nu * (1.0 - rate * gamma.float()) + rate * lam.float()\n",
+        "            updated = self.running_nu * (1.0 - rate * gamma.float()) - rate * lam.float()\n",
         NORM_TESTS, "the running gradient statistic nu subtracts Lambda (eq. 13 sign)"),
     Mutation(
         "pn-warmup-phi-not-cumulative", NORMALIZATION,
-        "            _lerp_(self.running_phi, v, 1.0 / step if step <= self.warmup_steps else ema_rate)\n",
-        "            _lerp_(self.running_phi, v, ema_rate)\n",
+        "        updated = torch.lerp(phi, v, torch.where(step <= warmup, cumulative_rate, ema_rate))\n",
+        "        updated = torch.lerp(phi, v, ema_rate)\n",
         NORM_TESTS, "during warmup running_phi is an EMA instead of the cumulative mean"),
     Mutation(
         "pn-backward-denominator-always-batch", NORMALIZATION,
-        '        inv_s_b = inv_s if self.backward_denominator == "running" else batch\n',
-        "        inv_s_b = batch\n",
+        '    inv_s_b = inv_s if backward == "running" else batch\n',
+        "    inv_s_b = batch\n",
         NORM_TESTS, 'backward_denominator="running" divides the backward by the batch statistic'),
     Mutation(
         "pn-nu-correction-on-padding", NORMALIZATION,
-        "        grad_z0.addcmul_(torch.mul(z0, token_weights[:, None], out=scratch), c, value=-1.0)\n",
-        "        grad_z0.addcmul_(z0, c, value=-1.0)\n",
+        "    correction = z0 * c if token_weights is None else z0 * c * token_weights[:, None]\n",
+        "    correction = z0 * c\n",
         NORM_TESTS, "the -nu*Z correction of the backward reaches padded positions (eager path)"),
     Mutation(
         "pn-counter-not-incremented", NORMALIZATION,
-        "            self.num_batches_tracked.add_(1)\n        self._last_denominators = (inv_s, inv_s_b, v, count)\n",
-        "        self._last_denominators = (inv_s, inv_s_b, v, count)\n",
+        "            self._count_batch_(usable)\n        self._last_denominators = (inv_s, inv_s_b, v, count, usable)\n",
+        "        self._last_denominators = (inv_s, inv_s_b, v, count, usable)\n",
         NORM_TESTS + MODEL_TESTS, "PN's num_batches_tracked never increments, so warmup never ends"),
     Mutation(
         "pn-recomputation-updates-again", NORMALIZATION,
@@ -119,13 +119,13 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS, "PN-V's eval forward divides by sqrt(phi) instead of sqrt(phi + eps)"),
     Mutation(
         "bn-running-variance-biased", NORMALIZATION,
-        "            unbiased = var.detach().float() * (n / max(n - 1.0, 1.0))\n",
+        "            unbiased = var.detach().float() * (n / (n - 1.0).clamp_min(1.0))\n",
         "            unbiased = var.detach().float()\n",
         NORM_TESTS, "BN's running variance takes the biased batch variance"),
     Mutation(
         "non-finite-batch-updates-buffers", NORMALIZATION,
-        "        if not all(bool(torch.isfinite(stat).all()) for stat in statistics):\n",
-        "        if False:\n",
+        "    finite = torch.isfinite(statistics[0]).all()\n",
+        "    finite = torch.ones((), dtype=torch.bool, device=statistics[0].device)\n",
         NORM_TESTS, "a NaN/inf batch statistic is written into the running buffers"),
     Mutation(
         "bf16-buffers-on-cast", NORMALIZATION,

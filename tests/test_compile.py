@@ -1,0 +1,154 @@
+"""No host synchronisation in a norm's training step: graphs without breaks, compiled = eager.
+
+Every guard of a batch-statistic norm (no real token, non-finite statistics, the warmup switch,
+the step counter) is decided on the device, so `torch._dynamo` traces a training forward in one
+graph, a compiled training step (forward, backward, buffer updates) matches eager, and on CUDA no
+step waits for the device.
+"""
+
+import warnings
+
+import pytest
+import torch
+from test_modeling_powernorm import inputs_for, make_model
+
+from hf_powernorm import NORM_CLASSES, build_norm
+
+HIDDEN = 12
+# Every norm whose training forward takes a batch statistic, with options that reach its phases in a
+# few steps (PN: warmup, ramp, running statistic; MABN: batch phase, moving averages, renormalization).
+BATCH_NORM_OPTIONS = {
+    "powernorm": {"warmup_steps": 2, "warmup_ramp_steps": 1, "group_num": 4},
+    "powernorm_v": {"group_num": 4},
+    "batchnorm": {},
+    "batchrenorm": {"rmax": 1.5, "dmax": 0.5},
+    "mabn": {"window": 2, "warmup_steps": 0, "renorm_warmup_steps": 2},
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_batch_norms_are_all_here():
+    assert set(BATCH_NORM_OPTIONS) == {
+        name for name, cls in NORM_CLASSES.items() if "num_batches_tracked" in cls(HIDDEN).state_dict()
+    }
+
+
+def _steps(device="cpu"):
+    """Training batches: padded, unpadded, all padding, a non-finite one, then padded again."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for kind in ("padded", "full", "padded", "no_real_token", "non_finite", "padded", "padded"):
+        x = torch.randn(3, 5, HIDDEN, generator=generator) * 2 + 0.5
+        dy = torch.randn(3, 5, HIDDEN, generator=generator)
+        mask = torch.ones(3, 5, dtype=torch.long)
+        mask[0, 3:] = 0
+        if kind == "full":
+            mask = None
+        elif kind == "no_real_token":
+            mask = torch.zeros_like(mask)
+        elif kind == "non_finite":
+            x[1, 1, 2] = float("nan")
+        batches.append(tuple(t if t is None else t.to(device) for t in (x, mask, dy)))
+    return batches
+
+
+def _norm(name: str, device="cpu"):
+    norm = build_norm(name, HIDDEN, **BATCH_NORM_OPTIONS.get(name, {})).to(device).train()
+    with torch.no_grad():
+        for parameter, start, end in (("weight", 0.5, 1.5), ("bias", -0.2, 0.3)):
+            if getattr(norm, parameter, None) is not None:
+                getattr(norm, parameter).copy_(torch.linspace(start, end, HIDDEN))
+    return norm
+
+
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("name", sorted(NORM_CLASSES))
+def test_training_forward_of_every_norm_is_one_graph(name, masked):
+    norm = _norm(name)
+    x, mask, _ = _steps()[0]
+    explanation = torch._dynamo.explain(norm)(x, mask if masked else None)
+    assert explanation.graph_break_count == 0, [str(reason.reason)[:300] for reason in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+# Each tiny model with PN everywhere, and every other batch-statistic norm in a model (the same
+# norms in the other heads are slow-marked: tracing a model takes seconds).
+MODEL_NORMS = [("seq2seq", "powernorm", "powernorm"), ("causal", "powernorm", "powernorm"),
+               ("classifier", "powernorm", "powernorm"), ("seq2seq", "powernorm_v", "batchnorm"),
+               ("causal", "batchrenorm", "mabn"),
+               *[pytest.param(head, norm, norm, marks=pytest.mark.slow)
+                 for head in ("seq2seq", "causal", "classifier")
+                 for norm in ("powernorm_v", "batchnorm", "batchrenorm", "mabn")]]
+
+
+@pytest.mark.parametrize("head, encoder_norm, decoder_norm", MODEL_NORMS)
+def test_training_forward_of_every_tiny_model_is_one_graph(head, encoder_norm, decoder_norm):
+    model = make_model(head, encoder_norm, decoder_norm_type=decoder_norm).train()
+    input_ids = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, 5:] = 0
+    explanation = torch._dynamo.explain(model)(**inputs_for(head, input_ids, attention_mask, with_labels=True))
+    assert explanation.graph_break_count == 0, [str(reason.reason)[:300] for reason in explanation.break_reasons]
+
+
+def _train(norm, step_fn, batches):
+    """Forward and backward of every batch; outputs, gradients and every buffer after each step."""
+    trace = []
+    for x, mask, dy in batches:
+        x = x.clone().requires_grad_(True)
+        norm.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the non-finite batch warns in eager only
+            y = step_fn(x, mask)
+            y.backward(dy)
+        trace.append({"y": y.detach(), "x.grad": x.grad, **{f"{k}.grad": p.grad for k, p in norm.named_parameters()},
+                      **{k: b.clone() for k, b in norm.named_buffers()}})
+    return trace
+
+
+def _assert_same_traces(compiled, eager):
+    for step, (got, want) in enumerate(zip(compiled, eager)):
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, equal_nan=True,
+                                       msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_NORM_OPTIONS))
+def test_fullgraph_compiled_training_step_matches_eager_buffers_included(name):
+    """`aot_eager` runs dynamo and AOTAutograd (the joint forward/backward graph, the buffer updates
+    of the backward) without generating code, which keeps the test fast; the inductor code is
+    checked against eager in `test_fast_path_*`."""
+    eager_norm, compiled_norm = _norm(name), _norm(name)
+    batches = _steps()
+    eager = _train(eager_norm, eager_norm, batches)
+    torch._dynamo.reset()
+    compiled = _train(compiled_norm, torch.compile(compiled_norm, backend="aot_eager", fullgraph=True), batches)
+    _assert_same_traces(compiled, eager)
+    assert int(compiled_norm.num_batches_tracked) == len(batches) - 2  # the two unusable batches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(NORM_CLASSES))
+def test_cuda_training_step_never_synchronises(name):
+    norm = _norm(name, "cuda")
+    batches = _steps("cuda")
+    norm(batches[0][0], batches[0][1]).backward(batches[0][2])  # first call: lazy initialisations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, mask, dy in batches:
+            norm(x.requires_grad_(True), mask).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(BATCH_NORM_OPTIONS))
+def test_cuda_training_steps_match_cpu(name):
+    cuda_norm, cpu_norm = _norm(name, "cuda"), _norm(name)
+    cuda = _train(cuda_norm, cuda_norm, _steps("cuda"))
+    cpu = _train(cpu_norm, cpu_norm, _steps())
+    _assert_same_traces([{k: v.cpu() for k, v in step.items()} for step in cuda], cpu)
