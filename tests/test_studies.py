@@ -181,7 +181,7 @@ long_run = load_recipe("studies/long_run")
 
 def test_long_run_smoke_trains_in_both_precisions(tmp_path):
     argv = ["--smoke", "--seeds", "1", "--settings", "pn-no-group-scaling", "--hidden_size", "64", "--layers", "1",
-            "--output_dir", str(tmp_path)]
+            "--precisions", "fp32", "bf16", "--output_dir", str(tmp_path)]
     results = long_run.main(argv)
     assert [(r["setting"], r["precision"]) for r in results] == [("pn-no-group-scaling", "fp32"),
                                                                   ("pn-no-group-scaling", "bf16")]
