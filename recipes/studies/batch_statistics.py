@@ -58,7 +58,7 @@ SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "ma
                   "cnn_epochs": 30, "cnn_images": 0},
          "smoke": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "max_train_steps": 12,
                    "warmup_steps": 4, "eval_steps": 6, "learning_rate": 5e-3, "record_every": 2,
-                   "cnn_epochs": 2, "cnn_images": 300}}
+                   "cnn_epochs": 4, "cnn_images": 300}}
 CNN = {"channels": (16, 32), "batch_size": 128, "learning_rate": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
 # Fluctuation summaries of the first norm layer: the recorder's columns, over the recorded steps.
 FLUCTUATIONS = ("rel_dist_mean", "rel_dist_var", "rel_dist_psi2", "g_mu", "g_sigma2", "g_psi2")
@@ -126,8 +126,8 @@ def digits(limit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_cnn(options: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """SGD with momentum on 80% of the digits, recording the norms every `record_every` updates;
-    the held-out 20%'s accuracy."""
+    """SGD with momentum on 80% of the digits in whole batches, recording the norms every
+    `record_every` updates; the held-out 20%'s accuracy."""
     generator = torch.Generator().manual_seed(options["seed"])
     torch.manual_seed(options["seed"])
     images, labels = digits(options["cnn_images"])
@@ -142,7 +142,10 @@ def train_cnn(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     step, losses = 0, []
     model.train()
     for _ in range(options["cnn_epochs"]):
-        for batch in train_idx[torch.randperm(len(train_idx), generator=generator)].split(CNN["batch_size"]):
+        shuffled = train_idx[torch.randperm(len(train_idx), generator=generator)]
+        # Whole batches only: a short last batch would give the statistics (and the gradients
+        # routed through them) of fewer images at every epoch's end.
+        for batch in shuffled[:len(shuffled) // CNN["batch_size"] * CNN["batch_size"]].split(CNN["batch_size"]):
             step += 1
             recorder.before_forward(step)
             loss = F.cross_entropy(model(images[batch]), labels[batch])
@@ -233,7 +236,7 @@ def cells(args: argparse.Namespace, files: dict[str, str] | None, tokenizer: str
                                             "tokenizer": tokenizer, "max_steps": args.max_train_steps, **lm, **common})
             for norm in args.norms for seed in args.seeds]
     if not args.no_cnn:
-        steps = args.cnn_epochs * math.ceil(0.8 * (args.cnn_images or 1797) / CNN["batch_size"])
+        steps = args.cnn_epochs * (int(0.8 * (args.cnn_images or 1797)) // CNN["batch_size"])
         grid += [Cell(f"cnn-batchnorm-seed{seed}", {"model": "cnn", "norm": "batchnorm", "seed": seed,
                                                      "cnn_epochs": args.cnn_epochs, "cnn_images": args.cnn_images,
                                                      "max_steps": steps, **common})
