@@ -40,9 +40,12 @@ from torch import nn
 from hf_powernorm import MaskedBatchNorm, NormStatisticsRecorder
 from hf_powernorm.instrumentation import read_norm_statistics
 from hf_powernorm.training import (
+    STUDY_LM,
     Cell,
+    add_lm_size_args,
     budget_argv,
     lm_run_args,
+    lm_size,
     lm_split_files,
     prepare_lm_data,
     run_grid,
@@ -50,9 +53,6 @@ from hf_powernorm.training import (
 )
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
-MODEL = {"hidden_size": 128, "intermediate_size": 512, "decoder_layers": 2, "num_attention_heads": 4,
-         "encoder_layers": 0, "is_encoder_decoder": False, "position_embedding_type": "learned",
-         "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3, "record_every": 5,
                   "cnn_epochs": 30, "cnn_images": 0},
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--norms", nargs="+", default=list(LM_NORMS), choices=LM_NORMS, help="the LM's norms")
     p.add_argument("--no_cnn", action="store_true", help="leave out the CNN runs")
+    add_lm_size_args(p)
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     for name, value in SIZES["real"].items():
@@ -170,7 +171,7 @@ def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--norm_type", options["norm"], "--record_norm_stats", str(options["record_every"])]
     args = lm_run_args(folder, options["tokenizer"], argv)
-    model, scores = train_causal_lm(args, options["files"], options["block_size"], MODEL)
+    model, scores = train_causal_lm(args, options["files"], options["block_size"], options["model_size"])
     values = normalized_singular_values(model.get_input_embeddings().weight)
     with open(folder / "singular_values.csv", "w", encoding="utf-8") as handle:
         handle.write("index,normalized_singular_value\n")
@@ -233,7 +234,8 @@ def cells(args: argparse.Namespace, files: dict[str, str] | None, tokenizer: str
     lm = {name: getattr(args, name) for name in ("max_tokens", "learning_rate", "warmup_steps", "max_train_steps",
                                                  "eval_steps", "block_size")}
     grid = [Cell(f"lm-{norm}-seed{seed}", {"model": "lm", "norm": norm, "seed": seed, "files": files,
-                                            "tokenizer": tokenizer, "max_steps": args.max_train_steps, **lm, **common})
+                                            "tokenizer": tokenizer, "max_steps": args.max_train_steps,
+                                            "model_size": lm_size(args), **lm, **common})
             for norm in args.norms for seed in args.seeds]
     if not args.no_cnn:
         steps = args.cnn_epochs * (int(0.8 * (args.cnn_images or 1797)) // CNN["batch_size"])
@@ -261,7 +263,8 @@ def _mean_std(values: list[float], digits: int = 3) -> str:
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    keys = list(dict.fromkeys(key for result in results for key in result if key not in ("files", "tokenizer")))
+    leave_out = ("files", "tokenizer", "model_size")
+    keys = list(dict.fromkeys(key for result in results for key in result if key not in leave_out))
     with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
