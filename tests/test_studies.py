@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-
 from recipe_scripts import load_recipe
+
+from hf_powernorm.training import STUDY_LM
 
 warmup_switch = load_recipe("studies/warmup_switch")
 
@@ -75,7 +76,7 @@ def test_batch_statistics_smoke_records_every_norm_and_resumes(tmp_path):
     for norm in batch_statistics.LM_NORMS:
         run = by_run[f"lm-{norm}"]
         values = (tmp_path / "cells" / run["cell"] / "singular_values.csv").read_text().splitlines()[1:]
-        assert len(values) == min(120, batch_statistics.STUDY_LM["hidden_size"])  # (vocabulary, hidden) embeddings
+        assert len(values) == min(120, STUDY_LM["hidden_size"])  # (vocabulary, hidden) embeddings
         assert float(values[0].split(",")[1]) == 1.0 and 1 < run["effective_rank"] <= len(values)
         assert run["test_perplexity"] < 120
     with open(tmp_path / "statistics.csv", encoding="utf-8") as handle:

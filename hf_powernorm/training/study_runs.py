@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,20 @@ from .arguments import add_recipe_args, check_args
 from .batching import PaddingCollator
 from .corpora import synthetic_lm_corpus
 from .evaluation import evaluate_perplexity, score_splits
+from .grid import run_grid
 from .loop import fit, make_accelerator, prepare_eval_loaders
 from .losses import model_loss
-from .models import build_model
 from .metrics import count_words
+from .models import build_model
 from .readers import load_lm_dataset
 from .run_log import read_run_log
-from .tokenization import column_texts, lm_blocks, load_tokenizer, tokenize_lines, train_bpe_tokenizer
+from .tokenization import (
+    column_texts,
+    lm_blocks,
+    load_tokenizer,
+    tokenize_lines,
+    train_bpe_tokenizer,
+)
 
 PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
 # The loss jump at PN's switch: means over WINDOW updates either side, the peak over PEAK_WINDOW after.
@@ -63,9 +70,9 @@ def prepare_lm_data(files: dict[str, str], output_dir: str | Path, vocab_size: i
 def budget_argv(seed: int, sizes: dict[str, Any]) -> list[str]:
     """The flags every run of a study shares, from a sizes dict with `max_tokens`, `learning_rate`,
     `warmup_steps`, `max_train_steps`, `eval_steps` (and optionally `gradient_accumulation_steps`)."""
-    argv = ["--seed", str(seed), "--max_tokens", str(sizes["max_tokens"]), "--learning_rate", str(sizes["learning_rate"]),
-            "--num_warmup_steps", str(sizes["warmup_steps"]), "--max_train_steps", str(sizes["max_train_steps"]),
-            "--eval_steps", str(sizes["eval_steps"])]
+    argv = ["--seed", str(seed), "--max_tokens", str(sizes["max_tokens"]),
+            "--learning_rate", str(sizes["learning_rate"]), "--num_warmup_steps", str(sizes["warmup_steps"]),
+            "--max_train_steps", str(sizes["max_train_steps"]), "--eval_steps", str(sizes["eval_steps"])]
     if sizes.get("gradient_accumulation_steps", 1) != 1:
         argv += ["--gradient_accumulation_steps", str(sizes["gradient_accumulation_steps"])]
     return argv
@@ -172,3 +179,42 @@ def lm_size(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--layers must be at least 1; got {args.layers}")
     return {**STUDY_LM, "hidden_size": args.hidden_size, "intermediate_size": 4 * args.hidden_size,
             "num_attention_heads": args.hidden_size // 32, "decoder_layers": args.layers}
+
+
+def add_study_args(parser: argparse.ArgumentParser, sizes: dict[str, dict[str, Any]], output_dir: str,
+                   seeds: Sequence[int]) -> argparse.ArgumentParser:
+    """The options every LM study shares: `--data_dir`, `--output_dir`, `--seeds`, `--jobs`,
+    `--smoke`, the LM's size, and one flag per entry of `sizes["real"]` (default from
+    `sizes["smoke"]` with `--smoke`; `fill_sizes` sets them after parsing)."""
+    parser.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
+    parser.add_argument("--output_dir", default=output_dir)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    parser.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
+    for name, value in sizes["real"].items():
+        smoke = sizes["smoke"][name]
+        parser.add_argument(f"--{name}", type=type(value), help=f"default {value} ({smoke} with --smoke)")
+    return add_lm_size_args(parser)
+
+
+def fill_sizes(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> argparse.Namespace:
+    """Give every size flag left unset its real (or `--smoke`) default."""
+    for name, value in sizes["smoke" if args.smoke else "real"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_cell: Callable[..., dict],
+                 write_results: Callable[..., None], desc: str) -> list[dict[str, Any]]:
+    """A study's `main` after parsing: PTB's files (or the embedded corpus) and BPE prepared once,
+    `make_cells(args, files, tokenizer)` run by `run_grid`, `write_results(results, args,
+    output_dir)`, and the summary printed. Returns the results in cell order."""
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
+    results = run_grid(make_cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc=desc)
+    write_results(results, args, output_dir)
+    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    return results

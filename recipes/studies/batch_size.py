@@ -25,14 +25,13 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
-    add_lm_size_args,
+    add_study_args,
     budget_argv,
+    fill_sizes,
     lm_run_args,
     lm_size,
-    lm_split_files,
     mean_std,
-    prepare_lm_data,
-    run_grid,
+    run_lm_study,
     train_causal_lm,
     write_rows,
 )
@@ -47,21 +46,12 @@ ACCUMULATIONS = (8, 4, 2, 1)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
-    p.add_argument("--output_dir", default="outputs/studies/batch_size")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    add_study_args(p, SIZES, "outputs/studies/batch_size", seeds=[1, 2, 3])
     p.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS)
     p.add_argument("--accumulations", type=int, nargs="+", default=list(ACCUMULATIONS),
                    help="gradient accumulations per update; the mini-batch is update_tokens / this")
-    add_lm_size_args(p)
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
-    for name, value in SIZES["real"].items():
-        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
     args = p.parse_args(argv)
-    for name, value in SIZES["smoke" if args.smoke else "real"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, SIZES)
     for accumulation in args.accumulations:
         mini_batch, rest = divmod(args.update_tokens, accumulation) if accumulation > 0 else (0, 1)
         if rest or mini_batch < args.block_size or mini_batch % args.block_size:
@@ -128,15 +118,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, mini_batches:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    files = lm_split_files(args.data_dir, output_dir, args.smoke)
-    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
-    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="Batch size")
-    write_results(results, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
-    return results
+    return run_lm_study(parse_args(argv), cells, run_cell, write_results, "Batch size")
 
 
 if __name__ == "__main__":

@@ -40,15 +40,13 @@ from torch import nn
 from hf_powernorm import MaskedBatchNorm, NormStatisticsRecorder
 from hf_powernorm.instrumentation import read_norm_statistics
 from hf_powernorm.training import (
-    STUDY_LM,
     Cell,
-    add_lm_size_args,
+    add_study_args,
     budget_argv,
+    fill_sizes,
     lm_run_args,
     lm_size,
-    lm_split_files,
-    prepare_lm_data,
-    run_grid,
+    run_lm_study,
     train_causal_lm,
 )
 
@@ -67,20 +65,11 @@ SINGULAR_INDEXES = (8, 32, 64, 128)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
-    p.add_argument("--output_dir", default="outputs/studies/batch_statistics")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    add_study_args(p, SIZES, "outputs/studies/batch_statistics", seeds=[1, 2])
     p.add_argument("--norms", nargs="+", default=list(LM_NORMS), choices=LM_NORMS, help="the LM's norms")
     p.add_argument("--no_cnn", action="store_true", help="leave out the CNN runs")
-    add_lm_size_args(p)
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
-    for name, value in SIZES["real"].items():
-        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
     args = p.parse_args(argv)
-    for name, value in SIZES["smoke" if args.smoke else "real"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, SIZES)
     if args.record_every < 1:
         raise ValueError(f"--record_every must be at least 1; got {args.record_every}")
     return args
@@ -388,15 +377,7 @@ def _save(figure: Any, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    files = lm_split_files(args.data_dir, output_dir, args.smoke)
-    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
-    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="Batch statistics")
-    write_results(results, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
-    return results
+    return run_lm_study(parse_args(argv), cells, run_cell, write_results, "Batch statistics")
 
 
 if __name__ == "__main__":

@@ -24,14 +24,13 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
-    add_lm_size_args,
+    add_study_args,
     budget_argv,
+    fill_sizes,
     first_nonfinite_update,
     lm_run_args,
     lm_size,
-    lm_split_files,
-    prepare_lm_data,
-    run_grid,
+    run_lm_study,
     train_causal_lm,
     training_losses,
     write_rows,
@@ -51,22 +50,13 @@ PRECISIONS = ("fp32", "bf16")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
-    p.add_argument("--output_dir", default="outputs/studies/long_run")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    add_study_args(p, SIZES, "outputs/studies/long_run", seeds=[1, 2])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--precisions", nargs="+", choices=PRECISIONS,
                    help="default: fp32 and bf16 with a GPU, fp32 alone on a CPU (bf16 autocast on a CPU without "
                         "bf16 instructions is about 11x slower)")
-    add_lm_size_args(p)
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
-    for name, value in SIZES["real"].items():
-        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
     args = p.parse_args(argv)
-    for name, value in SIZES["smoke" if args.smoke else "real"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, SIZES)
     if args.precisions is None:
         import torch
 
@@ -108,7 +98,8 @@ def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> li
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
     write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
-    lines = [f"# PowerNorm over {args.max_train_steps} updates ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})",
+    corpus = "embedded corpus, smoke sizes" if args.smoke else "PTB"
+    lines = [f"# PowerNorm over {args.max_train_steps} updates ({corpus})",
              "", "One row per run.", "",
              "| setting | precision | seed | first non-finite loss (update) | largest loss after warmup | "
              "final training loss | validation perplexity | test perplexity |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -143,15 +134,7 @@ def _plot(results: list[dict[str, Any]], output_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    files = lm_split_files(args.data_dir, output_dir, args.smoke)
-    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
-    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="Long runs")
-    write_results(results, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
-    return results
+    return run_lm_study(parse_args(argv), cells, run_cell, write_results, "Long runs")
 
 
 if __name__ == "__main__":

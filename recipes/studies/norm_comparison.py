@@ -235,7 +235,8 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str], output_
 
     figure, axis = plt.subplots(figsize=(7, 4.2))
     for setting in settings:
-        curves = [dict(validation_curve(output_dir, r)) for r in results if r["task"] == task and r["setting"] == setting]
+        runs = [r for r in results if r["task"] == task and r["setting"] == setting]
+        curves = [dict(validation_curve(output_dir, r)) for r in runs]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         axis.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=setting, linewidth=1,
                   marker=".")

@@ -32,15 +32,14 @@ from typing import Any
 
 from hf_powernorm.training import (
     Cell,
-    add_lm_size_args,
+    add_study_args,
     budget_argv,
+    fill_sizes,
     lm_run_args,
     lm_size,
-    lm_split_files,
     loss_jump,
     mean_std,
-    prepare_lm_data,
-    run_grid,
+    run_lm_study,
     train_causal_lm,
     training_losses,
     write_rows,
@@ -74,19 +73,10 @@ COLUMNS = ("validation_perplexity", "test_perplexity", "loss_jump", "loss_peak_e
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
-    p.add_argument("--output_dir", default="outputs/studies/pn_ablation")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    add_study_args(p, SIZES, "outputs/studies/pn_ablation", seeds=[1, 2, 3])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    add_lm_size_args(p)
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
-    p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
-    for name, value in SIZES["real"].items():
-        p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
     args = p.parse_args(argv)
-    for name, value in SIZES["smoke" if args.smoke else "real"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, SIZES)
     return args
 
 
@@ -171,15 +161,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    files = lm_split_files(args.data_dir, output_dir, args.smoke)
-    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
-    results = run_grid(cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc="PN ablation")
-    write_results(results, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
-    return results
+    return run_lm_study(parse_args(argv), cells, run_cell, write_results, "PN ablation")
 
 
 if __name__ == "__main__":
