@@ -1,9 +1,13 @@
-"""Fused CPU kernels for PowerNorm training (float32, contiguous `(tokens, C)` inputs).
+"""Fused CPU kernels for PowerNorm (float32, contiguous `(tokens, C)` inputs).
 
-The eager implementation in `normalization.py` takes about ten passes over memory per step; on a
-CPU, where each elementwise pass costs about as much as a whole `layer_norm`, that is several times
-LayerNorm. These kernels do the same arithmetic in four passes (statistics, output; backward sums,
-input gradient), parallel over tokens with OpenMP, and recompute `z0 = x * r` instead of storing it.
+A composition of torch ops takes about ten passes over memory per training step; on a CPU, where
+each elementwise pass costs about as much as a whole `layer_norm`, that is several times LayerNorm.
+These kernels do the arithmetic in two passes per training step once the denominator is the running
+statistic (statistics and output together; the backward sums and input gradient together), three
+during warmup (the output needs the batch statistic first), one in eval, parallel over tokens with
+OpenMP. They save nothing but `x`: the group scales and `z0 = x * r` are recomputed per token.
+`torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
+measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
 
 The C source below is compiled on first use with the system C compiler into a cache directory
 (`$HF_POWERNORM_CACHE`, else `$XDG_CACHE_HOME/hf_powernorm`, else `~/.cache/hf_powernorm`) and loaded
@@ -12,7 +16,7 @@ The directory is private (mode 0700, owned by the user; another owner's is refus
 is loaded only when the record written next to it names the hash of this source and these flags
 and the library's own hash; any other file of that name is rebuilt, never loaded.
 Without a compiler, or with `HF_POWERNORM_KERNELS=0`, `load()` returns None and PowerNorm runs
-eagerly; the results agree to float32 rounding (tested).
+its torch ops; the results agree to float32 rounding (tested).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import pathlib
+import platform
 import shutil
 import stat
 import subprocess
@@ -37,78 +42,93 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-#define GS_EPS 1e-5f
 #define FLUSH 64  /* rows summed in float before adding to the double accumulators */
 
 static void add_to(double *dst, float *src, long n) {
     for (long i = 0; i < n; i++) { dst[i] += src[i]; src[i] = 0.0f; }
 }
 
-/* r[t, g] = 1 / sqrt(mean_group(x^2) + eps), or 1 when groups == 0 (no group scaling). */
-static void group_scales(const float *x, long C, long groups, float *r) {
+/* r[g] = 1 / sqrt(mean_group(x^2) + eps) of one token, or 1 when groups == 0 (no group scaling). */
+static void group_scales(const float *x, long C, long groups, float eps, float *r) {
     if (groups == 0) { r[0] = 1.0f; return; }
     long k = C / groups;
     for (long g = 0; g < groups; g++) {
         float s = 0.0f;
         #pragma omp simd reduction(+:s)
         for (long j = 0; j < k; j++) s += x[g * k + j] * x[g * k + j];
-        r[g] = 1.0f / sqrtf(s / (float)k + GS_EPS);
+        r[g] = 1.0f / sqrtf(s / (float)k + eps);
     }
 }
 
-/* Forward statistics: r (tokens x max(groups,1)) and sum_sq[c] = sum_t w_t (x[t,c] r[t,g(c)])^2. */
-void pn_forward_stats(const float *x, const float *w, long T, long C, long groups, int threads,
-                      float *r, double *sum_sq) {
+/* One pass over the rows of x (T x C), with z0 = x r (r: the token's group scales):
+   sum_sq[c] = sum_t w_t z0[t,c]^2 (and sum_sq[C] = sum_t w_t) when sum_sq is given,
+   y = z0 scale + shift when y is given (no shift: y = z0 scale; no scale either: y = z0).
+   The group scales' eps is `eps` (1e-5 for PN's group scaling). */
+void pn_rows(const float *x, const float *w, long T, long C, long groups, float eps, int threads,
+             const float *scale, const float *shift, float *y, double *sum_sq) {
     long G = groups ? groups : 1, k = C / G;
-    memset(sum_sq, 0, sizeof(double) * C);
+    if (sum_sq) {  /* sum_sq[C] receives the real-token count */
+        memset(sum_sq, 0, sizeof(double) * (C + 1));
+        if (w) { for (long t = 0; t < T; t++) sum_sq[C] += w[t]; } else sum_sq[C] = (double)T;
+    }
     #pragma omp parallel num_threads(threads)
     {
-        float *acc = calloc(C, sizeof(float));
-        double *dacc = calloc(C, sizeof(double));
+        float *acc = sum_sq ? calloc(C, sizeof(float)) : NULL;
+        double *dacc = sum_sq ? calloc(C, sizeof(double)) : NULL;
+        float *r = malloc(sizeof(float) * G);
         long rows = 0;
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             const float *xt = x + t * C;
-            float *rt = r + t * G;
-            group_scales(xt, C, groups, rt);
+            group_scales(xt, C, groups, eps, r);
             float wt = w ? w[t] : 1.0f;
-            if (wt == 0.0f) continue;
             for (long g = 0; g < G; g++) {
-                float c = wt * rt[g] * rt[g];
-                for (long j = 0; j < k; j++) acc[g * k + j] += c * xt[g * k + j] * xt[g * k + j];
+                const float *xg = xt + g * k;
+                float rg = r[g], c2 = wt * rg * rg;
+                if (acc && wt != 0.0f) {
+                    float *ag = acc + g * k;
+                    #pragma omp simd
+                    for (long j = 0; j < k; j++) ag[j] += c2 * xg[j] * xg[j];
+                }
+                if (y && scale && shift) {
+                    float *yg = y + t * C + g * k;
+                    const float *sg = scale + g * k, *hg = shift + g * k;
+                    #pragma omp simd
+                    for (long j = 0; j < k; j++) yg[j] = xg[j] * rg * sg[j] + hg[j];
+                } else if (y && scale) {
+                    float *yg = y + t * C + g * k;
+                    const float *sg = scale + g * k;
+                    #pragma omp simd
+                    for (long j = 0; j < k; j++) yg[j] = xg[j] * rg * sg[j];
+                } else if (y) {
+                    float *yg = y + t * C + g * k;
+                    #pragma omp simd
+                    for (long j = 0; j < k; j++) yg[j] = xg[j] * rg;
+                }
             }
-            if (++rows % FLUSH == 0) add_to(dacc, acc, C);
+            if (acc && ++rows % FLUSH == 0) add_to(dacc, acc, C);
         }
-        add_to(dacc, acc, C);
-        #pragma omp critical
-        for (long c = 0; c < C; c++) sum_sq[c] += dacc[c];
+        if (acc) {
+            add_to(dacc, acc, C);
+            #pragma omp critical
+            for (long c = 0; c < C; c++) sum_sq[c] += dacc[c];
+        }
         free(acc);
         free(dacc);
+        free(r);
     }
 }
 
-/* y[t,c] = x[t,c] r[t,g(c)] scale[c] + shift[c] */
-void pn_forward_output(const float *x, const float *r, long T, long C, long groups, int threads,
-                       const float *scale, const float *shift, float *y) {
+/* The backward in one pass over (dy, x): z0 = x r recomputed per token;
+   s_all[c] = sum_t dy z0, s_real[c] = sum_t w_t dy z0, s_dy[c] = sum_t dy;
+   dz0 = dy a - w_t c z0 with a = weight / s_b and c = nu / (s s_b) (eqs. 11-12);
+   dx = r (dz0 - z0 mean_group(dz0 z0)), or dx = dz0 without group scaling. */
+void pn_backward(const float *dy, const float *x, const float *w, long T, long C, long groups, float eps, int threads,
+                 const float *weight, const float *nu, const float *inv_s, const float *inv_s_b,
+                 float *dx, double *s_all, double *s_real, double *s_dy) {
     long G = groups ? groups : 1, k = C / G;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < T; t++) {
-        const float *xt = x + t * C;
-        float *yt = y + t * C;
-        for (long g = 0; g < G; g++) {
-            float rg = r[t * G + g];
-            for (long j = 0; j < k; j++) {
-                long c = g * k + j;
-                yt[c] = xt[c] * rg * scale[c] + shift[c];
-            }
-        }
-    }
-}
-
-/* Backward sums: s_all[c] = sum_t dy z0, s_real[c] = sum_t w_t dy z0, s_dy[c] = sum_t dy. */
-void pn_backward_sums(const float *dy, const float *x, const float *r, const float *w, long T, long C,
-                      long groups, int threads, double *s_all, double *s_real, double *s_dy) {
-    long G = groups ? groups : 1, k = C / G;
+    float *a = malloc(sizeof(float) * 2 * C), *cc = a + C;
+    for (long c = 0; c < C; c++) { a[c] = weight[c] * inv_s_b[c]; cc[c] = nu[c] * inv_s[c] * inv_s_b[c]; }
     memset(s_all, 0, sizeof(double) * C);
     memset(s_real, 0, sizeof(double) * C);
     memset(s_dy, 0, sizeof(double) * C);
@@ -117,20 +137,31 @@ void pn_backward_sums(const float *dy, const float *x, const float *r, const flo
         float *acc = calloc(3 * C, sizeof(float));
         double *dacc = calloc(3 * C, sizeof(double));
         float *a_all = acc, *a_real = acc + C, *a_dy = acc + 2 * C;
+        float *r = malloc(sizeof(float) * G);
         long rows = 0;
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             const float *dyt = dy + t * C, *xt = x + t * C;
+            float *dxt = dx ? dx + t * C : NULL;  /* no dx: the sums only */
             float wt = w ? w[t] : 1.0f;
+            group_scales(xt, C, groups, eps, r);
             for (long g = 0; g < G; g++) {
-                float rg = r[t * G + g];
+                long o = g * k;
+                float rg = r[g], proj = 0.0f;
+                #pragma omp simd reduction(+:proj)
                 for (long j = 0; j < k; j++) {
-                    long c = g * k + j;
-                    float p = dyt[c] * xt[c] * rg;
-                    a_all[c] += p;
-                    a_real[c] += wt * p;
-                    a_dy[c] += dyt[c];
+                    float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
+                    a_all[o + j] += p;
+                    a_real[o + j] += wt * p;
+                    a_dy[o + j] += d;
+                    float dz0 = d * a[o + j] - wt * cc[o + j] * z0;
+                    if (dx) dxt[o + j] = dz0;
+                    proj += dz0 * z0;
                 }
+                if (groups == 0 || !dx) continue;
+                proj /= (float)k;
+                #pragma omp simd
+                for (long j = 0; j < k; j++) dxt[o + j] = rg * (dxt[o + j] - xt[o + j] * rg * proj);
             }
             if (++rows % FLUSH == 0) add_to(dacc, acc, 3 * C);
         }
@@ -143,43 +174,79 @@ void pn_backward_sums(const float *dy, const float *x, const float *r, const flo
         }
         free(acc);
         free(dacc);
+        free(r);
     }
+    free(a);
 }
 
-/* dz0 = dy a - w_t c z0 ; dx = r (dz0 - z0 mean_group(dz0 z0)), or dx = dz0 without group scaling. */
-void pn_backward_input(const float *dy, const float *x, const float *r, const float *w, long T, long C,
-                       long groups, int threads, const float *a, const float *cc, float *dx) {
-    long G = groups ? groups : 1, k = C / G;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < T; t++) {
-        const float *dyt = dy + t * C, *xt = x + t * C;
-        float *dxt = dx + t * C;
-        float wt = w ? w[t] : 1.0f;
-        for (long g = 0; g < G; g++) {
-            float rg = r[t * G + g];
-            float proj = 0.0f;
-            #pragma omp simd reduction(+:proj)
-            for (long j = 0; j < k; j++) {
-                long c = g * k + j;
-                float z0 = xt[c] * rg;
-                float dz0 = dyt[c] * a[c] - wt * cc[c] * z0;
-                dxt[c] = dz0;
-                proj += dz0 * z0;
-            }
-            if (groups == 0) continue;
-            proj /= (float)k;
-            for (long j = 0; j < k; j++) {
-                long c = g * k + j;
-                dxt[c] = rg * (dxt[c] - xt[c] * rg * proj);
-            }
+/* torch.lerp's formula, so that the buffers match the torch ops' bit for bit where they can. */
+static float lerp(float start, float end, float weight) {
+    return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
+/* One training step's statistics from the (reduced) sums, on C channels (PowerNorm._denominators):
+   v = sum_sq / max(count, 1); usable = count > 0 and v finite; 1/s from the warmup weight
+   r = clamp((t - W) / (K + 1), 0, 1) (the batch, the running or the blended denominator);
+   1/s_b = 1/s (backward "running") or the batch one; phi (float32 buffer) and the counter (int64)
+   updated in place for a usable batch (ema = 1 - alpha_fwd). Returns 1 usable, 0 skipped, -1 skipped for non-finite v. */
+int pn_statistics(const float *sum_sq, float count, long C, float *phi, long long *counter, float eps,
+                  long warmup, long ramp, float ema, int reference, int batch_backward,
+                  float *v, float *inv_s, float *inv_s_b) {
+    long long t = *counter + 1;
+    float n = count > 1.0f ? count : 1.0f;
+    int finite = 1;
+    for (long c = 0; c < C; c++) { v[c] = sum_sq[c] / n; finite &= isfinite(v[c]) != 0; }
+    int usable = count > 0.0f && finite;
+    float r = (float)(t - warmup) / (float)(ramp + 1);
+    r = r < 0.0f ? 0.0f : (r > 1.0f ? 1.0f : r);
+    float cumulative = 1.0f / (float)t;
+    for (long c = 0; c < C; c++) {
+        float running = 1.0f / sqrtf(phi[c] + eps), batch = 1.0f / sqrtf(v[c] + eps);
+        float s = r == 0.0f ? batch : (r == 1.0f ? running : 1.0f / sqrtf((1.0f - r) * v[c] + r * phi[c] + eps));
+        inv_s[c] = usable ? s : running;
+        inv_s_b[c] = usable ? (batch_backward ? batch : s) : running;
+        if (!usable) continue;
+        if (!reference) {
+            phi[c] = lerp(phi[c], v[c], t <= warmup ? cumulative : ema);
+        } else {
+            if (t < warmup) phi[c] = lerp(phi[c], v[c], cumulative);
+            phi[c] = lerp(phi[c], v[c], ema);
         }
     }
+    if (usable) *counter += 1;
+    return usable ? 1 : (count > 0.0f ? -1 : 0);
+}
+
+/* The backward's statistics (PowerNorm._update_nu and the parameter gradients), on C channels:
+   Lambda = weight inv_s s_real / max(count, 1), Gamma = v inv_s^2;
+   nu <- nu (1 - rate Gamma) + rate Lambda (rate = 1 - alpha_bkw) where the forward was usable and
+   Lambda is finite; dweight = inv_s s_all. Returns 1 updated, 0 not, -1 not for non-finite Lambda. */
+int pn_gradient_statistics(const double *s_all, const double *s_real, const float *weight, const float *v,
+                           const float *inv_s, float count, long C, int usable, float rate, float *nu,
+                           float *grad_weight) {
+    float n = count > 1.0f ? count : 1.0f;
+    int finite = 1;
+    for (long c = 0; c < C; c++) {
+        float lam = weight[c] * inv_s[c] * (float)s_real[c] / n;
+        finite &= isfinite(lam) != 0;
+        grad_weight[c] = inv_s[c] * (float)s_all[c];
+    }
+    if (!usable || count <= 0.0f) return 0;
+    if (!finite) return -1;
+    for (long c = 0; c < C; c++) {
+        float lam = weight[c] * inv_s[c] * (float)s_real[c] / n, gamma = v[c] * (inv_s[c] * inv_s[c]);
+        nu[c] = nu[c] * (1.0f - rate * gamma) + rate * lam;
+    }
+    return 1;
 }
 """
 
-_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+# -march=native: the vector width of this CPU (AVX2/AVX-512), as torch's own kernels dispatch to it.
+# The library is then specific to the CPU, whose identity is part of the digest that names it.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
 _tried = False
+GROUP_SCALE_EPS = 1e-5  # PN's group scaling (normalization.GROUP_SCALE_EPS)
 
 
 def _cache_dir() -> pathlib.Path:
@@ -200,8 +267,18 @@ def _private_dir(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (what `-march=native` compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            lines = [line for line in handle if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
 def _source_digest() -> str:
-    return hashlib.sha256("\0".join([_SOURCE, *_FLAGS]).encode()).hexdigest()
+    return hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_identity()]).encode()).hexdigest()
 
 
 def _file_digest(path: pathlib.Path) -> str:
@@ -243,12 +320,14 @@ def _compile(target: pathlib.Path) -> None:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.pn_forward_stats.argtypes = [p, p, n, n, n, i, p, p]
-    lib.pn_forward_output.argtypes = [p, p, n, n, n, i, p, p, p]
-    lib.pn_backward_sums.argtypes = [p, p, p, p, n, n, n, i, p, p, p]
-    lib.pn_backward_input.argtypes = [p, p, p, p, n, n, n, i, p, p, p]
-    for fn in (lib.pn_forward_stats, lib.pn_forward_output, lib.pn_backward_sums, lib.pn_backward_input):
+    f = ctypes.c_float
+    lib.pn_rows.argtypes = [p, p, n, n, n, f, i, p, p, p, p]
+    lib.pn_backward.argtypes = [p, p, p, n, n, n, f, i, p, p, p, p, p, p, p, p]
+    lib.pn_statistics.argtypes = [p, f, n, p, p, f, n, n, f, i, i, p, p, p]
+    lib.pn_gradient_statistics.argtypes = [p, p, p, p, p, f, n, i, f, p, p]
+    for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
+    lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
     return lib
 
 
@@ -284,42 +363,77 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _args(x: torch.Tensor, r: torch.Tensor | None, token_weights: torch.Tensor | None, group_num: int | None):
+def _float_vector(values: torch.Tensor) -> torch.Tensor:
+    return values.detach().float().contiguous()
+
+
+def pn_rows(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,
+            scale: torch.Tensor | None = None, shift: torch.Tensor | None = None, statistics: bool = True,
+            eps: float = GROUP_SCALE_EPS):
+    """One pass over contiguous float32 `x` (tokens, C) with `z0 = GS(x)`: `(y, sum_V z0^2)`, where
+    `y = z0 * scale + shift` when `scale` is given (else None); when `statistics`, the float32 sums
+    (C,) and the real-token count as a float (else None, None): `(y, sum_sq, count)`."""
     tokens, channels = x.shape
-    return _ptr(r), _ptr(token_weights), tokens, channels, group_num or 0, torch.get_num_threads()
+    y = None if scale is None else torch.empty_like(x)
+    sums = torch.empty(channels + 1, dtype=torch.float64) if statistics else None
+    scale, shift = (None if vector is None else _float_vector(vector) for vector in (scale, shift))
+    _library.pn_rows(_ptr(x), _ptr(token_weights), tokens, channels, group_num or 0, eps, torch.get_num_threads(),
+                     _ptr(scale), _ptr(shift), _ptr(y), _ptr(sums))
+    if sums is None:
+        return y, None, None
+    sums = sums.float()
+    return y, sums[:-1], float(sums[-1])
 
 
-def fused_forward_stats(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None):
-    """Return group scales `r` (tokens, G) and `sum_V z0^2` (C,) float32, for contiguous float32 `x`."""
-    r = torch.empty(x.shape[0], group_num or 1, dtype=torch.float32)
-    sum_sq = torch.empty(x.shape[1], dtype=torch.float64)
-    _, w, tokens, channels, groups, threads = _args(x, r, token_weights, group_num)
-    _library.pn_forward_stats(_ptr(x), w, tokens, channels, groups, threads, _ptr(r), _ptr(sum_sq))
-    return r, sum_sq.float()
-
-
-def fused_forward_output(x, r, group_num, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """`y = x * r * scale + shift` (scale, shift: (C,) float32)."""
+def group_scale(x: torch.Tensor, group_num: int) -> torch.Tensor:
+    """`GS(x)` of contiguous float32 `x` (tokens, C) in one pass (no autograd)."""
+    tokens, channels = x.shape
     y = torch.empty_like(x)
-    scale, shift = scale.float().contiguous(), shift.float().contiguous()
-    rp, _, tokens, channels, groups, threads = _args(x, r, None, group_num)
-    _library.pn_forward_output(_ptr(x), rp, tokens, channels, groups, threads, _ptr(scale), _ptr(shift), _ptr(y))
+    _library.pn_rows(_ptr(x), None, tokens, channels, group_num, GROUP_SCALE_EPS, torch.get_num_threads(), None,
+                     None, _ptr(y), None)
     return y
 
 
-def fused_backward_sums(dy, x, r, token_weights, group_num):
-    """Return `(sum_all dy*z0, sum_V dy*z0, sum_all dy)`, each (C,) float32; `dy` contiguous."""
-    sums = torch.empty(3, x.shape[1], dtype=torch.float64)
-    rp, w, tokens, channels, groups, threads = _args(x, r, token_weights, group_num)
-    _library.pn_backward_sums(_ptr(dy), _ptr(x), rp, w, tokens, channels, groups, threads,
-                              _ptr(sums[0]), _ptr(sums[1]), _ptr(sums[2]))
-    return tuple(sums.float())
+def pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,
+                weight: torch.Tensor, nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor,
+                eps: float = GROUP_SCALE_EPS, input_gradient: bool = True):
+    """One pass over contiguous float32 `dy` and `x`: `dx` from `dz0 = dy * a - (real) * c * z0`,
+    `a = weight * inv_s_b`, `c = nu * inv_s * inv_s_b`, through the group-scaling backward, and the
+    float64 sums `(sum_all dy*z0, sum_V dy*z0, sum_all dy)` (3, C); `dx` is None without
+    `input_gradient` (the sums only)."""
+    tokens, channels = x.shape
+    dx = torch.empty_like(x) if input_gradient else None
+    sums = torch.empty(3, channels, dtype=torch.float64)
+    vectors = [_float_vector(t) for t in (weight, nu, inv_s, inv_s_b)]  # kept alive across the call
+    _library.pn_backward(_ptr(dy), _ptr(x), _ptr(token_weights), tokens, channels, group_num or 0, eps,
+                         torch.get_num_threads(), *map(_ptr, vectors), _ptr(dx), _ptr(sums[0]), _ptr(sums[1]),
+                         _ptr(sums[2]))
+    return dx, sums
 
 
-def fused_backward_input(dy, x, r, token_weights, group_num, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """`dx` from `dz0 = dy * a - (real) * c * z0` through the group-scaling backward."""
-    dx = torch.empty_like(x)
-    a, c = a.float().contiguous(), c.float().contiguous()
-    rp, w, tokens, channels, groups, threads = _args(x, r, token_weights, group_num)
-    _library.pn_backward_input(_ptr(dy), _ptr(x), rp, w, tokens, channels, groups, threads, _ptr(a), _ptr(c), _ptr(dx))
-    return dx
+def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor, counter: torch.Tensor,
+                  eps: float, warmup_steps: int, ramp_steps: int, ema_rate: float, reference: bool,
+                  batch_backward: bool):
+    """PowerNorm's step statistics on the CPU (what `normalization._pn_denominators` computes):
+    `(status, v, 1/s, 1/s_backward)`, updating float32 `running_phi` and the int64 `counter` in
+    place for a usable batch; status 1 usable, 0 no real token, -1 non-finite statistics."""
+    channels = sum_sq.shape[0]
+    sum_sq = _float_vector(sum_sq)
+    v, inv_s, inv_s_b = torch.empty(3, channels).unbind(0)
+    status = _library.pn_statistics(_ptr(sum_sq), count, channels, _ptr(running_phi), _ptr(counter), eps,
+                                    warmup_steps, ramp_steps, ema_rate, int(reference), int(batch_backward),
+                                    _ptr(v), _ptr(inv_s), _ptr(inv_s_b))
+    return status, v, inv_s, inv_s_b
+
+
+def pn_gradient_statistics(sums: torch.Tensor, weight: torch.Tensor, v: torch.Tensor, inv_s: torch.Tensor,
+                           count: float, usable: bool, rate: float, running_nu: torch.Tensor):
+    """The backward's statistics on the CPU from `pn_backward`'s sums: updates float32 `running_nu`
+    (eq. 13) where the step is usable and Lambda finite; `(status, grad_weight)`, status as in
+    `pn_statistics`."""
+    weight = _float_vector(weight)
+    grad_weight = torch.empty(sums.shape[1])
+    status = _library.pn_gradient_statistics(_ptr(sums[0]), _ptr(sums[1]), _ptr(weight), _ptr(v), _ptr(inv_s),
+                                             count, sums.shape[1], int(usable), rate, _ptr(running_nu),
+                                             _ptr(grad_weight))
+    return status, grad_weight

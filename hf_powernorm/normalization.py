@@ -20,7 +20,9 @@ token. The output has the input's dtype.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
+import os
 import re
 import warnings
 
@@ -29,12 +31,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels_cpu import group_scale as fused_group_scale
 from .kernels_cpu import (
-    fused_backward_input,
-    fused_backward_sums,
-    fused_forward_output,
-    fused_forward_stats,
     kernels_usable,
+    pn_backward,
+    pn_gradient_statistics,
+    pn_rows,
+    pn_statistics,
 )
 
 GROUP_SCALE_EPS = 1e-5
@@ -176,12 +179,12 @@ def _float32(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _warn_non_finite(name: str, what: str, skipped: torch.Tensor) -> None:
+def _warn_non_finite(name: str, what: str, skipped: torch.Tensor | bool) -> None:
     """Warn when the device flag `skipped` says a finite-statistics guard held back an update.
 
     Only where the flag can be read for free (eager, CPU): elsewhere the update is still skipped on
     the device, silently, because reading the flag would wait for the device or break the graph."""
-    if _host_readable(skipped) and bool(skipped):
+    if skipped if isinstance(skipped, bool) else _host_readable(skipped) and bool(skipped):
         warnings.warn(
             f"{name}: non-finite {what} (NaN or inf in the input or gradient); the running statistics "
             "were not updated for this batch",
@@ -220,6 +223,9 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
     channels = hidden_states.shape[-1]
     if channels % group_num != 0:
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
+    if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
+        return fused_group_scale(hidden_states.reshape(-1, channels).contiguous(), group_num).view(
+            hidden_states.shape)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
     scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
     return scaled.flatten(-2)
@@ -228,6 +234,46 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
 def _fused_kernels_usable(x: torch.Tensor) -> bool:
     """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
     return not torch.compiler.is_compiling() and kernels_usable(x)
+
+
+# PN's training step as two pure tensor functions compiled by `torch.compile` (inductor: Triton
+# kernels on CUDA, C++ on CPU), the way PN runs where the C kernels do not (accelerators).
+# `HF_POWERNORM_COMPILE`: "auto" (default) compiles on CUDA with Triton installed, "1" on any device,
+# "0" never. Compiled lazily, on the first training step that needs it; a function that fails to
+# compile is run eagerly from then on (with a warning), as it is wherever compilation is off.
+_COMPILED: dict = {}
+
+
+def _compile_wanted(x: torch.Tensor) -> bool:
+    setting = os.environ.get("HF_POWERNORM_COMPILE", "auto")
+    if setting == "0" or torch.compiler.is_compiling() or x.dtype == torch.float64:
+        return False
+    if setting == "1":
+        return True
+    return x.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _compiled(fn):
+    """`fn` through `torch.compile` (built on first use, dynamic shapes), or `fn` itself if that failed."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = _CompiledOrEager(fn)
+    return _COMPILED[fn]
+
+
+class _CompiledOrEager:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as err:  # noqa: BLE001 - no compiler, a backend error: fall back, say so once
+                warnings.warn(f"torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); "
+                              "PowerNorm runs its torch ops eagerly", RuntimeWarning, stacklevel=2)
+                self.compiled = None
+        return self.fn(*args)
 
 
 def _check_group_num(group_num: int | None, hidden_size: int, allow_none: bool = True) -> None:
@@ -418,31 +464,51 @@ def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor 
     return grad_x.flatten(-2), *sums
 
 
+def _pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, options):
+    """A whole training forward as one pure function (what `_compiled` compiles): `(y, 1/s,
+    1/s_backward, v, count, usable, non_finite, next_phi)`; the caller writes the buffers."""
+    z0, sum_sq, count = _pn_sums(x, token_weights, group_num)
+    v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(sum_sq, count, phi, step, options)
+    return _pn_output(z0, weight * inv_s, bias).to(x.dtype), inv_s, inv_s_b, v, count, usable, non_finite, next_phi
+
+
+def _pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, group_num, rate):
+    """A whole backward as one pure function: `(dx, dweight, dbias, next_nu, non_finite)`, with
+    `nu <- nu * (1 - rate * Gamma) + rate * Lambda` (eq. 13) where the step is usable and Lambda finite."""
+    grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, group_num)
+    lam = weight.to(inv_s.dtype) * inv_s * real_dy_z0 / count.clamp_min(1.0)
+    has_tokens, finite = count > 0, _all_finite(lam)
+    updated = nu * (1.0 - rate * (v * inv_s.square()).float()) + rate * lam.float()
+    next_nu = torch.where(usable & has_tokens & finite, updated, nu)
+    grad_weight, grad_bias = (inv_s * sum_dy_z0).to(weight.dtype), sum_dy.to(weight.dtype)
+    return grad_x.to(dy.dtype), grad_weight, grad_bias, next_nu, usable & has_tokens & ~finite
+
+
 class _PowerNormFunction(torch.autograd.Function):
     """Group scaling, PN forward and the approximate backward of eqs. (11)-(13).
 
-    Saves the input `x` and recomputes `z0 = GS(x)` in the backward. The backward needs one batch
-    reduction, `sum(dY * z0)`: `Gamma = mean_V(Z^2) = v / s^2` is known from the forward. On CPU
-    float32 inputs the work runs in the fused kernels of `kernels_cpu.py`; elsewhere in the pure
-    tensor functions above.
+    Saves the input `x` only: `z0 = GS(x)` is recomputed in the backward, which needs one batch
+    reduction, `sum(dY * z0)` (`Gamma = mean_V(Z^2) = v / s^2` is known from the forward). On CPU
+    float32 inputs the work runs in the fused kernels of `kernels_cpu.py`; elsewhere, and in a graph
+    being compiled, in the pure tensor functions above.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, token_weights, norm):
         ctx.fused = _fused_kernels_usable(x)
         with _float32(x.device):
+            ctx.compiled = not ctx.fused and norm._compiled_step_usable(x)
             if ctx.fused:
                 x = x.contiguous()
-                r, sum_sq = fused_forward_stats(x, token_weights, norm.group_num)
-                inv_s, inv_s_b, v, count, usable = norm._denominators(sum_sq, _token_count(x, token_weights))
-                y = fused_forward_output(x, r, norm.group_num, weight.float() * inv_s, bias)
-                ctx.save_for_backward(x, r, token_weights, weight)
+                y, stats = _pn_fused_forward(x, weight, bias, token_weights, norm)
+            elif ctx.compiled:
+                y, stats = norm._compiled_forward(x, weight, bias, token_weights)
             else:
                 z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num)
-                inv_s, inv_s_b, v, count, usable = norm._denominators(sum_sq, count)
-                y = _pn_output(z0, weight * inv_s, bias)
-                ctx.save_for_backward(x, None, token_weights, weight)
-        ctx.stats = (inv_s, inv_s_b, v, count, usable)
+                stats = norm._denominators(sum_sq, count)
+                y = _pn_output(z0, weight * stats[0], bias)
+        ctx.save_for_backward(x, token_weights, weight)
+        ctx.stats = stats
         ctx.norm = norm
         ctx.input_dtype = x.dtype
         return y.to(x.dtype)
@@ -450,25 +516,76 @@ class _PowerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("PowerNorm")
-        x, r, token_weights, weight = ctx.saved_tensors
+        x, token_weights, weight = ctx.saved_tensors
         inv_s, inv_s_b, v, count, usable = ctx.stats
         norm = ctx.norm
-        nu = norm.running_nu.clone()  # nu of the previous step, eq. (11)
+        nu = norm.running_nu  # nu of the previous step (eq. 11): read before `_update_nu` writes it
         with _float32(grad_output.device):
             if ctx.fused:
-                dy = grad_output.float().contiguous()
-                sum_dy_z0, real_dy_z0, sum_dy = fused_backward_sums(dy, x, r, token_weights, norm.group_num)
-                a, c = weight.float() * inv_s_b, nu * inv_s * inv_s_b
-                grad_x = fused_backward_input(dy, x, r, token_weights, norm.group_num, a, c)
+                grad_x, sums = pn_backward(grad_output.float().contiguous(), x, token_weights, norm.group_num,
+                                           weight, nu, inv_s, inv_s_b)
+                if not isinstance(count, torch.Tensor):  # the step's statistics were taken on the host
+                    grad_weight, grad_bias = norm._host_gradient_statistics(sums, weight, v, inv_s, count, usable)
+                    return (grad_x.to(ctx.input_dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype),
+                            None, None)
+                sum_dy_z0, real_dy_z0, sum_dy = sums.float()
+            elif ctx.compiled:
+                grad_x, grad_weight, grad_bias, next_nu, non_finite = _compiled(_pn_train_backward)(
+                    grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, norm.group_num,
+                    1.0 - norm.alpha_bkw)
+                _warn_non_finite("PowerNorm", "gradient statistic", non_finite)
+                with torch.no_grad():
+                    norm.running_nu.copy_(next_nu)
+                return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
             else:
                 grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(
                     grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num)
             # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
             w = weight.to(inv_s.dtype)
             norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count, usable)
-        grad_weight = (inv_s * sum_dy_z0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_weight = (inv_s * sum_dy_z0).to(weight.dtype)
+        grad_bias = sum_dy.to(weight.dtype)
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
+
+
+class _PowerNormEvalFunction(torch.autograd.Function):
+    """PN's eval map `y = GS(x) * scale + shift` in one C pass, with its gradient: the group-scaling
+    backward of `dY * scale` (`pn_backward` with a = scale, c = 0), `dscale = sum(dY * GS(x))`,
+    `dshift = sum(dY)`; through torch ops when the gradient must be differentiable in turn."""
+
+    @staticmethod
+    def forward(ctx, x, scale, shift, group_num):
+        x = x.contiguous()
+        ctx.save_for_backward(x, scale, shift)
+        ctx.group_num = group_num
+        y, _, _ = pn_rows(x, None, group_num, scale, shift, statistics=False)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, scale, shift = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True
+            with torch.enable_grad():
+                y = torch.addcmul(shift, group_scale(x, ctx.group_num), scale)
+                return (*torch.autograd.grad(y, (x, scale, shift), grad_output, create_graph=True), None)
+        ones, zeros = torch.ones_like(scale), torch.zeros_like(scale)
+        grad_x, sums = pn_backward(grad_output.float().contiguous(), x, None, ctx.group_num, scale, zeros, ones, ones)
+        return grad_x, sums[0].float(), sums[2].float(), None
+
+
+def _pn_fused_forward(x, weight, bias, token_weights, norm):
+    """PN's training forward in the C kernels: one pass when the step divides by the running
+    statistic (known before the batch statistic: CPU, so the step counter is read for free), else a
+    statistics pass and an output pass."""
+    weight = weight.detach().float()
+    if norm._divides_by_running_statistic():
+        scale = weight * torch.rsqrt(norm.running_phi + norm.eps)  # phi before this step's update
+        y, sum_sq, count = pn_rows(x, token_weights, norm.group_num, scale, bias)
+        return y, norm._denominators(sum_sq, count)
+    _, sum_sq, count = pn_rows(x, token_weights, norm.group_num)
+    stats = norm._denominators(sum_sq, count)
+    y, _, _ = pn_rows(x, None, norm.group_num, weight * stats[0], bias, statistics=False)
+    return y, stats
 
 
 class PowerNorm(_RunningStatsNorm):
@@ -548,9 +665,11 @@ class PowerNorm(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
         if self.training:
-            out = _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self)
+            return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
+        scale, shift = self.affine_after_group_scale()
+        if _fused_kernels_usable(flat):  # group scaling and the affine map in one pass, with or without grad
+            out = _PowerNormEvalFunction.apply(flat, scale, shift, self.group_num)
         else:
-            scale, shift = self.affine_after_group_scale()
             dtype = _stat_dtype(flat)
             with _float32(flat.device):
                 z0 = group_scale(flat, self.group_num).to(dtype)
@@ -568,7 +687,7 @@ class PowerNorm(_RunningStatsNorm):
         return (self.eps, self.warmup_steps, self.warmup_ramp_steps, self.alpha_fwd, self.warmup_statistic,
                 self.backward_denominator)
 
-    def _denominators(self, sum_sq: torch.Tensor, count: torch.Tensor):
+    def _denominators(self, sum_sq: torch.Tensor, count: torch.Tensor | float):
         """Forward statistics of one training step; updates `running_phi` and the step counter.
 
         Returns `(1/s, 1/s_backward, v, real-token count, usable)`, all tensors on the device;
@@ -579,6 +698,11 @@ class PowerNorm(_RunningStatsNorm):
         """
         if _in_recomputation() and self._last_denominators is not None:
             return self._last_denominators  # same step: reuse its statistics, update nothing
+        if self._statistics_on_host(sum_sq):
+            self._last_denominators = self._host_denominators(sum_sq, float(count))
+            return self._last_denominators
+        if not isinstance(count, torch.Tensor):
+            count = torch.full((), count, dtype=sum_sq.dtype, device=sum_sq.device)
         sums = torch.cat([sum_sq, count.to(sum_sq.dtype).view(1)])
         if _sync_enabled(self.sync_stats, self.process_group):
             _all_reduce_(sums, self.process_group)
@@ -587,11 +711,66 @@ class PowerNorm(_RunningStatsNorm):
         v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(
             sums[:-1], count, self.running_phi, self._next_step(), self._options())
         _warn_non_finite(type(self).__name__, "batch statistic", non_finite)
+        self._take_step(next_phi, usable)
+        self._last_denominators = (inv_s, inv_s_b, v, count, usable)
+        return self._last_denominators
+
+    def _compiled_step_usable(self, x: torch.Tensor) -> bool:
+        """Whether this step runs the compiled pure functions: compilation wanted for `x`, no process
+        group to sum over, float32 buffers, not a recomputation (which reuses its step's statistics)."""
+        return (_compile_wanted(x) and not _sync_enabled(self.sync_stats, self.process_group)
+                and not (_in_recomputation() and self._last_denominators is not None)
+                and self.running_phi.dtype == torch.float32 and self.running_nu.dtype == torch.float32)
+
+    def _compiled_forward(self, x, weight, bias, token_weights):
+        """The training forward in `_compiled(_pn_train_forward)`; writes the buffers it returns."""
+        _warn_if_ddp_overwrites_statistics(self)
+        y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = _compiled(_pn_train_forward)(
+            x, token_weights, weight, bias, self.running_phi, self._next_step(), self.group_num, self._options())
+        _warn_non_finite(type(self).__name__, "batch statistic", non_finite)
+        self._take_step(next_phi, usable)
+        self._last_denominators = (inv_s, inv_s_b, v, count, usable)
+        return y, self._last_denominators
+
+    def _statistics_on_host(self, sum_sq: torch.Tensor) -> bool:
+        """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
+        sums and buffers, no process group to sum over. A few dozen torch ops on C-vectors cost more
+        there than the passes over the batch; the C function does the same arithmetic in one call."""
+        return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and kernels_usable(sum_sq)
+                and not _sync_enabled(self.sync_stats, self.process_group)
+                and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
+                        for buffer in (self.running_phi, self.running_nu)))
+
+    def _host_denominators(self, sum_sq: torch.Tensor, count: float):
+        """`_denominators` in C on the CPU: the same tuple, with the count a float and `usable` a bool."""
+        _warn_if_ddp_overwrites_statistics(self)
+        status, v, inv_s, inv_s_b = pn_statistics(
+            sum_sq, count, self.running_phi, self.num_batches_tracked, self.eps, self.warmup_steps,
+            self.warmup_ramp_steps, 1.0 - self.alpha_fwd, self.warmup_statistic == "reference",
+            self.backward_denominator == "batch")
+        _warn_non_finite(type(self).__name__, "batch statistic", status < 0)
+        return inv_s, inv_s_b, v, count, status == 1
+
+    def _host_gradient_statistics(self, sums, weight, v, inv_s, count: float, usable: bool):
+        """`_update_nu` in C after `_host_denominators`; returns the weight and bias gradients."""
+        status, grad_weight = pn_gradient_statistics(sums, weight, v, inv_s, count, usable, 1.0 - self.alpha_bkw,
+                                                     self.running_nu)
+        _warn_non_finite(type(self).__name__, "gradient statistic", status < 0)
+        return grad_weight, sums[2].float()
+
+    def _divides_by_running_statistic(self) -> bool:
+        """Whether this step's forward denominator is the running one whatever the batch (`t > W + K`,
+        not a recomputation, which reuses its step's denominator); for the C kernels' one-pass forward,
+        on the CPU, where reading the step counter costs nothing."""
+        if _in_recomputation() or not _host_readable(self.num_batches_tracked):
+            return False
+        return self.running_weight(int(self.num_batches_tracked) + 1) == 1.0
+
+    def _take_step(self, next_phi: torch.Tensor, usable: torch.Tensor) -> None:
+        """Write the step's `running_phi` and count it (both unchanged for an unusable batch)."""
         with torch.no_grad():
             self.running_phi.copy_(next_phi)
             self._count_batch_(usable)
-        self._last_denominators = (inv_s, inv_s_b, v, count, usable)
-        return self._last_denominators
 
     def running_weight(self, step: int) -> float:
         """Weight `r` of the running statistic in the denominator at step t: 0 while `t <= W`,
@@ -627,6 +806,54 @@ class PowerNorm(_RunningStatsNorm):
 # Batch-statistic relatives: PN-V and masked batch normalization
 
 
+class _PowerNormVFunction(torch.autograd.Function):
+    """PN-V's training step in PN's C kernels, with its exact gradient: the forward is a statistics
+    pass and an output pass (`y = z0 * weight / s + bias`, `s = sqrt(v + eps)`); the backward a
+    sums pass and an input-gradient pass. Through `v = mean_V(z0^2)` the gradient of a real token's
+    `z0` gains `-weight * z0 * S / (N s^3)`, `S = sum_all(dY * z0)`: PN's `dz0 = dY * a - (real) * c * z0`
+    with `a = weight / s`, `c = weight * S / (N s^3)` (0 for an unusable batch, whose denominator is the
+    running statistic), then the exact group-scaling backward. Saves `x`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, token_weights, norm):
+        x = x.contiguous()
+        _, sum_sq, count = pn_rows(x, token_weights, norm.group_num)
+        count = torch.tensor(count)
+        v = sum_sq / count.clamp_min(1.0)
+        usable = norm._usable(count, v)
+        inv_s = torch.rsqrt(torch.where(usable, v, norm.running_phi) + norm.eps)
+        norm._update(v, usable)
+        y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * inv_s, bias, statistics=False)
+        ctx.save_for_backward(x, token_weights, weight, bias, inv_s, count, usable)
+        ctx.norm = norm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, token_weights, weight, bias, inv_s, count, usable = ctx.saved_tensors
+        group_num = ctx.norm.group_num
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
+            return (*_PowerNormVFunction._differentiable_backward(ctx.norm, x, token_weights, weight, bias, count,
+                                                                  usable, grad_output), None, None)
+        dy = grad_output.float().contiguous()
+        zeros = torch.zeros_like(inv_s)
+        _, sums = pn_backward(dy, x, token_weights, group_num, weight, zeros, inv_s, inv_s, input_gradient=False)
+        total = sums[0].float()  # S = sum_all(dY * z0)
+        c_over_s2 = torch.where(usable, weight.detach() * total * inv_s / count.clamp_min(1.0), zeros)
+        grad_x, _ = pn_backward(dy, x, token_weights, group_num, weight, c_over_s2, inv_s, inv_s)
+        return grad_x, (inv_s * total).to(weight.dtype), sums[2].to(weight.dtype), None, None
+
+    @staticmethod
+    def _differentiable_backward(norm, x, token_weights, weight, bias, count, usable, grad_output):
+        """The same gradient through torch ops (the statistic as the forward took it: `running_phi`
+        is unchanged when the batch was unusable)."""
+        with torch.enable_grad():
+            z0 = group_scale(x, norm.group_num)
+            v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
+            y = torch.addcmul(bias, z0 * torch.rsqrt(torch.where(usable, v, norm.running_phi) + norm.eps), weight)
+            return torch.autograd.grad(y, (x, weight, bias), grad_output, create_graph=True)
+
+
 class PowerNormV(_RunningStatsNorm):
     """PN-V (the paper's Table 1): divide by the batch quadratic mean with its exact gradient.
 
@@ -645,6 +872,8 @@ class PowerNormV(_RunningStatsNorm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        if self.training and self._fused_step_usable(flat):
+            return _PowerNormVFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
             z0 = group_scale(flat, self.group_num).to(dtype)
@@ -657,6 +886,11 @@ class PowerNormV(_RunningStatsNorm):
                 self._update(v, usable)
             out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps), self.weight.to(dtype))
         return out.to(flat.dtype).view(hidden_states.shape)
+
+    def _fused_step_usable(self, flat: torch.Tensor) -> bool:
+        """The C kernels: CPU float32 input, parameters and statistic."""
+        return (_fused_kernels_usable(flat) and self.weight.dtype == torch.float32
+                and self.running_phi.dtype == torch.float32)
 
     def _update(self, v: torch.Tensor, usable: torch.Tensor) -> None:
         """EMA update of `running_phi` where the batch gives a usable statistic (on the device)."""
@@ -950,6 +1184,34 @@ class LayerNorm(_Norm):
         return out.to(hidden_states.dtype)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm in PN's C kernels: it is group scaling with one group and eps, times the weight, so
+    the forward is one pass and the exact backward, `dx = r * (g - x_hat * mean(g * x_hat))` with
+    `g = weight * dY`, is the group-scaling backward of `pn_backward` (a = weight, c = 0). Saves `x`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x = x.contiguous()
+        y, _, _ = pn_rows(x, None, 1, weight, statistics=False, eps=eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
+            with torch.enable_grad():
+                y = F.rms_norm(x, (x.shape[-1],), weight, ctx.eps)
+                grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_output, create_graph=True,
+                                                          allow_unused=True)
+            return grad_x, grad_weight, None
+        ones, zeros = torch.ones_like(weight, dtype=torch.float32), torch.zeros_like(weight, dtype=torch.float32)
+        grad_x, sums = pn_backward(grad_output.float().contiguous(), x, None, 1, weight, zeros, ones, ones,
+                                   eps=ctx.eps)
+        return grad_x, sums[0].to(weight.dtype), None
+
+
 class RMSNorm(_Norm):
     """Root-mean-square normalization over channels, per token (no mean, no bias)."""
 
@@ -963,9 +1225,11 @@ class RMSNorm(_Norm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size)
         dtype = _stat_dtype(hidden_states)
+        if _fused_kernels_usable(hidden_states) and self.weight.dtype == torch.float32:
+            flat = hidden_states.reshape(-1, self.hidden_size)
+            return _RMSNormFunction.apply(flat, self.weight, self.eps).view(hidden_states.shape)
         with _float32(hidden_states.device):
-            xf = hidden_states.to(dtype)
-            out = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(dtype)
+            out = F.rms_norm(hidden_states.to(dtype), (self.hidden_size,), self.weight.to(dtype), self.eps)
         return out.to(hidden_states.dtype)
 
 

@@ -152,3 +152,62 @@ def test_cuda_training_steps_match_cpu(name):
     cuda = _train(cuda_norm, cuda_norm, _steps("cuda"))
     cpu = _train(cpu_norm, cpu_norm, _steps())
     _assert_same_traces([{k: v.cpu() for k, v in step.items()} for step in cuda], cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# PN's compiled pure functions (what runs on CUDA) against its torch ops run eagerly
+
+
+def _without_c_kernels(monkeypatch):
+    import hf_powernorm.normalization as normalization
+
+    monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+    return normalization
+
+
+@pytest.mark.slow  # inductor builds two C++ kernels families here: about a minute on 2 cores
+def test_compiled_training_step_matches_eager_on_cpu(monkeypatch):
+    normalization = _without_c_kernels(monkeypatch)
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", "0")
+    eager_norm = _norm("powernorm")
+    eager = _train(eager_norm, eager_norm, _steps())
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", "1")
+    monkeypatch.setattr(normalization, "_COMPILED", {})
+    compiled_norm = _norm("powernorm")
+    compiled = _train(compiled_norm, compiled_norm, _steps())
+    assert all(entry.compiled is not None for entry in normalization._COMPILED.values())
+    assert len(normalization._COMPILED) == 2
+    _assert_same_traces(compiled, eager)
+
+
+def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
+    normalization = _without_c_kernels(monkeypatch)
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", "0")
+    eager_norm = _norm("powernorm")
+    eager = _train(eager_norm, eager_norm, _steps()[:3])
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", "1")
+    monkeypatch.setattr(normalization, "_COMPILED", {})
+
+    def no_compiler(fn, **options):
+        def fail(*args):
+            raise RuntimeError("no C++ compiler")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    norm = _norm("powernorm")
+    with pytest.warns(RuntimeWarning, match="torch.compile of _pn_train_forward failed"):
+        fallback = _train_warning_visible(norm, _steps()[:3])
+    assert all(entry.compiled is None for entry in normalization._COMPILED.values())
+    _assert_same_traces(fallback, eager)
+
+
+def _train_warning_visible(norm, batches):
+    trace = []
+    for x, mask, dy in batches:
+        x = x.clone().requires_grad_(True)
+        norm.zero_grad()
+        y = norm(x, mask)
+        y.backward(dy)
+        trace.append({"y": y.detach(), "x.grad": x.grad, **{f"{k}.grad": p.grad for k, p in norm.named_parameters()},
+                      **{k: b.clone() for k, b in norm.named_buffers()}})
+    return trace

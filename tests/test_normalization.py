@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -691,6 +692,9 @@ def test_fused_cpu_kernels_are_built_here():
 @pytest.mark.parametrize("groups", [None, 1, GROUPS])
 @pytest.mark.parametrize("padded", [False, True])
 def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, statistic, ramp):
+    """The C kernels (training steps, their statistics and updates taken in C, the eval map) against
+    the torch ops, across warmup, ramp and running statistic, with a batch without real tokens and a
+    non-finite one among them."""
     import hf_powernorm.normalization as normalization
 
     results = []
@@ -701,20 +705,61 @@ def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, sta
                          warmup_statistic=statistic, warmup_ramp_steps=ramp)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+            norm.bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
         trace = []
-        for step in range(6):  # warmup, ramp (if any), running statistic
+        for step in range(8):  # warmup, ramp (if any), running statistic; step 3 has no real token, 5 a NaN
             x, mask, dy = _batch(20 + step, dtype=torch.float32)
-            mask = mask if padded else None
+            mask = torch.zeros_like(mask) if step == 3 else mask if padded else None
+            if step == 5:
+                x[0, 0, 1] = float("nan")
             x.requires_grad_(True)
             norm.zero_grad()
-            y = norm(x, mask)
-            y.backward(dy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                y = norm(x, mask)
+                y.backward(dy)
             trace.append((y.detach(), x.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
-                          norm.running_phi.clone(), norm.running_nu.clone()))
+                          norm.running_phi.clone(), norm.running_nu.clone(), norm.num_batches_tracked.clone()))
+        with torch.no_grad():
+            trace.append((norm.eval()(x.detach().nan_to_num(), mask),))
         results.append(trace)
     for fused_step, eager_step in zip(*results):
         for a, b in zip(fused_step, eager_step):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("name, options", [("powernorm_v", {}), ("powernorm_v", {"group_num": GROUPS}),
+                                           ("rmsnorm", {}), ("rmsnorm", {"eps": 0.5})])
+def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, options):
+    """PN-V (exact gradient through the batch statistic) and RMSNorm in PN's C kernels against their
+    torch ops: outputs, gradients and buffers, with a batch without real tokens and a non-finite one."""
+    import hf_powernorm.normalization as normalization
+
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+        norm = build_norm(name, HIDDEN, **options)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        trace = []
+        for step in range(5):
+            x, mask, dy = _batch(50 + step, dtype=torch.float32)
+            mask = torch.zeros_like(mask) if step == 2 else mask
+            if step == 3:
+                x[0, 0, 1] = float("nan")
+            x.requires_grad_(True)
+            norm.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                y = norm(x, mask)
+                y.backward(dy)
+            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
+                          *(b.clone() for b in norm.buffers())))
+        results.append(trace)
+    for fused_step, eager_step in zip(*results):
+        for a, b in zip(fused_step, eager_step):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,8 +83,8 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS, "the -nu*Z correction of the backward reaches padded positions (eager path)"),
     Mutation(
         "pn-counter-not-incremented", NORMALIZATION,
-        "            self._count_batch_(usable)\n        self._last_denominators = (inv_s, inv_s_b, v, count, usable)\n",
-        "        self._last_denominators = (inv_s, inv_s_b, v, count, usable)\n",
+        "            self.running_phi.copy_(next_phi)\n            self._count_batch_(usable)\n",
+        "            self.running_phi.copy_(next_phi)\n",
         NORM_TESTS + MODEL_TESTS, "PN's num_batches_tracked never increments, so warmup never ends"),
     Mutation(
         "pn-recomputation-updates-again", NORMALIZATION,
@@ -98,10 +98,10 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS + MODEL_TESTS, "every norm treats padded tokens as real in its batch statistics"),
     Mutation(
         "pn-buffers-updated-in-eval", NORMALIZATION,
-        "                out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
-        "                out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n"
-        "                self.running_phi.lerp_(z0.detach().float().square().mean(0), 0.1)\n"
-        "                self.num_batches_tracked.add_(1)\n",
+        "        scale, shift = self.affine_after_group_scale()\n",
+        "        scale, shift = self.affine_after_group_scale()\n"
+        "        self.running_phi.lerp_(flat.detach().float().square().mean(0), 0.1)\n"
+        "        self.num_batches_tracked.add_(1)\n",
         NORM_TESTS + MODEL_TESTS, "PN's eval forward updates running_phi and the counter (output unchanged)"),
     Mutation(
         "pn-group-scaling-off-in-eval", NORMALIZATION,
