@@ -32,7 +32,7 @@ test: install
 	$(TEST_ENV) $(PY) -m pytest -q -p randomly --randomly-seed=$${TEST_SEED:-1234} tests
 
 bench: install
-	$(PY) -m hf_powernorm.bench_norms
+	$(PY) -m hf_powernorm.benchmarks
 
 clean:
 	rm -rf .cache .pytest_cache build *.egg-info

@@ -1,0 +1,515 @@
+"""Speed and memory of the norms, and of whole models, against LayerNorm and BART, in one run.
+
+    python -m hf_powernorm.benchmarks [--quick] [--device cpu|cuda] [--threads 1 2] [--repeats 11]
+                                      [--write BENCHMARKS.md]
+
+Tables (markdown, printed; `--write` also replaces the measured section of that file):
+- layer training step (forward + backward) and eval forward (no_grad), each norm / `F.layer_norm`;
+- saved-for-backward memory of each norm's training forward / `F.layer_norm`'s;
+- model train step (forward, backward, AdamW step): PN encoder / LN encoder, and our LN model /
+  `BartForConditionalGeneration` of the same dimensions;
+- `generate` tokens per second, greedy and beam 5: our PN and LN models / BART;
+- `fold_norms()`: the PN model's eval forward after folding / before;
+- first-call costs: building the C kernels, and `torch.compile` of PN's training step.
+
+Protocol. Every figure is a ratio of two workloads measured in the same process, interleaved
+(A B A B ...), after warm-up repeats, each repeat with fresh gradients (set to None); the table
+gives the median ratio over the repeats and its spread (25th-75th percentile), and the candidate's
+median time for scale. Glibc's allocator returns freed memory to the system between repeats
+(large blocks are mmap-ed and unmapped), so each repeat would page-fault its tensors afresh and a
+baseline's time would depend on what ran before it: the run first measures that effect on
+`F.layer_norm` (allocator table), then fixes it with `mallopt` (no trimming, no mmap below 1 GiB)
+for everything else. CUDA timings synchronise before reading the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import normalization
+from .normalization import build_norm
+
+LAYER_SHAPES = [(1024, 512), (4096, 512), (16384, 1024)]
+QUICK_SHAPES = [(256, 64)]
+PADDING = 0.1
+GROUP_NUM = 4
+# label -> (registry name, options, C kernels on)
+LAYER_CASES = {
+    "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
+    "powernorm G=4, torch ops": ("powernorm", {"group_num": GROUP_NUM}, False),
+    "powernorm G=4, in warmup (batch statistic)": ("powernorm", {"group_num": GROUP_NUM, "warmup_steps": 10**9}, True),
+    "powernorm no GS": ("powernorm", {"group_num": None}, True),
+    "powernorm_v": ("powernorm_v", {}, True),
+    "batchnorm (masked)": ("batchnorm", {}, True),
+    "rmsnorm": ("rmsnorm", {}, True),
+    "layernorm (registry)": ("layernorm", {}, True),
+}
+EVAL_CASES = {
+    "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
+    "powernorm G=4, folded (group scaling only)": ("groupscale", {"group_num": GROUP_NUM}, True),
+    "powernorm G=4, torch ops": ("powernorm", {"group_num": GROUP_NUM}, False),
+    "rmsnorm": ("rmsnorm", {}, True),
+}
+MEMORY_CASES = ["powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "rmsnorm", "groupnorm", "layernorm"]
+MARK_BEGIN = "<!-- benchmarks:begin (written by python -m hf_powernorm.benchmarks --write) -->"
+MARK_END = "<!-- benchmarks:end -->"
+
+
+# ----------------------------------------------------------------------------------------------
+# Protocol: allocator, timing, interleaving
+
+
+def control_allocator() -> bool:
+    """glibc: never trim the heap, never mmap blocks below 1 GiB (so freed tensors are reused)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, -1)) and bool(libc.mallopt(m_mmap_threshold, 1 << 30))
+
+
+def _clock(device: str) -> Callable[[], float]:
+    if device == "cuda":
+        def clock() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return clock
+    return time.perf_counter
+
+
+def interleaved(candidate: Callable, baseline: Callable, repeats: int, warmup: int, device: str) -> dict:
+    """A B A B ... after `warmup` pairs; the candidate's median time and the ratio's median and spread."""
+    clock = _clock(device)
+    for _ in range(warmup):
+        candidate()
+        baseline()
+    ratios, times = [], []
+    for _ in range(repeats):
+        start = clock()
+        candidate()
+        middle = clock()
+        baseline()
+        end = clock()
+        times.append(middle - start)
+        ratios.append((middle - start) / (end - middle))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"ms": statistics.median(times) * 1e3, "ratio": statistics.median(ratios),
+            "low": quartiles[0], "high": quartiles[2]}
+
+
+@contextlib.contextmanager
+def c_kernels(enabled: bool | str):
+    """Switch the C kernels off for a block: the torch ops (`False`, the path without a C compiler)
+    or PN's `torch.compile`d pure functions (`"compile"`, the path of CUDA devices)."""
+    original, setting = normalization.kernels_usable, os.environ.get("HF_POWERNORM_COMPILE")
+    if enabled is not True:
+        normalization.kernels_usable = lambda x: False
+        os.environ["HF_POWERNORM_COMPILE"] = "1" if enabled == "compile" else "0"
+    try:
+        yield
+    finally:
+        normalization.kernels_usable = original
+        if setting is None:
+            os.environ.pop("HF_POWERNORM_COMPILE", None)
+        else:
+            os.environ["HF_POWERNORM_COMPILE"] = setting
+
+
+def _threads(count: int):
+    @contextlib.contextmanager
+    def scope():
+        previous = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+    return scope()
+
+
+def _cell(result: dict) -> str:
+    return f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), {result['ms']:.2f} ms"
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+def _layer_inputs(tokens: int, hidden: int, device: str):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=generator).to(device)
+    dy = torch.randn(tokens, hidden, generator=generator).to(device)
+    mask = (torch.rand(tokens, generator=generator) >= PADDING).long().to(device)
+    return x, dy, mask
+
+
+def _layer_norm_step(x, dy, weight, bias):
+    x.grad = weight.grad = bias.grad = None
+    F.layer_norm(x, (x.shape[-1],), weight, bias).backward(dy)
+
+
+def _build(name: str, hidden: int, options: dict, device: str):
+    if name == "groupscale":
+        from .modeling_powernorm import GroupScale
+
+        return GroupScale(options["group_num"]).to(device)
+    return build_norm(name, hidden, **options).to(device)
+
+
+def layer_table(shapes, threads, repeats, warmup, device, train: bool,
+                compiled: bool = False) -> tuple[list[str], list[list[str]]]:
+    cases = dict(LAYER_CASES if train else EVAL_CASES)
+    if train and compiled:  # PN's compiled pure functions on this device (CUDA's path); minutes to build on a CPU
+        cases["powernorm G=4, torch.compile"] = ("powernorm", {"group_num": GROUP_NUM}, "compile")
+    header = ["norm"] + [f"{t} thr, ({n}, {c})" for t in threads for n, c in shapes]
+    rows = {label: [label] for label in cases}
+    for count in threads:
+        with _threads(count):
+            for tokens, hidden in shapes:
+                x, dy, mask = _layer_inputs(tokens, hidden, device)
+                weight = torch.ones(hidden, device=device, requires_grad=train)
+                bias = torch.zeros(hidden, device=device, requires_grad=train)
+                xl = x.clone().requires_grad_(train)
+                if train:
+                    def baseline(xl=xl, dy=dy, weight=weight, bias=bias):
+                        _layer_norm_step(xl, dy, weight, bias)
+                else:
+                    def baseline(x=x, hidden=hidden, weight=weight, bias=bias):
+                        F.layer_norm(x, (hidden,), weight, bias)
+                for label, (name, options, kernels) in cases.items():
+                    norm = _build(name, hidden, options, device).train(train)
+                    xn = x.clone().requires_grad_(train)
+
+                    def step(norm=norm, x=x, xn=xn, dy=dy, mask=mask, kernels=kernels):
+                        with c_kernels(kernels):
+                            if train:
+                                xn.grad = None
+                                norm.zero_grad(set_to_none=True)
+                                norm(xn, mask).backward(dy)
+                            else:
+                                norm(x)
+
+                    with torch.set_grad_enabled(train):
+                        rows[label].append(_cell(interleaved(step, baseline, repeats, warmup, device)))
+    return header, list(rows.values())
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward of `fn()`."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = fn()
+    del output
+    return sum(storages.values())
+
+
+def memory_table(shape, device) -> tuple[list[str], list[list[str]]]:
+    tokens, hidden = shape
+    x, _, mask = _layer_inputs(tokens, hidden, device)
+    weight = torch.ones(hidden, device=device, requires_grad=True)
+    bias = torch.zeros(hidden, device=device, requires_grad=True)
+    base = saved_bytes(lambda: F.layer_norm(x.clone().requires_grad_(True), (hidden,), weight, bias))
+    header = ["norm", f"saved for backward, ({tokens}, {hidden}) float32", "x F.layer_norm's"]
+    rows = [["F.layer_norm", f"{base / 2**20:.2f} MiB", "1.00"]]
+    for name in MEMORY_CASES:
+        options = {"group_num": GROUP_NUM} if name in ("powernorm", "groupnorm") else {}
+        norm = build_norm(name, hidden, **options).to(device).train()
+        saved = saved_bytes(lambda norm=norm: norm(x.clone().requires_grad_(True), mask))
+        rows.append([name, f"{saved / 2**20:.2f} MiB", f"{saved / base:.2f}"])
+    return header, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def model_sizes(quick: bool) -> dict:
+    if quick:
+        return dict(hidden=32, layers=1, heads=4, ffn=64, vocab=120, batch=2, source=8, target=8, new_tokens=4)
+    return dict(hidden=256, layers=3, heads=4, ffn=1024, vocab=8000, batch=16, source=64, target=64, new_tokens=32)
+
+
+def our_model(sizes: dict, encoder_norm: str, device: str):
+    from .configuration_powernorm import PowerNormTransformerConfig
+    from .modeling_powernorm import PowerNormTransformerForConditionalGeneration
+
+    config = PowerNormTransformerConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], encoder_layers=sizes["layers"],
+        decoder_layers=sizes["layers"], num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"],
+        max_position_embeddings=256, dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
+        encoder_norm_type=encoder_norm, decoder_norm_type="layernorm", pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return PowerNormTransformerForConditionalGeneration(config).to(device)
+
+
+def bart_model(sizes: dict, device: str):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=sizes["vocab"], d_model=sizes["hidden"], encoder_layers=sizes["layers"],
+        decoder_layers=sizes["layers"], encoder_attention_heads=sizes["heads"],
+        decoder_attention_heads=sizes["heads"], encoder_ffn_dim=sizes["ffn"], decoder_ffn_dim=sizes["ffn"],
+        max_position_embeddings=256, dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(config).to(device)
+
+
+def _model_batch(sizes: dict, device: str) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    shape = (sizes["batch"], sizes["source"])
+    input_ids = torch.randint(3, sizes["vocab"], shape, generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    lengths = torch.randint(sizes["source"] // 2, sizes["source"] + 1, (sizes["batch"],), generator=generator)
+    attention_mask[torch.arange(sizes["source"])[None, :] >= lengths[:, None]] = 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, 1)
+    labels = torch.randint(3, sizes["vocab"], (sizes["batch"], sizes["target"]), generator=generator)
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device), "labels": labels.to(device)}
+
+
+def _train_step(model, batch):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        optimizer.step()
+    return step
+
+
+def model_tables(sizes, repeats, warmup, device, threads):
+    batch = _model_batch(sizes, device)
+    models = {"pn": our_model(sizes, "powernorm", device), "ln": our_model(sizes, "layernorm", device),
+              "bart": bart_model(sizes, device)}
+    header = ["comparison", *[f"{t} thr" for t in threads]]
+    train_rows = [["train step: PN encoder / LN encoder"], ["train step: our LN model / BART"]]
+    steps = {name: _train_step(model, batch) for name, model in models.items()}
+    for count in threads:
+        with _threads(count):
+            train_rows[0].append(_cell(interleaved(steps["pn"], steps["ln"], repeats, warmup, device)))
+            train_rows[1].append(_cell(interleaved(steps["ln"], steps["bart"], repeats, warmup, device)))
+    generate_rows = []
+    prompt = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    new = sizes["new_tokens"]
+    for beams in (1, 5):
+        calls = {}
+        for name, model in models.items():
+            model.eval()
+            calls[name] = (lambda model=model, beams=beams: model.generate(
+                **prompt, num_beams=beams, do_sample=False, max_new_tokens=new, min_new_tokens=new))
+        for name in ("pn", "ln"):
+            row = [f"generate, {'greedy' if beams == 1 else 'beam 5'}: our {name.upper()} model / BART "
+                   f"(tokens/s ratio)"]
+            for count in threads:
+                with _threads(count), torch.no_grad():
+                    result = interleaved(calls["bart"], calls[name], max(3, repeats // 2), 1, device)
+                tokens_per_s = sizes["batch"] * new / (result["ms"] / 1e3)  # BART's, for scale
+                row.append(f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), "
+                           f"BART {tokens_per_s:.0f} tok/s")
+            generate_rows.append(row)
+    fold_rows = [fold_row(sizes, batch, repeats, warmup, device, threads)]
+    return header, train_rows + generate_rows + fold_rows
+
+
+def fold_row(sizes, batch, repeats, warmup, device, threads) -> list[str]:
+    """Eval forward of the PN model before / after `fold_norms()` (time ratio: below 1 pays)."""
+    model = our_model(sizes, "powernorm", device)
+    _train_step(model, batch)()  # running statistics away from their initial values
+    model.eval()
+    folded = our_model(sizes, "powernorm", device)
+    folded.load_state_dict(model.state_dict())
+    folded.eval()
+    folded.fold_norms()
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    inputs["decoder_input_ids"] = batch["labels"]
+    row = ["eval forward: PN model after fold_norms() / before"]
+    for count in threads:
+        with _threads(count), torch.no_grad():
+            row.append(_cell(interleaved(lambda: folded(**inputs), lambda: model(**inputs), repeats, warmup, device)))
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# First-call costs
+
+
+def first_call_table(device: str, quick: bool) -> tuple[list[str], list[list[str]]]:
+    rows = [["build the C kernels (cc, empty cache)", _kernel_build_seconds()]]
+    if quick:
+        rows.append(["torch.compile of PN's training step (first forward + backward)", "not measured (--quick)"])
+    else:
+        rows.append(["torch.compile of PN's training step (first forward + backward)", _compile_seconds(device)])
+    return ["what", "seconds"], rows
+
+
+def _kernel_build_seconds() -> str:
+    code = ("import time, hf_powernorm.kernels_cpu as k; s = time.perf_counter(); "
+            "lib = k.load(); print(time.perf_counter() - s if lib else 'no compiler')")
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "HF_POWERNORM_CACHE": cache}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    value = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-200:]
+    return f"{float(value):.2f}" if re.fullmatch(r"[0-9.e-]+", value) else value
+
+
+def _compile_seconds(device: str) -> str:
+    """PN's compiled pure functions (what CUDA runs), first call, in a fresh process and inductor cache."""
+    code = (
+        "import time, torch, hf_powernorm.normalization as n\n"
+        "n.kernels_usable = lambda x: False\n"
+        f"x = torch.randn(4096, 512, device='{device}', requires_grad=True)\n"
+        "mask = torch.ones(4096, dtype=torch.long, device=x.device); mask[::10] = 0\n"
+        "norm = n.PowerNorm(512, group_num=4).to(x.device)\n"
+        "s = time.perf_counter(); norm(x, mask).sum().backward()\n"
+        "torch.cuda.synchronize() if x.is_cuda else None\n"
+        "print(time.perf_counter() - s)\n"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "HF_POWERNORM_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    lines = out.stdout.strip().splitlines()
+    return f"{float(lines[-1]):.1f}" if lines else f"failed: {out.stderr[-300:]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Allocator effect
+
+
+def allocator_table(shapes, repeats, warmup, device) -> tuple[list[str], list[list[str]]]:
+    """`F.layer_norm` forward+backward, 1 thread, with glibc's defaults and then with `mallopt`: the
+    same work, the time moves with what the allocator does between repeats."""
+    rows = []
+    for label in ("glibc defaults", "mallopt: no trim, no mmap below 1 GiB"):
+        if label.startswith("mallopt"):
+            controlled = control_allocator()
+            label += "" if controlled else " (mallopt unavailable)"
+        row = [label]
+        with _threads(1):
+            for tokens, hidden in shapes:
+                x, dy, _ = _layer_inputs(tokens, hidden, device)
+                x.requires_grad_(True)
+                weight = torch.ones(hidden, device=device, requires_grad=True)
+                bias = torch.zeros(hidden, device=device, requires_grad=True)
+                clock = _clock(device)
+                for _ in range(warmup):
+                    _layer_norm_step(x, dy, weight, bias)
+                times = []
+                for _ in range(repeats):
+                    start = clock()
+                    _layer_norm_step(x, dy, weight, bias)
+                    times.append(clock() - start)
+                row.append(f"{statistics.median(times) * 1e3:.2f} ms")
+        rows.append(row)
+    return ["allocator", *[f"({n}, {c})" for n, c in shapes]], rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
+    lines = [f"#### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def machine_line(device: str, command: str, loads: tuple) -> str:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as info:
+        cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    gpu = f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    return (f"Machine: {cpu}, {os.cpu_count()} cores{gpu}; Python {platform.python_version()}, torch "
+            f"{torch.__version__}, transformers {transformers.__version__}; "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load average "
+            f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end (other jobs on the machine). "
+            f"Command: `{command}`.")
+
+
+def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]]:
+    shapes = QUICK_SHAPES if args.quick else LAYER_SHAPES
+    repeats, warmup = (3, 1) if args.quick else (args.repeats, args.warmup)
+    tables = [("Allocator effect: F.layer_norm forward + backward, 1 thread, median ms",
+               *allocator_table(shapes, repeats, warmup, args.device))]
+    control_allocator()
+    tables.append(("Layer training step (forward + backward) / F.layer_norm's: median (25-75%), candidate ms",
+                   *layer_table(shapes, args.threads, repeats, warmup, args.device, train=True,
+                                compiled=not args.quick)))
+    tables.append(("Layer eval forward (no_grad) / F.layer_norm's: median (25-75%), candidate ms",
+                   *layer_table(shapes, args.threads, repeats, warmup, args.device, train=False)))
+    tables.append(("Saved for backward / F.layer_norm's", *memory_table(shapes[-1], args.device)))
+    tables.append(("Models: time ratios (median, 25-75%), candidate ms; generate: BART's time / ours "
+                   "(above 1: ours generates faster)",
+                   *model_tables(model_sizes(args.quick), repeats, warmup, args.device, args.threads)))
+    tables.append(("First-call costs", *first_call_table(args.device, args.quick)))
+    return tables
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace what lies between the benchmark markers of `path` (appended if it has none)."""
+    content = path.read_text() if path.exists() else ""
+    block = f"{MARK_BEGIN}\n{text}\n{MARK_END}"
+    if MARK_BEGIN in content and MARK_END in content:
+        start, end = content.index(MARK_BEGIN), content.index(MARK_END) + len(MARK_END)
+        content = content[:start] + block + content[end:]
+    else:
+        content = content.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(content)
+
+
+def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[str]]]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads (CPU)")
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats: checks that the suite runs")
+    parser.add_argument("--write", type=Path, default=None, help="rewrite the measured section of this file")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    if args.device == "cuda":
+        args.threads = [torch.get_num_threads()]
+    elif args.quick:
+        args.threads = args.threads[:1]
+    command = "python -m hf_powernorm.benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
+    start_load = os.getloadavg()[0]
+    tables = run(args)
+    text = machine_line(args.device, command.strip(), (start_load, os.getloadavg()[0])) + "\n\n"
+    text += "\n".join(markdown(title, header, rows) for title, header, rows in tables)
+    print(text)
+    if args.write is not None:
+        write_section(args.write, text)
+    return tables
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The benchmark suite runs end to end at its `--quick` size and writes well-formed tables (not speed)."""
+
+import pytest
+
+from hf_powernorm import benchmarks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, capsys):
+    target = tmp_path / "BENCHMARKS.md"
+    target.write_text(f"# Benchmarks\n\nkept above\n\n{benchmarks.MARK_BEGIN}\nold figures\n{benchmarks.MARK_END}\n\nkept below\n")
+    tables = benchmarks.main(["--quick", "--write", str(target)])
+    titles = [title for title, _, _ in tables]
+    assert len(titles) == 6
+    for word in ("Allocator", "training step", "eval forward", "Saved for backward", "Models", "First-call"):
+        assert any(word in title for title in titles), word
+    for title, header, rows in tables:
+        assert rows, title
+        assert all(len(row) == len(header) for row in rows), title
+    layer = {row[0]: row[1:] for row in tables[1][2]}
+    assert set(layer) == set(benchmarks.LAYER_CASES)
+    assert all(cell.count("(") == 1 and cell.endswith(" ms") for cells in layer.values() for cell in cells)
+    models = [row[0] for row in tables[4][2]]
+    assert any("BART" in row and "train step" in row for row in models)
+    assert sum("generate" in row for row in models) == 4 and any("fold_norms" in row for row in models)
+    written = target.read_text()
+    assert written.startswith("# Benchmarks\n\nkept above\n") and written.rstrip().endswith("kept below")
+    assert "old figures" not in written and written.count(benchmarks.MARK_BEGIN) == 1
+    assert "Command: `python -m hf_powernorm.benchmarks --quick" in written
+    assert "| powernorm G=4 |" in capsys.readouterr().out
