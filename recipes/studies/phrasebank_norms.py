@@ -609,7 +609,8 @@ def _gradient_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> 
 
 def _init_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     runs = _runs(results, "init")
-    lines = ["## Initialization scale (normal width; converged seeds / seeds, last-epoch training loss)", "",
+    title = "converged seeds / seeds, fit seeds, mean last-epoch training loss of the runs that finished"
+    lines = [f"## Initialization scale (normal width; {title})", "",
              "| layers (lr) | init | " + " | ".join(args.norms) + " |", "|---|---|" + "---|" * len(args.norms)]
     for layers, lr in INIT_LEARNING_RATES.items():
         for init in INIT_SCALES:
@@ -618,7 +619,8 @@ def _init_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> list
                 rows = [r for r in runs if r["layers"] == layers and r["init"] == init and r["norm"] == norm]
                 finite = [r["last_epoch_loss"] for r in rows if math.isfinite(r["last_epoch_loss"])]
                 loss = f", {statistics.fmean(finite):.3f}" if finite else ""
-                texts.append(_mark([r["converged"] for r in rows]) + loss)
+                fit = sum(r["fit"] for r in rows)
+                texts.append(_mark([r["converged"] for r in rows]) + f", fit {fit}/{len(rows)}" + loss)
             lines.append(f"| {layers} ({lr:g}) | {init} | " + " | ".join(texts) + " |")
     return [*lines, ""]
 
@@ -718,7 +720,7 @@ def _plot_lipschitz(results: list[dict[str, Any]], args: argparse.Namespace, pat
             if length == 0:
                 continue
             axis.plot([runs[0][i]["update"] for i in range(length)],
-                      [statistics.fmean(p[i][key] for p in runs) for i in range(length)], label=norm)
+                      [statistics.fmean(p[i][key] for p in runs) for i in range(length)], label=norm, marker=".")
         axis.set_yscale("log")
         axis.set_xlabel("update")
         axis.set_title(f"{key} along the gradient (mean over seeds)", fontsize=9)
