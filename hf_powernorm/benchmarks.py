@@ -144,6 +144,10 @@ def _threads(count: int):
     return scope()
 
 
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def _cell(result: dict) -> str:
     return f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), {result['ms']:.2f} ms"
 
@@ -183,6 +187,7 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool,
     for count in threads:
         with _threads(count):
             for tokens, hidden in shapes:
+                progress(f"layers, {'train' if train else 'eval'}, {count} threads, ({tokens}, {hidden})")
                 x, dy, mask = _layer_inputs(tokens, hidden, device)
                 weight = torch.ones(hidden, device=device, requires_grad=train)
                 bias = torch.zeros(hidden, device=device, requires_grad=train)
@@ -311,6 +316,7 @@ def model_tables(sizes, repeats, warmup, device, threads):
     header = ["comparison", *[f"{t} thr" for t in threads]]
     train_rows = [["train step: PN encoder / LN encoder"], ["train step: our LN model / BART"]]
     steps = {name: _train_step(model, batch) for name, model in models.items()}
+    progress("model train steps")
     for count in threads:
         with _threads(count):
             train_rows[0].append(_cell(interleaved(steps["pn"], steps["ln"], repeats, warmup, device)))
@@ -319,6 +325,7 @@ def model_tables(sizes, repeats, warmup, device, threads):
     prompt = {key: batch[key] for key in ("input_ids", "attention_mask")}
     new = sizes["new_tokens"]
     for beams in (1, 5):
+        progress(f"generate, {beams} beams")
         calls = {}
         for name, model in models.items():
             model.eval()

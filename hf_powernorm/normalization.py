@@ -15,6 +15,13 @@ Interface shared by all: `Norm(hidden_size, eps=..., **options)` and
 statistics compute them over real tokens only and in float32 whatever the input dtype; padding
 never changes a statistic (as long as its values are finite), nor the output or gradient of a real
 token. The output has the input's dtype.
+
+A training step never waits for the device: the guards (no real token, non-finite statistics),
+PN's warmup switch and the step counters are decided on the device with `torch.where`, so
+`torch.compile` traces a step in one graph. Only eager code on the CPU, where reading a value
+costs nothing, reads one (a non-finite warning's flag, the C kernels' step counter).
+On CPU float32 inputs PN, PN-V and RMSNorm run in the C kernels of `kernels_cpu.py`; on CUDA PN's
+step runs as two `torch.compile`d pure tensor functions; elsewhere everything runs in torch ops.
 """
 
 from __future__ import annotations

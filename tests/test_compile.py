@@ -84,7 +84,7 @@ MODEL_NORMS = [("seq2seq", "powernorm", "powernorm"), ("causal", "powernorm", "p
 
 @pytest.mark.parametrize("head, encoder_norm, decoder_norm", MODEL_NORMS)
 def test_training_forward_of_every_tiny_model_is_one_graph(head, encoder_norm, decoder_norm):
-    model = make_model(head, encoder_norm, decoder_norm_type=decoder_norm).train()
+    model = make_model(head, encoder_norm, decoder_norm_type=decoder_norm, encoder_layers=1, decoder_layers=1).train()
     input_ids = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, 5:] = 0
