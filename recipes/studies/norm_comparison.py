@@ -216,11 +216,13 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
         for result in results:
             for step, score in validation_curve(output_dir, result):
                 writer.writerow([result["task"], result["setting"], result["seed"], step, score])
-    lines = [f"# Every norm at the same budget ({'smoke sizes' if args.smoke else 'PTB and Multi30k'})", ""]
+    corpora = " and ".join({"ptb": "PTB", "multi30k": "Multi30k"}[task] for task in args.tasks)
+    lines = [f"# Every norm at the same budget ({'smoke sizes' if args.smoke else corpora})", ""]
     for task in args.tasks:
         sizes = args.sizes[task]
         lines += [f"{task}: {sizes['max_train_steps']} updates of {sizes['max_tokens']} tokens, learning rate "
-                  f"{sizes['learning_rate']}, {sizes['warmup_steps']} warmup updates; seeds {args.seeds}; "
+                  f"{sizes['learning_rate']}, {sizes['warmup_steps']} warmup updates; seeds with runs "
+                  f"{sorted({r['seed'] for r in results if r['task'] == task})}; "
                   "mean ± std over seeds.", "", *summary_lines(results, task, args.settings), ""]
         _plot(results, task, args.settings, output_dir)
     (output_dir / "summary.md").write_text("\n".join(lines), encoding="utf-8")
