@@ -27,6 +27,7 @@ step runs as two `torch.compile`d pure tensor functions; elsewhere everything ru
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import os
@@ -257,7 +258,12 @@ def _compile_wanted(x: torch.Tensor) -> bool:
         return False
     if setting == "1":
         return True
-    return x.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return x.device.type == "cuda" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _compiled(fn):
