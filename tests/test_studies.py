@@ -203,3 +203,12 @@ def test_long_run_stability_finds_the_first_nonfinite_update():
     assert long_run.stability(losses, warmup_steps=1) == {
         "first_nonfinite_update": 4, "max_loss_after_warmup": 6.0, "final_train_loss": 4.5}
     assert long_run.stability({1: 5.0, 2: 4.0}, warmup_steps=1)["first_nonfinite_update"] is None
+
+
+def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
+    from hf_powernorm.training import mean_std
+
+    assert mean_std([1.0, 2.0], 3) == "1.500 ± 0.707" and mean_std([1.0]) == "1.00"
+    assert mean_std([1.234e-5, 1.3e-5, None], 3, significant=True) == "1.27e-05 ± 4.7e-07"
+    assert mean_std([None, float("nan")]) == "-"
+    assert mean_std([float("inf"), 1.0]) == "inf ± nan"  # a diverged seed is not averaged away

@@ -5,6 +5,7 @@ recipes' own argument parser and `fit`, returning the trained model with its sco
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -135,20 +136,22 @@ def loss_jump(losses: dict[int, float | None], warmup_steps: int) -> dict[str, f
     return {"loss_jump": statistics.fmean(after) - reference, "loss_peak_excess": max(later) - reference}
 
 
-def mean_std(values: Sequence[float | None], digits: int = 2) -> str:
-    """`mean ± std` of the finite values (sample standard deviation), the value alone for one, `-` for none."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    if not finite:
+def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool = False) -> str:
+    """`mean ± std` (sample standard deviation) of the values that are not missing (None or NaN),
+    the value alone for one, `-` for none; an infinite value (a diverged run) stays in and shows.
+    `digits` decimals, or with `significant` that many significant digits (the std with two)."""
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    if not present:
         return "-"
-    if len(finite) == 1:
-        return f"{finite[0]:.{digits}f}"
-    return f"{statistics.fmean(finite):.{digits}f} ± {statistics.stdev(finite):.{digits}f}"
+    spec, std_spec = (f".{digits}g", ".2g") if significant else (f".{digits}f", f".{digits}f")
+    if len(present) == 1:
+        return f"{present[0]:{spec}}"
+    spread = statistics.stdev(present) if all(math.isfinite(v) for v in present) else math.nan
+    return f"{statistics.fmean(present):{spec}} ± {spread:{std_spec}}"
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = ()) -> None:
     """`rows` as a CSV table, columns in first-seen order, `leave_out` columns dropped."""
-    import csv
-
     columns = list(dict.fromkeys(k for row in rows for k in row if k not in leave_out))
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")

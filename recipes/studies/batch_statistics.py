@@ -46,8 +46,10 @@ from hf_powernorm.training import (
     fill_sizes,
     lm_run_args,
     lm_size,
+    mean_std,
     run_lm_study,
     train_causal_lm,
+    write_rows,
 )
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
@@ -242,22 +244,13 @@ def _label(result: dict[str, Any]) -> str:
     return f"{result['model']}-{result['norm']}"
 
 
-def _mean_std(values: list[float], digits: int = 3) -> str:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}g}"
-    return f"{statistics.fmean(values):.{digits}g} ± {statistics.stdev(values):.2g}"
+def _summary(values: list[float | None], digits: int = 3) -> str:
+    """Mean ± std in significant digits: the quantities span 1e-6 to 1e2."""
+    return mean_std(values, digits, significant=True)
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    leave_out = ("files", "tokenizer", "model_size")
-    keys = list(dict.fromkeys(key for result in results for key in result if key not in leave_out))
-    with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(results)
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
     _write_statistics(results, output_dir)
     labels = list(dict.fromkeys(_label(r) for r in results))
     by_label = {label: [r for r in results if _label(r) == label] for label in labels}
@@ -269,19 +262,19 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
              "| run | " + " | ".join(f"{k} median | {k} max/median" for k in FLUCTUATIONS) + " | Lemma 2 fraction |",
              "|---|" + "---:|" * (2 * len(FLUCTUATIONS) + 1)]
     for label, rows in by_label.items():
-        cells_ = [_mean_std([r[f"{k}_{s}"] for r in rows]) for k in FLUCTUATIONS for s in ("median", "outlier")]
-        lines.append(f"| {label} | " + " | ".join(cells_) + f" | {_mean_std([r['lemma2_fraction'] for r in rows])} |")
+        cells_ = [_summary([r[f"{k}_{s}"] for r in rows]) for k in FLUCTUATIONS for s in ("median", "outlier")]
+        lines.append(f"| {label} | " + " | ".join(cells_) + f" | {_summary([r['lemma2_fraction'] for r in rows])} |")
     scored = [label for label in labels if label.startswith("lm-")]
     sv_keys = [f"sv_{k}" for k in SINGULAR_INDEXES if any(f"sv_{k}" in r for r in results)]
     lines += ["", "| LM | validation perplexity | test perplexity | " + " | ".join(sv_keys) + " | effective rank |",
               "|---|" + "---:|" * (3 + len(sv_keys))]
     for label in scored:
         rows = by_label[label]
-        values = [_mean_std([r.get(c) for r in rows], 4) for c in ("validation_perplexity", "test_perplexity")]
-        values += [_mean_std([r.get(k) for r in rows]) for k in (*sv_keys, "effective_rank")]
+        values = [_summary([r.get(c) for r in rows], 4) for c in ("validation_perplexity", "test_perplexity")]
+        values += [_summary([r.get(k) for r in rows]) for k in (*sv_keys, "effective_rank")]
         lines.append(f"| {label} | " + " | ".join(values) + " |")
     if any(r["model"] == "cnn" for r in results):
-        accuracy = _mean_std([r["test_accuracy"] for r in results if r["model"] == "cnn"])
+        accuracy = _summary([r["test_accuracy"] for r in results if r["model"] == "cnn"])
         lines += ["", f"CNN held-out accuracy: {accuracy}."]
     (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot_all(results, args, output_dir)
@@ -291,11 +284,7 @@ def _write_statistics(results: list[dict[str, Any]], output_dir: Path) -> None:
     """Every recorded row of every run in one table, with the run's name and seed."""
     rows = [{"run": _label(r), "seed": r["seed"], **row}
             for r in results for row in read_norm_statistics(output_dir / "cells" / r["cell"] / "norm_stats.jsonl")]
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    with open(output_dir / "statistics.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(rows, output_dir / "statistics.csv")
 
 
 def _series(output_dir: Path, result: dict[str, Any], key: str, every_layer: bool = False) -> tuple[list, list]:

@@ -44,10 +44,12 @@ from hf_powernorm.training import (
     lm_run_args,
     lm_size,
     lm_split_files,
+    mean_std,
     prepare_lm_data,
     read_run_log,
     run_grid,
     train_causal_lm,
+    write_rows,
 )
 
 RECIPES = Path(__file__).resolve().parents[1]
@@ -180,12 +182,6 @@ def validation_curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int
     return [(r["step"], r["validation"]) for r in read_run_log(folder) if "validation" in r]
 
 
-def _mean_std(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
 def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str]) -> list[str]:
     """Mean ± std over seeds per setting, and each seed's difference to LayerNorm's run of that seed
     (negative is better for perplexity, positive for BLEU)."""
@@ -199,17 +195,13 @@ def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str])
         if not rows:
             continue
         diffs = ", ".join(f"{r[key] - baseline[r['seed']]:+.2f}" for r in rows if r["seed"] in baseline)
-        lines.append(f"| {setting} | {len(rows)} | " + " | ".join(_mean_std([r[s] for r in rows]) for s in scores)
+        lines.append(f"| {setting} | {len(rows)} | " + " | ".join(mean_std([r[s] for r in rows]) for s in scores)
                      + f" | {diffs or '-'} |")
     return lines
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    keys = list(dict.fromkeys(k for r in results for k in r if k not in ("files", "tokenizer", "sizes", "model_size")))
-    with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(results)
+    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "sizes", "model_size"))
     with open(output_dir / "curves.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["task", "setting", "seed", "step", "validation"])

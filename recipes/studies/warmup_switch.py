@@ -38,6 +38,7 @@ from hf_powernorm.training import (
     lm_run_args,
     lm_size,
     loss_jump,
+    mean_std,
     run_lm_study,
     train_causal_lm,
     training_losses,
@@ -95,12 +96,6 @@ def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> li
             for name in args.settings for seed in args.seeds]
 
 
-def _mean_std(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
-
-
 COLUMNS = ("loss_jump", "loss_peak_excess", "validation_perplexity", "test_perplexity", "test_word_perplexity")
 
 
@@ -117,7 +112,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
              "", "| setting | " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
     for setting in args.settings:
         rows = [r for r in results if r["setting"] == setting]
-        lines.append(f"| {setting} | " + " | ".join(_mean_std([r[c] for r in rows]) for c in COLUMNS) + " |")
+        lines.append(f"| {setting} | " + " | ".join(mean_std([r[c] for r in rows], 3) for c in COLUMNS) + " |")
     (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot(results, args, output_dir / "loss_at_switch.png")
 
