@@ -117,6 +117,17 @@ class ReferencePN:
 WARMUP_VARIANTS = [("cumulative", 0), ("reference", 0), ("cumulative", 2), ("reference", 2)]
 
 
+def _training_step(norm, x, mask, dy):
+    """One forward and backward of `norm` with `x` as a leaf, the non-finite warning silenced; the output."""
+    x.requires_grad_(True)
+    norm.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        y = norm(x, mask)
+        y.backward(dy)
+    return y
+
+
 @pytest.mark.parametrize("statistic, ramp", WARMUP_VARIANTS)
 @pytest.mark.parametrize("denominator", ["running", "batch"])
 @pytest.mark.parametrize("groups", [None, 1, GROUPS])
@@ -712,12 +723,7 @@ def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, sta
             mask = torch.zeros_like(mask) if step == 3 else mask if padded else None
             if step == 5:
                 x[0, 0, 1] = float("nan")
-            x.requires_grad_(True)
-            norm.zero_grad()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                y = norm(x, mask)
-                y.backward(dy)
+            y = _training_step(norm, x, mask, dy)
             trace.append((y.detach(), x.grad, norm.weight.grad.clone(), norm.bias.grad.clone(),
                           norm.running_phi.clone(), norm.running_nu.clone(), norm.num_batches_tracked.clone()))
         with torch.no_grad():
@@ -748,12 +754,7 @@ def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, optio
             mask = torch.zeros_like(mask) if step == 2 else mask
             if step == 3:
                 x[0, 0, 1] = float("nan")
-            x.requires_grad_(True)
-            norm.zero_grad()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                y = norm(x, mask)
-                y.backward(dy)
+            y = _training_step(norm, x, mask, dy)
             trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
                           *(b.clone() for b in norm.buffers())))
         results.append(trace)
