@@ -145,6 +145,13 @@ def test_pn_ablation_smoke_changes_one_option_at_a_time(tmp_path):
     assert math.isnan(by_setting["warmup=0"]["loss_jump"]) and math.isfinite(by_setting["pn-default"]["loss_jump"])
     summary = (tmp_path / "summary.md").read_text()
     assert f"`{pn_ablation.best_setting(results)}`" in summary and (tmp_path / "ablation.png").stat().st_size > 5_000
+    assert "| pn-default | 1 |" in summary
+    # A grid with unfinished runs reports the finished ones and runs nothing.
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cells").glob("*/result.json")}
+    partial = pn_ablation.main(["--smoke", "--seeds", "1", "2", "--settings", *settings, "--report_only",
+                                "--output_dir", str(tmp_path)])
+    assert partial == results and {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert not any((tmp_path / "cells").glob("*seed2")) and "seeds [1];" in (tmp_path / "summary.md").read_text()
 
 
 def test_pn_ablation_warmup_settings_follow_the_run_size():
@@ -173,6 +180,12 @@ def test_batch_size_smoke_keeps_the_update_and_varies_the_statistics_batch(tmp_p
     assert '"powernorm_warmup_steps": 16' in config("powernorm-mb16-seed1")
     assert '"powernorm_warmup_steps": 2' in config("powernorm-mb128-seed1")
     assert "| powernorm |" in (tmp_path / "summary.md").read_text()
+    # Reporting with a norm none of whose runs has finished leaves it out of the figure and the table's cells.
+    (tmp_path / "batch_size.png").unlink()
+    partial = batch_size.main([*argv[:4], "layernorm", "powernorm", "batchnorm", *argv[6:], "--report_only"])
+    assert partial == results and not any((tmp_path / "cells").glob("batchnorm*"))
+    assert "| batchnorm | - | - |" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "batch_size.png").stat().st_size > 5_000
     with pytest.raises(ValueError, match="--accumulations 3"):
         batch_size.parse_args(["--smoke", "--accumulations", "3"])
 

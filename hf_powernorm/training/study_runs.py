@@ -19,7 +19,7 @@ from .arguments import add_recipe_args, check_args
 from .batching import PaddingCollator
 from .corpora import synthetic_lm_corpus
 from .evaluation import evaluate_perplexity, score_splits
-from .grid import run_grid
+from .grid import cell_result, run_grid
 from .loop import fit, make_accelerator, prepare_eval_loaders
 from .losses import model_loss
 from .metrics import count_words
@@ -187,13 +187,15 @@ def lm_size(args: argparse.Namespace) -> dict[str, Any]:
 def add_study_args(parser: argparse.ArgumentParser, sizes: dict[str, dict[str, Any]], output_dir: str,
                    seeds: Sequence[int]) -> argparse.ArgumentParser:
     """The options every LM study shares: `--data_dir`, `--output_dir`, `--seeds`, `--jobs`,
-    `--smoke`, the LM's size, and one flag per entry of `sizes["real"]` (default from
+    `--smoke`, `--report_only`, the LM's size, and one flag per entry of `sizes["real"]` (default from
     `sizes["smoke"]` with `--smoke`; `fill_sizes` sets them after parsing)."""
     parser.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
     parser.add_argument("--output_dir", default=output_dir)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     parser.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
+    parser.add_argument("--report_only", action="store_true",
+                        help="write the outputs from the runs finished so far, and run nothing")
     for name, value in sizes["real"].items():
         smoke = sizes["smoke"][name]
         parser.add_argument(f"--{name}", type=type(value), help=f"default {value} ({smoke} with --smoke)")
@@ -212,12 +214,19 @@ def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_
                  write_results: Callable[..., None], desc: str) -> list[dict[str, Any]]:
     """A study's `main` after parsing: PTB's files (or the embedded corpus) and BPE prepared once,
     `make_cells(args, files, tokenizer)` run by `run_grid`, `write_results(results, args,
-    output_dir)`, and the summary printed. Returns the results in cell order."""
+    output_dir)`, and the summary printed. With `args.report_only` nothing runs and the results are
+    those of the finished cells. Returns the results in cell order."""
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     files = lm_split_files(args.data_dir, output_dir, args.smoke)
     tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
-    results = run_grid(make_cells(args, files, tokenizer), run_cell, output_dir, jobs=args.jobs, desc=desc)
+    grid = make_cells(args, files, tokenizer)
+    if args.report_only:
+        results = [r for r in (cell_result(output_dir, cell) for cell in grid) if r is not None]
+        if not results:
+            raise FileNotFoundError(f"--report_only: no finished run under {output_dir / 'cells'}")
+    else:
+        results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc=desc)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

@@ -86,7 +86,8 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     mini_batches = sorted({r["mini_batch"] for r in results})
     lines = [f"# The statistics' mini-batch at {args.update_tokens} tokens per update "
              f"({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
-             f"{args.max_train_steps} updates, seeds {args.seeds}; test perplexity, mean ± std over seeds.", "",
+             f"{args.max_train_steps} updates, seeds {sorted({r['seed'] for r in results})}; test perplexity, "
+             "mean ± std over the runs finished.", "",
              "| norm | " + " | ".join(f"mini-batch {m}" for m in mini_batches) + " |",
              "|---|" + "---:|" * len(mini_batches)]
     for norm in args.norms:
@@ -105,9 +106,11 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, mini_batches:
 
     figure, axis = plt.subplots(figsize=(5.5, 4))
     for norm in args.norms:
-        means = [statistics.fmean(r["test_perplexity"] for r in results if r["norm"] == norm and r["mini_batch"] == m)
-                 for m in mini_batches]
-        axis.plot(mini_batches, means, marker="o", label=norm, linewidth=1)
+        points = [(m, [r["test_perplexity"] for r in results if r["norm"] == norm and r["mini_batch"] == m])
+                  for m in mini_batches]
+        points = [(m, statistics.fmean(values)) for m, values in points if values]
+        if points:
+            axis.plot(*zip(*points), marker="o", label=norm, linewidth=1)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("tokens per mini-batch (statistics)")
     axis.set_ylabel("test perplexity (mean over seeds)")

@@ -121,19 +121,24 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     layernorm = {r["seed"]: r["test_perplexity"] for r in results if r["setting"] == "layernorm"}
     lines = [f"# PowerNorm's options ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
              f"{args.max_train_steps} updates of {args.max_tokens} tokens, learning-rate warmup {args.warmup_steps} "
-             f"updates, seeds {args.seeds}; mean ± std over seeds.", "",
-             "| setting | " + " | ".join(COLUMNS) + " | test minus LayerNorm's, per seed |",
-             "|---|" + "---:|" * len(COLUMNS) + "---|"]
-    for setting in args.settings:
+             f"updates, seeds {sorted({r['seed'] for r in results})}; mean ± std over each setting's runs.", "",
+             "| setting | runs | " + " | ".join(COLUMNS) + " | test minus LayerNorm's, per seed |",
+             "|---|---:|" + "---:|" * len(COLUMNS) + "---|"]
+    for setting in _settings(results, args):
         rows = [r for r in results if r["setting"] == setting]
         diffs = ", ".join(f"{r['test_perplexity'] - layernorm[r['seed']]:+.2f}" for r in rows if r["seed"] in layernorm)
-        lines.append(f"| {setting} | " + " | ".join(mean_std([r[c] for r in rows], 3 if "loss" in c else 2)
+        lines.append(f"| {setting} | {len(rows)} | " + " | ".join(mean_std([r[c] for r in rows], 3 if "loss" in c else 2)
                                                    for c in COLUMNS) + f" | {diffs or '-'} |")
     best = best_setting(results)
     if best:
         lines += ["", f"Best PN setting by mean test perplexity: `{best}`."]
     (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot(results, args, output_dir / "ablation.png")
+
+
+def _settings(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """`args.settings` that have at least one finished run, in their order."""
+    return [s for s in args.settings if any(r["setting"] == s for r in results)]
 
 
 def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
@@ -144,7 +149,8 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    for i, setting in enumerate(args.settings):
+    settings = _settings(results, args)
+    for i, setting in enumerate(settings):
         values = [r["test_perplexity"] for r in results if r["setting"] == setting]
         axis.bar(i, statistics.fmean(values), color="tab:grey" if setting == "layernorm" else "tab:blue", alpha=0.5)
         axis.plot([i] * len(values), values, "k.", markersize=4)
@@ -153,7 +159,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
         axis.axhline(statistics.fmean(layernorm), color="tab:grey", linestyle="--", linewidth=0.8)
     values = [r["test_perplexity"] for r in results]
     axis.set_ylim(min(values) * 0.97, max(values) * 1.02)
-    axis.set_xticks(range(len(args.settings)), args.settings, rotation=45, ha="right", fontsize=7)
+    axis.set_xticks(range(len(settings)), settings, rotation=45, ha="right", fontsize=7)
     axis.set_ylabel("test perplexity")
     figure.tight_layout()
     figure.savefig(path, dpi=100)

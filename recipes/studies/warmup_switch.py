@@ -108,10 +108,12 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
         writer.writerows(results)
     lines = [f"# PowerNorm's warmup switch ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
              f"{args.max_train_steps} updates of {args.max_tokens} tokens, warmup {args.warmup_steps} updates "
-             f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {args.seeds}; mean ± std over seeds.",
+             f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {sorted({r['seed'] for r in results})}; mean ± std over seeds.",
              "", "| setting | " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
     for setting in args.settings:
         rows = [r for r in results if r["setting"] == setting]
+        if not rows:
+            continue
         lines.append(f"| {setting} | " + " | ".join(mean_std([r[c] for r in rows], 3) for c in COLUMNS) + " |")
     (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot(results, args, output_dir / "loss_at_switch.png")
@@ -129,6 +131,8 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     for setting in args.settings:
         logs = [training_losses(Path(args.output_dir) / "cells" / row["cell"])
                 for row in results if row["setting"] == setting]
+        if not logs:
+            continue
         steps = [s for s in range(first, last + 1) if all(s in log for log in logs)]
         axis.plot(steps, [statistics.fmean(log[s] for log in logs) for s in steps], label=setting, linewidth=1)
     axis.axvline(args.warmup_steps + 0.5, color="grey", linestyle="--", linewidth=0.8)
