@@ -44,7 +44,7 @@ from .corpora import (
 )
 from .evaluation import bleu_scores, evaluate_accuracy, evaluate_bleu, evaluate_perplexity, score_splits, translate
 from .export import complete_average_export, save_json, save_outputs, save_results, training_command
-from .grid import Cell, cell_result, run_grid
+from .grid import Cell, cell_result, finished_results, run_grid
 from .losses import label_smoothed_loss, model_loss, sequence_nll, token_nll, translation_loss
 from .loop import (
     EarlyStopping,
@@ -116,8 +116,8 @@ __all__ = [
     "build_model", "build_optimizer", "build_scheduler", "cell_result", "check_args", "check_average_inputs",
     "check_batch_budget", "check_output_dir", "check_run_start", "column_texts", "complete_average_export",
     "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",
-    "evaluate_perplexity", "fill_sizes", "finish_training", "first_nonfinite_update", "fit", "incomplete_checkpoints",
-    "inverse_sqrt_schedule", "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples",
+    "evaluate_perplexity", "fill_sizes", "finish_training", "finished_results", "first_nonfinite_update", "fit",
+    "incomplete_checkpoints", "inverse_sqrt_schedule", "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples",
     "limit_splits", "list_checkpoints", "lm_blocks", "lm_run_args", "lm_size", "lm_split_files", "loss_jump",
     "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric", "load_scheduler_state",
     "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator", "mean_std", "max_update_steps",

@@ -43,6 +43,11 @@ def cell_result(output_dir: str | Path, cell: Cell) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
+def finished_results(cells: Sequence[Cell], output_dir: str | Path) -> list[dict[str, Any]]:
+    """The saved results of the cells that have finished, in cell order; nothing runs."""
+    return [r for r in (cell_result(output_dir, cell) for cell in cells) if r is not None]
+
+
 def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path) -> dict[str, Any]:
     if folder.exists():
         shutil.rmtree(folder)  # what a killed attempt left behind

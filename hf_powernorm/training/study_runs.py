@@ -19,7 +19,7 @@ from .arguments import add_recipe_args, check_args
 from .batching import PaddingCollator
 from .corpora import synthetic_lm_corpus
 from .evaluation import evaluate_perplexity, score_splits
-from .grid import cell_result, run_grid
+from .grid import finished_results, run_grid
 from .loop import fit, make_accelerator, prepare_eval_loaders
 from .losses import model_loss
 from .metrics import count_words
@@ -222,7 +222,7 @@ def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_
     tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
     grid = make_cells(args, files, tokenizer)
     if args.report_only:
-        results = [r for r in (cell_result(output_dir, cell) for cell in grid) if r is not None]
+        results = finished_results(grid, output_dir)
         if not results:
             raise FileNotFoundError(f"--report_only: no finished run under {output_dir / 'cells'}")
     else:

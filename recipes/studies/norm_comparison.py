@@ -40,7 +40,7 @@ from hf_powernorm.training import (
     Cell,
     add_lm_size_args,
     budget_argv,
-    cell_result,
+    finished_results,
     lm_run_args,
     lm_size,
     lm_split_files,
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     output_dir.mkdir(parents=True, exist_ok=True)
     grid = cells(args, _inputs(args, output_dir))
     if args.report_only:
-        results = [r for r in (cell_result(output_dir, cell) for cell in grid) if r is not None]
+        results = finished_results(grid, output_dir)
     else:
         results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc="Norm comparison")
     write_results(results, args, output_dir)
