@@ -432,7 +432,7 @@ def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
     if chosen is None:
         raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
                          + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: start the "
-                         f"run again with --overwrite_output_dir instead of --resume_from_checkpoint")
+                         "run again with --overwrite_output_dir instead of --resume_from_checkpoint")
     if skipped:
         report(f"Passing over incomplete checkpoints in {output_dir}: {reasons}")
     return chosen
