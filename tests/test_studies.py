@@ -225,3 +225,18 @@ def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
     assert mean_std([1.234e-5, 1.3e-5, None], 3, significant=True) == "1.27e-05 ± 4.7e-07"
     assert mean_std([None, float("nan")]) == "-"
     assert mean_std([float("inf"), 1.0]) == "inf ± nan"  # a diverged seed is not averaged away
+
+
+def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty(tmp_path):
+    import csv
+
+    from hf_powernorm.training import write_rows
+
+    rows = [{"seed": 1, "setting": "pn", "loss": 2.5, "noise": "x"}, {"setting": "ln", "seed": 2, "extra": 7}]
+    write_rows(rows, tmp_path / "all.csv", leave_out=["noise"])
+    with open(tmp_path / "all.csv", newline="", encoding="utf-8") as handle:
+        assert list(csv.reader(handle)) == [["seed", "setting", "loss", "extra"], ["1", "pn", "2.5", ""],
+                                             ["2", "ln", "", "7"]]
+    write_rows(rows, tmp_path / "chosen.csv", columns=["setting", "loss", "seed", "noise"], leave_out=["noise"])
+    with open(tmp_path / "chosen.csv", newline="", encoding="utf-8") as handle:
+        assert list(csv.reader(handle)) == [["setting", "loss", "seed"], ["pn", "2.5", "1"], ["ln", "", "2"]]

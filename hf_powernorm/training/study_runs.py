@@ -150,9 +150,12 @@ def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool 
     return f"{statistics.fmean(present):{spec}} ± {spread:{std_spec}}"
 
 
-def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = ()) -> None:
-    """`rows` as a CSV table, columns in first-seen order, `leave_out` columns dropped."""
-    columns = list(dict.fromkeys(k for row in rows for k in row if k not in leave_out))
+def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = (),
+               columns: Sequence[str] | None = None) -> None:
+    """`rows` as a CSV table: `columns` in that order if given (a row without one leaves its cell
+    empty), else every column in first-seen order; `leave_out` columns dropped either way."""
+    columns = [c for c in (columns if columns is not None else dict.fromkeys(k for row in rows for k in row))
+               if c not in leave_out]
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -25,7 +25,6 @@ Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from hf_powernorm.training import (
     run_lm_study,
     train_causal_lm,
     training_losses,
+    write_rows,
 )
 from hf_powernorm.training.study_runs import PEAK_WINDOW, WINDOW
 
@@ -101,11 +101,8 @@ COLUMNS = ("loss_jump", "loss_peak_excess", "validation_perplexity", "test_perpl
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
     """`results.csv` (one row per run), `summary.md` (mean ± std over seeds), `loss_at_switch.png`."""
-    keys = ["setting", "seed", *COLUMNS, "best_step", "best_validation", "train_steps"]
-    with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(results)
+    write_rows(results, output_dir / "results.csv",
+               columns=["setting", "seed", *COLUMNS, "best_step", "best_validation", "train_steps"])
     lines = [f"# PowerNorm's warmup switch ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
              f"{args.max_train_steps} updates of {args.max_tokens} tokens, warmup {args.warmup_steps} updates "
              f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {sorted({r['seed'] for r in results})}; mean ± std over seeds.",
