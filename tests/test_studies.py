@@ -163,6 +163,20 @@ def test_pn_ablation_warmup_settings_follow_the_run_size():
     assert pn_ablation.setting_argv("layernorm", sizes) == (["--norm_type", "layernorm"], 150)
 
 
+def test_pn_ablation_runs_settings_that_coincide_at_the_budget_once(tmp_path):
+    assert pn_ablation.same_runs(pn_ablation.parse_args([])) == {"warmup=half-run": "warmup=double"}
+    assert pn_ablation.same_runs(pn_ablation.parse_args(["--max_train_steps", "1500"])) == {}
+    # 8 smoke updates: half the run is PN's default warmup of 4 updates.
+    results = pn_ablation.main(["--smoke", "--max_train_steps", "8", "--seeds", "1", "--settings", "pn-default",
+                                "warmup=half-run", "--output_dir", str(tmp_path)])
+    assert [r["setting"] for r in results] == ["pn-default"] and not any((tmp_path / "cells").glob("warmup*"))
+    with open(tmp_path / "results.csv", newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["setting"], r["same_runs_as"]) for r in rows] == [("pn-default", ""), ("warmup=half-run", "pn-default")]
+    assert rows[0]["test_perplexity"] == rows[1]["test_perplexity"]
+    assert "| warmup=half-run (the runs of pn-default) | 1 |" in (tmp_path / "summary.md").read_text()
+
+
 batch_size = load_recipe("studies/batch_size")
 
 
@@ -228,8 +242,6 @@ def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
 
 
 def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty(tmp_path):
-    import csv
-
     from hf_powernorm.training import write_rows
 
     rows = [{"seed": 1, "setting": "pn", "loss": 2.5, "noise": "x"}, {"setting": "ln", "seed": 2, "extra": 7}]

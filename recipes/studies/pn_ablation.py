@@ -15,7 +15,8 @@ beside it:
 for every seed, and reports validation and test perplexity, the loss jump at the switch (the mean
 training loss of the 10 updates after warmup minus that of the 10 before; see `loss_jump`), the
 setting under which PN does best with its spread, as `results.csv`, `summary.md` and
-`ablation.png` in `--output_dir`.
+`ablation.png` in `--output_dir`. Two settings that are the same run at the chosen budget (warmup
+double and half the run, at 600 updates) run once and report the same runs.
 
     python recipes/studies/pn_ablation.py --jobs 2                       # PTB from ../shared/data
     python recipes/studies/pn_ablation.py --smoke --output_dir /tmp/ab   # embedded corpus, seconds
@@ -102,11 +103,26 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     return {**scores, "pn_warmup_steps": pn_warmup, **loss_jump(training_losses(folder), pn_warmup)}
 
 
+def _sizes(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in SIZES["real"]}
+
+
+def same_runs(args: argparse.Namespace) -> dict[str, str]:
+    """Settings that are the same run as an earlier one at this budget (at 600 updates, warmup=double
+    and warmup=half-run are both 300 updates), each mapped to that earlier setting: run once."""
+    first: dict[tuple[str, ...], str] = {}
+    aliases = {}
+    for setting in args.settings:
+        flags = tuple(setting_argv(setting, _sizes(args))[0])
+        aliases[setting] = first.setdefault(flags, setting)
+    return {alias: setting for alias, setting in aliases.items() if alias != setting}
+
+
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
-    sizes = {name: getattr(args, name) for name in SIZES["real"]}
+    aliases = same_runs(args)
     return [Cell(f"{setting}-seed{seed}", {"setting": setting, "seed": seed, "files": files, "tokenizer": tokenizer,
-                                            "model_size": lm_size(args), **sizes})
-            for seed in args.seeds for setting in args.settings]
+                                            "model_size": lm_size(args), **_sizes(args)})
+            for seed in args.seeds for setting in args.settings if setting not in aliases]
 
 
 def best_setting(results: list[dict[str, Any]]) -> str | None:
@@ -117,6 +133,10 @@ def best_setting(results: list[dict[str, Any]]) -> str | None:
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
+    aliases = same_runs(args)
+    results = [*results, *({**r, "setting": alias, "same_runs_as": setting}
+                           for alias, setting in aliases.items() for r in results if r["setting"] == setting)]
+    results.sort(key=lambda r: (r["seed"], args.settings.index(r["setting"])))
     write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
     layernorm = {r["seed"]: r["test_perplexity"] for r in results if r["setting"] == "layernorm"}
     lines = [f"# PowerNorm's options ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
@@ -127,7 +147,8 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     for setting in _settings(results, args):
         rows = [r for r in results if r["setting"] == setting]
         diffs = ", ".join(f"{r['test_perplexity'] - layernorm[r['seed']]:+.2f}" for r in rows if r["seed"] in layernorm)
-        lines.append(f"| {setting} | {len(rows)} | " + " | ".join(mean_std([r[c] for r in rows], 3 if "loss" in c else 2)
+        name = f"{setting} (the runs of {aliases[setting]})" if setting in aliases else setting
+        lines.append(f"| {name} | {len(rows)} | " + " | ".join(mean_std([r[c] for r in rows], 3 if "loss" in c else 2)
                                                    for c in COLUMNS) + f" | {diffs or '-'} |")
     best = best_setting(results)
     if best:
