@@ -118,6 +118,7 @@ def test_norm_comparison_smoke_runs_both_tasks_and_reports_partial_grids(tmp_pat
     assert all(0 <= r["test_bleu"] <= 100 for r in results if r["task"] == "multi30k")
     summary = (tmp_path / "summary.md").read_text()
     assert "| powernorm | 1 |" in summary and (tmp_path / "curves_ptb.png").stat().st_size > 10_000
+    assert summary.count("validation change, last quarter (%)") == 2  # a column in both tasks' tables
     with open(tmp_path / "curves.csv", encoding="utf-8") as handle:
         assert {(r["task"], r["setting"]) for r in csv.DictReader(handle)} == {
             (r["task"], r["setting"]) for r in results}
@@ -126,6 +127,15 @@ def test_norm_comparison_smoke_runs_both_tasks_and_reports_partial_grids(tmp_pat
     partial = norm_comparison.main([*argv[:-2], "--seeds", "1", "2", "--report_only", "--output_dir", str(tmp_path)])
     assert partial == results and {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert not any((tmp_path / "cells").glob("*seed2"))
+
+
+def test_last_quarter_change_measures_whether_validation_has_flattened():
+    change = norm_comparison.last_quarter_change
+    assert change([(250, 1.0), (500, 10.0), (750, 20.0), (1000, 22.0)]) == pytest.approx(10.0)  # 750 -> 1000
+    # 1,500 updates validated every 150: 1,050 and 1,200 are as near to 1,125; the later one counts.
+    curve = [(step, 300.0 - step / 10) for step in range(150, 1501, 150)]
+    assert change(curve) == pytest.approx(100 * (150.0 - 180.0) / 180.0)
+    assert change([(600, 5.0), (1200, 5.0)]) == 0.0 and math.isnan(change([(600, 5.0)]))
 
 
 pn_ablation = load_recipe("studies/pn_ablation")

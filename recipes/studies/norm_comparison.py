@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -182,12 +183,25 @@ def validation_curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int
     return [(r["step"], r["validation"]) for r in read_run_log(folder) if "validation" in r]
 
 
-def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str]) -> list[str]:
-    """Mean ± std over seeds per setting, and each seed's difference to LayerNorm's run of that seed
-    (negative is better for perplexity, positive for BLEU)."""
+def last_quarter_change(curve: list[tuple[int, float]]) -> float:
+    """Relative change of the validation score over the last quarter of a run, in percent: from the
+    validation nearest three quarters of the last update (the later of two as near) to the last
+    validation. Near zero, the curve has flattened; NaN with fewer than two validations."""
+    if len(curve) < 2:
+        return math.nan
+    last_step, last = curve[-1]
+    _, value = min(curve[:-1], key=lambda point: (abs(point[0] - 0.75 * last_step), -point[0]))
+    return 100 * (last - value) / value if value else math.nan
+
+
+def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str], output_dir: Path) -> list[str]:
+    """Mean ± std over seeds per setting, the validation curve's change over the last quarter of the
+    run, and each seed's difference to LayerNorm's run of that seed (negative is better for
+    perplexity, positive for BLEU)."""
     scores = SCORES[task]
-    lines = [f"| {task} | runs | " + " | ".join(scores) + " | test minus LayerNorm's, per seed |",
-             "|---|---:|" + "---:|" * len(scores) + "---|"]
+    lines = [f"| {task} | runs | " + " | ".join(scores)
+             + " | validation change, last quarter (%) | test minus LayerNorm's, per seed |",
+             "|---|---:|" + "---:|" * (len(scores) + 1) + "---|"]
     key = "test_bleu" if task == "multi30k" else "test_perplexity"
     baseline = {r["seed"]: r[key] for r in results if r["task"] == task and r["setting"] == "layernorm"}
     for setting in settings:
@@ -195,8 +209,9 @@ def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str])
         if not rows:
             continue
         diffs = ", ".join(f"{r[key] - baseline[r['seed']]:+.2f}" for r in rows if r["seed"] in baseline)
+        change = mean_std([last_quarter_change(validation_curve(output_dir, r)) for r in rows], 1)
         lines.append(f"| {setting} | {len(rows)} | " + " | ".join(mean_std([r[s] for r in rows]) for s in scores)
-                     + f" | {diffs or '-'} |")
+                     + f" | {change} | {diffs or '-'} |")
     return lines
 
 
@@ -215,7 +230,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
         lines += [f"{task}: {sizes['max_train_steps']} updates of {sizes['max_tokens']} tokens, learning rate "
                   f"{sizes['learning_rate']}, {sizes['warmup_steps']} warmup updates; seeds with runs "
                   f"{sorted({r['seed'] for r in results if r['task'] == task})}; "
-                  "mean ± std over seeds.", "", *summary_lines(results, task, args.settings), ""]
+                  "mean ± std over seeds.", "", *summary_lines(results, task, args.settings, output_dir), ""]
         _plot(results, task, args.settings, output_dir)
     (output_dir / "summary.md").write_text("\n".join(lines), encoding="utf-8")
 
