@@ -245,8 +245,10 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str], output_
     figure, axis = plt.subplots(figsize=(7, 4.2))
     for setting in settings:
         runs = [r for r in results if r["task"] == task and r["setting"] == setting]
+        if not runs:
+            continue  # a setting with no finished run has no line, and no legend entry
         curves = [dict(validation_curve(output_dir, r)) for r in runs]
-        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
         axis.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=setting, linewidth=1,
                   marker=".")
     if LOWER_IS_BETTER[task]:
