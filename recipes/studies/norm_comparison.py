@@ -194,10 +194,11 @@ def last_quarter_change(curve: list[tuple[int, float]]) -> float:
     return 100 * (last - value) / value if value else math.nan
 
 
-def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str], output_dir: Path) -> list[str]:
+def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str],
+                  curves: dict[str, list[tuple[int, float]]]) -> list[str]:
     """Mean ± std over seeds per setting, the validation curve's change over the last quarter of the
     run, and each seed's difference to LayerNorm's run of that seed (negative is better for
-    perplexity, positive for BLEU)."""
+    perplexity, positive for BLEU). `curves`: each run's validation curve, by cell name."""
     scores = SCORES[task]
     lines = [f"| {task} | runs | " + " | ".join(scores)
              + " | validation change, last quarter (%) | test minus LayerNorm's, per seed |",
@@ -209,7 +210,7 @@ def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str],
         if not rows:
             continue
         diffs = ", ".join(f"{r[key] - baseline[r['seed']]:+.2f}" for r in rows if r["seed"] in baseline)
-        change = mean_std([last_quarter_change(validation_curve(output_dir, r)) for r in rows], 1)
+        change = mean_std([last_quarter_change(curves[r["cell"]]) for r in rows], 1)
         lines.append(f"| {setting} | {len(rows)} | " + " | ".join(mean_std([r[s] for r in rows]) for s in scores)
                      + f" | {change} | {diffs or '-'} |")
     return lines
@@ -217,11 +218,12 @@ def summary_lines(results: list[dict[str, Any]], task: str, settings: list[str],
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
     write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "sizes", "model_size"))
+    curves = {result["cell"]: validation_curve(output_dir, result) for result in results}  # each log read once
     with open(output_dir / "curves.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["task", "setting", "seed", "step", "validation"])
         for result in results:
-            for step, score in validation_curve(output_dir, result):
+            for step, score in curves[result["cell"]]:
                 writer.writerow([result["task"], result["setting"], result["seed"], step, score])
     corpora = " and ".join({"ptb": "PTB", "multi30k": "Multi30k"}[task] for task in args.tasks)
     lines = [f"# Every norm at the same budget ({'smoke sizes' if args.smoke else corpora})", ""]
@@ -230,12 +232,13 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
         lines += [f"{task}: {sizes['max_train_steps']} updates of {sizes['max_tokens']} tokens, learning rate "
                   f"{sizes['learning_rate']}, {sizes['warmup_steps']} warmup updates; seeds with runs "
                   f"{sorted({r['seed'] for r in results if r['task'] == task})}; "
-                  "mean ± std over seeds.", "", *summary_lines(results, task, args.settings, output_dir), ""]
-        _plot(results, task, args.settings, output_dir)
+                  "mean ± std over seeds.", "", *summary_lines(results, task, args.settings, curves), ""]
+        _plot(results, task, args.settings, curves, output_dir)
     (output_dir / "summary.md").write_text("\n".join(lines), encoding="utf-8")
 
 
-def _plot(results: list[dict[str, Any]], task: str, settings: list[str], output_dir: Path) -> None:
+def _plot(results: list[dict[str, Any]], task: str, settings: list[str],
+          curves: dict[str, list[tuple[int, float]]], output_dir: Path) -> None:
     """Validation score over updates, mean over seeds, one line per setting."""
     import matplotlib
 
@@ -247,9 +250,9 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str], output_
         runs = [r for r in results if r["task"] == task and r["setting"] == setting]
         if not runs:
             continue  # a setting with no finished run has no line, and no legend entry
-        curves = [dict(validation_curve(output_dir, r)) for r in runs]
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        axis.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=setting, linewidth=1,
+        run_curves = [dict(curves[r["cell"]]) for r in runs]
+        steps = sorted(set.intersection(*(set(c) for c in run_curves)))
+        axis.plot(steps, [statistics.fmean(c[s] for c in run_curves) for s in steps], label=setting, linewidth=1,
                   marker=".")
     if LOWER_IS_BETTER[task]:
         axis.set_yscale("log")

@@ -110,18 +110,19 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
 def same_runs(args: argparse.Namespace) -> dict[str, str]:
     """Settings that are the same run as an earlier one at this budget (at 600 updates, warmup=double
     and warmup=half-run are both 300 updates), each mapped to that earlier setting: run once."""
+    sizes = _sizes(args)
     first: dict[tuple[str, ...], str] = {}
     aliases = {}
     for setting in args.settings:
-        flags = tuple(setting_argv(setting, _sizes(args))[0])
+        flags = tuple(setting_argv(setting, sizes)[0])
         aliases[setting] = first.setdefault(flags, setting)
     return {alias: setting for alias, setting in aliases.items() if alias != setting}
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
-    aliases = same_runs(args)
+    aliases, sizes = same_runs(args), _sizes(args)
     return [Cell(f"{setting}-seed{seed}", {"setting": setting, "seed": seed, "files": files, "tokenizer": tokenizer,
-                                            "model_size": lm_size(args), **_sizes(args)})
+                                            "model_size": lm_size(args), **sizes})
             for seed in args.seeds for setting in args.settings if setting not in aliases]
 
 
