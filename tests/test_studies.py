@@ -127,6 +127,10 @@ def test_norm_comparison_smoke_runs_both_tasks_and_reports_partial_grids(tmp_pat
     partial = norm_comparison.main([*argv[:-2], "--seeds", "1", "2", "--report_only", "--output_dir", str(tmp_path)])
     assert partial == results and {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert not any((tmp_path / "cells").glob("*seed2"))
+    # Another budget over the same folder is refused, not mixed in (nor described as the runs' budget).
+    with pytest.raises(ValueError, match=r"ptb-layernorm-seed1 finished with other options .*'max_train_steps': 9"):
+        norm_comparison.main([*argv, "--ptb_steps", "9", "--report_only"])
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
 
 def test_last_quarter_change_measures_whether_validation_has_flattened():
@@ -262,3 +266,10 @@ def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty
     write_rows(rows, tmp_path / "chosen.csv", columns=["setting", "loss", "seed", "noise"], leave_out=["noise"])
     with open(tmp_path / "chosen.csv", newline="", encoding="utf-8") as handle:
         assert list(csv.reader(handle)) == [["setting", "loss", "seed"], ["pn", "2.5", "1"], ["ln", "", "2"]]
+
+
+def test_seeds_of_lists_each_seed_with_a_run_once_in_order():
+    from hf_powernorm.training import seeds_of
+
+    assert seeds_of([{"seed": 3}, {"seed": 1}, {"seed": 3}, {"seed": 2}]) == [1, 2, 3]
+    assert seeds_of([]) == []

@@ -54,3 +54,21 @@ def test_bad_grids_fail_clearly(tmp_path):
         Cell("../up")
     with pytest.raises(ValueError, match="jobs must be at least 1; got 0"):
         run_grid([Cell("a", {"x": 1})], square, tmp_path, jobs=0)
+
+
+def test_a_grid_never_mixes_runs_of_other_options(tmp_path):
+    run_grid([Cell("a", {"x": 2, "budget": {"steps": 600}, "data": "/old/place"}, paths=("data",))], square, tmp_path)
+    # The same cell read from a moved corpus is the same run ...
+    moved = Cell("a", {"x": 2, "budget": {"steps": 600}, "data": "/new/place"}, paths=("data",))
+    assert run_grid([moved], square, tmp_path)[0]["square"] == 4
+    # ... another budget in the same folder is an error, for resuming and for reporting alike.
+    longer = Cell("a", {"x": 2, "budget": {"steps": 1500}, "data": "/new/place"}, paths=("data",))
+    with pytest.raises(ValueError, match=r"other options .*budget: ran with \{'steps': 600\}, asked \{'steps': 1500\}"):
+        run_grid([longer], square, tmp_path)
+    with pytest.raises(ValueError, match="budget"):
+        cell_result(tmp_path, longer)
+    # An option the finished run did not record (added to the study since) is not compared.
+    assert cell_result(tmp_path, Cell("a", {"x": 2, "budget": {"steps": 600}, "new_option": 1}))["square"] == 4
+    assert _calls(tmp_path) == ["a"]  # nothing was rerun or overwritten
+    with pytest.raises(ValueError, match=r"paths \['data'\] are not among its options \['x'\]"):
+        Cell("b", {"x": 1}, paths=("data",))

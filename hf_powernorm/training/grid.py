@@ -5,7 +5,9 @@ A study is a list of `Cell`s (a name and JSON options) and a module-level functi
 skips the cells whose `result.json` exists, clears and reruns the others (a cell killed midway left
 no result), runs them in `jobs` fresh processes at once (or in this process with `jobs=1`), and
 writes each result atomically, so that a grid stopped at any moment (a session ends, a machine goes
-away) starts again where it stopped without redoing a finished cell.
+away) starts again where it stopped without redoing a finished cell. A finished cell whose saved
+options differ from the cell asked for (another budget in the same output folder) is an error, not
+a result: a grid never mixes runs of different settings.
 """
 
 from __future__ import annotations
@@ -31,16 +33,33 @@ class Cell:
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
+    # Options that say where the cell reads its inputs (corpus files, a tokenizer folder): they may
+    # move between attempts, so a finished cell is not compared on them.
+    paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"a cell name must be a plain folder name; got {self.name!r}")
+        unknown = [key for key in self.paths if key not in self.options]
+        if unknown:
+            raise ValueError(f"cell {self.name!r}: paths {unknown} are not among its options {sorted(self.options)}")
 
 
 def cell_result(output_dir: str | Path, cell: Cell) -> dict[str, Any] | None:
-    """The saved result of `cell`, or None if it has not finished."""
+    """The saved result of `cell`, or None if it has not finished. Raises ValueError if the cell
+    finished with other options than `cell`'s; its `paths` and options that the finished run did not
+    record (added to the study since) are not compared."""
     path = Path(output_dir) / "cells" / cell.name / RESULT_NAME
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text(encoding="utf-8"))
+    asked = json.loads(json.dumps(cell.options))  # as saved: tuples become lists
+    differ = [key for key, value in asked.items() if key not in cell.paths and key in result and result[key] != value]
+    if differ:
+        shown = "; ".join(f"{key}: ran with {result[key]!r}, asked {asked[key]!r}" for key in differ)
+        raise ValueError(f"{path.parent} finished with other options than this grid asks ({shown}); give another "
+                         f"output folder, or the options it ran with")
+    return result
 
 
 def finished_results(cells: Sequence[Cell], output_dir: str | Path) -> list[dict[str, Any]]:

@@ -150,6 +150,11 @@ def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool 
     return f"{statistics.fmean(present):{spec}} ± {spread:{std_spec}}"
 
 
+def seeds_of(results: Sequence[dict[str, Any]]) -> list[int]:
+    """The seeds that have a run among `results`, in order (for a summary's heading)."""
+    return sorted({r["seed"] for r in results})
+
+
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = (),
                columns: Sequence[str] | None = None) -> None:
     """`rows` as a CSV table: `columns` in that order if given (a row without one leaves its cell

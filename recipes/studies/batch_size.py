@@ -32,6 +32,7 @@ from hf_powernorm.training import (
     lm_size,
     mean_std,
     run_lm_study,
+    seeds_of,
     train_causal_lm,
     write_rows,
 )
@@ -77,7 +78,8 @@ def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> li
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{norm}-mb{args.update_tokens // k}-seed{seed}",
                  {"norm": norm, "mini_batch": args.update_tokens // k, "accumulation": k, "seed": seed,
-                  "files": files, "tokenizer": tokenizer, "model_size": lm_size(args), **sizes})
+                  "files": files, "tokenizer": tokenizer, "model_size": lm_size(args), **sizes},
+                 paths=("files", "tokenizer"))
             for seed in args.seeds for k in args.accumulations for norm in args.norms]
 
 
@@ -86,7 +88,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     mini_batches = sorted({r["mini_batch"] for r in results})
     lines = [f"# The statistics' mini-batch at {args.update_tokens} tokens per update "
              f"({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
-             f"{args.max_train_steps} updates, seeds {sorted({r['seed'] for r in results})}; test perplexity, "
+             f"{args.max_train_steps} updates, seeds {seeds_of(results)}; test perplexity, "
              "mean ± std over the runs finished.", "",
              "| norm | " + " | ".join(f"mini-batch {m}" for m in mini_batches) + " |",
              "|---|" + "---:|" * len(mini_batches)]

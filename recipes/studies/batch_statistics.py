@@ -48,6 +48,7 @@ from hf_powernorm.training import (
     lm_size,
     mean_std,
     run_lm_study,
+    seeds_of,
     train_causal_lm,
     write_rows,
 )
@@ -226,7 +227,8 @@ def cells(args: argparse.Namespace, files: dict[str, str] | None, tokenizer: str
                                                  "eval_steps", "block_size")}
     grid = [Cell(f"lm-{norm}-seed{seed}", {"model": "lm", "norm": norm, "seed": seed, "files": files,
                                             "tokenizer": tokenizer, "max_steps": args.max_train_steps,
-                                            "model_size": lm_size(args), **lm, **common})
+                                            "model_size": lm_size(args), **lm, **common},
+                 paths=("files", "tokenizer"))
             for norm in args.norms for seed in args.seeds]
     if not args.no_cnn:
         steps = args.cnn_epochs * (int(0.8 * (args.cnn_images or 1797)) // CNN["batch_size"])
@@ -256,7 +258,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     by_label = {label: [r for r in results if _label(r) == label] for label in labels}
     lines = [f"# Batch statistics in a transformer and a CNN ({'smoke sizes' if args.smoke else 'PTB and digits'})",
              "", f"LM: {args.max_train_steps} updates of {args.max_tokens} tokens; CNN: {args.cnn_epochs} epochs of "
-             f"batches of {CNN['batch_size']} images; recorded every {args.record_every} updates; seeds {args.seeds}; "
+             f"batches of {CNN['batch_size']} images; recorded every {args.record_every} updates; seeds {seeds_of(results)}; "
              "mean ± std over seeds. Fluctuations of the first norm layer over the last two thirds of training: "
              "median, and largest / median.", "",
              "| run | " + " | ".join(f"{k} median | {k} max/median" for k in FLUCTUATIONS) + " | Lemma 2 fraction |",

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     sizes = SIZES["smoke" if args.smoke else "real"]
     cells = [Cell(f"{task}-{norm}-seed{seed}", {"task": task, "norm": norm, "seed": seed,
                                                  "model": str(_model_folder(output_dir, task, sizes["width"])),
-                                                 "updates": sizes["updates"][task], "warmup": sizes["warmup"]})
+                                                 "updates": sizes["updates"][task], "warmup": sizes["warmup"]},
+                  paths=("model",))
              for task in TASKS for norm in ("layernorm", "powernorm") for seed in args.seeds]
     results = run_grid(cells, run_cell, output_dir, jobs=args.jobs, desc="Converted models")
     print(write_summary(results, output_dir))

@@ -92,7 +92,8 @@ def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> li
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{setting}-{precision}-seed{seed}", {"setting": setting, "precision": precision, "seed": seed,
                                                         "files": files, "tokenizer": tokenizer,
-                                                        "model_size": lm_size(args), **sizes})
+                                                        "model_size": lm_size(args), **sizes},
+                 paths=("files", "tokenizer"))
             for seed in args.seeds for precision in args.precisions for setting in args.settings]
 
 

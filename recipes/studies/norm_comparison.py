@@ -49,6 +49,7 @@ from hf_powernorm.training import (
     prepare_lm_data,
     read_run_log,
     run_grid,
+    seeds_of,
     train_causal_lm,
     write_rows,
 )
@@ -157,7 +158,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 def cells(args: argparse.Namespace, inputs: dict[str, dict[str, Any]]) -> list[Cell]:
     """Seed-major: every setting's first seed before any second seed."""
     return [Cell(f"{task}-{setting}-seed{seed}", {"task": task, "setting": setting, "seed": seed,
-                                                   "sizes": args.sizes[task], **inputs[task]})
+                                                   "sizes": args.sizes[task], **inputs[task]},
+                 paths=("files", "tokenizer") if task == "ptb" else ("files",))
             for seed in args.seeds for task in args.tasks for setting in args.settings]
 
 
@@ -231,7 +233,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
         sizes = args.sizes[task]
         lines += [f"{task}: {sizes['max_train_steps']} updates of {sizes['max_tokens']} tokens, learning rate "
                   f"{sizes['learning_rate']}, {sizes['warmup_steps']} warmup updates; seeds with runs "
-                  f"{sorted({r['seed'] for r in results if r['task'] == task})}; "
+                  f"{seeds_of([r for r in results if r['task'] == task])}; "
                   "mean ± std over seeds.", "", *summary_lines(results, task, args.settings, curves), ""]
         _plot(results, task, args.settings, curves, output_dir)
     (output_dir / "summary.md").write_text("\n".join(lines), encoding="utf-8")

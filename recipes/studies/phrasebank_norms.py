@@ -69,8 +69,10 @@ from hf_powernorm.training import (
     PaddingCollator,
     TokenBudgetBatchSampler,
     eval_loader,
+    finished_results,
     load_classification_dataset,
     run_grid,
+    seeds_of,
     synthetic_classification_corpus,
     tokenize_classification,
 )
@@ -123,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--widths", type=int, nargs=3, help=f"narrow, normal, wide hidden sizes; default {WIDTHS['real']}")
     p.add_argument("--jobs", type=int, default=1, help="grid cells at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
+    p.add_argument("--report_only", action="store_true",
+                   help="write the outputs from the runs finished so far, and run nothing")
     for name, value in SIZES["real"].items():
         p.add_argument(f"--{name}", type=type(value), help=f"default {value} ({SIZES['smoke'][name]} with --smoke)")
     args = p.parse_args(argv)
@@ -519,8 +523,9 @@ def cells(args: argparse.Namespace, data: dict[str, Any]) -> list[Cell]:
             layers, width = shape.split("-")
             grid.append(Cell(f"convergence-{shape}-seed{seed}", {
                 **common, "kind": "convergence", "seed": seed, "shape": shape, "layers": int(layers),
-                "hidden": args.widths[WIDTH_NAMES.index(width)], "learning_rates": args.learning_rates}))
-        grid += [Cell(f"{kind}-seed{seed}", {**common, "kind": kind, "seed": seed})
+                "hidden": args.widths[WIDTH_NAMES.index(width)], "learning_rates": args.learning_rates},
+                paths=tuple(data)))
+        grid += [Cell(f"{kind}-seed{seed}", {**common, "kind": kind, "seed": seed}, paths=tuple(data))
                  for kind in ("init", "lipschitz", "gradients")]
     return grid
 
@@ -645,7 +650,7 @@ def write_summary(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     corpus = "embedded corpus, smoke sizes" if args.smoke else "Financial PhraseBank, full agreement"
     lines = [f"# Normalization in a post-norm Transformer encoder ({corpus})", "",
              (f"Widths (narrow, normal, wide) {args.widths}, {args.epochs} epochs of plain SGD, batches of "
-              f"{args.batch_size}, seeds {args.seeds}. C = converged (most seeds), N = not; k/n converged seeds; "
+              f"{args.batch_size}, seeds {seeds_of(results)}. C = converged (most seeds), N = not; k/n converged seeds; "
               f"✗ where ours and the document's differ."), "",
              "## Convergence: finite, below the divergence bound, last-epoch loss below the first epoch's", "",
              *convergence_tables(results, args),
@@ -688,7 +693,7 @@ def _plot_curves(results: list[dict[str, Any]], args: argparse.Namespace, path: 
     loss at each epoch's end (dashed) of the 1-layer wide model."""
     plt = _pyplot()
     figure, axes = plt.subplots(1, len(CURVE_LEARNING_RATES), figsize=(10, 3.6))
-    runs = [r for r in _runs(results, "convergence") if r["shape"] == "1-wide" and r["seed"] == args.seeds[0]]
+    runs = [r for r in _runs(results, "convergence") if r["shape"] == "1-wide" and r["seed"] == seeds_of(results)[0]]
     for axis, (label, lr) in zip(axes, CURVE_LEARNING_RATES.items()):
         for i, norm in enumerate(args.norms):
             run = next((r for r in runs if r["norm"] == norm and r["learning_rate"] == lr), None)
@@ -703,7 +708,7 @@ def _plot_curves(results: list[dict[str, Any]], args: argparse.Namespace, path: 
             if run["diverged_at"] is not None:
                 axis.annotate(f"{norm}: diverged at update {run['diverged_at']}", (0.02, 0.95 - 0.07 * i),
                               xycoords="axes fraction", fontsize=7, color=color)
-        axis.set_title(f"1-layer wide, lr {lr:g} ({label}), seed {args.seeds[0]}", fontsize=9)
+        axis.set_title(f"1-layer wide, lr {lr:g} ({label}), seed {seeds_of(results)[0]}", fontsize=9)
         axis.set_xlabel("update")
     axes[0].set_ylabel("loss (full: train, dashed: validation)")
     axes[0].legend(fontsize=7)
@@ -748,7 +753,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     data = _prepare(args, output_dir)
-    results = run_grid(cells(args, data), run_cell, output_dir, jobs=args.jobs, desc="PhraseBank norms")
+    grid = cells(args, data)
+    if args.report_only:
+        results = finished_results(grid, output_dir)
+        if not results:
+            raise FileNotFoundError(f"--report_only: no finished run under {output_dir / 'cells'}")
+    else:
+        results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc="PhraseBank norms")
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

@@ -41,6 +41,7 @@ from hf_powernorm.training import (
     loss_jump,
     mean_std,
     run_lm_study,
+    seeds_of,
     train_causal_lm,
     training_losses,
     write_rows,
@@ -122,7 +123,8 @@ def same_runs(args: argparse.Namespace) -> dict[str, str]:
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
     aliases, sizes = same_runs(args), _sizes(args)
     return [Cell(f"{setting}-seed{seed}", {"setting": setting, "seed": seed, "files": files, "tokenizer": tokenizer,
-                                            "model_size": lm_size(args), **sizes})
+                                            "model_size": lm_size(args), **sizes},
+                 paths=("files", "tokenizer"))
             for seed in args.seeds for setting in args.settings if setting not in aliases]
 
 
@@ -142,7 +144,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     layernorm = {r["seed"]: r["test_perplexity"] for r in results if r["setting"] == "layernorm"}
     lines = [f"# PowerNorm's options ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
              f"{args.max_train_steps} updates of {args.max_tokens} tokens, learning-rate warmup {args.warmup_steps} "
-             f"updates, seeds {sorted({r['seed'] for r in results})}; mean ± std over each setting's runs.", "",
+             f"updates, seeds {seeds_of(results)}; mean ± std over each setting's runs.", "",
              "| setting | runs | " + " | ".join(COLUMNS) + " | test minus LayerNorm's, per seed |",
              "|---|---:|" + "---:|" * len(COLUMNS) + "---|"]
     for setting in _settings(results, args):

@@ -39,6 +39,7 @@ from hf_powernorm.training import (
     loss_jump,
     mean_std,
     run_lm_study,
+    seeds_of,
     train_causal_lm,
     training_losses,
     write_rows,
@@ -92,7 +93,8 @@ def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> li
     sizes = {name: getattr(args, name) for name in SIZES["real"]}
     return [Cell(f"{name}-seed{seed}", {"setting": name, "seed": seed, "files": files, "tokenizer": tokenizer,
                                          "model_size": lm_size(args),
-                                         "ramp": False, **sizes, **SETTINGS[name]})
+                                         "ramp": False, **sizes, **SETTINGS[name]},
+                 paths=("files", "tokenizer"))
             for name in args.settings for seed in args.seeds]
 
 
@@ -105,7 +107,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
                columns=["setting", "seed", *COLUMNS, "best_step", "best_validation", "train_steps"])
     lines = [f"# PowerNorm's warmup switch ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
              f"{args.max_train_steps} updates of {args.max_tokens} tokens, warmup {args.warmup_steps} updates "
-             f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {sorted({r['seed'] for r in results})}; mean ± std over seeds.",
+             f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {seeds_of(results)}; mean ± std over seeds.",
              "", "| setting | " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
     for setting in args.settings:
         rows = [r for r in results if r["setting"] == setting]
