@@ -72,3 +72,13 @@ def test_a_grid_never_mixes_runs_of_other_options(tmp_path):
     assert _calls(tmp_path) == ["a"]  # nothing was rerun or overwritten
     with pytest.raises(ValueError, match=r"paths \['data'\] are not among its options \['x'\]"):
         Cell("b", {"x": 1}, paths=("data",))
+
+
+def test_report_only_returns_the_finished_cells_and_runs_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no finished run under"):
+        run_grid([Cell("a", {"x": 1})], square, tmp_path, report_only=True)
+    assert not (tmp_path / "cells").exists()
+    cells = [Cell(f"x{x}", {"x": x}) for x in range(3)]
+    run_grid(cells[1:2], square, tmp_path)
+    assert [r["square"] for r in run_grid(cells, square, tmp_path, report_only=True)] == [1]
+    assert _calls(tmp_path) == ["x1"]

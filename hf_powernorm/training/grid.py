@@ -84,14 +84,21 @@ def _reset_accelerate() -> None:
 
 
 def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], output_dir: str | Path, *,
-             jobs: int = 1, desc: str = "Runs") -> list[dict[str, Any]]:
-    """Run every unfinished cell of `cells` (in `jobs` processes); return all results in order."""
+             jobs: int = 1, desc: str = "Runs", report_only: bool = False) -> list[dict[str, Any]]:
+    """Run every unfinished cell of `cells` (in `jobs` processes); return all results in order.
+    With `report_only`, run nothing and return the results of the cells finished so far
+    (FileNotFoundError if none has)."""
     names = [cell.name for cell in cells]
     if len(set(names)) != len(names):
         raise ValueError(f"cell names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1; got {jobs}")
     root = Path(output_dir) / "cells"
+    if report_only:
+        results = finished_results(cells, output_dir)
+        if not results:
+            raise FileNotFoundError(f"--report_only: no finished run under {root}")
+        return results
     root.mkdir(parents=True, exist_ok=True)
     todo = [cell for cell in cells if cell_result(output_dir, cell) is None]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc)

@@ -19,7 +19,7 @@ from .arguments import add_recipe_args, check_args
 from .batching import PaddingCollator
 from .corpora import synthetic_lm_corpus
 from .evaluation import evaluate_perplexity, score_splits
-from .grid import finished_results, run_grid
+from .grid import run_grid
 from .loop import fit, make_accelerator, prepare_eval_loaders
 from .losses import model_loss
 from .metrics import count_words
@@ -229,12 +229,7 @@ def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_
     files = lm_split_files(args.data_dir, output_dir, args.smoke)
     tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
     grid = make_cells(args, files, tokenizer)
-    if args.report_only:
-        results = finished_results(grid, output_dir)
-        if not results:
-            raise FileNotFoundError(f"--report_only: no finished run under {output_dir / 'cells'}")
-    else:
-        results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc=desc)
+    results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc=desc, report_only=args.report_only)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

@@ -41,7 +41,6 @@ from hf_powernorm.training import (
     Cell,
     add_lm_size_args,
     budget_argv,
-    finished_results,
     lm_run_args,
     lm_size,
     lm_split_files,
@@ -270,11 +269,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    grid = cells(args, _inputs(args, output_dir))
-    if args.report_only:
-        results = finished_results(grid, output_dir)
-    else:
-        results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc="Norm comparison")
+    results = run_grid(cells(args, _inputs(args, output_dir)), run_cell, output_dir, jobs=args.jobs,
+                       desc="Norm comparison", report_only=args.report_only)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

@@ -69,7 +69,6 @@ from hf_powernorm.training import (
     PaddingCollator,
     TokenBudgetBatchSampler,
     eval_loader,
-    finished_results,
     load_classification_dataset,
     run_grid,
     seeds_of,
@@ -753,13 +752,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     data = _prepare(args, output_dir)
-    grid = cells(args, data)
-    if args.report_only:
-        results = finished_results(grid, output_dir)
-        if not results:
-            raise FileNotFoundError(f"--report_only: no finished run under {output_dir / 'cells'}")
-    else:
-        results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc="PhraseBank norms")
+    results = run_grid(cells(args, data), run_cell, output_dir, jobs=args.jobs, desc="PhraseBank norms",
+                       report_only=args.report_only)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results
