@@ -692,7 +692,8 @@ def _plot_curves(results: list[dict[str, Any]], args: argparse.Namespace, path: 
     loss at each epoch's end (dashed) of the 1-layer wide model."""
     plt = _pyplot()
     figure, axes = plt.subplots(1, len(CURVE_LEARNING_RATES), figsize=(10, 3.6))
-    runs = [r for r in _runs(results, "convergence") if r["shape"] == "1-wide" and r["seed"] == seeds_of(results)[0]]
+    seed = seeds_of(results)[0]
+    runs = [r for r in _runs(results, "convergence") if r["shape"] == "1-wide" and r["seed"] == seed]
     for axis, (label, lr) in zip(axes, CURVE_LEARNING_RATES.items()):
         for i, norm in enumerate(args.norms):
             run = next((r for r in runs if r["norm"] == norm and r["learning_rate"] == lr), None)
@@ -707,7 +708,7 @@ def _plot_curves(results: list[dict[str, Any]], args: argparse.Namespace, path: 
             if run["diverged_at"] is not None:
                 axis.annotate(f"{norm}: diverged at update {run['diverged_at']}", (0.02, 0.95 - 0.07 * i),
                               xycoords="axes fraction", fontsize=7, color=color)
-        axis.set_title(f"1-layer wide, lr {lr:g} ({label}), seed {seeds_of(results)[0]}", fontsize=9)
+        axis.set_title(f"1-layer wide, lr {lr:g} ({label}), seed {seed}", fontsize=9)
         axis.set_xlabel("update")
     axes[0].set_ylabel("loss (full: train, dashed: validation)")
     axes[0].legend(fontsize=7)
