@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Tests keep every cache and temporary file inside the working tree and never touch the network.
 TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_POWERNORM_CACHE=$(CURDIR)/.cache/kernels HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: install train demo test bench clean
+.PHONY: install train demo test test-oldest bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,22 @@ test: install
 	mkdir -p .cache/hf .cache/tmp
 	$(TEST_ENV) $(PY) -m pytest -q -p randomly --randomly-seed=$${TEST_SEED:-1234} tests
 
+# The same suite on the oldest versions setup.cfg allows (constraints-oldest.txt), in its own venv.
+OLDEST_VENV := .venv-oldest
+$(OLDEST_VENV)/.installed: setup.cfg pyproject.toml constraints-oldest.txt
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q -c constraints-oldest.txt torch
+	$(OLDEST_VENV)/bin/python -m pip install -q -c constraints-oldest.txt -e ".[dev]"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	mkdir -p .cache/hf .cache/tmp
+	$(OLDEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|datasets|peft) '
+	$(TEST_ENV) $(OLDEST_VENV)/bin/python -m pytest -q -p randomly --randomly-seed=$${TEST_SEED:-1234} tests
+
 bench: install
 	$(PY) -m hf_powernorm.benchmarks
 
 clean:
-	rm -rf .cache .pytest_cache build *.egg-info
+	rm -rf .cache .pytest_cache build *.egg-info $(OLDEST_VENV)

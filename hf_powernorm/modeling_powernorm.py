@@ -13,6 +13,7 @@ In eval, PN, PN-V, BN, BRN and MABN are a per-channel affine map after group sca
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import warnings
@@ -37,6 +38,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple
 
 from .configuration_powernorm import PowerNormTransformerConfig
 from .normalization import NORM_CLASSES, build_norm, group_scale
@@ -47,6 +49,12 @@ RUNNING_BUFFERS = ("running_phi", "running_nu", "running_mean", "running_var", "
 FOLDABLE_NORMS = ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn")
 # Which options of the config give each foldable norm its group scaling.
 _FOLDED_GROUP_NUM = {"powernorm": "powernorm_group_num"}
+
+# Transformers 5.24 renamed the generation cache from `past_key_values` to `cache`: the keyword
+# `generate` passes to `forward`, the field of the output classes, and the argument of the mask
+# helpers. The model takes either keyword and speaks the installed version's name to Transformers.
+_CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+_MASK_CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,8 +124,25 @@ def check_padding_mask(name: str, mask: torch.Tensor | None, batch_size: int, le
             )
 
 
-def _past_length(past_key_values: Cache | None) -> int:
-    return past_key_values.get_seq_length() if past_key_values is not None else 0
+def _past_length(cache: Cache | None) -> int:
+    return cache.get_seq_length() if cache is not None else 0
+
+
+def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The cache under its current name (`cache`) or its former one (`past_key_values`)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
+
+
+def _cache_of(outputs: Any) -> Cache | None:
+    """The cache an output of this family carries, whatever the installed version calls its field."""
+    return getattr(outputs, _CACHE_FIELD, None)
+
+
+def _with_cache(cache: Cache | None) -> dict[str, Cache | None]:
+    """The cache as a keyword of an output class."""
+    return {_CACHE_FIELD: cache}
 
 
 def decoder_padding_mask(decoder_input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor | None:
@@ -215,34 +240,33 @@ class PowerNormTransformerAttention(nn.Module):
     def _project(self, proj: nn.Linear, states: torch.Tensor) -> torch.Tensor:
         return proj(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (batch, heads, seq, dim)
 
-    def _keys_values(self, hidden_states, key_value_states, past_key_values):
-        if past_key_values is None:
+    def _keys_values(self, hidden_states, key_value_states, cache):
+        if cache is None:
             source = key_value_states if self.is_cross_attention else hidden_states
             return self._project(self.k_proj, source), self._project(self.v_proj, source)
         if self.is_cross_attention:
             # The encoder output is fixed during generation: project it once, then reuse it.
-            cache = past_key_values.cross_attention_cache
-            if past_key_values.is_updated.get(self.layer_idx):
-                return cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
-            past_key_values.is_updated[self.layer_idx] = True
+            layer_cache = cache.cross_attention_cache
+            if cache.is_updated.get(self.layer_idx):
+                return layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
+            cache.is_updated[self.layer_idx] = True
             source = key_value_states
         else:
-            cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) \
-                else past_key_values
+            layer_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
             source = hidden_states
         keys, values = self._project(self.k_proj, source), self._project(self.v_proj, source)
-        return cache.update(keys, values, self.layer_idx)
+        return layer_cache.update(keys, values, self.layer_idx)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         key_value_states: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = self._project(self.q_proj, hidden_states)
-        keys, values = self._keys_values(hidden_states, key_value_states, past_key_values)
+        keys, values = self._keys_values(hidden_states, key_value_states, cache)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -338,16 +362,15 @@ class PowerNormTransformerDecoderLayer(PowerNormTransformerLayerBase):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         def attend(states):
-            return self.self_attn(states, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+            return self.self_attn(states, attention_mask=attention_mask, cache=cache, **kwargs)
 
         def cross_attend(states):
             return self.encoder_attn(states, attention_mask=encoder_attention_mask,
-                                     key_value_states=encoder_hidden_states, past_key_values=past_key_values,
-                                     **kwargs)
+                                     key_value_states=encoder_hidden_states, cache=cache, **kwargs)
 
         hidden_states, self_weights = self._sublayer(self.self_attn_norm, attend, hidden_states, padding_mask)
         cross_weights = None
@@ -523,6 +546,7 @@ class PowerNormTransformerEncoder(PowerNormTransformerPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -532,6 +556,7 @@ class PowerNormTransformerEncoder(PowerNormTransformerPreTrainedModel):
         output_hidden_states: bool | None = None,
         **kwargs,
     ) -> BaseModelOutput:
+        output_attentions, output_hidden_states = _output_flags(self.config, output_attentions, output_hidden_states)
         reference = input_ids if input_ids is not None else inputs_embeds
         batch_size, seq_length = reference.shape[:2]
         check_padding_mask("attention_mask", attention_mask, batch_size, seq_length)
@@ -561,6 +586,13 @@ def _attention_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in dropped}
 
 
+def _output_flags(config: PowerNormTransformerConfig, output_attentions: bool | None,
+                  output_hidden_states: bool | None) -> tuple[bool, bool]:
+    """The keyword where given, else the config's flag (as every Transformers model reads them)."""
+    return (bool(config.output_attentions if output_attentions is None else output_attentions),
+            bool(config.output_hidden_states if output_hidden_states is None else output_hidden_states))
+
+
 class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
     """`decoder_layers` causal layers with `decoder_norm_type` norms; cross-attention in seq2seq."""
 
@@ -586,25 +618,29 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
             return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         return DynamicCache(config=self.config)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        cache = _one_cache(cache, past_key_values)
+        output_attentions, output_hidden_states = _output_flags(self.config, output_attentions, output_hidden_states)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = self._new_cache()
+        if use_cache and cache is None:
+            cache = self._new_cache()
         reference = input_ids if input_ids is not None else inputs_embeds
         batch_size, seq_length = reference.shape[:2]
-        past_length = _past_length(past_key_values)
+        past_length = _past_length(cache)
         # The mask covers the cached tokens and the new ones.
         check_padding_mask("attention_mask", attention_mask, batch_size, past_length + seq_length)
         if encoder_hidden_states is not None:
@@ -614,10 +650,9 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
         hidden_states = self.embeddings(input_ids, inputs_embeds, position_ids)
         # The norms see the mask of the new tokens only: (batch, seq).
         padding_mask = attention_mask[:, -seq_length:] if attention_mask is not None else None
-        self_attn_cache = past_key_values.self_attention_cache \
-            if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+        self_attn_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states,
-                                         attention_mask=attention_mask, past_key_values=self_attn_cache)
+                                         attention_mask=attention_mask, **{_MASK_CACHE_ARG: self_attn_cache})
         cross_mask = None
         if encoder_hidden_states is not None:
             cross_mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
@@ -628,7 +663,7 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
             all_hidden.append(hidden_states)
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states, causal_mask, encoder_hidden_states, cross_mask, padding_mask,
-                past_key_values=past_key_values, **_attention_kwargs(kwargs),
+                cache=cache, **_attention_kwargs(kwargs),
             )
             all_self.append(self_weights)
             all_cross.append(cross_weights)
@@ -637,7 +672,7 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
         all_hidden.append(hidden_states)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **_with_cache(cache if use_cache else None),
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             attentions=tuple(all_self) if output_attentions else None,
             cross_attentions=tuple(all_cross) if output_attentions and encoder_hidden_states is not None else None,
@@ -691,6 +726,7 @@ class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
     def get_decoder(self) -> PowerNormTransformerDecoder | None:
         return self.decoder
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -698,25 +734,27 @@ class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput | BaseModelOutputWithPastAndCrossAttentions | BaseModelOutput:
         """Encoder-decoder: as the translation head. Decoder-only or encoder-only: that stack on
         `input_ids` / `inputs_embeds` and `attention_mask`."""
+        cache = _one_cache(cache, past_key_values)
         if self.encoder is None:
-            return self.decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+            return self.decoder(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                                 inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-                                output_hidden_states=output_hidden_states, **kwargs)
+                                output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         if self.decoder is None:
             return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                                 output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                                **kwargs)
-        past_length = _past_length(past_key_values)
+                                return_dict=True, **kwargs)
+        past_length = _past_length(cache)
         if decoder_attention_mask is None and decoder_input_ids is not None and past_length == 0:
             decoder_attention_mask = decoder_padding_mask(decoder_input_ids, self.config.pad_token_id)
         decoder_reference = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
@@ -727,18 +765,20 @@ class PowerNormTransformerModel(PowerNormTransformerPreTrainedModel):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-                                           output_hidden_states=output_hidden_states, **kwargs)
+                                           output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
+        output_attentions, output_hidden_states = _output_flags(self.config, output_attentions, output_hidden_states)
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values, inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, **kwargs,
+            cache=cache, inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **kwargs,
         )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **_with_cache(_cache_of(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -774,6 +814,7 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -781,14 +822,16 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         r"""`labels` (batch, target_len): next tokens, -100 ignored; decoder inputs are derived from them."""
+        cache = _one_cache(cache, past_key_values)
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -801,8 +844,8 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
         outputs = self.model(
             input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-            decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, **kwargs,
+            cache=cache, inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs,
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
@@ -811,7 +854,7 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **_with_cache(_cache_of(outputs)),
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
@@ -862,20 +905,22 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
     def get_decoder(self) -> PowerNormTransformerDecoder:
         return self.model.decoder
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithCrossAttentions:
         r"""`labels` (batch, seq): the input ids themselves (shifted inside), -100 ignored."""
         outputs = self.model.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                     use_cache=use_cache, **kwargs)
+                                     cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
+                                     use_cache=use_cache, return_dict=True, **kwargs)
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
@@ -885,7 +930,7 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
         return CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **_with_cache(_cache_of(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -909,6 +954,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.set_input_embeddings(value)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -919,7 +965,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
     ) -> SequenceClassifierOutput:
         r"""`labels` (batch,): class ids (float targets for regression / multi-label, per `problem_type`)."""
         outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                     inputs_embeds=inputs_embeds, **kwargs)
+                                     inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
         hidden_states = outputs.last_hidden_state  # (batch, seq, hidden)
         if attention_mask is None:
             pooled = hidden_states.mean(1)

@@ -66,6 +66,9 @@ CHILD = textwrap.dedent(
     assert torch.equal(hidden, expected["seq2seq/hidden"])
     generated = seq2seq.generate(inputs, num_beams=3, max_new_tokens=5, do_sample=False)
     assert torch.equal(generated, expected["seq2seq/generated"])
+    # The copied code reuses the cache that the installed Transformers hands it.
+    assert torch.equal(seq2seq.generate(inputs, num_beams=3, max_new_tokens=5, do_sample=False, use_cache=False),
+                       generated)
     # ... and its encoder into the classifier.
     classifier_from_s2s = AutoModelForSequenceClassification.from_pretrained(DIRS["seq2seq"], trust_remote_code=True)
     assert type(classifier_from_s2s).__name__ == "PowerNormTransformerForSequenceClassification"
@@ -79,8 +82,9 @@ CHILD = textwrap.dedent(
     results["causal_module"] = remote(causal)
     check_buffers(causal, "causal")
     assert torch.equal(causal(input_ids=inputs).logits, expected["causal/logits"])
-    assert torch.equal(causal.generate(inputs[:, :3], max_new_tokens=4, do_sample=False, eos_token_id=None),
-                       expected["causal/generated"])
+    for use_cache in (True, False):
+        assert torch.equal(causal.generate(inputs[:, :3], max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                           use_cache=use_cache), expected["causal/generated"])
 
     classifier = AutoModelForSequenceClassification.from_pretrained(DIRS["classifier"], trust_remote_code=True)
     check_buffers(classifier, "classifier")
