@@ -321,6 +321,20 @@ def _check_at_least(name: str, value: float, minimum: float) -> None:
 class _Norm(nn.Module):
     """Shared constructor checks and the `(tokens, hidden)` view of the input."""
 
+    # Traits: what the model, the converter, the model card and the recipes ask of a norm
+    # (docs/adding_a_norm.md); every class of the registry sets each one.
+    # The training output of a token depends on the other tokens of the batch (batch statistics).
+    mixes_positions: bool = False
+    # Non-empty: it mixes them only while one of these constructor options is positive.
+    mixing_options: tuple[str, ...] = ()
+    # It keeps running statistics in buffers that eval uses and a checkpoint must carry.
+    has_running_stats: bool = False
+    # In eval it is a per-channel affine map after group scaling (`affine_after_group_scale()`), which
+    # `fold_norms()` moves into the linear layers that read it.
+    foldable: bool = False
+    # Constructor option -> the `PowerNormTransformerConfig` field that sets it (besides `eps`).
+    config_options: dict[str, str] = {}
+
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
@@ -632,6 +646,21 @@ class PowerNorm(_RunningStatsNorm):
     `torch.distributed`, so every rank holds the buffers of one process on the whole batch.
     """
 
+    mixes_positions = True  # it divides by the batch statistic during warmup and the ramp only
+    mixing_options = ("warmup_steps", "warmup_ramp_steps")
+    has_running_stats = True
+    foldable = True
+    config_options = {
+        "alpha_fwd": "powernorm_alpha_fwd",
+        "alpha_bkw": "powernorm_alpha_bkw",
+        "warmup_steps": "powernorm_warmup_steps",
+        "warmup_statistic": "powernorm_warmup_statistic",
+        "warmup_ramp_steps": "powernorm_warmup_ramp_steps",
+        "group_num": "powernorm_group_num",
+        "backward_denominator": "powernorm_backward_denominator",
+        "sync_stats": "powernorm_sync_stats",
+    }
+
     _running_buffers = {"running_phi": 1.0, "running_nu": 0.0}
 
     def __init__(
@@ -874,6 +903,11 @@ class PowerNormV(_RunningStatsNorm):
     (no group scaling by default); `running_phi` is an EMA of `v` (`alpha_fwd`) used in eval.
     """
 
+    mixes_positions = True
+    has_running_stats = True
+    foldable = True
+    config_options = {"alpha_fwd": "powernorm_alpha_fwd"}
+
     _running_buffers = {"running_phi": 1.0}
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_fwd: float = 0.9, group_num: int | None = None):
@@ -926,6 +960,10 @@ class MaskedBatchNorm(_RunningStatsNorm):
     Like `torch.nn.BatchNorm1d`: biased variance to normalize, unbiased variance in the running
     estimate, `momentum` as its update rate; eval uses the running estimates.
     """
+
+    mixes_positions = True
+    has_running_stats = True
+    foldable = True
 
     _running_buffers = {"running_mean": 0.0, "running_var": 1.0}
 
@@ -988,6 +1026,10 @@ class BatchRenorm(MaskedBatchNorm):
     the estimate by second-order terms only). The paper relaxes `rmax` from 1 to 3 and `dmax` from 0
     to 5 over training; the attributes can be changed between steps to do the same.
     """
+
+    mixes_positions = True
+    has_running_stats = True
+    foldable = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1, rmax: float = 3.0,
                  dmax: float = 5.0):
@@ -1086,6 +1128,10 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
     `momentum=0.02` is the authors' `momentum=0.98` written as an update rate.
     """
 
+    mixes_positions = True  # the current batch is always one of the averaged batches
+    has_running_stats = True
+    foldable = True
+
     _running_buffers = {"running_phi": 1.0}
     _window_buffers = ("window_phi", "window_gz")
 
@@ -1178,6 +1224,10 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
 class LayerNorm(_Norm):
     """Layer normalization over channels, per token, computed in float32."""
 
+    mixes_positions = False
+    has_running_stats = False
+    foldable = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -1228,6 +1278,10 @@ class _RMSNormFunction(torch.autograd.Function):
 class RMSNorm(_Norm):
     """Root-mean-square normalization over channels, per token (no mean, no bias)."""
 
+    mixes_positions = False
+    has_running_stats = False
+    foldable = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -1248,6 +1302,11 @@ class RMSNorm(_Norm):
 
 class GroupNorm(_Norm):
     """Group normalization over `group_num` channel groups of each token (mean and variance)."""
+
+    mixes_positions = False
+    has_running_stats = False
+    foldable = False
+    config_options = {"group_num": "powernorm_group_num"}
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, group_num: int = 1):
         super().__init__(hidden_size, eps)
@@ -1273,6 +1332,10 @@ class GroupNorm(_Norm):
 
 class Identity(_Norm):
     """No normalization: the baseline of the sentiment study. Accepts and ignores `eps`."""
+
+    mixes_positions = False
+    has_running_stats = False
+    foldable = False
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size)
