@@ -51,6 +51,22 @@ def translation_loss(accelerator, label_smoothing: float) -> Callable[[torch.nn.
     return compute
 
 
+def causal_lm_loss(label_smoothing: float = 0.0) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
+    """Label-smoothed next-token cross-entropy of a causal LM (the logits at t score the label at
+    t + 1); with no smoothing, the model's own loss."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+    if label_smoothing == 0.0:
+        return model_loss
+
+    def compute(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        return label_smoothed_loss(logits[..., :-1, :], labels[..., 1:], label_smoothing)
+
+    return compute
+
+
 def model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model's own loss (causal LM: mean next-token NLL; classification: cross-entropy)."""
     return model(**batch).loss

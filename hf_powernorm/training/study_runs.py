@@ -21,7 +21,7 @@ from .corpora import synthetic_lm_corpus
 from .evaluation import evaluate_perplexity, score_splits
 from .grid import run_grid
 from .loop import fit, make_accelerator, prepare_eval_loaders
-from .losses import model_loss
+from .losses import causal_lm_loss
 from .metrics import count_words
 from .models import build_model
 from .readers import load_lm_dataset
@@ -88,10 +88,12 @@ def lm_run_args(folder: str | Path, tokenizer: str, argv: Sequence[str]) -> argp
 
 
 def train_causal_lm(args: argparse.Namespace, files: dict[str, str], block_size: int, model_size: dict[str, Any],
-                    *, eval_batch_size: int = 32) -> tuple[torch.nn.Module, dict[str, Any]]:
+                    *, eval_batch_size: int = 32,
+                    label_smoothing: float = 0.0) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train `PowerNormTransformerForCausalLM` of `model_size` with `args.norm_type` at every norm
-    position on `files`' token blocks; return the model (unwrapped, in eval mode) and its training
-    summary with validation and test loss and perplexity (per BPE token, and per word)."""
+    position on `files`' token blocks (label-smoothed next-token loss with `label_smoothing`);
+    return the model (unwrapped, in eval mode) and its training summary with validation and test
+    loss and perplexity (per BPE token, and per word; unsmoothed)."""
     accelerator = make_accelerator(args)
     tokenizer = load_tokenizer(args.tokenizer_name)
     raw = load_lm_dataset(data_files=files)
@@ -101,8 +103,8 @@ def train_causal_lm(args: argparse.Namespace, files: dict[str, str], block_size:
     collate = PaddingCollator(tokenizer.pad_token_id)
     evals = prepare_eval_loaders(accelerator, blocks, collate, eval_batch_size)
     validate = lambda m: evaluate_perplexity(accelerator, m, evals["validation"])["perplexity"]  # noqa: E731
-    model, summary = fit(args, accelerator, model, blocks["train"], collate, model_loss, tokenizer=tokenizer,
-                         mode="min", validate=validate)
+    model, summary = fit(args, accelerator, model, blocks["train"], collate, causal_lm_loss(label_smoothing),
+                         tokenizer=tokenizer, mode="min", validate=validate)
     words = {split: count_words(column_texts(part)) for split, part in raw.items()}
     scores = score_splits(lambda split, loader: evaluate_perplexity(accelerator, model, loader, words[split]), evals)
     accelerator.end_training()

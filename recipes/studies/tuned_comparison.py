@@ -1,0 +1,489 @@
+"""LayerNorm, PN and RMSNorm, each tuned alike, in the paper's regime: PTB and Multi30k.
+
+The question this study answers: at a fair setting - the paper's training regime as far as a CPU
+allows, and the same tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm
+without centering) is the control for PN's other difference, dropping the mean.
+
+Regime (Shen et al., 2020, Appendix B, where the CPU allows it): residual dropout 0.3, label
+smoothing 0.1 (the LM included), Adam with the inverse-square-root schedule after a linear warmup,
+PN's warmup equal to the learning-rate warmup, 2,048 tokens per update in one batch (PN's
+statistics see the whole update: no accumulated micro-batches), gradient clipping 0.25 and weight
+decay 0.01 (LM). Multi30k: PN in the 6 - here 2 - encoder layers and LayerNorm in the decoder
+(the paper's translation models), plus PN in every layer (`powernorm-all`, the tuned PN setting
+reused, not tuned again); test BLEU of the average of the last 5 checkpoints (one every 200
+updates), beam 5, length penalty 1.0, beside the best validated checkpoint's. Not the paper's: the
+models are small (PTB: width 128, 2 layers; Multi30k: width 64, 2+2 layers), the budgets short
+(PTB 1,500 and 4,500 updates; Multi30k 2,000 and 4,000), the warmups shorter than its 4,000.
+
+Protocol, the same for every norm, chosen on validation only (best validation of a run):
+1. `lr`: peak learning rate x warmup (3 x 2) for each norm at the short budget, seed 1; PN with
+   alpha_fwd = alpha_bkw = 0.9 and the running backward denominator;
+2. `alpha` (PN): alpha_fwd in {0.9, 0.95, 0.99} x alpha_bkw in {0.9, 0.95, 0.99, 1.0} at PN's pick;
+3. `denominator` (PN): the batch backward denominator at the picked alphas, against the running one;
+4. `recheck`: LayerNorm's and PN's learning rate again at the long budget (the pick x 0.5, 1, 2);
+   RMSNorm keeps its short-budget pick;
+5. `final`: each norm's pick at every seed, at the short and the long budget.
+Cells of one stage depend on the picks of the stages before; a run that two stages ask for (the
+pick's seed-1 run is also a final) runs once.
+
+Outputs in `--output_dir`: `results.csv` (one row per run, stage and evaluation: task, norm, stage,
+updates, learning_rate, warmup, dropout, label_smoothing, alpha_fwd, alpha_bkw, denominator, seed,
+split, metric, value), `curves.csv` (validation per evaluation), `picks.json`, `summary.md` (the
+headline table: per task and budget, mean ± std over seeds and the verdict) and
+`curves_<task>_<updates>.png` (validation curves of the finals, mean and seed band).
+
+    python recipes/studies/tuned_comparison.py --data_dir DIR --jobs 2   # DIR holds ptb/ and multi30k/raw/
+    python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
+
+Resumable (finished runs are never redone), `--report_only` writes the outputs of the runs
+finished so far. Cut rule, fixed before any test score: if the budget runs out, drop the
+Multi30k `powernorm-all` finals first, then Multi30k's long finals, never a norm's seed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import runpy
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hf_powernorm.training import (
+    Cell,
+    budget_argv,
+    finished_results,
+    lm_run_args,
+    lm_size,
+    lm_split_files,
+    prepare_lm_data,
+    read_run_log,
+    run_grid,
+    select_checkpoints,
+    train_causal_lm,
+    write_average,
+    write_rows,
+)
+from hf_powernorm.training.study_runs import STUDY_LM
+
+RECIPES = Path(__file__).resolve().parents[1]
+TASKS = ("ptb", "multi30k")
+NORMS = ("layernorm", "powernorm", "rmsnorm")
+DEFAULT_ALPHA, DEFAULT_DENOMINATOR = 0.9, "running"
+COLUMNS = ("task", "norm", "stage", "updates", "learning_rate", "warmup", "dropout", "label_smoothing", "alpha_fwd",
+           "alpha_bkw", "denominator", "seed", "split", "metric", "value")
+SIZES = {
+    "real": {
+        "ptb": {"vocab_size": 4000, "block_size": 128, "max_tokens": 2048, "budgets": (1500, 4500),
+                "eval_steps": 150, "learning_rates": (5e-4, 1e-3, 2e-3), "warmups": (150, 500),
+                "alphas_fwd": (0.9, 0.95, 0.99), "alphas_bkw": (0.9, 0.95, 0.99, 1.0), "recheck": (0.5, 1.0, 2.0),
+                "dropout": 0.3, "label_smoothing": 0.1},
+        "multi30k": {"vocab_size": 8000, "max_tokens": 2048, "budgets": (2000, 4000), "eval_steps": 250,
+                     "learning_rates": (1.5e-3, 3e-3, 6e-3), "warmups": (200, 600),
+                     "alphas_fwd": (0.9, 0.95, 0.99), "alphas_bkw": (0.9, 0.95, 0.99, 1.0),
+                     "recheck": (0.5, 1.0, 2.0), "dropout": 0.3, "label_smoothing": 0.1, "max_eval_samples": 500,
+                     "num_beams": 5, "checkpointing_steps": 200, "averaged": 5},
+    },
+    "smoke": {
+        "ptb": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "budgets": (4, 6), "eval_steps": 2,
+                "learning_rates": (5e-3, 1e-2), "warmups": (2,), "alphas_fwd": (0.9,), "alphas_bkw": (0.9, 1.0),
+                "recheck": (1.0, 2.0), "dropout": 0.3, "label_smoothing": 0.1},
+        "multi30k": {"vocab_size": 150, "max_tokens": 256, "budgets": (2, 4), "eval_steps": 2,
+                     "learning_rates": (3e-3,), "warmups": (1,), "alphas_fwd": (0.9,), "alphas_bkw": (0.9, 1.0),
+                     "recheck": (1.0,), "dropout": 0.3, "label_smoothing": 0.1, "max_eval_samples": 4,
+                     "num_beams": 2, "checkpointing_steps": 1, "averaged": 2},
+    },
+}
+LOWER_IS_BETTER = {"ptb": True, "multi30k": False}
+# The headline score of a final run: PTB test perplexity; Multi30k test BLEU of the averaged checkpoints.
+HEADLINE = {"ptb": ("test", "perplexity"), "multi30k": ("test", "bleu_averaged")}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data_dir", help="a folder holding ptb/ptb.{train,valid,test}.txt and multi30k/raw/ "
+                                      "(required unless --smoke)")
+    p.add_argument("--output_dir", default="outputs/studies/tuned_comparison")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
+    p.add_argument("--report_only", action="store_true",
+                   help="write the outputs from the runs finished so far, and run nothing")
+    args = p.parse_args(argv)
+    if not args.seeds:
+        raise ValueError("--seeds needs at least one seed")
+    if 1 not in args.seeds:
+        raise ValueError(f"--seeds must include 1, the tuning seed; got {args.seeds}")
+    if args.data_dir is None and not args.smoke:
+        raise ValueError("pass --data_dir (a folder with ptb/ and multi30k/raw/), or --smoke for the embedded corpora")
+    args.sizes = SIZES["smoke" if args.smoke else "real"]
+    if "multi30k" in args.tasks and not args.smoke:
+        _multi30k_files(args.data_dir)  # fails now, not after hours of PTB runs
+    return args
+
+
+def _multi30k_files(data_dir: str) -> dict[str, str]:
+    folder = Path(data_dir).resolve() / "multi30k" / "raw"
+    files = {"train": folder / "train", "validation": folder / "val", "test": folder / "test_2016_flickr"}
+    missing = [f"{prefix}.de" for prefix in files.values() if not Path(f"{prefix}.de").is_file()]
+    if missing:
+        raise FileNotFoundError(f"--data_dir {data_dir}: no Multi30k files {missing}")
+    return {split: str(prefix) for split, prefix in files.items()}
+
+
+# -- one run ------------------------------------------------------------------------------------
+
+
+def setting(norm: str, learning_rate: float, warmup: int, alpha_fwd: float | None = None,
+            alpha_bkw: float | None = None, denominator: str | None = None) -> dict[str, Any]:
+    """What a run varies besides budget and seed; PN's options are None for the other norms."""
+    pn = norm.startswith("powernorm")
+    return {"norm": norm, "learning_rate": learning_rate, "warmup": warmup,
+            "alpha_fwd": (alpha_fwd or DEFAULT_ALPHA) if pn else None,
+            "alpha_bkw": (alpha_bkw or DEFAULT_ALPHA) if pn else None,
+            "denominator": (denominator or DEFAULT_DENOMINATOR) if pn else None}
+
+
+def _norm_argv(options: dict[str, Any]) -> list[str]:
+    norm = options["norm"]
+    if options["task"] == "ptb":
+        argv = ["--norm_type", norm]
+    elif norm == "powernorm-all":
+        argv = ["--encoder_norm_type", "powernorm", "--decoder_norm_type", "powernorm"]
+    else:  # the encoder's norm; LayerNorm in the decoder (the recipe's default)
+        argv = ["--encoder_norm_type", norm, "--decoder_norm_type", "layernorm"]
+    if norm.startswith("powernorm"):
+        argv += ["--powernorm_alpha_fwd", str(options["alpha_fwd"]), "--powernorm_alpha_bkw",
+                 str(options["alpha_bkw"]), "--powernorm_backward_denominator", options["denominator"],
+                 "--powernorm_warmup_steps", str(options["warmup"])]
+    return argv
+
+
+def _run_argv(options: dict[str, Any]) -> list[str]:
+    sizes = options["sizes"]
+    budget = {"max_tokens": sizes["max_tokens"], "learning_rate": options["learning_rate"],
+              "warmup_steps": options["warmup"], "max_train_steps": options["updates"],
+              "eval_steps": sizes["eval_steps"]}
+    return [*budget_argv(options["seed"], budget), "--dropout", str(sizes["dropout"]), *_norm_argv(options)]
+
+
+def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
+    sizes = options["sizes"]
+    argv = [*_run_argv(options), "--clip_norm", "0.25", "--weight_decay", "0.01"]
+    args = lm_run_args(folder, options["tokenizer"], argv)
+    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], options["model_size"],
+                                label_smoothing=sizes["label_smoothing"])
+    return scores
+
+
+def _numbers(results: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`recipes/train_wmt.py` in this process, then the average of its last checkpoints scored."""
+    from accelerate.state import AcceleratorState
+
+    sizes, files = options["sizes"], options["files"]
+    train_wmt = runpy.run_path(str(RECIPES / "train_wmt.py"), run_name="train_wmt")["main"]
+    data = ([] if not files else ["--validation_file", files["validation"], "--test_file", files["test"]])
+    generation = ["--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", str(sizes["num_beams"]),
+                  "--length_penalty", "1.0", "--max_new_tokens", "50"]
+    run = folder / "run"
+    results = _numbers(train_wmt([
+        "--output_dir", str(run), *_run_argv(options), "--vocab_size", str(sizes["vocab_size"]),
+        "--label_smoothing", str(sizes["label_smoothing"]), "--checkpointing_steps", str(sizes["checkpointing_steps"]),
+        "--checkpoints_total_limit", str(sizes["averaged"]), *generation,
+        *(["--train_file", files["train"]] if files else []), *data]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    averaged = folder / "averaged"
+    write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
+    scored = _numbers(train_wmt(["--no-do_train", "--model_name_or_path", str(averaged), "--output_dir",
+                                 str(folder / "averaged_scores"), *generation, *data]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    for path in run.glob("step_*"):  # the averaged export keeps what the checkpoints were for
+        _remove_tree(path)
+    return {**results, **{f"{k}_averaged": v for k, v in scored.items() if k.endswith("bleu")}}
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+    train = train_ptb if cell.options["task"] == "ptb" else train_multi30k
+    return train(cell.options, folder)
+
+
+# -- the protocol -------------------------------------------------------------------------------
+
+
+def _cell(task: str, inputs: dict[str, Any], sizes: dict[str, Any], chosen: dict[str, Any], updates: int,
+          seed: int) -> Cell:
+    name = (f"{task}-{chosen['norm']}-lr{chosen['learning_rate']:g}-w{chosen['warmup']}"
+            + (f"-a{chosen['alpha_fwd']:g}-{chosen['alpha_bkw']:g}-{chosen['denominator']}"
+               if chosen["alpha_fwd"] is not None else "")
+            + f"-u{updates}-seed{seed}")
+    options = {"task": task, **chosen, "updates": updates, "seed": seed, "sizes": sizes, **inputs}
+    return Cell(name, options, paths=tuple(k for k in ("files", "tokenizer") if k in inputs))
+
+
+def _best(task: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the best validation score (the first of equals, in grid order)."""
+    pick = min if LOWER_IS_BETTER[task] else max
+    return pick(results, key=lambda r: r["best_validation"])
+
+
+def _chosen(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: result[k] for k in ("norm", "learning_rate", "warmup", "alpha_fwd", "alpha_bkw", "denominator")}
+
+
+class Protocol:
+    """Runs (or, with `report_only`, reads) one task's stages in order; each stage's cells come from
+    the picks of the stages before it. `stages` maps a stage name to its cells' results."""
+
+    def __init__(self, task: str, args: argparse.Namespace, inputs: dict[str, Any], output_dir: Path) -> None:
+        self.task, self.args, self.inputs, self.output_dir = task, args, inputs, output_dir
+        self.sizes = args.sizes[task]
+        self.short, self.long = self.sizes["budgets"]
+        self.stages: dict[str, list[tuple[Cell, dict[str, Any] | None]]] = {}
+        self.picks: dict[str, dict[str, Any]] = {}
+
+    def _stage(self, name: str, cells: list[Cell]) -> list[dict[str, Any]] | None:
+        """The stage's results in cell order, or None while any of its cells has not finished."""
+        unique = list({cell.name: cell for cell in cells}.values())
+        if self.args.report_only:
+            done = {r["cell"]: r for r in finished_results(unique, self.output_dir)}
+        else:
+            done = {r["cell"]: r for r in run_grid(unique, run_cell, self.output_dir, jobs=self.args.jobs,
+                                                   desc=f"{self.task} {name}")}
+        self.stages[name] = [(cell, done.get(cell.name)) for cell in cells]
+        return None if len(done) < len(unique) else [done[cell.name] for cell in cells]
+
+    def cell(self, chosen: dict[str, Any], updates: int, seed: int = 1) -> Cell:
+        return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed)
+
+    def run(self) -> None:
+        sizes, norms = self.sizes, NORMS
+        grid = [self.cell(setting(norm, lr, warmup), self.short) for norm in norms
+                for lr in sizes["learning_rates"] for warmup in sizes["warmups"]]
+        results = self._stage("lr", grid)
+        if results is None:
+            return
+        for norm in norms:
+            self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
+        pn = self.picks[f"powernorm@{self.short}"]
+        results = self._stage("alpha", [self.cell({**pn, "alpha_fwd": af, "alpha_bkw": ab}, self.short)
+                                         for af in sizes["alphas_fwd"] for ab in sizes["alphas_bkw"]])
+        if results is None:
+            return
+        pn = _chosen(_best(self.task, results))
+        results = self._stage("denominator", [self.cell({**pn, "denominator": d}, self.short)
+                                              for d in ("running", "batch")])
+        if results is None:
+            return
+        self.picks[f"powernorm@{self.short}"] = _chosen(_best(self.task, results))
+        recheck = [self.cell({**self.picks[f"{norm}@{self.short}"],
+                              "learning_rate": self.picks[f"{norm}@{self.short}"]["learning_rate"] * factor},
+                             self.long) for norm in ("layernorm", "powernorm") for factor in sizes["recheck"]]
+        results = self._stage("recheck", recheck)
+        if results is None:
+            return
+        for norm in ("layernorm", "powernorm"):
+            self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
+        self.picks[f"rmsnorm@{self.long}"] = self.picks[f"rmsnorm@{self.short}"]
+        finals = [self.cell(self.picks[f"{norm}@{updates}"], updates, seed)
+                  for updates in (self.short, self.long) for seed in self.args.seeds for norm in norms]
+        if self.task == "multi30k":  # PN in every layer, with PN's picks
+            finals += [self.cell({**self.picks[f"powernorm@{updates}"], "norm": "powernorm-all"}, updates, seed)
+                       for updates in (self.short, self.long) for seed in self.args.seeds]
+        self._stage("final", finals)
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+def _evaluations(result: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(split, metric, value) of one run."""
+    rows = []
+    for key, value in sorted(result.items()):
+        split, _, metric = key.partition("_")
+        if split in ("validation", "test") and metric in ("perplexity", "word_perplexity", "loss", "bleu",
+                                                          "bleu_averaged"):
+            rows.append((split, metric, value))
+    rows.append(("validation", "best", result["best_validation"]))
+    return rows
+
+
+def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
+    rows = []
+    for protocol in protocols:
+        for stage, cells in protocol.stages.items():
+            for _, result in cells:
+                if result is None:
+                    continue
+                base = {key: result[key] for key in COLUMNS if key in result}
+                base.update(stage="final" if stage == "final" else "tune",
+                            dropout=result["sizes"]["dropout"], label_smoothing=result["sizes"]["label_smoothing"])
+                rows += [{**base, "split": split, "metric": metric, "value": value}
+                         for split, metric, value in _evaluations(result)]
+    unique = {tuple(str(row.get(c, "")) for c in COLUMNS): row for row in rows}  # a run asked twice, once
+    return list(unique.values())
+
+
+def _curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int, float]]:
+    folder = output_dir / "cells" / result["cell"]
+    folder = folder / "run" if result["task"] == "multi30k" else folder
+    return [(r["step"], r["validation"]) for r in read_run_log(folder) if "validation" in r]
+
+
+def _finals(protocol: Protocol) -> list[dict[str, Any]]:
+    return [result for _, result in protocol.stages.get("final", []) if result is not None]
+
+
+def verdict(ln: list[float], pn: list[float], lower_is_better: bool) -> str:
+    """'PN better' / 'LN better' when the means differ by more than the two seed standard
+    deviations together, else 'tie'; fewer than 2 seeds of either: no verdict."""
+    if len(ln) < 2 or len(pn) < 2:
+        return "fewer than 2 seeds: no verdict"
+    difference = statistics.fmean(pn) - statistics.fmean(ln)
+    if abs(difference) <= statistics.stdev(ln) + statistics.stdev(pn):
+        return "tie (within seed spread)"
+    return "PN better" if (difference < 0) == lower_is_better else "LN better"
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f} (1 seed)"
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f} ({len(values)} seeds)"
+
+
+def headline(protocols: list[Protocol]) -> list[str]:
+    lines = ["| task | updates | regime | metric | LayerNorm | PN | RMSNorm | PN minus LN | verdict |",
+             "|---|---:|---|---|---|---|---|---:|---|"]
+    for protocol in protocols:
+        split, metric = HEADLINE[protocol.task]
+        finals = _finals(protocol)
+        for updates in protocol.sizes["budgets"]:
+            scores = {norm: [r[f"{split}_{metric}"] for r in finals if r["norm"] == norm and r["updates"] == updates]
+                      for norm in (*NORMS, "powernorm-all")}
+            if not any(scores.values()):
+                continue
+            ln, pn = scores["layernorm"], scores["powernorm"]
+            difference = f"{statistics.fmean(pn) - statistics.fmean(ln):+.2f}" if ln and pn else "-"
+            length = "short" if updates == protocol.short else "long"
+            regime = f"paper's (dropout 0.3, smoothing 0.1, PN warmup = LR warmup), small model, {length} budget"
+            lines.append(f"| {protocol.task} | {updates} | {regime} | {split} {metric} | {_mean_std(ln)} | "
+                         f"{_mean_std(pn)} | {_mean_std(scores['rmsnorm'])} | {difference} | "
+                         f"{verdict(ln, pn, LOWER_IS_BETTER[protocol.task])} |")
+            if scores["powernorm-all"]:
+                lines.append(f"| {protocol.task} | {updates} | as above, PN in every layer | {split} {metric} | "
+                             f"{_mean_std(ln)} | {_mean_std(scores['powernorm-all'])} | - | "
+                             f"{statistics.fmean(scores['powernorm-all']) - statistics.fmean(ln):+.2f} | "
+                             f"{verdict(ln, scores['powernorm-all'], LOWER_IS_BETTER[protocol.task])} |")
+    return lines
+
+
+def _progress(protocol: Protocol) -> str:
+    parts = []
+    for stage, cells in protocol.stages.items():
+        done = len({cell.name for cell, result in cells if result is not None})
+        parts.append(f"{stage} {done}/{len({cell.name for cell, _ in cells})}")
+    return f"{protocol.task}: " + (", ".join(parts) or "nothing run")
+
+
+def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_dir: Path) -> None:
+    write_rows(result_rows(protocols), output_dir / "results.csv", columns=COLUMNS)
+    with open(output_dir / "curves.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "norm", "updates", "cell", "seed", "step", "validation"])
+        for protocol in protocols:
+            seen = set()
+            for _, result in (pair for cells in protocol.stages.values() for pair in cells):
+                if result is None or result["cell"] in seen:
+                    continue
+                seen.add(result["cell"])
+                for step, value in _curve(output_dir, result):
+                    writer.writerow([result["task"], result["norm"], result["updates"], result["cell"],
+                                     result["seed"], step, value])
+    picks = {protocol.task: protocol.picks for protocol in protocols}
+    (output_dir / "picks.json").write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({'smoke sizes' if args.smoke else 'PTB and Multi30k'})", "",
+             "Headline score: PTB test perplexity per BPE token of the best validated model; Multi30k test BLEU "
+             "of the average of the last checkpoints (beam 5). Verdict: a norm is better when the means differ by "
+             "more than the two seed standard deviations together.", "", *headline(protocols), "",
+             "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
+             "Picks (validation only): `picks.json`."]
+    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for protocol in protocols:
+        _plot(protocol, output_dir)
+
+
+def _plot(protocol: Protocol, output_dir: Path) -> None:
+    """Validation over updates of the finals: per norm the mean over seeds and the seeds' band."""
+    finals = _finals(protocol)
+    if not finals:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for updates in protocol.sizes["budgets"]:
+        runs = [r for r in finals if r["updates"] == updates]
+        if not runs:
+            continue
+        figure, axis = plt.subplots(figsize=(6.5, 4))
+        for norm in dict.fromkeys(r["norm"] for r in runs):
+            curves = [dict(_curve(output_dir, r)) for r in runs if r["norm"] == norm]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            values = [[c[s] for c in curves] for s in steps]
+            axis.plot(steps, [statistics.fmean(v) for v in values], label=f"{norm} ({len(curves)} seeds)")
+            axis.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+        if LOWER_IS_BETTER[protocol.task]:
+            axis.set_yscale("log")
+        axis.set_xlabel("update")
+        axis.set_ylabel("validation perplexity" if protocol.task == "ptb" else "validation BLEU")
+        axis.set_title(f"{protocol.task}, {updates} updates: mean and seed range")
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(output_dir / f"curves_{protocol.task}_{updates}.png", dpi=100)
+        plt.close(figure)
+
+
+def _inputs(task: str, args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
+    sizes = args.sizes[task]
+    if task == "multi30k":
+        return {"files": None if args.smoke else _multi30k_files(args.data_dir)}
+    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+    model_size = lm_size(argparse.Namespace(hidden_size=STUDY_LM["hidden_size"], layers=STUDY_LM["decoder_layers"]))
+    return {"files": files, "model_size": model_size,
+            "tokenizer": prepare_lm_data(files, output_dir, sizes["vocab_size"], sizes["block_size"])}
+
+
+def main(argv: list[str] | None = None) -> list[Protocol]:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    protocols = []
+    for task in args.tasks:  # PTB's whole protocol before Multi30k's: its headline comes first
+        protocol = Protocol(task, args, _inputs(task, args, output_dir), output_dir)
+        protocol.run()
+        protocols.append(protocol)
+        write_outputs(protocols, args, output_dir)
+    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    return protocols
+
+
+if __name__ == "__main__":
+    main()
