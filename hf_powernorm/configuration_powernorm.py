@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from .normalization import BACKWARD_DENOMINATORS, WARMUP_STATISTICS, normalize_norm_name
+from .normalization import BACKWARD_DENOMINATORS, NORM_CLASSES, WARMUP_STATISTICS, normalize_norm_name
 
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
@@ -179,21 +179,10 @@ class PowerNormTransformerConfig(PreTrainedConfig):
         """The options `build_norm(norm_type, hidden_size, **options)` takes from this config."""
         norm_type = normalize_norm_name(norm_type)
         options: dict[str, Any] = {"eps": self.norm_eps}
-        if norm_type == "powernorm":
-            options.update(
-                alpha_fwd=self.powernorm_alpha_fwd,
-                alpha_bkw=self.powernorm_alpha_bkw,
-                warmup_steps=self.powernorm_warmup_steps,
-                warmup_statistic=self.powernorm_warmup_statistic,
-                warmup_ramp_steps=self.powernorm_warmup_ramp_steps,
-                group_num=self.powernorm_group_num,
-                backward_denominator=self.powernorm_backward_denominator,
-                sync_stats=self.powernorm_sync_stats,
-            )
-        elif norm_type == "powernorm_v":
-            options.update(alpha_fwd=self.powernorm_alpha_fwd)
-        elif norm_type == "groupnorm":
-            options.update(group_num=self.powernorm_group_num or 1)
+        fields = NORM_CLASSES[norm_type].config_options
+        options.update({option: getattr(self, field) for option, field in fields.items()})
+        if norm_type == "groupnorm" and options["group_num"] is None:
+            options["group_num"] = 1  # no group scaling is one group for GroupNorm, which needs a count
         return options
 
 

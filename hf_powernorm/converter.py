@@ -42,8 +42,6 @@ from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
 CONVERSION_CONFIG_KEY = "powernorm_conversion"
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
 NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
-# Norms whose training statistics mix the tokens of a batch at every step.
-POSITION_MIXING_NORMS = ("batchnorm", "powernorm_v", "mabn", "batchrenorm")
 ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
 
 
@@ -374,11 +372,13 @@ def _install_hooks(model: nn.Module, context: NormMaskContext, encoder_prefix: s
 
 
 def mixes_positions(norm_type: str, options: dict) -> bool:
-    """True when the norm's training output uses batch statistics over every position of the batch:
-    BN, PN-V, MABN and BRN always, PN during its warmup and ramp."""
-    if norm_type in POSITION_MIXING_NORMS:
-        return True
-    return norm_type == "powernorm" and (options.get("warmup_steps", 0) > 0 or options.get("warmup_ramp_steps", 0) > 0)
+    """True when the norm built with `options` takes batch statistics over every position of the batch
+    in training (its `mixes_positions` trait): BN, PN-V, MABN and BRN always, PN during its warmup and
+    ramp (its `mixing_options`)."""
+    cls = NORM_CLASSES[normalize_norm_name(norm_type)]
+    if not cls.mixes_positions:
+        return False
+    return not cls.mixing_options or any((options.get(name) or 0) > 0 for name in cls.mixing_options)
 
 
 def is_causal(model: nn.Module, config) -> bool:
@@ -395,16 +395,25 @@ def is_causal(model: nn.Module, config) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
+def causal_norms() -> str:
+    """The norms whose training output of a position sees no other position, with the options that
+    keep it so: what a causal model should train with."""
+    names = [f"{name} ({', '.join(f'{option}=0' for option in cls.mixing_options)})" if cls.mixing_options else name
+             for name, cls in NORM_CLASSES.items() if not cls.mixes_positions or cls.mixing_options]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dict) -> None:
     if not (mixes_positions(norm_type, options) and is_causal(model, config)):
         return
-    when = "during its warmup (warmup_steps / warmup_ramp_steps)" if norm_type == "powernorm" else "at every step"
+    mixing_options = NORM_CLASSES[normalize_norm_name(norm_type)].mixing_options
+    when = f"for as long as its {' / '.join(mixing_options)} last" if mixing_options else "at every step"
     stack = "decoder" if getattr(config, "is_encoder_decoder", False) else "causal"
     warnings.warn(
         f"{type(model).__name__}: the {stack} norms converted to {norm_type} leak future tokens in training "
         f"mode {when}: their batch statistics mix every position of the batch, so a later token changes an "
-        "earlier position's training output. Use powernorm with warmup_steps=0, layernorm, rmsnorm or groupnorm "
-        "for a causal model, or treat its results with suspicion.",
+        f"earlier position's training output. Use {causal_norms()} for a causal model, or treat its results "
+        "with suspicion.",
         UserWarning,
         stacklevel=3,
     )

@@ -18,11 +18,12 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperationAdd, EvalResult, HfApi, ModelCard, ModelCardData
 
 from .configuration_powernorm import PowerNormTransformerConfig
+from .converter import causal_norms, mixes_positions
+from .normalization import NORM_CLASSES
 
 # Installed from a wheel the templates sit inside the package; in a source tree, at its top.
 _TEMPLATE_DIRS = (Path(__file__).resolve().parent / "model_cards", Path(__file__).resolve().parents[1] / "model_cards")
 TEMPLATE_PATH = next((d for d in _TEMPLATE_DIRS if d.is_dir()), _TEMPLATE_DIRS[-1]) / "powernorm_transformer.md"
-BATCH_STATISTIC_NORMS = ("batchnorm", "powernorm_v")
 
 # class name -> (task, pipeline tag, Auto class, usage snippet)
 _HEADS: dict[str, tuple[str, str | None, str, str]] = {
@@ -58,6 +59,16 @@ def _norm_positions(config: PowerNormTransformerConfig, head: str) -> list[tuple
             else "self-attention, cross-attention, feed-forward, final"
         positions.append((f"decoder ({where})", config.decoder_norm_type))
     return positions
+
+
+def _causal_leak(config: PowerNormTransformerConfig) -> list[str]:
+    """The decoder's norm, named for the card, when its training statistics mix the positions of a
+    batch (`mixes_positions`, with the config's options): a causal model trained with it saw the future."""
+    norm = config.decoder_norm_type
+    if not mixes_positions(norm, config.norm_kwargs(norm)):
+        return []
+    mixing_options = NORM_CLASSES[norm].mixing_options
+    return [f"`{norm}`" + (f" while its {' / '.join(mixing_options)} last" if mixing_options else "")]
 
 
 def _architecture(model: Any, config: PowerNormTransformerConfig, head: str) -> list[tuple[str, Any]]:
@@ -130,9 +141,7 @@ def render_model_card(
     config = model.config
     task, pipeline_tag, auto_class, usage = _HEADS[head]
     card_data = _card_data(repo_id, task, pipeline_tag, license, language, datasets, results, tags)
-    norm_types = {norm for _, norm in _norm_positions(config, head)}
-    causal_leak = sorted(norm_types & set(BATCH_STATISTIC_NORMS)) if head == "PowerNormTransformerForCausalLM" \
-        else []
+    causal_leak = _causal_leak(config) if head == "PowerNormTransformerForCausalLM" else []
     template = Path(template_path) if template_path is not None else TEMPLATE_PATH
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} not found; pass template_path=")
@@ -151,6 +160,7 @@ def render_model_card(
         norms_folded=config.norms_folded,
         architecture=_architecture(model, config, head),
         causal_leak=", ".join(causal_leak),
+        causal_norms=causal_norms(),
         training_command=training_command,
         results=sorted(results.items()) if results else None,
     )

@@ -43,12 +43,11 @@ from transformers.utils import can_return_tuple
 from .configuration_powernorm import PowerNormTransformerConfig
 from .normalization import NORM_CLASSES, build_norm, group_scale
 
-RUNNING_BUFFERS = ("running_phi", "running_nu", "running_mean", "running_var", "window_phi", "window_gz",
-                   "num_batches_tracked")
+# The buffers of the norms that keep running statistics (read off a one-channel instance of each).
+RUNNING_BUFFERS = tuple(dict.fromkeys(name for cls in NORM_CLASSES.values() if cls.has_running_stats
+                                      for name, _ in cls(1).named_buffers()))
 # Norms that are a per-channel affine map after group scaling in eval, hence foldable.
-FOLDABLE_NORMS = ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn")
-# Which options of the config give each foldable norm its group scaling.
-_FOLDED_GROUP_NUM = {"powernorm": "powernorm_group_num"}
+FOLDABLE_NORMS = tuple(name for name, cls in NORM_CLASSES.items() if cls.foldable)
 
 # Transformers 5.24 renamed the generation cache from `past_key_values` to `cache`: the keyword
 # `generate` passes to `forward`, the field of the output classes, and the argument of the mask
@@ -78,7 +77,8 @@ class GroupScale(nn.Module):
 def build_position_norm(config: PowerNormTransformerConfig, norm_type: str, foldable_position: bool) -> nn.Module:
     """The norm of one position; a `GroupScale` where `fold_norms()` has folded it away."""
     if config.norms_folded and foldable_position and norm_type in FOLDABLE_NORMS:
-        option = _FOLDED_GROUP_NUM.get(norm_type)
+        # What is left is the group scaling the config gives the norm (none where it sets no group_num).
+        option = NORM_CLASSES[norm_type].config_options.get("group_num")
         return GroupScale(getattr(config, option) if option else None)
     return build_norm(norm_type, config.hidden_size, **config.norm_kwargs(norm_type))
 

@@ -5,6 +5,7 @@ replaced by the `hub` recorder of `conftest.py`, and the recorded files are chec
 layout with `HF_HUB_OFFLINE=1`).
 """
 
+import copy
 import io
 import json
 import shutil
@@ -19,6 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
 from hf_powernorm import (
+    NORM_CLASSES,
     PowerNormTransformerConfig,
     PowerNormTransformerForCausalLM,
     PowerNormTransformerForConditionalGeneration,
@@ -91,12 +93,25 @@ def test_card_without_results_or_command_says_so():
     assert "AutoTokenizer" not in card.text  # no tokenizer files to load
 
 
-@pytest.mark.parametrize("norm, warns", [("batchnorm", True), ("powernorm_v", True), ("powernorm", False)])
-def test_causal_card_warns_about_batch_statistics(norm, warns):
-    model = PowerNormTransformerForCausalLM(
-        PowerNormTransformerConfig.from_preset("tiny", decoder_norm_type=norm, is_encoder_decoder=False))
+def training_sees_the_future(model) -> bool:
+    """Change the last token of a batch: do the training-mode logits of earlier positions change?"""
+    input_ids = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(0))
+    changed = input_ids.clone()
+    changed[:, -1] = (changed[:, -1] + 7) % 99
+    before = copy.deepcopy(model).train()(input_ids=input_ids).logits[:, :-1]
+    after = copy.deepcopy(model).train()(input_ids=changed).logits[:, :-1]
+    return not torch.allclose(before, after, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("norm, overrides", [(norm, {}) for norm in sorted(NORM_CLASSES)]
+                         + [("powernorm", {"powernorm_warmup_steps": 2})])
+def test_causal_card_warns_when_training_sees_the_future(norm, overrides):
+    torch.manual_seed(0)
+    model = PowerNormTransformerForCausalLM(PowerNormTransformerConfig.from_preset(
+        "tiny", decoder_norm_type=norm, is_encoder_decoder=False, **overrides))
     card = render_model_card(model, repo_id="org/lm")
-    assert ("mix\nfuture tokens" in card.text) is warns
+    warns = "mix\nfuture tokens" in card.text
+    assert warns is training_sees_the_future(model)
     assert "encoder (" not in card.text and front_matter(card)["pipeline_tag"] == "text-generation"
 
 

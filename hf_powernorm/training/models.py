@@ -94,11 +94,9 @@ def converter_options(args: argparse.Namespace, num_processes: int) -> dict[str,
     synchronised with several processes unless `--no-sync_stats`."""
     if args.convert_norms != "powernorm":
         return {}
-    names = {"powernorm_alpha_fwd": "alpha_fwd", "powernorm_alpha_bkw": "alpha_bkw",
-             "powernorm_group_num": "group_num", "powernorm_backward_denominator": "backward_denominator",
-             "powernorm_warmup_statistic": "warmup_statistic", "powernorm_warmup_ramp_steps": "warmup_ramp_steps"}
     overrides = powernorm_overrides(args)
-    options = {option: overrides[flag] for flag, option in names.items() if flag in overrides}
+    fields = NORM_CLASSES["powernorm"].config_options
+    options = {option: overrides[field] for option, field in fields.items() if field in overrides}
     options["warmup_steps"] = overrides.get("powernorm_warmup_steps",
                                             args.num_warmup_steps * args.gradient_accumulation_steps)
     options["sync_stats"] = num_processes > 1 if args.sync_stats is None else args.sync_stats
