@@ -423,15 +423,15 @@ def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dic
 # Loading
 
 
-def load_converted(path: str | os.PathLike, auto_class, dtype: torch.dtype | None = None,
+def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | None = None,
                    **config_kwargs) -> nn.Module:
     """Load a model saved after `convert_norms`: build it from `config.json` (no weights), convert it
     as recorded in `config.powernorm_conversion`, then load every weight and running buffer.
 
-    `path` is a local folder or a Hub repo id; `auto_class` e.g. `AutoModelForCausalLM`; `dtype`
-    casts the loaded model (running statistics stay float32); the model is returned in eval mode,
-    as `from_pretrained` returns it. Loading such
-    a folder with `auto_class.from_pretrained` instead keeps the original norm classes: it reports the
+    `path` is a local folder or a Hub repo id; `model_class` an Auto class (`AutoModelForCausalLM`)
+    or a model class (`LlamaForCausalLM`); `dtype` casts the loaded model (running statistics stay
+    float32); the model is returned in eval mode, as `from_pretrained` returns it. Loading such
+    a folder with `model_class.from_pretrained` instead keeps the original norm classes: it reports the
     norms' keys as missing and unexpected and starts the norms afresh, and their statistics are lost.
     """
     from transformers import AutoConfig
@@ -441,10 +441,11 @@ def load_converted(path: str | os.PathLike, auto_class, dtype: torch.dtype | Non
     conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
     if not isinstance(conversion, dict) or "norm_type" not in conversion:
         raise ValueError(
-            f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {auto_class.__name__}.from_pretrained"
+            f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {model_class.__name__}.from_pretrained"
         )
     delattr(config, CONVERSION_CONFIG_KEY)
-    model = auto_class.from_config(config)
+    # An Auto class picks the model class from the config; a model class is built directly.
+    model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class._from_config(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
         report = convert_norms(model, conversion["norm_type"], **conversion["options"])

@@ -397,6 +397,21 @@ def test_save_and_load_round_trip(name, tmp_path):
     torch.testing.assert_close(outputs(loaded, inputs), outputs(model, inputs), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bart"])
+def test_load_converted_takes_a_model_class(name, tmp_path):
+    """A model class (`GPT2LMHeadModel`) loads a converted folder as its Auto class does."""
+    model, _ = build(name)
+    inputs = batch_inputs(name)
+    train_step(model, inputs, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.save_pretrained(tmp_path)
+    loaded = hf_powernorm.load_converted(tmp_path, type(model))
+    assert type(loaded) is type(model)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    model.eval()
+    torch.testing.assert_close(outputs(loaded, inputs), outputs(model, inputs), atol=0, rtol=0)
+
+
 def test_load_converted_in_bfloat16_keeps_float32_statistics(tmp_path):
     model, _ = build("llama")
     train_step(model, batch_inputs("llama"), torch.optim.SGD(model.parameters(), lr=0.1))
