@@ -39,8 +39,12 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #define FLUSH 64  /* rows summed in float before adding to the double accumulators */
 
@@ -177,6 +181,74 @@ void pn_backward(const float *dy, const float *x, const float *w, long T, long C
         free(r);
     }
     free(a);
+}
+
+/* Streaming (non-temporal) stores of y = x r s + h over n floats: the output goes to memory
+   without first being read into the cache, a third less traffic than an ordinary store. For outputs
+   larger than the caches only (the caller decides); y and n must suit the vector width (see below). */
+#if defined(__AVX512F__)
+#define STREAM_FLOATS 16
+static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
+    __m512 vr = _mm512_set1_ps(r);
+    for (long j = 0; j < n; j += 16)
+        _mm512_stream_ps(y + j, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), vr),
+                                                _mm512_loadu_ps(s + j), _mm512_loadu_ps(h + j)));
+}
+#elif defined(__AVX__)
+#define STREAM_FLOATS 8
+static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
+    __m256 vr = _mm256_set1_ps(r);
+    for (long j = 0; j < n; j += 8)
+        _mm256_stream_ps(y + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vr),
+                                                            _mm256_loadu_ps(s + j)), _mm256_loadu_ps(h + j)));
+}
+#else
+#define STREAM_FLOATS 0
+#endif
+
+/* An eval-mode norm in one pass over the rows of x (T x C): y = GS(x) scale + shift with
+   scale = weight / sqrt(var + eps) and shift = bias - mean scale per channel (a missing vector
+   counts as 1 for weight, 0 for bias and mean, and no var means scale = weight): PN, PN-V and MABN
+   (var = the running quadratic mean), BN and BRN (mean and variance), RMSNorm (groups 1, gs_eps
+   its eps, weight only) and the group scaling left by folding (no vectors). groups = 0: no group
+   scaling. stream != 0: streaming stores where the layout allows. */
+void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int threads,
+               const float *weight, const float *bias, const float *mean, const float *var, float eps,
+               int stream, float *y) {
+    long G = groups ? groups : 1, k = C / G;
+    float *scale = malloc(sizeof(float) * 2 * C), *shift = scale + C;
+    for (long c = 0; c < C; c++) {
+        float s = weight ? weight[c] : 1.0f;
+        if (var) s = s / sqrtf(var[c] + eps);
+        scale[c] = s;
+        shift[c] = (bias ? bias[c] : 0.0f) - (mean ? mean[c] * s : 0.0f);
+    }
+    int streamed = stream && STREAM_FLOATS && k % (STREAM_FLOATS ? STREAM_FLOATS : 1) == 0
+                   && (uintptr_t)y % (4 * (STREAM_FLOATS ? STREAM_FLOATS : 1)) == 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *r = malloc(sizeof(float) * G);
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            const float *xt = x + t * C;
+            float *yt = y + t * C;
+            group_scales(xt, C, groups, gs_eps, r);
+            for (long g = 0; g < G; g++) {
+                long o = g * k;
+                float rg = r[g];
+#if STREAM_FLOATS
+                if (streamed) { stream_affine(xt + o, rg, scale + o, shift + o, yt + o, k); continue; }
+#endif
+                #pragma omp simd
+                for (long j = 0; j < k; j++) yt[o + j] = xt[o + j] * rg * scale[o + j] + shift[o + j];
+            }
+        }
+        free(r);
+    }
+#if STREAM_FLOATS
+    if (streamed) _mm_sfence();
+#endif
+    free(scale);
 }
 
 /* torch.lerp's formula, so that the buffers match the torch ops' bit for bit where they can. */
@@ -325,6 +397,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pn_backward.argtypes = [p, p, p, n, n, n, f, i, p, p, p, p, p, p, p, p]
     lib.pn_statistics.argtypes = [p, f, n, p, p, f, n, n, f, i, i, p, p, p]
     lib.pn_gradient_statistics.argtypes = [p, p, p, p, p, f, n, i, f, p, p]
+    lib.norm_eval.argtypes = [p, n, n, n, f, i, p, p, p, p, f, i, p]
+    lib.norm_eval.restype = None
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -385,13 +459,29 @@ def pn_rows(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int 
     return y, sums[:-1], float(sums[-1])
 
 
-def group_scale(x: torch.Tensor, group_num: int) -> torch.Tensor:
-    """`GS(x)` of contiguous float32 `x` (tokens, C) in one pass (no autograd)."""
+# Outputs from this size on are written with streaming stores: they do not fit the caches, and the
+# ordinary stores' reads of the output lines cost a third of the traffic (BENCHMARKS.md).
+STREAM_BYTES = 32 << 20
+
+
+def norm_eval(x: torch.Tensor, group_num: int | None, weight: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, mean: torch.Tensor | None = None, var: torch.Tensor | None = None,
+              eps: float = 0.0, group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
+    """An eval-mode norm of contiguous float32 `x` (tokens, C) in one pass (no autograd):
+    `GS(x) * scale + shift`, `scale = weight / sqrt(var + eps)`, `shift = bias - mean * scale`, each
+    vector float32 and contiguous or None (weight 1, bias and mean 0, no var: scale = weight)."""
     tokens, channels = x.shape
     y = torch.empty_like(x)
-    _library.pn_rows(_ptr(x), None, tokens, channels, group_num, GROUP_SCALE_EPS, torch.get_num_threads(), None,
-                     None, _ptr(y), None)
+    _library.norm_eval(x.data_ptr(), tokens, channels, group_num or 0, group_eps, torch.get_num_threads(),
+                       weight if weight is None else weight.data_ptr(), bias if bias is None else bias.data_ptr(),
+                       mean if mean is None else mean.data_ptr(), var if var is None else var.data_ptr(), eps,
+                       tokens * channels * 4 >= STREAM_BYTES, y.data_ptr())
     return y
+
+
+def group_scale(x: torch.Tensor, group_num: int) -> torch.Tensor:
+    """`GS(x)` of contiguous float32 `x` (tokens, C) in one pass (no autograd)."""
+    return norm_eval(x, group_num)
 
 
 def pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,

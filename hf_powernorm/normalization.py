@@ -39,9 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels_cpu import group_scale as fused_group_scale
 from .kernels_cpu import (
     kernels_usable,
+    norm_eval,
     pn_backward,
     pn_gradient_statistics,
     pn_rows,
@@ -57,8 +57,10 @@ WARMUP_STATISTICS = ("cumulative", "reference")
 # Helpers: shapes, masks, masked sums, process-group reduction
 
 
-def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, hidden_size: int):
-    """Return hidden states as `(tokens, hidden)` and float32 token weights `(tokens,)` or None."""
+def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, hidden_size: int,
+             weights: bool = True):
+    """Return hidden states as `(tokens, hidden)` and float32 token weights `(tokens,)` or None
+    (always None without `weights`: an eval map, which checks the mask's shape and ignores it)."""
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
     if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != hidden_size:
@@ -74,6 +76,8 @@ def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, h
             f"attention_mask must have shape {tuple(hidden_states.shape[:-1])} to match hidden_states "
             f"{tuple(hidden_states.shape)}, got {tuple(attention_mask.shape)}"
         )
+    if not weights:
+        return flat, None
     # Always the weights, even when every token is real: asking would synchronise with the device.
     real = attention_mask.reshape(-1).to(flat.device) != 0
     return flat, real.to(_stat_dtype(flat))
@@ -232,8 +236,7 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
     if channels % group_num != 0:
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
-        return fused_group_scale(hidden_states.reshape(-1, channels).contiguous(), group_num).view(
-            hidden_states.shape)
+        return norm_eval(hidden_states.reshape(-1, channels).contiguous(), group_num).view(hidden_states.shape)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
     scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
     return scaled.flatten(-2)
@@ -390,6 +393,20 @@ class _RunningStatsNorm(_Norm):
     def _next_step(self) -> torch.Tensor:
         """This training step's t = num_batches_tracked + 1, a 0-dim tensor on the device."""
         return self.num_batches_tracked + 1
+
+    def _eval_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor, int | None]:
+        """`(mean, var, group_num)` of the eval map `GS(x) * weight / sqrt(var + eps) + bias - mean * scale`."""
+        return None, self._buffers["running_phi"], self.__dict__.get("group_num")
+
+    def _eval_in_c(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+        """The eval forward in one C pass (`_eval_map`), or None where the C kernels do not apply."""
+        if self.training:
+            return None
+        weight, bias = self._parameters["weight"], self._parameters["bias"]
+        mean, var, group_num = self._eval_statistics()
+        if not _eval_map_usable(flat, weight, bias, mean, var):
+            return None
+        return _eval_map(flat, group_num, weight, bias, mean, var, self.eps).view(shape)
 
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
@@ -575,29 +592,84 @@ class _PowerNormFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
 
 
-class _PowerNormEvalFunction(torch.autograd.Function):
-    """PN's eval map `y = GS(x) * scale + shift` in one C pass, with its gradient: the group-scaling
-    backward of `dY * scale` (`pn_backward` with a = scale, c = 0), `dscale = sum(dY * GS(x))`,
-    `dshift = sum(dY)`; through torch ops when the gradient must be differentiable in turn."""
+def _eval_map_usable(x: torch.Tensor, *vectors: torch.Tensor | None) -> bool:
+    """Whether an eval map runs in `kernels_cpu.norm_eval`: C kernels for `x`, contiguous float32
+    vectors. (Inference calls this once per norm and token batch: written for a few microseconds.)"""
+    if not _fused_kernels_usable(x):
+        return False
+    for vector in vectors:
+        if vector is not None and (vector.dtype != torch.float32 or not vector.is_contiguous()):
+            return False
+    return True
+
+
+def _eval_map(x: torch.Tensor, group_num: int | None, weight, bias, mean, var, eps: float,
+              group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
+    """An eval-mode norm `y = GS(x) * scale + shift` of float32 `(tokens, C)` in one C pass, with
+    `scale = weight / sqrt(var + eps)`, `shift = bias - mean * scale` computed in C from the
+    parameters and running statistics as they are now (nothing cached, so nothing goes stale).
+    Called directly when no gradient is wanted; through `_EvalMapFunction`, with the same bits,
+    otherwise."""
+    x = x.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                    or (bias is not None and bias.requires_grad)):
+        return _EvalMapFunction.apply(x, group_num, weight, bias, mean, var, eps, group_eps)
+    return norm_eval(x, group_num, weight, bias, mean, var, eps, group_eps)  # reads the data, no autograd
+
+
+def _eval_map_torch(x, group_num, weight, bias, mean, var, eps, group_eps):
+    """`_eval_map` in torch ops (differentiable, for a gradient that must be differentiable in turn)."""
+    if group_num is not None:
+        grouped = x.unflatten(-1, (group_num, -1))
+        x = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)).flatten(-2)
+    scale = weight if weight is not None else torch.ones_like(x[0])
+    if var is not None:
+        scale = scale * torch.rsqrt(var + eps)
+    shift = bias if bias is not None else torch.zeros_like(scale)
+    if mean is not None:
+        shift = shift - mean * scale
+    return torch.addcmul(shift, x, scale)
+
+
+class _EvalMapFunction(torch.autograd.Function):
+    """`_eval_map` with its gradient: `dx` is the group-scaling backward of `dY * scale`
+    (`pn_backward` with a = scale, c = 0); `dweight = (sum(dY * GS(x)) - mean * sum(dY)) / sqrt(var + eps)`,
+    `dbias = sum(dY)`. Saves `x`."""
 
     @staticmethod
-    def forward(ctx, x, scale, shift, group_num):
-        x = x.contiguous()
-        ctx.save_for_backward(x, scale, shift)
-        ctx.group_num = group_num
-        y, _, _ = pn_rows(x, None, group_num, scale, shift, statistics=False)
-        return y
+    def forward(ctx, x, group_num, weight, bias, mean, var, eps, group_eps):
+        vectors = [None if t is None else t.detach().contiguous() for t in (weight, bias, mean, var)]
+        ctx.save_for_backward(x, *(t if t is not None else torch.empty(0) for t in (weight, bias, mean, var)))
+        ctx.present = [t is not None for t in (weight, bias, mean, var)]
+        ctx.options = (group_num, eps, group_eps)
+        return norm_eval(x, group_num, *vectors, eps=eps, group_eps=group_eps)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, scale, shift = ctx.saved_tensors
+        x, *vectors = ctx.saved_tensors
+        weight, bias, mean, var = (t if present else None for t, present in zip(vectors, ctx.present))
+        group_num, eps, group_eps = ctx.options
         if torch.is_grad_enabled():  # create_graph=True
             with torch.enable_grad():
-                y = torch.addcmul(shift, group_scale(x, ctx.group_num), scale)
-                return (*torch.autograd.grad(y, (x, scale, shift), grad_output, create_graph=True), None)
+                inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+                y = _eval_map_torch(x, group_num, weight, bias, mean, var, eps, group_eps)
+                grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True))
+            result = [next(grads) if t is not None and t.requires_grad else None for t in (x, weight, bias)]
+            return result[0], None, result[1], result[2], None, None, None, None
+        channels = x.shape[1]
+        inv = torch.ones(channels) if var is None else torch.rsqrt(var.detach().float() + eps)
+        scale = inv if weight is None else weight.detach().float() * inv
         ones, zeros = torch.ones_like(scale), torch.zeros_like(scale)
-        grad_x, sums = pn_backward(grad_output.float().contiguous(), x, None, ctx.group_num, scale, zeros, ones, ones)
-        return grad_x, sums[0].float(), sums[2].float(), None
+        grad_x, sums = pn_backward(grad_output.float().contiguous(), x, None, group_num, scale, zeros, ones, ones,
+                                   eps=group_eps)
+        sum_dy_z0, sum_dy = sums[0].float(), sums[2].float()
+        grad_weight = grad_bias = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            centred = sum_dy_z0 if mean is None else sum_dy_z0 - mean.float() * sum_dy
+            grad_weight = (centred * inv).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_bias = sum_dy.to(bias.dtype)
+        return grad_x, None, grad_weight, grad_bias, None, None, None, None
 
 
 def _pn_fused_forward(x, weight, bias, token_weights, norm):
@@ -705,17 +777,17 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
             return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
+        out = self._eval_in_c(flat, hidden_states.shape)  # one pass in C
+        if out is not None:
+            return out
         scale, shift = self.affine_after_group_scale()
-        if _fused_kernels_usable(flat):  # group scaling and the affine map in one pass, with or without grad
-            out = _PowerNormEvalFunction.apply(flat, scale, shift, self.group_num)
-        else:
-            dtype = _stat_dtype(flat)
-            with _float32(flat.device):
-                z0 = group_scale(flat, self.group_num).to(dtype)
-                out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)
+        dtype = _stat_dtype(flat)
+        with _float32(flat.device):
+            z0 = group_scale(flat, self.group_num).to(dtype)
+            out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)
         return out.view(hidden_states.shape)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -918,9 +990,12 @@ class PowerNormV(_RunningStatsNorm):
         self.group_num = group_num
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training and self._fused_step_usable(flat):
             return _PowerNormVFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
+        out = self._eval_in_c(flat, hidden_states.shape)
+        if out is not None:
+            return out
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
             z0 = group_scale(flat, self.group_num).to(dtype)
@@ -974,7 +1049,10 @@ class MaskedBatchNorm(_RunningStatsNorm):
         self.group_num = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
+        out = self._eval_in_c(flat, hidden_states.shape)
+        if out is not None:
+            return out
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
             xf = flat.to(dtype)
@@ -1009,6 +1087,9 @@ class MaskedBatchNorm(_RunningStatsNorm):
         scale = self.weight.float() * torch.rsqrt(self.running_var + self.eps)
         return scale, self.bias.float() - self.running_mean * scale
 
+    def _eval_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor, int | None]:
+        return self._buffers["running_mean"], self._buffers["running_var"], None
+
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}"
 
@@ -1041,7 +1122,10 @@ class BatchRenorm(MaskedBatchNorm):
         self._last_correction = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
+        out = self._eval_in_c(flat, hidden_states.shape)
+        if out is not None:
+            return out
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
             xf = flat.to(dtype)
@@ -1158,7 +1242,10 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         self._last_statistics = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size)
+        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
+        out = self._eval_in_c(flat, hidden_states.shape)
+        if out is not None:
+            return out
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
             xf = flat.to(dtype)
@@ -1294,6 +1381,9 @@ class RMSNorm(_Norm):
         dtype = _stat_dtype(hidden_states)
         if _fused_kernels_usable(hidden_states) and self.weight.dtype == torch.float32:
             flat = hidden_states.reshape(-1, self.hidden_size)
+            if not (torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)):
+                # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
+                return _eval_map(flat, 1, self.weight, None, None, None, 0.0, self.eps).view(hidden_states.shape)
             return _RMSNormFunction.apply(flat, self.weight, self.eps).view(hidden_states.shape)
         with _float32(hidden_states.device):
             out = F.rms_norm(hidden_states.to(dtype), (self.hidden_size,), self.weight.to(dtype), self.eps)

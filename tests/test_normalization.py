@@ -763,6 +763,79 @@ def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, optio
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+EVAL_MAP_CASES = [("powernorm", {"group_num": GROUPS}), ("powernorm", {"group_num": None}),
+                  ("powernorm_v", {"group_num": GROUPS}), ("batchnorm", {}), ("batchrenorm", {}), ("mabn", {}),
+                  ("rmsnorm", {}), ("rmsnorm", {"eps": 0.5})]
+
+
+def _trained_for_eval(name: str, options: dict, hidden: int = HIDDEN):
+    """A norm with random parameters and running statistics moved by three training steps, in eval."""
+    norm = build_norm(name, hidden, **options)
+    with torch.no_grad():
+        for parameter in norm.parameters():
+            parameter.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+    for step in range(3 if "num_batches_tracked" in norm.state_dict() else 0):
+        x, mask, dy = _batch(70 + step, hidden=hidden, dtype=torch.float32)
+        _training_step(norm, x, mask, dy)
+    return norm.eval()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name, options", EVAL_MAP_CASES)
+def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream):
+    """The eval forward in one C pass (`norm_eval`: scale and shift from the parameters and running
+    statistics as they are, streaming stores for large outputs) against the torch ops: the output
+    without and with grad (the same bits both ways), and the gradients of input and parameters."""
+    import hf_powernorm.kernels_cpu as kernels_cpu
+    import hf_powernorm.normalization as normalization
+
+    if stream:  # every output streamed; 64 channels in 4 groups suit every vector width
+        monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
+    hidden = 64 if stream else HIDDEN
+    x, mask, dy = _batch(80, hidden=hidden, dtype=torch.float32)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+        norm = _trained_for_eval(name, options, hidden)
+        with torch.no_grad():
+            no_grad = norm(x, mask)
+        leaf = x.clone().requires_grad_(True)
+        y = norm(leaf, mask)
+        y.backward(dy)
+        results.append((no_grad, y.detach(), leaf.grad, *(p.grad for p in norm.parameters())))
+        if fused:
+            assert torch.equal(no_grad, y.detach())  # with and without grad: the same C pass
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["powernorm", "batchnorm", "rmsnorm"])
+def test_eval_map_reads_the_parameters_as_they_are_now(name):
+    """Nothing is cached: a parameter or statistic changed in place (by an optimizer, a load, `.data`)
+    changes the next eval output."""
+    norm = _trained_for_eval(name, {})
+    x = _batch(81, dtype=torch.float32)[0]
+    with torch.no_grad():
+        before = norm(x)
+        norm.weight.data.mul_(2.0)
+        after = norm(x)
+        bias = getattr(norm, "bias", None)
+        expected = 2.0 * (before - bias) + bias if bias is not None else 2.0 * before
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_map_gradient_is_differentiable_in_turn():
+    norm = _trained_for_eval("powernorm", {"group_num": GROUPS}).double()
+    x = _batch(82)[0].requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda x: norm(x), (x,))
+    norm = _trained_for_eval("powernorm", {"group_num": GROUPS})
+    x = _batch(82, dtype=torch.float32)[0].requires_grad_(True)
+    (grad,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)
+    grad.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Eval outputs where eps matters, and eval group scaling checked by its invariance
 
