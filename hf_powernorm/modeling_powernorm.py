@@ -636,6 +636,10 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
         cache = _one_cache(cache, past_key_values)
         output_attentions, output_hidden_states = _output_flags(self.config, output_attentions, output_hidden_states)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.training and any(getattr(layer, "gradient_checkpointing", False) for layer in self.layers):
+            # Recomputation would run each layer's cache update twice: no cache while checkpointing
+            # (what Transformers' checkpointing layer does, whatever name the cache goes by).
+            use_cache, cache = False, None
         if use_cache and cache is None:
             cache = self._new_cache()
         reference = input_ids if input_ids is not None else inputs_embeds
