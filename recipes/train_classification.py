@@ -15,36 +15,25 @@ head) with `--norm_type` in the encoder (PN by default). Data: CSV or JSON lines
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from accelerate import Accelerator
-from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification
 
 from hf_powernorm import PowerNormTransformerForSequenceClassification
 from hf_powernorm.training import (
     SENTIMENT_LABELS,
-    PaddingCollator,
+    Task,
     add_recipe_args,
-    build_model,
     check_args,
     column_texts,
     data_files_from_args,
     evaluate_accuracy,
-    fit,
     label_names_of,
     limit_splits,
     load_classification_dataset,
-    log_run_start,
-    make_accelerator,
-    model_loss,
-    model_tokenizer_path,
-    prepare_eval_loaders,
-    prepare_tokenizer,
-    save_outputs,
-    score_splits,
-    start_run,
+    run_task,
     tokenize_classification,
-    training_command,
 )
 
 # The default model for the embedded corpus: the preset `tiny` at width 64.
@@ -66,61 +55,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_data(args: argparse.Namespace,
-              accelerator: Accelerator) -> tuple[PreTrainedTokenizerFast, dict, list[str]]:
-    """Sentences and labels -> tokenizer -> cached token ids; returns the class names too."""
-    files = data_files_from_args(args.train_file or args.phrasebank_file, args.validation_file, args.test_file)
-    raw = load_classification_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
-                                      data_files=files, label_names=args.label_names.split(","), seed=args.seed)
-    if "train" not in raw and args.do_train:
-        raise ValueError(f"no train split; got {list(raw)} (pass --train_file or --phrasebank_file)")
-    raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
-    tokenizer = prepare_tokenizer(model_tokenizer_path(args), args.output_dir, args.vocab_size, accelerator,
-                                  lambda: column_texts(raw["train"]), model_max_length=args.max_length)
-    with accelerator.main_process_first():
-        data = tokenize_classification(raw, tokenizer, args.max_length, num_proc=args.preprocessing_num_workers,
-                                       overwrite_cache=args.overwrite_cache)
-    return tokenizer, data, label_names_of(raw)
+class Classification(Task):
+    """Cross-entropy of a linear head on the mean of the encoder's real tokens; accuracy and macro-F1."""
+
+    script = "recipes/train_classification.py"
+    model_class, auto_class = PowerNormTransformerForSequenceClassification, AutoModelForSequenceClassification
+    default_size = DEFAULT_SIZE
+    metric, mode = "accuracy", "max"
+    corpus = "the embedded sentiment corpus"
+    description = "A PowerNorm Transformer sentence classifier trained on {data}."
+
+    def load_data(self, accelerator: Accelerator) -> dict:
+        """Sentences and labels -> tokenizer -> cached token ids; keeps the class names."""
+        args = self.args
+        files = data_files_from_args(args.train_file or args.phrasebank_file, args.validation_file, args.test_file)
+        raw = load_classification_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
+                                          data_files=files, label_names=args.label_names.split(","), seed=args.seed)
+        if "train" not in raw and args.do_train:
+            raise ValueError(f"no train split; got {list(raw)} (pass --train_file or --phrasebank_file)")
+        raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
+        self.prepare_tokenizer(accelerator, lambda: column_texts(raw["train"]))
+        self.labels = label_names_of(raw)
+        with accelerator.main_process_first():
+            return tokenize_classification(raw, self.tokenizer, args.max_length,
+                                           num_proc=args.preprocessing_num_workers,
+                                           overwrite_cache=args.overwrite_cache)
+
+    def describe(self, data: dict) -> str:
+        return f"{len(data.get('train', []))} training sentences, classes {self.labels}"
+
+    def model_fields(self) -> dict:
+        return {**super().model_fields(), "num_labels": len(self.labels), "id2label": dict(enumerate(self.labels)),
+                "label2id": {name: i for i, name in enumerate(self.labels)}}
+
+    def evaluate(self, accelerator: Accelerator, model, loader: DataLoader, split: str) -> dict:
+        return evaluate_accuracy(accelerator, model, loader, len(self.labels))
+
+    def summary(self, results: dict, split: str) -> str:
+        return f"accuracy {results[f'{split}_accuracy']:.4f}, macro-F1 {results[f'{split}_macro_f1']:.4f}"
+
+    def training_data(self) -> str:
+        return self.args.dataset_name or self.args.phrasebank_file or self.args.train_file or self.corpus
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
-    args = parse_args(argv)
-    accelerator = make_accelerator(args)
-    start_run(accelerator, args, "train_classification")
-    tokenizer, data, labels = load_data(args, accelerator)
-    fields = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-              "label2id": {name: i for i, name in enumerate(labels)}}
-    if args.norm_type:
-        fields["encoder_norm_type"] = args.norm_type
-    model = build_model(args, PowerNormTransformerForSequenceClassification, tokenizer, accelerator.num_processes,
-                        DEFAULT_SIZE, args.max_length, auto_class=AutoModelForSequenceClassification, **fields)
-    log_run_start(accelerator, args, model, f"{len(data.get('train', []))} training sentences, classes {labels}, "
-                                            f"vocabulary {len(tokenizer)}")
-    collate = PaddingCollator(tokenizer.pad_token_id)
-    evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
-    results = {}
-    if args.do_train:
-        validate = (lambda m: evaluate_accuracy(accelerator, m, evals["validation"], len(labels))["accuracy"]) \
-            if "validation" in evals else None
-        model, results = fit(args, accelerator, model, data["train"], collate, model_loss, tokenizer=tokenizer,
-                             mode="max", validate=validate)
-    else:
-        model = accelerator.prepare(model)
-    results.update(score_splits(lambda split, loader: evaluate_accuracy(accelerator, model, loader, len(labels)),
-                                evals))
-    for split in evals:
-        accelerator.print(f"{split}: accuracy {results[f'{split}_accuracy']:.4f}, "
-                          f"macro-F1 {results[f'{split}_macro_f1']:.4f}")
-    save_outputs(accelerator, model, tokenizer, args, results, card_kwargs(args, argv))
-    return results
-
-
-def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict[str, str | None]:
-    data = args.dataset_name or args.phrasebank_file or args.train_file or "the embedded sentiment corpus"
-    return {"repo_id": args.hub_model_id or Path(args.output_dir).resolve().name, "language": "en",
-            "datasets": args.dataset_name, "training_command": training_command(
-                "recipes/train_classification.py", argv),
-            "description": f"A PowerNorm Transformer sentence classifier trained on {data}."}
+    return run_task(Classification(parse_args(argv)), argv)
 
 
 if __name__ == "__main__":

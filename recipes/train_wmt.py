@@ -18,36 +18,28 @@ import logging
 from pathlib import Path
 
 from accelerate import Accelerator
-from transformers import PreTrainedTokenizerFast
+from torch.utils.data import DataLoader
 
 from hf_powernorm import PowerNormTransformerForConditionalGeneration
 from hf_powernorm.training import (
     OncePerMessage,
     PaddingCollator,
+    Task,
     add_recipe_args,
-    build_model,
     check_args,
     data_files_from_args,
     evaluate_bleu,
-    fit,
     limit_splits,
     load_translation_dataset,
-    log_run_start,
-    make_accelerator,
-    model_tokenizer_path,
-    prepare_eval_loaders,
-    prepare_tokenizer,
-    save_outputs,
-    score_splits,
-    start_run,
+    run_task,
     tokenize_translation,
-    training_command,
     translation_loss,
     translation_texts,
 )
 
 # sacrebleu warns about tokenized text (the embedded corpus is) at every validation: once is enough.
 logging.getLogger("sacrebleu").addFilter(OncePerMessage())
+
 
 # The default model for the embedded corpus: the preset `tiny` at width 64.
 DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128}
@@ -79,65 +71,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_data(args: argparse.Namespace, accelerator: Accelerator) -> tuple[PreTrainedTokenizerFast, dict]:
-    """Raw pairs (JSON lines, aligned text files, a Hub dataset or the embedded corpus) -> joint BPE
-    -> cached `input_ids` and `labels`."""
-    files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
-    raw = load_translation_dataset(args.source_lang, args.target_lang, dataset_name=args.dataset_name,
-                                   dataset_config=args.dataset_config, data_files=files)
-    if "train" not in raw and args.do_train:
-        raise ValueError(f"no train split; got {list(raw)} (pass --train_file)")
-    raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
-    languages = (args.source_lang, args.target_lang)
-    tokenizer = prepare_tokenizer(model_tokenizer_path(args), args.output_dir, args.vocab_size, accelerator,
-                                  lambda: translation_texts(raw["train"], languages),
-                                  model_max_length=max(args.max_source_length, args.max_target_length))
-    with accelerator.main_process_first():
-        data = tokenize_translation(raw, tokenizer, args.source_lang, args.target_lang, args.max_source_length,
-                                    args.max_target_length, num_proc=args.preprocessing_num_workers,
-                                    overwrite_cache=args.overwrite_cache)
-    return tokenizer, data
+class Translation(Task):
+    """Label-smoothed cross-entropy on token-budget batches of source and target; BLEU of beam search."""
+
+    script = "recipes/train_wmt.py"
+    model_class = PowerNormTransformerForConditionalGeneration
+    default_size = DEFAULT_SIZE
+    metric, mode = "bleu", "max"
+    length_columns = ("input_ids", "labels")
+    corpus = "the embedded synthetic German/English corpus"
+    description = "A PowerNorm Transformer for {source_lang}->{target_lang} translation, trained on {data}."
+
+    def load_data(self, accelerator: Accelerator) -> dict:
+        """Raw pairs (JSON lines, aligned text files, a Hub dataset or the embedded corpus) -> joint BPE
+        -> cached `input_ids` and `labels`."""
+        args = self.args
+        files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
+        raw = load_translation_dataset(args.source_lang, args.target_lang, dataset_name=args.dataset_name,
+                                       dataset_config=args.dataset_config, data_files=files)
+        if "train" not in raw and args.do_train:
+            raise ValueError(f"no train split; got {list(raw)} (pass --train_file)")
+        raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
+        languages = (args.source_lang, args.target_lang)
+        self.prepare_tokenizer(accelerator, lambda: translation_texts(raw["train"], languages))
+        with accelerator.main_process_first():
+            return tokenize_translation(raw, self.tokenizer, args.source_lang, args.target_lang,
+                                        args.max_source_length, args.max_target_length,
+                                        num_proc=args.preprocessing_num_workers, overwrite_cache=args.overwrite_cache)
+
+    def describe(self, data: dict) -> str:
+        return f"{len(data.get('train', []))} training pairs"
+
+    def max_length(self) -> int:
+        return max(self.args.max_source_length, self.args.max_target_length)
+
+    def train_collate(self) -> PaddingCollator:
+        # The decoder's padding is marked too, so batch statistics in the decoder leave it out.
+        return PaddingCollator(self.tokenizer.pad_token_id, decoder_attention_mask=True)
+
+    def loss(self, accelerator: Accelerator):
+        return translation_loss(accelerator, self.args.label_smoothing)
+
+    def evaluate(self, accelerator: Accelerator, model, loader: DataLoader, split: str) -> dict:
+        """BLEU of beam search; the test split's translations go to `generated_predictions.txt`."""
+        args = self.args
+        predictions = Path(args.output_dir) / "generated_predictions.txt" if split == "test" else None
+        return evaluate_bleu(accelerator, model, loader, self.tokenizer, predictions, num_beams=args.num_beams,
+                             length_penalty=args.length_penalty, max_new_tokens=args.max_new_tokens)
+
+    def summary(self, results: dict, split: str) -> str:
+        return f"BLEU {results[f'{split}_bleu']:.2f} ({results[f'{split}_bleu_signature']})"
+
+    def card_kwargs(self, argv: list[str] | None) -> dict:
+        return {**super().card_kwargs(argv), "language": [self.args.source_lang, self.args.target_lang]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | int | str]:
-    args = parse_args(argv)
-    accelerator = make_accelerator(args)
-    start_run(accelerator, args, "train_wmt")
-    tokenizer, data = load_data(args, accelerator)
-    fields = {"encoder_norm_type": args.norm_type} if args.norm_type else {}
-    model = build_model(args, PowerNormTransformerForConditionalGeneration, tokenizer, accelerator.num_processes,
-                        DEFAULT_SIZE, max(args.max_source_length, args.max_target_length), **fields)
-    log_run_start(accelerator, args, model, f"{len(data.get('train', []))} training pairs, vocabulary {len(tokenizer)}")
-    evals = prepare_eval_loaders(accelerator, data, PaddingCollator(tokenizer.pad_token_id), args.eval_batch_size)
-    generation = {"num_beams": args.num_beams, "length_penalty": args.length_penalty,
-                  "max_new_tokens": args.max_new_tokens}
-    results = {}
-    if args.do_train:
-        validate = (lambda m: evaluate_bleu(accelerator, m, evals["validation"], tokenizer, **generation)["bleu"]) \
-            if "validation" in evals else None
-        # The decoder's padding is marked too, so batch statistics in the decoder leave it out.
-        collate = PaddingCollator(tokenizer.pad_token_id, decoder_attention_mask=True)
-        model, results = fit(args, accelerator, model, data["train"], collate,
-                             translation_loss(accelerator, args.label_smoothing), tokenizer=tokenizer, mode="max",
-                             validate=validate, length_columns=("input_ids", "labels"))
-    else:
-        model = accelerator.prepare(model)
-    predictions = {"test": Path(args.output_dir) / "generated_predictions.txt"}
-    results.update(score_splits(lambda split, loader: evaluate_bleu(
-        accelerator, model, loader, tokenizer, predictions.get(split), **generation), evals))
-    for split in evals:
-        accelerator.print(f"{split}: BLEU {results[f'{split}_bleu']:.2f} ({results[f'{split}_bleu_signature']})")
-    save_outputs(accelerator, model, tokenizer, args, results, card_kwargs(args, argv))
-    return results
-
-
-def card_kwargs(args: argparse.Namespace, argv: list[str] | None) -> dict[str, str | list[str] | None]:
-    data = args.dataset_name or args.train_file or "the embedded synthetic German/English corpus"
-    return {"repo_id": args.hub_model_id or Path(args.output_dir).resolve().name,
-            "language": [args.source_lang, args.target_lang], "datasets": args.dataset_name,
-            "training_command": training_command("recipes/train_wmt.py", argv),
-            "description": f"A PowerNorm Transformer for {args.source_lang}->{args.target_lang} translation, "
-                           f"trained on {data}."}
+    return run_task(Translation(parse_args(argv)), argv)
 
 
 if __name__ == "__main__":

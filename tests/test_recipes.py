@@ -292,7 +292,7 @@ RANK_DUMPER = textwrap.dedent(
     import importlib.util
     import sys
     from safetensors.torch import save_file
-    from hf_powernorm.training import loop
+    from hf_powernorm.training import loop, tasks
 
     spec = importlib.util.spec_from_file_location("train_wmt", f"{RECIPES}/train_wmt.py")
     train_wmt = importlib.util.module_from_spec(spec)
@@ -303,7 +303,7 @@ RANK_DUMPER = textwrap.dedent(
                  if k.endswith(STATISTICS)}
         save_file(state, f"{OUT}/{name}.rank{accelerator.process_index}.safetensors")
 
-    save_checkpoint, save_outputs = loop.save_checkpoint, train_wmt.save_outputs
+    save_checkpoint, save_outputs = loop.save_checkpoint, tasks.save_outputs
 
     def dumping_save_checkpoint(accelerator, output_dir, model, tokenizer, completed, **state):
         dump(f"before_step_{completed}", accelerator, model)
@@ -315,7 +315,7 @@ RANK_DUMPER = textwrap.dedent(
         save_outputs(accelerator, model, *args)
         dump("final", accelerator, model)
 
-    loop.save_checkpoint, train_wmt.save_outputs = dumping_save_checkpoint, dumping_save_outputs
+    loop.save_checkpoint, tasks.save_outputs = dumping_save_checkpoint, dumping_save_outputs
     train_wmt.main(sys.argv[1:])
     """
 )

@@ -94,6 +94,7 @@ from .study_runs import (
     training_losses,
     write_rows,
 )
+from .tasks import Task, run_task
 from .tokenization import (
     SPECIAL_TOKENS,
     column_texts,
@@ -110,7 +111,7 @@ from .tokenization import (
 
 __all__ = [
     "BEST_MODEL_DIR", "IGNORE_INDEX", "MANIFEST_NAME", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES",
-    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "STUDY_LM", "TRAINING_STATE_NAME", "Cell", "EarlyStopping",
+    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "STUDY_LM", "TRAINING_STATE_NAME", "Cell", "Task", "EarlyStopping",
     "IncompleteCheckpointError", "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler",
     "TokenBudgetBatchSampler", "add_lm_size_args", "add_recipe_args", "add_study_args",
     "average_buffers_across_processes", "average_state_dicts", "bleu_scores", "budget_argv", "build_config",
@@ -124,9 +125,10 @@ __all__ = [
     "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator", "mean_std", "max_update_steps",
     "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity", "prepare_eval_loaders",
     "prepare_lm_data", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
-    "read_run_log", "resolve_model_path", "resolve_resume_path", "run_grid", "run_lm_study", "save_checkpoint",
-    "save_json", "save_outputs", "save_results", "scheduler_state", "score_splits", "select_checkpoints",
-    "seeds_of", "sequence_lengths", "sequence_nll", "split_train", "start_run", "synthetic_classification_corpus",
+    "read_run_log", "resolve_model_path", "resolve_resume_path", "run_grid", "run_lm_study", "run_task",
+    "save_checkpoint", "save_json", "save_outputs", "save_results", "scheduler_state", "score_splits",
+    "select_checkpoints", "seeds_of", "sequence_lengths", "sequence_nll", "split_train", "start_run",
+    "synthetic_classification_corpus",
     "synthetic_lm_corpus", "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines",
     "tokenize_translation", "train", "train_bpe_tokenizer", "train_causal_lm", "training_losses", "train_loader",
     "training_command", "translate", "translation_loss", "translation_texts", "write_average", "write_rows",

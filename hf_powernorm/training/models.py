@@ -160,10 +160,8 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def model_tokenizer_path(args: argparse.Namespace) -> str | None:
-    """The tokenizer folder to use: `--tokenizer_name`, else `--model_name_or_path`'s (which is
-    first resolved to a local folder, a Hub repository's snapshot included)."""
-    if args.model_name_or_path:
-        args.model_name_or_path = resolve_model_path(args.model_name_or_path)
+    """The tokenizer folder to use: `--tokenizer_name`, else `--model_name_or_path`'s (a local folder:
+    `resolve_model_path` first)."""
     if args.tokenizer_name:
         return args.tokenizer_name
     if args.model_name_or_path:

@@ -1,0 +1,126 @@
+"""The body the training recipes share, and the `Task` each of them fills in.
+
+A recipe reads as its task's differences, in the manner of Accelerate's `examples/by_feature` and
+Transformers' `run_*_no_trainer.py` kept short: its arguments, its data, its head and default size,
+its metric. `run_task` does what every task does the same way: the accelerator and the run's start
+(`make_accelerator`, `start_run`), the model (`build_model`: new, loaded or converted), training
+with early stopping on the task's validation metric (`fit`), the scores of every evaluation split,
+and the export with its model card (`save_outputs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from .batching import PaddingCollator
+from .evaluation import score_splits
+from .export import save_outputs, training_command
+from .losses import model_loss
+from .loop import LossFn, fit, log_run_start, make_accelerator, prepare_eval_loaders, start_run
+from .models import build_model, model_tokenizer_path, resolve_model_path
+from .tokenization import prepare_tokenizer
+
+
+class Task:
+    """One recipe's task. A subclass sets the class attributes and writes `load_data`, `evaluate` and
+    `summary`; the other methods are what most tasks do, for a subclass to change where it differs."""
+
+    script: str  # the recipe's path in the repository ("recipes/train_lm.py"): run name, card command
+    model_class: type[torch.nn.Module]  # the PowerNorm Transformer head it trains
+    auto_class: type | None = None  # the Auto class a converted model loads with; None: no --convert_norms
+    default_size: dict[str, Any] = {}  # the config of a new model where no preset or config is given
+    metric: str  # the validation score that picks the best model and stops training
+    mode: str = "max"  # "max": a higher `metric` is better; "min": a lower one
+    length_columns: tuple[str, ...] = ("input_ids",)  # what the token budget of a training batch counts
+    corpus: str  # the training data without data options (the embedded corpus), for the card
+    description: str  # the card's description: `{data}` stands for the training data, `{option}` for --option
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tokenizer: Any = None
+
+    def load_data(self, accelerator: Accelerator) -> dict[str, Any]:
+        """The tokenized splits ("train", "validation", "test" where present); sets `self.tokenizer`."""
+        raise NotImplementedError
+
+    def prepare_tokenizer(self, accelerator: Accelerator, texts: Callable[[], Iterable[str]]) -> None:
+        """`self.tokenizer`: `--tokenizer_name`, the model's, or a BPE trained on `texts()`."""
+        self.tokenizer = prepare_tokenizer(model_tokenizer_path(self.args), self.args.output_dir,
+                                           self.args.vocab_size, accelerator, texts,
+                                           model_max_length=self.max_length())
+
+    def evaluate(self, accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader,
+                 split: str) -> dict[str, Any]:
+        """The scores of one split (`metric` among them)."""
+        raise NotImplementedError
+
+    def summary(self, results: dict[str, Any], split: str) -> str:
+        """One line of a split's scores in `results` (keys prefixed by the split's name)."""
+        raise NotImplementedError
+
+    def describe(self, data: dict[str, Any]) -> str:
+        """The training data in a few words, for the log."""
+        return f"{len(data.get('train', []))} training examples"
+
+    def model_fields(self) -> dict[str, Any]:
+        """Config fields of the model from the command line (`--norm_type` in the encoder)."""
+        return {"encoder_norm_type": self.args.norm_type} if self.args.norm_type else {}
+
+    def max_length(self) -> int:
+        """The longest sequence the model must take (its position table)."""
+        return self.args.max_length
+
+    def train_collate(self) -> PaddingCollator:
+        return PaddingCollator(self.tokenizer.pad_token_id)
+
+    def loss(self, accelerator: Accelerator) -> LossFn:
+        return model_loss
+
+    def training_data(self) -> str:
+        return self.args.dataset_name or self.args.train_file or self.corpus
+
+    def card_kwargs(self, argv: list[str] | None) -> dict[str, Any]:
+        """What `render_model_card` takes from the run besides the model and its scores."""
+        return {"repo_id": self.args.hub_model_id or Path(self.args.output_dir).resolve().name, "language": "en",
+                "datasets": self.args.dataset_name, "training_command": training_command(self.script, argv),
+                "description": self.description.format(data=self.training_data(), **vars(self.args))}
+
+
+def run_task(task: Task, argv: list[str] | None = None) -> dict[str, Any]:
+    """Data -> model -> train (`--do_train`) -> score every evaluation split -> export. Returns the
+    results: the training summary and each split's scores, keys prefixed by the split's name."""
+    args = task.args
+    accelerator = make_accelerator(args)
+    start_run(accelerator, args, Path(task.script).stem)
+    if args.model_name_or_path:  # a Hub repository becomes its local snapshot
+        args.model_name_or_path = resolve_model_path(args.model_name_or_path)
+    data = task.load_data(accelerator)
+    model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, task.default_size,
+                        task.max_length(), auto_class=task.auto_class, **task.model_fields())
+    log_run_start(accelerator, args, model, f"{task.describe(data)}, vocabulary {len(task.tokenizer)}")
+    evals = prepare_eval_loaders(accelerator, data, PaddingCollator(task.tokenizer.pad_token_id),
+                                 args.eval_batch_size)
+    results: dict[str, Any] = {}
+    if args.do_train:
+        validate = (lambda m: task.evaluate(accelerator, m, evals["validation"], "validation")[task.metric]) \
+            if "validation" in evals else None
+        model, results = fit(args, accelerator, model, data["train"], task.train_collate(), task.loss(accelerator),
+                             tokenizer=task.tokenizer, mode=task.mode, validate=validate,
+                             length_columns=task.length_columns)
+    else:
+        model = accelerator.prepare(model)
+    results.update(score_splits(lambda split, loader: task.evaluate(accelerator, model, loader, split), evals))
+    for split in evals:
+        accelerator.print(f"{split}: {task.summary(results, split)}")
+    save_outputs(accelerator, model, task.tokenizer, args, results, task.card_kwargs(argv))
+    return results
+
+
+__all__ = ["Task", "run_task"]
