@@ -240,10 +240,9 @@ class _Checkpoints:
         self.accelerator.wait_for_everyone()
 
     def resume(self, resume_from: str, gradient_accumulation_steps: int) -> tuple[int, int, int]:
-        """Check and load checkpoint `resume_from` (`latest` resolved); return (completed updates,
-        epoch, batches to skip in it)."""
-        path = resolve_resume_path(resume_from, self.args.output_dir, report=self.accelerator.print) \
-            if resume_from == "latest" else Path(resume_from)
+        """Check and load the checkpoint folder `resume_from` (`check_run_start` resolved `latest`);
+        return (completed updates, epoch, batches to skip in it)."""
+        path = Path(resume_from)
         check_resume_model(path, self.accelerator.unwrap_model(self.model), self.tokenizer)
         completed, epoch, skip, state = resume(self.accelerator, path, gradient_accumulation_steps,
                                                self.batches_per_epoch, self.scheduler, self.stopper)
