@@ -202,11 +202,11 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool,
                     norm = _build(name, hidden, options, device).train(train)
                     xn = x.clone().requires_grad_(train)
 
-                    def step(norm=norm, x=x, xn=xn, dy=dy, mask=mask, kernels=kernels):
+                    def step(norm=norm, x=x, xn=xn, dy=dy, mask=mask, kernels=kernels, params=list(norm.parameters())):
                         with c_kernels(kernels):
                             if train:
-                                xn.grad = None
-                                norm.zero_grad(set_to_none=True)
+                                for tensor in (xn, *params):  # fresh gradients, as the baseline's
+                                    tensor.grad = None
                                 norm(xn, mask).backward(dy)
                             else:
                                 norm(x)

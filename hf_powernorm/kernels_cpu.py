@@ -64,16 +64,25 @@ static void group_scales(const float *x, long C, long groups, float eps, float *
     }
 }
 
+/* A token's weight from the mask as given: kind 0 none (1), 1 float32 weights, 2 int64 and
+   3 bool/uint8 attention masks (1 where nonzero). Reading the mask in place spares its conversion. */
+static inline float mask_weight(const void *m, int kind, long t) {
+    if (kind == 1) return ((const float *)m)[t];
+    if (kind == 2) return ((const long long *)m)[t] != 0 ? 1.0f : 0.0f;
+    if (kind == 3) return ((const unsigned char *)m)[t] != 0 ? 1.0f : 0.0f;
+    return 1.0f;
+}
+
 /* One pass over the rows of x (T x C), with z0 = x r (r: the token's group scales):
    sum_sq[c] = sum_t w_t z0[t,c]^2 (and sum_sq[C] = sum_t w_t) when sum_sq is given,
    y = z0 scale + shift when y is given (no shift: y = z0 scale; no scale either: y = z0).
    The group scales' eps is `eps` (1e-5 for PN's group scaling). */
-void pn_rows(const float *x, const float *w, long T, long C, long groups, float eps, int threads,
-             const float *scale, const float *shift, float *y, double *sum_sq) {
+static void rows_masked(const float *x, const void *m, int kind, long T, long C, long groups, float eps,
+                        int threads, const float *scale, const float *shift, float *y, double *sum_sq) {
     long G = groups ? groups : 1, k = C / G;
     if (sum_sq) {  /* sum_sq[C] receives the real-token count */
         memset(sum_sq, 0, sizeof(double) * (C + 1));
-        if (w) { for (long t = 0; t < T; t++) sum_sq[C] += w[t]; } else sum_sq[C] = (double)T;
+        if (kind) { for (long t = 0; t < T; t++) sum_sq[C] += mask_weight(m, kind, t); } else sum_sq[C] = (double)T;
     }
     #pragma omp parallel num_threads(threads)
     {
@@ -85,7 +94,7 @@ void pn_rows(const float *x, const float *w, long T, long C, long groups, float 
         for (long t = 0; t < T; t++) {
             const float *xt = x + t * C;
             group_scales(xt, C, groups, eps, r);
-            float wt = w ? w[t] : 1.0f;
+            float wt = mask_weight(m, kind, t);
             for (long g = 0; g < G; g++) {
                 const float *xg = xt + g * k;
                 float rg = r[g], c2 = wt * rg * rg;
@@ -123,13 +132,18 @@ void pn_rows(const float *x, const float *w, long T, long C, long groups, float 
     }
 }
 
+void pn_rows(const float *x, const float *w, long T, long C, long groups, float eps, int threads,
+             const float *scale, const float *shift, float *y, double *sum_sq) {
+    rows_masked(x, w, w ? 1 : 0, T, C, groups, eps, threads, scale, shift, y, sum_sq);
+}
+
 /* The backward in one pass over (dy, x): z0 = x r recomputed per token;
    s_all[c] = sum_t dy z0, s_real[c] = sum_t w_t dy z0, s_dy[c] = sum_t dy;
    dz0 = dy a - w_t c z0 with a = weight / s_b and c = nu / (s s_b) (eqs. 11-12);
    dx = r (dz0 - z0 mean_group(dz0 z0)), or dx = dz0 without group scaling. */
-void pn_backward(const float *dy, const float *x, const float *w, long T, long C, long groups, float eps, int threads,
-                 const float *weight, const float *nu, const float *inv_s, const float *inv_s_b,
-                 float *dx, double *s_all, double *s_real, double *s_dy) {
+static void backward_masked(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
+                            float eps, int threads, const float *weight, const float *nu, const float *inv_s,
+                            const float *inv_s_b, float *dx, double *s_all, double *s_real, double *s_dy) {
     long G = groups ? groups : 1, k = C / G;
     float *a = malloc(sizeof(float) * 2 * C), *cc = a + C;
     for (long c = 0; c < C; c++) { a[c] = weight[c] * inv_s_b[c]; cc[c] = nu[c] * inv_s[c] * inv_s_b[c]; }
@@ -147,11 +161,21 @@ void pn_backward(const float *dy, const float *x, const float *w, long T, long C
         for (long t = 0; t < T; t++) {
             const float *dyt = dy + t * C, *xt = x + t * C;
             float *dxt = dx ? dx + t * C : NULL;  /* no dx: the sums only */
-            float wt = w ? w[t] : 1.0f;
+            float wt = mask_weight(m, kind, t);
             group_scales(xt, C, groups, eps, r);
             for (long g = 0; g < G; g++) {
                 long o = g * k;
                 float rg = r[g], proj = 0.0f;
+                if (!dx) {  /* a loop of its own: a conditional store would keep it from vectorising */
+                    #pragma omp simd
+                    for (long j = 0; j < k; j++) {
+                        float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
+                        a_all[o + j] += p;
+                        a_real[o + j] += wt * p;
+                        a_dy[o + j] += d;
+                    }
+                    continue;
+                }
                 #pragma omp simd reduction(+:proj)
                 for (long j = 0; j < k; j++) {
                     float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
@@ -159,10 +183,10 @@ void pn_backward(const float *dy, const float *x, const float *w, long T, long C
                     a_real[o + j] += wt * p;
                     a_dy[o + j] += d;
                     float dz0 = d * a[o + j] - wt * cc[o + j] * z0;
-                    if (dx) dxt[o + j] = dz0;
+                    dxt[o + j] = dz0;
                     proj += dz0 * z0;
                 }
-                if (groups == 0 || !dx) continue;
+                if (groups == 0) continue;
                 proj /= (float)k;
                 #pragma omp simd
                 for (long j = 0; j < k; j++) dxt[o + j] = rg * (dxt[o + j] - xt[o + j] * rg * proj);
@@ -181,6 +205,13 @@ void pn_backward(const float *dy, const float *x, const float *w, long T, long C
         free(r);
     }
     free(a);
+}
+
+void pn_backward(const float *dy, const float *x, const float *w, long T, long C, long groups, float eps, int threads,
+                 const float *weight, const float *nu, const float *inv_s, const float *inv_s_b,
+                 float *dx, double *s_all, double *s_real, double *s_dy) {
+    backward_masked(dy, x, w, w ? 1 : 0, T, C, groups, eps, threads, weight, nu, inv_s, inv_s_b, dx, s_all, s_real,
+                    s_dy);
 }
 
 /* Streaming (non-temporal) stores of y = x r s + h over n floats: the output goes to memory
@@ -311,6 +342,54 @@ int pn_gradient_statistics(const double *s_all, const double *s_real, const floa
     }
     return 1;
 }
+
+/* PowerNorm's whole training forward in one call (PowerNorm._denominators with the passes):
+   once the denominator is the running statistic whatever the batch (t > W + K), statistics and
+   output in one pass with scale = weight / sqrt(phi + eps), phi before this step's update; else a
+   statistics pass, the step's statistics, then the output pass with scale = weight / s.
+   stats (3 x C) receives v, 1/s, 1/s_b; *count the real tokens; returns pn_statistics's status. */
+int pn_step_forward(const float *x, const void *m, int kind, long T, long C, long groups, float gs_eps,
+                    int threads, const float *weight, const float *bias, float *phi, long long *counter, float eps,
+                    long warmup, long ramp, float ema, int reference, int batch_backward, float *y, float *stats,
+                    float *count) {
+    double *sums = malloc(sizeof(double) * (C + 1));
+    float *scale = malloc(sizeof(float) * 2 * C), *sum_sq = scale + C;
+    long long t = *counter + 1;
+    int running = t - warmup >= ramp + 1;  /* the weight of the running statistic r = 1 */
+    if (running) {
+        /* weight times pn_statistics's 1/s: a recomputation's weight * (1/s) gives the same bits */
+        for (long c = 0; c < C; c++) scale[c] = weight[c] * (1.0f / sqrtf(phi[c] + eps));
+        rows_masked(x, m, kind, T, C, groups, gs_eps, threads, scale, bias, y, sums);
+    } else {
+        rows_masked(x, m, kind, T, C, groups, gs_eps, threads, NULL, NULL, NULL, sums);
+    }
+    for (long c = 0; c < C; c++) sum_sq[c] = (float)sums[c];
+    *count = (float)sums[C];
+    int status = pn_statistics(sum_sq, *count, C, phi, counter, eps, warmup, ramp, ema, reference, batch_backward,
+                               stats, stats + C, stats + 2 * C);
+    if (!running) {
+        for (long c = 0; c < C; c++) scale[c] = weight[c] * stats[C + c];
+        rows_masked(x, NULL, 0, T, C, groups, gs_eps, threads, scale, bias, y, NULL);
+    }
+    free(sums);
+    free(scale);
+    return status;
+}
+
+/* PowerNorm's whole backward in one call: the pass of pn_backward, then pn_gradient_statistics
+   (nu read by the pass before it is updated); grads (2 x C) receives dweight and dbias. */
+int pn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
+                     float gs_eps, int threads, const float *weight, float *nu, const float *stats, float count,
+                     int usable, float rate, float *dx, float *grads) {
+    double *sums = malloc(sizeof(double) * 3 * C);
+    const float *v = stats, *inv_s = stats + C, *inv_s_b = stats + 2 * C;
+    backward_masked(dy, x, m, kind, T, C, groups, gs_eps, threads, weight, nu, inv_s, inv_s_b, dx, sums, sums + C,
+                    sums + 2 * C);
+    int status = pn_gradient_statistics(sums, sums + C, weight, v, inv_s, count, C, usable, rate, nu, grads);
+    for (long c = 0; c < C; c++) grads[C + c] = (float)sums[2 * C + c];
+    free(sums);
+    return status;
+}
 """
 
 # -march=native: the vector width of this CPU (AVX2/AVX-512), as torch's own kernels dispatch to it.
@@ -399,6 +478,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pn_gradient_statistics.argtypes = [p, p, p, p, p, f, n, i, f, p, p]
     lib.norm_eval.argtypes = [p, n, n, n, f, i, p, p, p, p, f, i, p]
     lib.norm_eval.restype = None
+    lib.pn_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, n, n, f, i, i, p, p, p]
+    lib.pn_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, f, i, f, p, p]
+    lib.pn_step_forward.restype = lib.pn_step_backward.restype = i
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -499,6 +581,41 @@ def pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor |
                          torch.get_num_threads(), *map(_ptr, vectors), _ptr(dx), _ptr(sums[0]), _ptr(sums[1]),
                          _ptr(sums[2]))
     return dx, sums
+
+
+MASK_KINDS = {torch.float32: 1, torch.int64: 2, torch.bool: 3, torch.uint8: 3}
+
+
+def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int | None, weight: torch.Tensor,
+                    bias: torch.Tensor, running_phi: torch.Tensor, counter: torch.Tensor, eps: float,
+                    warmup_steps: int, ramp_steps: int, ema_rate: float, reference: bool, batch_backward: bool):
+    """PowerNorm's training forward in one C call (`pn_rows` and `pn_statistics` together):
+    `(status, y, stats, count)` with `stats` (3, C) = `(v, 1/s, 1/s_backward)`, updating
+    `running_phi` and `counter` in place; `mask` is a contiguous `(tokens,)` tensor of a
+    `MASK_KINDS` dtype, read as it is; every vector float32 and contiguous."""
+    tokens, channels = x.shape
+    y, stats, count = torch.empty_like(x), torch.empty(3, channels), ctypes.c_float()
+    status = _library.pn_step_forward(
+        x.data_ptr(), None if mask is None else mask.data_ptr(), 0 if mask is None else MASK_KINDS[mask.dtype],
+        tokens, channels, group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(),
+        bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, warmup_steps, ramp_steps, ema_rate,
+        reference, batch_backward, y.data_ptr(), stats.data_ptr(), ctypes.byref(count))
+    return status, y, stats, count.value
+
+
+def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, group_num: int | None,
+                     weight: torch.Tensor, running_nu: torch.Tensor, stats: torch.Tensor, count: float, usable: bool,
+                     rate: float):
+    """PowerNorm's backward in one C call (`pn_backward` and `pn_gradient_statistics` together):
+    `(status, dx, grads)` with `grads` (2, C) = `(dweight, dbias)`, updating `running_nu` in place."""
+    tokens, channels = x.shape
+    dx, grads = torch.empty_like(x), torch.empty(2, channels)
+    status = _library.pn_step_backward(
+        dy.data_ptr(), x.data_ptr(), None if mask is None else mask.data_ptr(),
+        0 if mask is None else MASK_KINDS[mask.dtype], tokens, channels, group_num or 0, GROUP_SCALE_EPS,
+        torch.get_num_threads(), weight.data_ptr(), running_nu.data_ptr(), stats.data_ptr(), count, usable, rate,
+        dx.data_ptr(), grads.data_ptr())
+    return status, dx, grads
 
 
 def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor, counter: torch.Tensor,

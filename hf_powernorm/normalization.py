@@ -46,6 +46,8 @@ from .kernels_cpu import (
     pn_gradient_statistics,
     pn_rows,
     pn_statistics,
+    pn_step_backward,
+    pn_step_forward,
 )
 
 GROUP_SCALE_EPS = 1e-5
@@ -592,6 +594,57 @@ class _PowerNormFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
 
 
+class _PowerNormStepFunction(torch.autograd.Function):
+    """PN's training step in two C calls, `kernels_cpu.pn_step_forward` and `pn_step_backward`: the
+    arithmetic of `_PowerNormFunction`'s C path (the same passes, `pn_statistics` and
+    `pn_gradient_statistics`) with the buffer updates, the parameter gradients and the reading of
+    the attention mask in C too, so that a step costs its passes over the batch and little else.
+    For eager CPU float32 steps (`PowerNorm._step_in_c`); a checkpointing recomputation reuses its
+    step's statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mask, norm):
+        x = x.contiguous()
+        if _in_recomputation():
+            stats, count, usable = norm._last_step
+            y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * stats[1], bias, statistics=False)
+        else:
+            _warn_if_ddp_overwrites_statistics(norm)
+            status, y, stats, count = pn_step_forward(
+                x, mask, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
+                norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd,
+                norm.warmup_statistic == "reference", norm.backward_denominator == "batch")
+            _warn_non_finite("PowerNorm", "batch statistic", status < 0)
+            usable = status == 1
+            # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
+            norm.__dict__.update(_last_step=(stats, count, usable), _last_denominators=None)
+        ctx.save_for_backward(x, mask, weight)
+        ctx.step = (norm, stats, count, usable)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        _refuse_double_backward("PowerNorm")
+        x, mask, weight = ctx.saved_tensors
+        norm, stats, count, usable = ctx.step
+        dy = grad_output.float().contiguous()
+        status, grad_x, grads = pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count,
+                                                 usable, 1.0 - norm.alpha_bkw)
+        _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
+        return grad_x, grads[0], grads[1], None, None
+
+
+def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask as `(tokens,)` for the C kernels: as it is when int64, bool or uint8 (read
+    as nonzero = real), else converted to float 0/1 weights."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.reshape(-1).cpu()
+    if mask.dtype in (torch.int64, torch.bool, torch.uint8):
+        return mask.contiguous()
+    return (mask != 0).float()
+
+
 def _eval_map_usable(x: torch.Tensor, *vectors: torch.Tensor | None) -> bool:
     """Whether an eval map runs in `kernels_cpu.norm_eval`: C kernels for `x`, contiguous float32
     vectors. (Inference calls this once per norm and token batch: written for a few microseconds.)"""
@@ -771,12 +824,17 @@ class PowerNorm(_RunningStatsNorm):
         self.sync_stats = bool(sync_stats)
         self.process_group = process_group
         self._last_denominators = None
+        self._last_step = None
 
     def reset_running_stats(self) -> None:
         super().reset_running_stats()
-        self._last_denominators = None
+        self._last_denominators = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self._step_in_c(hidden_states):
+            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+            mask = _kernel_mask(attention_mask)
+            return _PowerNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
             return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
@@ -810,8 +868,12 @@ class PowerNorm(_RunningStatsNorm):
         host, so no step waits for the device or breaks a compiled graph. A checkpointing
         recomputation reuses the step's statistics and updates nothing.
         """
+        if _in_recomputation() and self._last_step is not None:  # the step ran in `_PowerNormStepFunction`
+            stats, count, usable = self._last_step
+            return stats[1], stats[2], stats[0], count, usable
         if _in_recomputation() and self._last_denominators is not None:
             return self._last_denominators  # same step: reuse its statistics, update nothing
+        self._last_step = None
         if self._statistics_on_host(sum_sq):
             self._last_denominators = self._host_denominators(sum_sq, float(count))
             return self._last_denominators
@@ -829,15 +891,31 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = (inv_s, inv_s_b, v, count, usable)
         return self._last_denominators
 
+    def _step_in_c(self, x: torch.Tensor) -> bool:
+        """Whether this training step runs in `_PowerNormStepFunction`: eager CPU float32 input with the
+        C kernels, float32 contiguous parameters and buffers, no process group to sum over, not a
+        checkpointing recomputation (which reuses its step's statistics through `_denominators`)."""
+        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
+            return False
+        if _in_recomputation():  # as the step itself, if it was one
+            return self._last_step is not None
+        if _sync_enabled(self.sync_stats, self.process_group):
+            return False
+        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"],
+                   self._buffers["running_nu"])
+        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
+            self._buffers["num_batches_tracked"].dtype == torch.int64)
+
     def _compiled_step_usable(self, x: torch.Tensor) -> bool:
         """Whether this step runs the compiled pure functions: compilation wanted for `x`, no process
         group to sum over, float32 buffers, not a recomputation (which reuses its step's statistics)."""
         return (_compile_wanted(x) and not _sync_enabled(self.sync_stats, self.process_group)
-                and not (_in_recomputation() and self._last_denominators is not None)
+                and not (_in_recomputation() and (self._last_denominators is not None or self._last_step is not None))
                 and self.running_phi.dtype == torch.float32 and self.running_nu.dtype == torch.float32)
 
     def _compiled_forward(self, x, weight, bias, token_weights):
         """The training forward in `_compiled(_pn_train_forward)`; writes the buffers it returns."""
+        self._last_step = None
         _warn_if_ddp_overwrites_statistics(self)
         y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = _compiled(_pn_train_forward)(
             x, token_weights, weight, bias, self.running_phi, self._next_step(), self.group_num, self._options())

@@ -763,6 +763,24 @@ def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, optio
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+def test_powernorm_step_in_c_reads_every_mask_dtype_alike():
+    """The C step reads an int64, bool or uint8 mask as it is and converts others: the same step."""
+    results = []
+    for dtype in (torch.long, torch.bool, torch.uint8, torch.int32, torch.float32):
+        norm = PowerNorm(HIDDEN, warmup_steps=1, group_num=GROUPS)
+        trace = []
+        for step in range(3):  # warmup, then the running statistic
+            x, mask, dy = _batch(90 + step, dtype=torch.float32)
+            y = _training_step(norm, x, (mask * (step + 2)).to(dtype), dy)  # nonzero = real, whatever value
+            trace.append((y.detach(), x.grad, norm.weight.grad.clone(), norm.running_phi.clone(),
+                          norm.running_nu.clone()))
+        results.append(trace)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            for u, v in zip(a, b):
+                assert torch.equal(u, v)
+
+
 EVAL_MAP_CASES = [("powernorm", {"group_num": GROUPS}), ("powernorm", {"group_num": None}),
                   ("powernorm_v", {"group_num": GROUPS}), ("batchnorm", {}), ("batchrenorm", {}), ("mabn", {}),
                   ("rmsnorm", {}), ("rmsnorm", {"eps": 0.5})]
