@@ -19,35 +19,54 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, EvalResult, HfApi, M
 
 from .configuration_powernorm import PowerNormTransformerConfig
 from .converter import causal_norms, mixes_positions
+from .modeling_powernorm import AUTO_CLASSES
 from .normalization import NORM_CLASSES
 
 # Installed from a wheel the templates sit inside the package; in a source tree, at its top.
 _TEMPLATE_DIRS = (Path(__file__).resolve().parent / "model_cards", Path(__file__).resolve().parents[1] / "model_cards")
 TEMPLATE_PATH = next((d for d in _TEMPLATE_DIRS if d.is_dir()), _TEMPLATE_DIRS[-1]) / "powernorm_transformer.md"
 
-# class name -> (task, pipeline tag, Auto class, usage snippet)
-_HEADS: dict[str, tuple[str, str | None, str, str]] = {
+# class name -> (task, pipeline tag, usage snippet); the Auto class is `auto_class_name`'s
+_HEADS: dict[str, tuple[str, str | None, str]] = {
     "PowerNormTransformerForConditionalGeneration": (
-        "translation", "translation", "AutoModelForSeq2SeqLM",
+        "translation", "translation",
         "```python\ngenerated = model.generate(input_ids, attention_mask=attention_mask, num_beams=5, "
         "length_penalty=1.0)\n```",
     ),
     "PowerNormTransformerForCausalLM": (
-        "text-generation", "text-generation", "AutoModelForCausalLM",
+        "text-generation", "text-generation",
         "```python\ngenerated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=50)\n```",
     ),
     "PowerNormTransformerForSequenceClassification": (
-        "text-classification", "text-classification", "AutoModelForSequenceClassification",
+        "text-classification", "text-classification",
         "```python\nlabels = model(input_ids, attention_mask=attention_mask).logits.argmax(-1)\n```",
     ),
     "PowerNormTransformerModel": (
-        "feature-extraction", "feature-extraction", "AutoModel",
+        "feature-extraction", "feature-extraction",
         "```python\nhidden = model(input_ids, decoder_input_ids=decoder_input_ids).last_hidden_state\n```",
     ),
 }
 
 _NORM_OPTIONS = ("normalize_before", "powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps",
                  "powernorm_group_num", "powernorm_backward_denominator", "powernorm_sync_stats", "norm_eps")
+
+
+def auto_class_name(model: Any) -> str:
+    """The Auto class that builds `model`: a PowerNorm Transformer head's from `AUTO_CLASSES`, another
+    Transformers model's from Transformers' own mappings (`AutoModel` where none holds it)."""
+    from transformers.models.auto import modeling_auto
+
+    name = type(model).__name__
+    ours = {cls.__name__: auto for auto, cls in AUTO_CLASSES.items()}
+    if name in ours:
+        return ours[name]
+    for auto, mapping in (("AutoModelForSeq2SeqLM", modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+                          ("AutoModelForCausalLM", modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                          ("AutoModelForSequenceClassification",
+                           modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)):
+        if name in mapping.values():
+            return auto
+    return "AutoModel"
 
 
 def _norm_positions(config: PowerNormTransformerConfig, head: str) -> list[tuple[str, str]]:
@@ -139,7 +158,8 @@ def render_model_card(
     if head not in _HEADS:
         raise ValueError(f"render_model_card expects a PowerNorm Transformer model, got {head}")
     config = model.config
-    task, pipeline_tag, auto_class, usage = _HEADS[head]
+    task, pipeline_tag, usage = _HEADS[head]
+    auto_class = auto_class_name(model)
     card_data = _card_data(repo_id, task, pipeline_tag, license, language, datasets, results, tags)
     causal_leak = _causal_leak(config) if head == "PowerNormTransformerForCausalLM" else []
     template = Path(template_path) if template_path is not None else TEMPLATE_PATH
@@ -164,6 +184,32 @@ def render_model_card(
         training_command=training_command,
         results=sorted(results.items()) if results else None,
     )
+
+
+def render_conversion_card(
+    model: Any,
+    *,
+    repo_id: str = "PATH",
+    results: dict[str, float] | None = None,
+    description: str | None = None,
+    training_command: str | None = None,
+) -> str:
+    """The card of a Transformers model whose norms `convert_norms` replaced: what was converted, how
+    to load it with its statistics (`load_converted`), the training command and the scores."""
+    conversion, name = model.config.powernorm_conversion, type(model).__name__
+    auto = auto_class_name(model)
+    lines = ["---", "license: apache-2.0", "library_name: transformers", "tags:", "- powernorm", "- normalization",
+             "---", "", f"# {repo_id}", "", description or "",
+             "", f"`{name}` ({model.config.model_type}) whose {len(conversion['modules'])} per-token norms "
+             f"`hf_powernorm.convert_norms` replaced by `{conversion['norm_type']}` (options "
+             f"`{conversion['options']}`); `model.safetensors` holds their running statistics.", "",
+             "## How to load it", "", "```python", f"from transformers import {auto}", "",
+             "from hf_powernorm import load_converted", "", f'model = load_converted("{repo_id}", {auto})', "```",
+             "", f"`{auto}.from_pretrained` alone would rebuild the original norms and drop the statistics.", "",
+             "## Training", "", "```bash", training_command or "(not recorded)", "```", "",
+             "## Results", "", "| Metric | Value |", "|---|---|",
+             *(f"| {k} | {v} |" for k, v in sorted((results or {}).items()))]
+    return "\n".join(lines) + "\n"
 
 
 def push_to_hub(
@@ -218,4 +264,5 @@ def upload_saved_model(
                                             create_pr=create_pr)
 
 
-__all__ = ["TEMPLATE_PATH", "push_to_hub", "render_model_card", "upload_saved_model"]
+__all__ = ["TEMPLATE_PATH", "auto_class_name", "push_to_hub", "render_conversion_card", "render_model_card",
+           "upload_saved_model"]

@@ -115,6 +115,22 @@ def test_causal_card_warns_when_training_sees_the_future(norm, overrides):
     assert "encoder (" not in card.text and front_matter(card)["pipeline_tag"] == "text-generation"
 
 
+def test_auto_class_name_of_every_head_and_of_a_converted_model():
+    from transformers import BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel
+
+    from hf_powernorm.hub import auto_class_name
+    from hf_powernorm.modeling_powernorm import AUTO_CLASSES
+
+    config = PowerNormTransformerConfig.from_preset("tiny")
+    with torch.device("meta"):
+        for auto, cls in AUTO_CLASSES.items():
+            assert auto_class_name(cls(config)) == auto
+        assert auto_class_name(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2))) == "AutoModelForCausalLM"
+        bart = BartForConditionalGeneration(BartConfig(encoder_layers=1, decoder_layers=1, d_model=8,
+                                                       encoder_attention_heads=2, decoder_attention_heads=2))
+        assert auto_class_name(bart) == "AutoModelForSeq2SeqLM"
+
+
 def test_card_of_a_folded_model_says_it_is_for_inference_only():
     model = trained_seq2seq()
     model.fold_norms()

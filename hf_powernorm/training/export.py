@@ -22,7 +22,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from .. import modeling_powernorm
 from ..configuration_powernorm import PowerNormTransformerConfig
-from ..hub import render_model_card, upload_saved_model
+from ..hub import render_conversion_card, render_model_card, upload_saved_model
 
 logger = get_logger(__name__)
 _TRAIN_KEYS = ("train_steps", "best_step", "best_validation")
@@ -64,7 +64,8 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         save_results(output_dir, results)
         scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
         if getattr(unwrapped.config, "powernorm_conversion", None):
-            card_text = conversion_card(unwrapped, scores, card_kwargs)
+            card_text = render_conversion_card(unwrapped, results=scores, **{
+                key: card_kwargs[key] for key in ("repo_id", "description", "training_command") if key in card_kwargs})
             (Path(output_dir) / "README.md").write_text(card_text, encoding="utf-8")
         else:
             card = render_model_card(unwrapped, results=scores, with_tokenizer=True, **card_kwargs)
@@ -103,28 +104,3 @@ def complete_average_export(folder: str | Path, repo_id: str, steps: list[int], 
                              description=f"The average of the weights of {len(steps)} checkpoints of a PowerNorm "
                                          f"Transformer run (updates {', '.join(map(str, steps))}).")
     card.save(Path(folder) / "README.md")
-
-
-_AUTO_CLASSES = {"ForSequenceClassification": "AutoModelForSequenceClassification",
-                 "ForCausalLM": "AutoModelForCausalLM", "LMHeadModel": "AutoModelForCausalLM",
-                 "ForConditionalGeneration": "AutoModelForSeq2SeqLM"}
-
-
-def conversion_card(model: torch.nn.Module, scores: dict[str, float], card_kwargs: dict[str, Any]) -> str:
-    """The card of a Transformers model whose norms `convert_norms` replaced: what was converted,
-    how to load it with its statistics (`load_converted`), the command and the scores."""
-    conversion, name = model.config.powernorm_conversion, type(model).__name__
-    auto = next((auto for suffix, auto in _AUTO_CLASSES.items() if name.endswith(suffix)), "AutoModel")
-    repo_id = card_kwargs.get("repo_id", "PATH")
-    lines = ["---", "license: apache-2.0", "library_name: transformers", "tags:", "- powernorm", "- normalization",
-             "---", "", f"# {repo_id}", "", card_kwargs.get("description") or "",
-             "", f"`{name}` ({model.config.model_type}) whose {len(conversion['modules'])} per-token norms "
-             f"`hf_powernorm.convert_norms` replaced by `{conversion['norm_type']}` (options "
-             f"`{conversion['options']}`); `model.safetensors` holds their running statistics.", "",
-             "## How to load it", "", "```python", f"from transformers import {auto}", "",
-             "from hf_powernorm import load_converted", "", f'model = load_converted("{repo_id}", {auto})', "```",
-             "", f"`{auto}.from_pretrained` alone would rebuild the original norms and drop the statistics.", "",
-             "## Training", "", "```bash", card_kwargs.get("training_command") or "(not recorded)", "```", "",
-             "## Results", "", "| Metric | Value |", "|---|---|",
-             *(f"| {k} | {v} |" for k, v in sorted(scores.items()))]
-    return "\n".join(lines) + "\n"
