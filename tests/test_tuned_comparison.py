@@ -1,0 +1,99 @@
+"""The tuned comparison at smoke size: every stage of the protocol on both tasks, the picks made on
+validation only, the CSV's columns, resuming and reporting."""
+
+import csv
+import json
+
+import pytest
+from recipe_scripts import load_recipe
+
+tuned_comparison = load_recipe("studies/tuned_comparison")
+
+pytestmark = pytest.mark.usefixtures("reset_accelerate")
+
+
+def read_rows(path):
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_smoke_runs_every_stage_picks_on_validation_and_resumes(tmp_path):
+    argv = ["--smoke", "--seeds", "1", "2", "--output_dir", str(tmp_path)]
+    protocols = tuned_comparison.main(argv)
+    sizes = tuned_comparison.SIZES["smoke"]
+    for protocol in protocols:
+        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"]
+        assert all(result is not None for cells in protocol.stages.values() for _, result in cells)
+        task_sizes = sizes[protocol.task]
+        assert len(protocol.stages["lr"]) == 3 * len(task_sizes["learning_rates"]) * len(task_sizes["warmups"])
+        # Each pick is the best validation of its stage, never a test score.
+        lower = tuned_comparison.LOWER_IS_BETTER[protocol.task]
+        for norm in ("layernorm", "rmsnorm"):
+            runs = [r for _, r in protocol.stages["lr"] if r["norm"] == norm]
+            best = (min if lower else max)(runs, key=lambda r: r["best_validation"])
+            assert protocol.picks[f"{norm}@{protocol.short}"] == tuned_comparison._chosen(best)
+        denominators = [r for _, r in protocol.stages["denominator"]]
+        assert {r["denominator"] for r in denominators} == {"running", "batch"}
+        assert protocol.picks[f"powernorm@{protocol.short}"] == tuned_comparison._chosen(
+            (min if lower else max)(denominators, key=lambda r: r["best_validation"]))
+        finals = [r for _, r in protocol.stages["final"]]
+        norms = {"layernorm", "powernorm", "rmsnorm"} | ({"powernorm-all"} if protocol.task == "multi30k" else set())
+        assert {(r["norm"], r["updates"], r["seed"]) for r in finals} == {
+            (n, u, s) for n in norms for u in task_sizes["budgets"] for s in (1, 2)}
+        # PN's warmup is the learning-rate warmup of its run.
+        for _, result in protocol.stages["final"]:
+            if result["norm"].startswith("powernorm"):
+                config = json.loads(next((tmp_path / "cells" / result["cell"]).rglob("config.json")).read_text())
+                assert config["powernorm_warmup_steps"] == result["warmup"]
+    rows = read_rows(tmp_path / "results.csv")
+    assert tuple(rows[0]) == tuned_comparison.COLUMNS
+    assert {row["stage"] for row in rows} == {"tune", "final"}
+    assert {row["task"] for row in rows} == {"ptb", "multi30k"}
+    assert all(row["dropout"] == "0.3" and row["label_smoothing"] == "0.1" for row in rows)
+    pn = [row for row in rows if row["norm"] == "powernorm"]
+    assert all(row["alpha_fwd"] and row["alpha_bkw"] and row["denominator"] for row in pn)
+    assert all(not row["alpha_fwd"] for row in rows if row["norm"] == "layernorm")
+    assert any(row["metric"] == "bleu_averaged" and row["split"] == "test" for row in rows)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| ptb |" in summary and "| multi30k |" in summary and "verdict" in summary
+    assert (tmp_path / "curves_ptb_4.png").is_file() and (tmp_path / "curves_multi30k_4.png").is_file()
+    picks = json.loads((tmp_path / "picks.json").read_text())
+    assert set(picks) == {"ptb", "multi30k"}
+
+    # Nothing reruns: each finished cell's result file is left as it was.
+    stamps = {path: path.stat().st_mtime_ns for path in tmp_path.glob("cells/*/result.json")}
+    tuned_comparison.main(argv)
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.glob("cells/*/result.json")} == stamps
+    assert read_rows(tmp_path / "results.csv") == rows
+
+
+def test_report_only_stops_at_the_first_unfinished_stage(tmp_path):
+    tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--output_dir", str(tmp_path)])
+    # Remove one alpha-stage run: the later stages cannot be chosen, and report_only runs nothing.
+    [protocol] = tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--output_dir", str(tmp_path),
+                                         "--report_only"])
+    cell, _ = next(pair for pair in protocol.stages["alpha"] if pair[0].options["alpha_bkw"] == 1.0)
+    (tmp_path / "cells" / cell.name / "result.json").unlink()
+    [partial] = tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--output_dir", str(tmp_path),
+                                        "--report_only"])
+    assert list(partial.stages) == ["lr", "alpha"]
+    assert not (tmp_path / "cells" / cell.name / "result.json").exists()
+    assert "alpha 1/2" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--data_dir"),
+    (["--smoke", "--seeds", "2", "3"], "must include 1"),
+    (["--data_dir", "/nonexistent", "--tasks", "multi30k"], "no Multi30k files"),
+])
+def test_bad_options_are_refused_before_any_run(argv, message, tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        tuned_comparison.parse_args([*argv, "--output_dir", str(tmp_path)])
+
+
+def test_verdict_needs_a_difference_beyond_the_seed_spread():
+    verdict = tuned_comparison.verdict
+    assert verdict([100.0, 101.0, 102.0], [95.0, 96.0, 97.0], lower_is_better=True) == "PN better"
+    assert verdict([100.0, 101.0, 102.0], [99.0, 101.0, 103.0], lower_is_better=True).startswith("tie")
+    assert verdict([30.0, 31.0, 32.0], [26.0, 27.0, 28.0], lower_is_better=False) == "LN better"
+    assert verdict([30.0], [26.0, 27.0], lower_is_better=False).startswith("fewer than 2 seeds")
