@@ -4,7 +4,8 @@ The question this study answers: at a fair setting - the paper's training regime
 allows, and the same tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm
 without centering) is the control for PN's other difference, dropping the mean.
 
-Regime (Shen et al., 2020, Appendix B, where the CPU allows it): residual dropout 0.3, label
+Regime (Shen et al., 2020, Appendix B, where the CPU allows it): residual dropout 0.3 (attention
+and activation dropout 0.1), label
 smoothing 0.1 (the LM included), Adam with the inverse-square-root schedule after a linear warmup,
 PN's warmup equal to the learning-rate warmup, 2,048 tokens per update in one batch (PN's
 statistics see the whole update: no accumulated micro-batches), gradient clipping 0.25 and weight
@@ -84,7 +85,7 @@ SIZES = {
                      "learning_rates": (1.5e-3, 3e-3, 6e-3), "warmups": (200, 600),
                      "alphas_fwd": (0.9, 0.95, 0.99), "alphas_bkw": (0.9, 0.95, 0.99, 1.0),
                      "recheck": (0.5, 1.0, 2.0), "dropout": 0.3, "label_smoothing": 0.1, "max_eval_samples": 500,
-                     "num_beams": 5, "checkpointing_steps": 200, "averaged": 5},
+                     "num_beams": 5, "checkpointing_steps": 200, "averaged": 5, "inner_dropout": 0.1},
     },
     "smoke": {
         "ptb": {"vocab_size": 120, "block_size": 16, "max_tokens": 128, "budgets": (4, 6), "eval_steps": 2,
@@ -93,7 +94,7 @@ SIZES = {
         "multi30k": {"vocab_size": 150, "max_tokens": 256, "budgets": (2, 4), "eval_steps": 2,
                      "learning_rates": (3e-3,), "warmups": (1,), "alphas_fwd": (0.9,), "alphas_bkw": (0.9, 1.0),
                      "recheck": (1.0,), "dropout": 0.3, "label_smoothing": 0.1, "max_eval_samples": 4,
-                     "num_beams": 2, "checkpointing_steps": 1, "averaged": 2},
+                     "num_beams": 2, "checkpointing_steps": 1, "averaged": 2, "inner_dropout": 0.1},
     },
 }
 LOWER_IS_BETTER = {"ptb": True, "multi30k": False}
@@ -196,6 +197,7 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     results = _numbers(train_wmt([
         "--output_dir", str(run), *_run_argv(options), "--vocab_size", str(sizes["vocab_size"]),
         "--label_smoothing", str(sizes["label_smoothing"]), "--checkpointing_steps", str(sizes["checkpointing_steps"]),
+        "--config_overrides", f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
         "--checkpoints_total_limit", str(sizes["averaged"]), *generation,
         *(["--train_file", files["train"]] if files else []), *data]))
     AcceleratorState._reset_state(reset_partial_state=True)
