@@ -1,0 +1,35 @@
+"""The `hf-powernorm` command. `hf-powernorm compare ...` answers "does PN help my model?" on the
+user's model and data (`compare.py`); a bad option stops with its message, before any training."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# Each subcommand is a module with `main(argv)`, imported only when it runs.
+COMMANDS = {"compare": "hf_powernorm.compare"}
+
+
+def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str]) -> None:
+    """`entry(argv)`, a bad input (ValueError, FileNotFoundError) shown as one line and exit status 2."""
+    try:
+        entry(argv)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"hf-powernorm {name}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        commands = ", ".join(COMMANDS)
+        print(f"usage: hf-powernorm {{{commands}}} [options]   (hf-powernorm {{{commands}}} --help)",
+              file=sys.stderr)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module = importlib.import_module(COMMANDS[argv[0]])
+    run_command(argv[0], module.main, argv[1:])
+
+
+if __name__ == "__main__":
+    main()

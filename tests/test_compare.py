@@ -1,0 +1,296 @@
+"""`hf-powernorm compare`: the embedded default end to end, tiny local GPT-2 / BERT / BART
+comparisons on files, resuming, the bad inputs refused before any training, and two processes."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_powernorm import compare
+from hf_powernorm.training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two updates, validated after each, on a few examples: seconds per run.
+TINY = ["--max_train_steps", "2", "--eval_steps", "1", "--num_warmup_steps", "1", "--max_eval_samples", "24"]
+
+
+def _rows(folder: Path) -> list[dict[str, str]]:
+    with open(folder / "results.csv", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _keys(rows: list[dict]) -> list[tuple]:
+    return sorted((r["norm"], str(r["seed"]), r["split"]) for r in rows)
+
+
+def _no_training(monkeypatch) -> None:
+    def refuse(cell, folder):
+        raise AssertionError(f"{cell.name} trained")
+
+    monkeypatch.setattr(compare, "run_cell", refuse)
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny Transformers models and data files made here
+# --------------------------------------------------------------------------------------------
+
+def _tokenizer(texts):
+    return train_bpe_tokenizer(texts, vocab_size=120)
+
+
+@pytest.fixture(scope="module")
+def gpt2_case(tmp_path_factory):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    corpus = synthetic_lm_corpus({"train": 60, "validation": 12, "test": 12}, seed=5)
+    files = {}
+    for split, part in corpus.items():
+        files[split] = folder / f"{split}.txt"
+        files[split].write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
+    tokenizer = _tokenizer(corpus["train"]["text"])
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    data = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
+            "--test_file", str(files["test"]), "--block_size", "16", "--max_tokens", "64"]
+    return str(folder / "model"), "causal-lm", data
+
+
+@pytest.fixture(scope="module")
+def bert_case(tmp_path_factory):
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("bert")
+    corpus = synthetic_classification_corpus({"train": 60, "validation": 12, "test": 12})
+    names = corpus["train"].features["label"].names
+    with open(folder / "train.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["text", "label"])
+        writer.writerows((text, names[label]) for text, label in zip(corpus["train"]["text"], corpus["train"]["label"]))
+    tokenizer = _tokenizer(corpus["train"]["text"])
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=64, num_labels=3,
+                        pad_token_id=tokenizer.pad_token_id)
+    BertForSequenceClassification(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    # Validation and test are carved out of train (10% each, the same for every run).
+    return str(folder / "model"), "classification", ["--train_file", str(folder / "train.csv"), "--max_length",
+                                                     "32", "--max_tokens", "256"]
+
+
+@pytest.fixture(scope="module")
+def bart_case(tmp_path_factory):
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from hf_powernorm.training import synthetic_translation_corpus
+
+    folder = tmp_path_factory.mktemp("bart")
+    corpus = synthetic_translation_corpus()
+    files = {}
+    for split, size in (("train", 40), ("validation", 8), ("test", 8)):
+        files[split] = folder / f"{split}.jsonl"
+        rows = corpus[split].select(range(size))["translation"]
+        files[split].write_text("".join(json.dumps({"translation": pair}) + "\n" for pair in rows), encoding="utf-8")
+    tokenizer = _tokenizer(text for pair in corpus["train"].select(range(40))["translation"] for text in pair.values())
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                        decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
+    BartForConditionalGeneration(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    data = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
+            "--test_file", str(files["test"]), "--max_length", "12", "--max_tokens", "128"]
+    return str(folder / "model"), "seq2seq", data
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded default, and resuming
+# --------------------------------------------------------------------------------------------
+
+def test_embedded_default_writes_report_csv_and_plot_and_resumes(tmp_path, monkeypatch):
+    output = tmp_path / "compare"
+    argv = ["--seeds", "1", "2", *TINY, "--output_dir", str(output)]
+    rows = compare.main(argv)
+    assert _keys(rows) == _keys(_rows(output))
+    assert _keys(rows) == sorted((norm, seed, split) for norm in ("layernorm", "powernorm") for seed in ("1", "2")
+                                 for split in ("validation", "test"))
+    assert all(float(r["perplexity"]) > 1 for r in _rows(output))
+    report = (output / "report.md").read_text(encoding="utf-8")
+    assert "the embedded toy corpus" in report and "5 LayerNorm" in report
+    assert "| powernorm |" in report and "seed spread" in report
+    assert any(verdict in report for verdict in ("| PN better |", "| LN better |", "| tie |"))
+    assert (output / "validation_curves.png").stat().st_size > 1000
+    # Resumed: every run finished, nothing trains again, the same rows come back.
+    _no_training(monkeypatch)
+    assert _keys(compare.main(argv)) == _keys(rows)
+    # A killed run (no result) is the only one that trains again.
+    os.remove(output / "cells" / "powernorm-lr0.002-seed2" / "result.json")
+    with pytest.raises(AssertionError, match="powernorm-lr0.002-seed2 trained"):
+        compare.main(argv)
+
+
+def test_one_seed_gives_no_verdict_and_the_rule_is_stated():
+    assert compare.verdict([1.0], [2.0], "min", ("LN", "PN")) == "one seed: no verdict"
+    assert compare.verdict([10.0, 10.2], [9.0, 9.2], "min", ("LN", "PN")) == "PN better"
+    assert compare.verdict([10.0, 10.2], [9.0, 9.2], "max", ("LN", "PN")) == "LN better"
+    assert compare.verdict([10.0, 11.0], [10.5, 11.5], "min", ("LN", "PN")) == "tie"
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny local GPT-2 / BERT / BART on files
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["gpt2_case", "bert_case", "bart_case"])
+def test_local_model_comparison_on_files(case, request, tmp_path):
+    model, task, data = request.getfixturevalue(case)
+    output = tmp_path / "compare"
+    norms = ["layernorm", "powernorm", "rmsnorm"] if task == "causal-lm" else ["layernorm", "powernorm"]
+    compare.main(["--model_name_or_path", model, "--task", task, *data, "--norms", *norms, "--seeds", "1",
+                  *TINY, "--output_dir", str(output)])
+    rows = _rows(output)
+    assert _keys(rows) == sorted((norm, "1", split) for norm in norms for split in ("validation", "test"))
+    metric = compare.TASKS[task].metric
+    assert all(r[metric] != "" for r in rows) and {r["train_steps"] for r in rows} == {"2"}
+    report = (output / "report.md").read_text(encoding="utf-8")
+    assert "one seed: no verdict" in report and f"test {metric}" in report
+    assert (output / "validation_curves.png").is_file()
+    # Each converted run really had the norm asked for.
+    log = json.loads((output / "cells" / "powernorm-lr0.0005-seed1" / "result.json").read_text())
+    assert log["norm"] == "powernorm" and log["train_steps"] == 2
+
+
+def test_second_run_reads_the_tokenization_cache(gpt2_case, tmp_path):
+    model, task, data = gpt2_case
+    args = compare.parse_args(["--model_name_or_path", model, "--task", task, *data, "--output_dir", str(tmp_path)])
+    tokenizer = compare.load_model_tokenizer(model)
+    first = compare.tokenize_data(args, compare.load_raw_data(args), tokenizer)
+    second = compare.tokenize_data(args, compare.load_raw_data(args), tokenizer)
+    assert first["train"].cache_files and first["train"].cache_files == second["train"].cache_files
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a clear error before any training
+# --------------------------------------------------------------------------------------------
+
+def _refused(monkeypatch, argv, match, error=ValueError):
+    _no_training(monkeypatch)
+    with pytest.raises(error, match=match):
+        compare.main(argv)
+
+
+def test_unknown_norm_lists_the_valid_ones(monkeypatch, tmp_path):
+    _refused(monkeypatch, ["--norms", "layernorm", "powrnorm", "--output_dir", str(tmp_path)],
+             r"unknown norm 'powrnorm'; valid names: \[.*'powernorm'")
+
+
+def test_empty_seeds_and_norms_are_refused(monkeypatch, tmp_path):
+    _refused(monkeypatch, ["--seeds", "--output_dir", str(tmp_path)], "--seeds is empty")
+    _refused(monkeypatch, ["--norms", "--output_dir", str(tmp_path)], "--norms is empty")
+
+
+def test_task_that_does_not_fit_the_model(gpt2_case, monkeypatch, tmp_path):
+    model, _, _ = gpt2_case
+    _refused(monkeypatch, ["--model_name_or_path", model, "--task", "seq2seq", "--output_dir", str(tmp_path)],
+             r"--task seq2seq does not fit .*'gpt2'.*tasks that fit it: \['causal-lm', 'classification'\]")
+
+
+def test_model_without_a_known_norm(monkeypatch, tmp_path):
+    from hf_powernorm import PowerNormTransformerConfig, PowerNormTransformerForCausalLM
+
+    config = PowerNormTransformerConfig.from_preset("tiny", is_encoder_decoder=False, encoder_layers=0,
+                                                    decoder_layers=1, hidden_size=32, intermediate_size=37,
+                                                    num_attention_heads=4, vocab_size=99)
+    PowerNormTransformerForCausalLM(config).save_pretrained(tmp_path / "model")
+    _refused(monkeypatch, ["--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")],
+             "has no norm that convert_norms knows")
+
+
+def test_dataset_without_the_needed_column_names_the_columns_found(gpt2_case, bert_case, monkeypatch, tmp_path):
+    model, task, _ = gpt2_case
+    (tmp_path / "train.jsonl").write_text('{"body": "a line"}\n{"body": "another"}\n', encoding="utf-8")
+    _refused(monkeypatch, ["--model_name_or_path", model, "--task", task, "--train_file", str(tmp_path / "train.jsonl"),
+                           "--block_size", "16", "--output_dir", str(tmp_path / "a")], r"'text' or 'sentence' column; found \['body'\]")
+    model, task, _ = bert_case
+    (tmp_path / "unlabelled").mkdir()
+    (tmp_path / "unlabelled" / "train.csv").write_text("text,stars\n" + "good,5\nbad,1\n" * 10, encoding="utf-8")
+    _refused(monkeypatch, ["--model_name_or_path", model, "--task", task, "--dataset_name",
+                           str(tmp_path / "unlabelled"), "--max_length", "32", "--output_dir", str(tmp_path / "b")],
+             r"needs 'text' \(or 'sentence'\) and 'label' columns; split 'train' has \['text', 'stars'\]")
+
+
+def test_output_folder_of_another_comparison_or_other_files_is_refused(gpt2_case, monkeypatch, tmp_path):
+    model, task, data = gpt2_case
+    output = tmp_path / "compare"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine", encoding="utf-8")
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--output_dir", str(output)]
+    _refused(monkeypatch, argv, r"holds other files \(notes.txt\)")
+    (output / "notes.txt").unlink()
+    compare.prepare(compare.parse_args(argv))  # what a comparison leaves before its first run
+    _refused(monkeypatch, [*argv, "--max_train_steps", "7"],
+             r"another comparison.s results \(.*--max_train_steps: None there, 7 now\).*--overwrite_output_dir")
+    assert not (output / "cells").exists()
+
+
+def test_no_data_options_use_the_embedded_corpus_and_no_path_outside_the_project():
+    args = compare.parse_args([])
+    assert args.dataset_name is None and args.train_file is None
+    assert not any("shared" in str(v) for v in vars(args).values())
+
+
+def test_console_script_prints_bad_input_as_one_line(tmp_path, capsys):
+    from hf_powernorm import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["compare", "--norms", "powrnorm", "--output_dir", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.startswith("hf-powernorm compare: error: --norms: unknown norm 'powrnorm'")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["comparre"])
+    assert stopped.value.code == 2 and "usage: hf-powernorm {compare}" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Two processes through `accelerate launch`
+# --------------------------------------------------------------------------------------------
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def test_two_processes_give_the_rows_of_one(gpt2_case, tmp_path):
+    model, task, data = gpt2_case
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", *TINY, "--cpu"]
+    one = compare.main([*argv, "--output_dir", str(tmp_path / "one")])
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               _free_port(), "-m", "hf_powernorm.compare", *argv, "--output_dir", str(tmp_path / "two")]
+    out = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    two = _rows(tmp_path / "two")
+    assert _keys(two) == _keys(one)
+    assert [list(r) for r in two] == [list(r) for r in _rows(tmp_path / "one")]  # the same columns
+    # Gathered over both processes with the duplicates dropped: every split scored on the same tokens.
+    assert {(r["norm"], r["seed"], r["split"]): r["tokens"] for r in two} == \
+        {(r["norm"], str(r["seed"]), r["split"]): str(r["tokens"]) for r in one}
