@@ -3,8 +3,9 @@
 Shen et al. (2020) compare LayerNorm, BatchNorm, PN-V and PN on IWSLT14/WMT14 (BLEU, Table 1) and
 PTB/WikiText-103 (perplexity, Table 2), and Batch Renormalization and MABN in Appendix B.3. This
 study trains each norm of the registry - LayerNorm, BatchNorm, PN-V, PN with either backward
-denominator (`running`, the paper's eqs. 11-13; `batch`, Algorithm 2 as printed), RMSNorm,
-GroupNorm, BatchRenorm, MABN - with the same model, budget and hyper-parameters, for every seed:
+denominator (`running`, the paper's eqs. 11-13 and Algorithm 2, the forward's denominator; `batch`,
+the authors' reference code, `sqrt(v + eps)` of the batch even after warmup), RMSNorm, GroupNorm,
+BatchRenorm, MABN - with the same model, budget and hyper-parameters, for every seed:
 
 - `ptb`: a causal LM (`lm-small`'s pre-norm layout at width 128, 2 layers, the norm at every
   position) on Penn Treebank, scored by validation and test perplexity (per BPE token and per word);
