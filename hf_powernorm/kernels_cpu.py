@@ -207,11 +207,10 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
     free(a);
 }
 
-void pn_backward(const float *dy, const float *x, const float *w, long T, long C, long groups, float eps, int threads,
-                 const float *weight, const float *nu, const float *inv_s, const float *inv_s_b,
+void pn_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups, float eps,
+                 int threads, const float *weight, const float *nu, const float *inv_s, const float *inv_s_b,
                  float *dx, double *s_all, double *s_real, double *s_dy) {
-    backward_masked(dy, x, w, w ? 1 : 0, T, C, groups, eps, threads, weight, nu, inv_s, inv_s_b, dx, s_all, s_real,
-                    s_dy);
+    backward_masked(dy, x, m, kind, T, C, groups, eps, threads, weight, nu, inv_s, inv_s_b, dx, s_all, s_real, s_dy);
 }
 
 /* Streaming (non-temporal) stores of y = x r s + h over n floats: the output goes to memory
@@ -280,6 +279,53 @@ void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int th
     if (streamed) _mm_sfence();
 #endif
     free(scale);
+}
+
+/* Batch moments over real tokens in one pass over x (T x C), about a shift K (the running mean:
+   near the batch mean, so the float partial sums of squares lose little to cancellation):
+   sums[c] = sum_t w_t (x - K), sums[C + c] = sum_t w_t (x - K)^2, sums[2C] = sum_t w_t. */
+void bn_moments(const float *x, const void *m, int kind, long T, long C, const float *shift, int threads,
+                double *sums) {
+    memset(sums, 0, sizeof(double) * (2 * C + 1));
+    if (kind) { for (long t = 0; t < T; t++) sums[2 * C] += mask_weight(m, kind, t); } else sums[2 * C] = (double)T;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *acc = calloc(2 * C, sizeof(float)), *acc2 = acc + C;
+        double *dacc = calloc(2 * C, sizeof(double));
+        long rows = 0;
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            float wt = mask_weight(m, kind, t);
+            if (wt == 0.0f) continue;
+            const float *xt = x + t * C;
+            #pragma omp simd
+            for (long c = 0; c < C; c++) {
+                float d = xt[c] - shift[c];
+                acc[c] += wt * d;
+                acc2[c] += wt * d * d;
+            }
+            if (++rows % FLUSH == 0) add_to(dacc, acc, 2 * C);
+        }
+        add_to(dacc, acc, 2 * C);
+        #pragma omp critical
+        for (long c = 0; c < 2 * C; c++) sums[c] += dacc[c];
+        free(acc);
+        free(dacc);
+    }
+}
+
+/* The input gradient of a per-channel affine map with batch-statistic terms, one pass:
+   dx = dy a - w_t (c x + e) (real tokens carry the statistics' terms, padding gets dy a). */
+void affine_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
+                     const float *a, const float *cc, const float *e, float *dx) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float *dyt = dy + t * C, *xt = x + t * C;
+        float *dxt = dx + t * C;
+        float wt = mask_weight(m, kind, t);
+        #pragma omp simd
+        for (long c = 0; c < C; c++) dxt[c] = dyt[c] * a[c] - wt * (cc[c] * xt[c] + e[c]);
+    }
 }
 
 /* torch.lerp's formula, so that the buffers match the torch ops' bit for bit where they can. */
@@ -473,7 +519,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     f = ctypes.c_float
     lib.pn_rows.argtypes = [p, p, n, n, n, f, i, p, p, p, p]
-    lib.pn_backward.argtypes = [p, p, p, n, n, n, f, i, p, p, p, p, p, p, p, p]
+    lib.pn_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, p, p, p, p, p]
     lib.pn_statistics.argtypes = [p, f, n, p, p, f, n, n, f, i, i, p, p, p]
     lib.pn_gradient_statistics.argtypes = [p, p, p, p, p, f, n, i, f, p, p]
     lib.norm_eval.argtypes = [p, n, n, n, f, i, p, p, p, p, f, i, p]
@@ -481,6 +527,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pn_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, n, n, f, i, i, p, p, p]
     lib.pn_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, f, i, f, p, p]
     lib.pn_step_forward.restype = lib.pn_step_backward.restype = i
+    lib.bn_moments.argtypes = [p, p, i, n, n, p, i, p]
+    lib.affine_backward.argtypes = [p, p, p, i, n, n, i, p, p, p, p]
+    lib.bn_moments.restype = lib.affine_backward.restype = None
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -572,12 +621,12 @@ def pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor |
     """One pass over contiguous float32 `dy` and `x`: `dx` from `dz0 = dy * a - (real) * c * z0`,
     `a = weight * inv_s_b`, `c = nu * inv_s * inv_s_b`, through the group-scaling backward, and the
     float64 sums `(sum_all dy*z0, sum_V dy*z0, sum_all dy)` (3, C); `dx` is None without
-    `input_gradient` (the sums only)."""
+    `input_gradient` (the sums only). `token_weights`: float 0/1 weights or a mask of `MASK_KINDS`."""
     tokens, channels = x.shape
     dx = torch.empty_like(x) if input_gradient else None
     sums = torch.empty(3, channels, dtype=torch.float64)
     vectors = [_float_vector(t) for t in (weight, nu, inv_s, inv_s_b)]  # kept alive across the call
-    _library.pn_backward(_ptr(dy), _ptr(x), _ptr(token_weights), tokens, channels, group_num or 0, eps,
+    _library.pn_backward(_ptr(dy), _ptr(x), *_mask_args(token_weights), tokens, channels, group_num or 0, eps,
                          torch.get_num_threads(), *map(_ptr, vectors), _ptr(dx), _ptr(sums[0]), _ptr(sums[1]),
                          _ptr(sums[2]))
     return dx, sums
@@ -616,6 +665,32 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
         torch.get_num_threads(), weight.data_ptr(), running_nu.data_ptr(), stats.data_ptr(), count, usable, rate,
         dx.data_ptr(), grads.data_ptr())
     return status, dx, grads
+
+
+def _mask_args(mask: torch.Tensor | None) -> tuple:
+    return (None, 0) if mask is None else (mask.data_ptr(), MASK_KINDS[mask.dtype])
+
+
+def bn_moments(x: torch.Tensor, mask: torch.Tensor | None, shift: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Real-token moments of contiguous float32 `x` (tokens, C) in one pass about `shift` (C,):
+    `(sums, count)`, `sums` (2, C) float64 = `(sum_V (x - shift), sum_V (x - shift)^2)`."""
+    tokens, channels = x.shape
+    sums = torch.empty(2 * channels + 1, dtype=torch.float64)
+    shift = _float_vector(shift)
+    _library.bn_moments(x.data_ptr(), *_mask_args(mask), tokens, channels, shift.data_ptr(), torch.get_num_threads(),
+                        sums.data_ptr())
+    return sums[:-1].view(2, channels), float(sums[-1])
+
+
+def affine_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, a: torch.Tensor,
+                    c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """`dx = dy * a - (real) * (c * x + e)` per channel in one pass over contiguous float32 `dy`, `x`."""
+    tokens, channels = x.shape
+    dx = torch.empty_like(x)
+    vectors = [_float_vector(t) for t in (a, c, e)]  # kept alive across the call
+    _library.affine_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels,
+                             torch.get_num_threads(), *(v.data_ptr() for v in vectors), dx.data_ptr())
+    return dx
 
 
 def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor, counter: torch.Tensor,

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels_cpu import (
+    affine_backward,
+    bn_moments,
     kernels_usable,
     norm_eval,
     pn_backward,
@@ -1107,6 +1109,59 @@ class PowerNormV(_RunningStatsNorm):
         return f"{self.hidden_size}, eps={self.eps}, alpha_fwd={self.alpha_fwd}, group_num={self.group_num}"
 
 
+class _BatchNormFunction(torch.autograd.Function):
+    """Masked BN's and BRN's training step in the C kernels, with the gradient through the batch mean
+    and variance: a moments pass (`kernels_cpu.bn_moments`, sums of `x - K` and its square over real
+    tokens about the running mean K), an output pass `y = x * a + b`; the backward a sums pass
+    (`S1 = sum_all dY`, `S2 = sum_all dY (x - mean)`) and an input-gradient pass
+    `dx = a dY - (real) * (a S1 / N + a S2 (x - mean) / (N sigma^2))` (`kernels_cpu.affine_backward`),
+    the batch-statistic terms only for a usable batch. `a = weight * r / sigma`, `b = bias + weight * d -
+    mean * a` (BN: r = 1, d = 0). Saves `x` and the mask: LayerNorm's memory, where the torch ops
+    also keep `x - mean`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mask, norm):
+        x = x.contiguous()
+        sums, count = bn_moments(x, mask, norm.running_mean)
+        n = max(count, 1.0)
+        centred = sums[0] / n
+        batch_mean = (norm.running_mean.double() + centred).float()
+        batch_var = (sums[1] / n - centred.square()).clamp_min(0.0).float()
+        count = torch.tensor(count)
+        r, d = norm._step_correction(batch_mean, batch_var)
+        usable = norm._usable(count, batch_mean, batch_var)
+        mean = torch.where(usable, batch_mean, norm.running_mean)
+        inv_std = torch.rsqrt(torch.where(usable, batch_var, norm.running_var) + norm.eps)
+        r, d = torch.where(usable, r, torch.ones_like(r)), torch.where(usable, d, torch.zeros_like(d))
+        norm._update(batch_mean, batch_var, count, usable)
+        weight_ = weight.detach()
+        a = weight_ * r * inv_std
+        y = norm_eval(x, None, a, bias.detach() + weight_ * d - mean * a)
+        ctx.save_for_backward(x, mask, weight, mean, inv_std, r, d, usable, count)
+        ctx.norm = norm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, mask, weight, mean, inv_std, r, d, usable, count = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
+            return (*ctx.norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, usable, grad_output),
+                    None, None)
+        dy = grad_output.float().contiguous()
+        ones = torch.ones_like(mean)
+        _, sums = pn_backward(dy, x, None, None, ones, torch.zeros_like(mean), ones, ones, input_gradient=False)
+        s1 = sums[2]
+        s2 = (sums[0] - mean.double() * s1).float()
+        s1 = s1.float()
+        a = weight.detach() * r * inv_std
+        n = count.clamp_min(1.0)
+        c = torch.where(usable, a * inv_std.square() * s2 / n, torch.zeros_like(a))
+        e = torch.where(usable, a * s1 / n, torch.zeros_like(a)) - c * mean
+        grad_x = affine_backward(dy, x, mask, a, c, e)
+        grad_weight = (r * inv_std * s2 + d * s1).to(weight.dtype)
+        return grad_x, grad_weight, s1.to(weight.dtype), None, None
+
+
 class MaskedBatchNorm(_RunningStatsNorm):
     """Batch normalization for sequences: mean and variance over real tokens only.
 
@@ -1127,6 +1182,10 @@ class MaskedBatchNorm(_RunningStatsNorm):
         self.group_num = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self._step_in_c(hidden_states):
+            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+            mask = _kernel_mask(attention_mask)
+            return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(flat, hidden_states.shape)
         if out is not None:
@@ -1143,6 +1202,29 @@ class MaskedBatchNorm(_RunningStatsNorm):
             scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
             out = torch.addcmul(self.bias.to(dtype), xf - mean, scale)
         return out.to(flat.dtype).view(hidden_states.shape)
+
+    def _step_in_c(self, x: torch.Tensor) -> bool:
+        """Whether the training step runs in `_BatchNormFunction`: eager CPU float32 input with the C
+        kernels, float32 contiguous parameters and running statistics."""
+        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
+            return False
+        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_mean"],
+                   self._buffers["running_var"])
+        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+    def _step_correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """BRN's `(r, d)`; batch norm's `(1, 0)`."""
+        return torch.ones_like(batch_mean), torch.zeros_like(batch_mean)
+
+    def _differentiable_backward(self, x, mask, weight, mean, inv_std, r, d, usable, grad_output):
+        """`_BatchNormFunction`'s gradient through torch ops, the statistics recomputed from `x`."""
+        with torch.enable_grad():
+            token_weights = None if mask is None else (mask != 0).to(x.dtype)
+            _, batch_mean, batch_var = self._batch_moments(x, token_weights)
+            mean = torch.where(usable, batch_mean, mean)
+            inv_std = torch.where(usable, torch.rsqrt(batch_var + self.eps), inv_std)
+            y = torch.addcmul(self.bias + weight * d, x - mean, weight * r * inv_std)
+            return torch.autograd.grad(y, (x, weight, self.bias), grad_output, create_graph=True)
 
     @staticmethod
     def _batch_moments(xf: torch.Tensor, token_weights: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -1200,6 +1282,10 @@ class BatchRenorm(MaskedBatchNorm):
         self._last_correction = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self._step_in_c(hidden_states):
+            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+            mask = _kernel_mask(attention_mask)
+            return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(flat, hidden_states.shape)
         if out is not None:
@@ -1220,6 +1306,9 @@ class BatchRenorm(MaskedBatchNorm):
             out = torch.addcmul(bias, xf - mean, scale)
         return out.to(flat.dtype).view(hidden_states.shape)
 
+    def _step_correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._correction(batch_mean, batch_var)
+
     def _correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(r, d)` from the running statistics before this step; a recomputation reuses the step's pair."""
         if _in_recomputation() and self._last_correction is not None:
@@ -1234,6 +1323,39 @@ class BatchRenorm(MaskedBatchNorm):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}, rmax={self.rmax}, dmax={self.dmax}"
+
+
+class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
+    """MABN's training step in the C kernels: a statistics pass (`sum_V x^2`), the step's statistics
+    (`MovingAverageBatchNorm._forward_statistics`), an output pass `y = x * weight * r / chi + bias`;
+    the backward a sums pass (`sum_V dY x`, `sum_all dY x`, `sum_all dY`), `Psi` from
+    `Psi_B = weight * r * sum_V(dY x) / (chi N)`, and an input-gradient pass
+    `dx = dY * weight * r / chi - (real) * Psi * x / chi^2`. Saves `x`, as the torch ops save `z`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mask, norm):
+        x = x.contiguous()
+        sums, count = bn_moments(x, mask, torch.zeros_like(norm.running_phi))
+        count = torch.tensor(count)
+        inv_chi, r, step, usable = norm._forward_statistics(
+            x, None, moments=(count, (sums[1] / count.clamp_min(1.0)).float()))
+        y = norm_eval(x, None, weight.detach() * r * inv_chi, bias.detach())
+        ctx.save_for_backward(x, mask, weight, inv_chi, r, step, usable, count)
+        ctx.norm = norm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        _refuse_double_backward("MovingAverageBatchNorm")
+        x, mask, weight, inv_chi, r, step, usable, count = ctx.saved_tensors
+        dy = grad_output.float().contiguous()
+        ones = torch.ones_like(inv_chi)
+        _, sums = pn_backward(dy, x, mask, None, ones, torch.zeros_like(inv_chi), ones, ones, input_gradient=False)
+        sum_all, sum_real, sum_dy = sums.float()
+        a = weight.detach() * r * inv_chi
+        psi = ctx.norm._backward_statistic(a * sum_real / count.clamp_min(1.0), step, usable)
+        grad_x = affine_backward(dy, x, mask, a, psi * inv_chi.square(), torch.zeros_like(a))
+        return grad_x, (r * inv_chi * sum_all).to(weight.dtype), sum_dy.to(weight.dtype), None, None
 
 
 class _MovingAverageBatchNormFunction(torch.autograd.Function):
@@ -1320,6 +1442,11 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         self._last_statistics = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self._step_in_c(hidden_states):
+            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+            mask = _kernel_mask(attention_mask)
+            return _MovingAverageBatchNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view(
+                hidden_states.shape)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(flat, hidden_states.shape)
         if out is not None:
@@ -1338,15 +1465,27 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
     def _batch_phase(self, step: torch.Tensor) -> torch.Tensor:
         return (step <= self.window) | (step < self.warmup_steps)
 
-    def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
+    def _step_in_c(self, x: torch.Tensor) -> bool:
+        """Whether the training step runs in `_MovingAverageBatchNormStepFunction`: eager CPU float32
+        input with the C kernels, float32 contiguous parameters and running statistic."""
+        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
+            return False
+        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"])
+        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+    def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None, moments=None):
         """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the
         device. An unusable batch (no real token, non-finite values) divides by the running statistic
-        with `r = 1`, stores nothing and takes no backward statistic: the eval map, with its gradient."""
+        with `r = 1`, stores nothing and takes no backward statistic: the eval map, with its gradient.
+        `moments`: `(count, chi2_B)` when taken already (the C kernels)."""
         if _in_recomputation() and self._last_statistics is not None:
             return self._last_statistics  # same step: reuse its statistics, update nothing
         with torch.no_grad():  # no gradient flows through chi2 (see the backward)
-            count = _token_count(xf, token_weights)
-            chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
+            if moments is None:
+                count = _token_count(xf, token_weights)
+                chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
+            else:
+                count, chi2_batch = moments
             usable = self._usable(count, chi2_batch)
             step = self._next_step()
             _write_row_(self.window_phi, step % self.window, chi2_batch, keep=usable)

