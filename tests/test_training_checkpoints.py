@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from recipe_scripts import average_checkpoints, train_lm, train_wmt
 
 from hf_powernorm import training
-from hf_powernorm.training import checkpoints
+from hf_powernorm.training import averaging, checkpoints
 
 LM_TINY = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "32", "--dropout", "0.1", "--eval_steps", "2"]
@@ -386,7 +386,7 @@ def test_average_writes_a_complete_export_or_none_and_replaces_one_only_when_ask
     def failing_card(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoints, "complete_average_export", failing_card)
+    monkeypatch.setattr(averaging, "complete_average_export", failing_card)
     with pytest.raises(OSError, match="disk full"):
         average_checkpoints.main([*argv, "--overwrite"])
     assert (output / "stale.txt").is_file() and not list(tmp_path.glob(".averaged*"))  # the old export, whole

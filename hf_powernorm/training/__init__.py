@@ -6,6 +6,7 @@ metrics and the export. Never copied next to a checkpoint: the model files impor
 """
 
 from .arguments import PN_OPTIONS, add_recipe_args, check_args, check_batch_budget
+from .averaging import average_state_dicts, check_average_inputs, select_checkpoints, write_average
 from .batching import (
     IGNORE_INDEX,
     PaddingCollator,
@@ -20,8 +21,6 @@ from .checkpoints import (
     TRAINING_STATE_NAME,
     IncompleteCheckpointError,
     average_buffers_across_processes,
-    average_state_dicts,
-    check_average_inputs,
     check_output_dir,
     incomplete_checkpoints,
     latest_checkpoint,
@@ -29,11 +28,8 @@ from .checkpoints import (
     load_scheduler_state,
     prune_checkpoints,
     read_manifest,
-    resolve_resume_path,
     save_checkpoint,
     scheduler_state,
-    select_checkpoints,
-    write_average,
     write_manifest,
 )
 from .corpora import (
@@ -74,6 +70,7 @@ from .readers import (
     read_phrasebank,
     split_train,
 )
+from .resuming import resolve_resume_path
 from .run_log import RunLog, read_run_log
 from .study_runs import (
     STUDY_LM,

@@ -1,23 +1,20 @@
-"""Checkpoints: the training state (`save_state` / `load_state`), the best model, and the average
-of the last checkpoints (the paper's translation recipe, Section 5.1).
+"""Checkpoints: the training state (`save_state`), its manifest, listing and pruning, the loop's
+state as JSON, the output folder's checks, and the best model.
 
 A checkpoint is `<output_dir>/step_<N>`: Accelerate's training state (weights with the running
 statistics, optimizer, RNG), the loop's own state as JSON (`training_state.json`: schedule, early
 stopping, sampler), the model config and the tokenizer, so that it also loads with
-`from_pretrained` and averages with `average_checkpoints`. Statistics are averaged over the
-processes first, so a checkpoint never depends on the process that wrote it.
+`from_pretrained` and averages with `average_checkpoints` (`averaging.py`). Statistics are averaged
+over the processes first, so a checkpoint never depends on the process that wrote it.
 
 A checkpoint is written under a temporary name (`.step_<N>.tmp-<pid>`) and renamed into place when
-complete; its manifest `checkpoint.json` is written last: every file with its size and SHA-256,
-the step, the command-line options a resumed run must share (`RESUME_OPTIONS`), and the hash of
-what must not change when the run resumes (the model class, its config but for the fields of
-`RESUMABLE_CONFIG_FIELDS`, the tokenizer). A folder without a manifest that matches its files
-is incomplete: resuming and averaging pass it over. Nothing the project writes is unpickled;
-Accelerate's optimizer and RNG files are pickles, so checkpoint folders are trusted local files
-and never part of an export.
-
-Averaging takes floating-point tensors in float64 and keeps integer tensors (PN's
-`num_batches_tracked`) from the newest checkpoint, since the mean of step counters is not a step.
+complete (`atomic_files.py`); its manifest `checkpoint.json` is written last: every file with its
+size and SHA-256, the step, the command-line options a resumed run must share (`RESUME_OPTIONS`),
+and the hash of what must not change when the run resumes (the model class, its config but for the
+fields of `RESUMABLE_CONFIG_FIELDS`, the tokenizer). A folder without a manifest that matches its
+files is incomplete: resuming (`resuming.py`) and averaging pass it over. Nothing the project writes
+is unpickled; Accelerate's optimizer and RNG files are pickles, so checkpoint folders are trusted
+local files and never part of an export.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import os
 import re
 import shutil
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +34,11 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.optim.lr_scheduler import LambdaLR
-from tqdm.auto import tqdm
 
 from .arguments import PN_OPTIONS
-from .export import complete_average_export
-from .tokenization import has_tokenizer, load_tokenizer
+from .atomic_files import fsync, remove_path, replace_folder, write_json_atomically
 
 BEST_MODEL_DIR = "best_model"
 WEIGHTS_NAME = "model.safetensors"
@@ -68,8 +62,6 @@ RESUMABLE_CONFIG_FIELDS = ("transformers_version", "_name_or_path", "architectur
 RESUME_OPTIONS = ("preset", "config_name", "config_overrides", "norm_type", "encoder_norm_type",
                   "decoder_norm_type", *PN_OPTIONS, "gradient_accumulation_steps", "lr_scheduler_type",
                   "num_warmup_steps", "warmup_init_lr")
-# What an export copies from a checkpoint besides the weights: config, code, tokenizer.
-_EXPORT_SUFFIXES = (".json", ".py", ".txt", ".model")
 _CHECKPOINT_NAME = re.compile(r"^(?P<prefix>.*?)[_-]?(?P<number>\d+)$")
 _LEFTOVER_NAME = re.compile(r"^\.(?P<name>step_\d+|best_model)\.(?:tmp|old)-\d+$")
 
@@ -135,23 +127,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file or folder to the disk (a folder: its entries, after a rename)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as JSON to a temporary file beside `path`, flush it, and rename it into place."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    _fsync(temporary)
-    os.replace(temporary, path)
-
-
 def write_manifest(folder: str | Path, step: int, identity: dict[str, Any],
                    options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Flush every file of `folder` and write its manifest last (files, sizes, SHA-256, step, the
@@ -159,7 +134,7 @@ def write_manifest(folder: str | Path, step: int, identity: dict[str, Any],
     folder = Path(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
-        _fsync(path)
+        fsync(path)
         files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "config_hash": config_hash(identity), "identity": identity,
                 "options": options or {}, "files": files}
@@ -300,7 +275,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, model: tor
     if accelerator.is_main_process:
         _complete_checkpoint(temporary, accelerator.unwrap_model(model), tokenizer, completed_steps,
                              training_state or {}, options)
-        _replace(temporary, final)
+        replace_folder(temporary, final)
         _crash_point(_count_files(final) + 1, completed_steps)
         remove_leftovers(output_dir)
     accelerator.wait_for_everyone()
@@ -323,33 +298,12 @@ def _complete_checkpoint(folder: Path, model: torch.nn.Module, tokenizer: Any, s
     _crash_point(_count_files(folder), step)
 
 
-def _replace(temporary: Path, final: Path) -> None:
-    """Rename the complete `temporary` folder to `final`; an older `final` (the same update
-    written again) is moved aside first and removed after."""
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.is_symlink():
-        final.unlink()
-    elif final.exists():
-        os.rename(final, old)
-    os.rename(temporary, final)
-    _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
 def remove_leftovers(output_dir: str | Path) -> list[Path]:
     """Remove the temporary folders that interrupted checkpoint writes left in `output_dir`;
     return them."""
     leftovers = [p for p in Path(output_dir).iterdir() if p.is_dir() and _LEFTOVER_NAME.match(p.name)]
     for path in leftovers:
-        _remove(path)
+        remove_path(path)
     return leftovers
 
 
@@ -363,7 +317,7 @@ def prune_checkpoints(output_dir: str | Path, keep: int, protect: Iterable[str |
     old = list_checkpoints(output_dir, prefix="step")[:-keep]
     deleted = [path for path in old if path.absolute() not in protected]
     for path in deleted:
-        _remove(path)
+        remove_path(path)
     return deleted
 
 
@@ -397,108 +351,6 @@ def read_training_state(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise IncompleteCheckpointError(f"{folder}: no {TRAINING_STATE_NAME}")
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Resuming
-# ---------------------------------------------------------------------------------------------
-
-def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
-                        report: Callable[[str], None] = print) -> Path:
-    """`--resume_from_checkpoint`: a complete `step_<N>` folder, or `latest`, the newest complete
-    one in `output_dir` (`report` names the incomplete ones passed over). Every file is checked
-    against the manifest's SHA-256."""
-    if resume_from_checkpoint != "latest":
-        path = Path(resume_from_checkpoint)
-        checkpoint_step(path)
-        try:
-            read_manifest(path)
-        except IncompleteCheckpointError as error:
-            raise ValueError(f"--resume_from_checkpoint {path} is not a complete checkpoint: {error}") from None
-        return path
-    output_dir = Path(output_dir)
-    skipped = incomplete_checkpoints(output_dir) if output_dir.is_dir() else []
-    candidates = list_checkpoints(output_dir, prefix="step") if output_dir.is_dir() else []
-    chosen = None
-    for path in reversed(candidates):
-        try:
-            read_manifest(path)
-        except IncompleteCheckpointError as error:
-            skipped.append((path, str(error).removeprefix(f"{path}: ")))
-            continue
-        chosen = path
-        break
-    reasons = ", ".join(f"{path.name} ({reason})" for path, reason in skipped)
-    if chosen is None:
-        raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
-                         + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: start the "
-                         "run again with --overwrite_output_dir instead of --resume_from_checkpoint")
-    if skipped:
-        report(f"Passing over incomplete checkpoints in {output_dir}: {reasons}")
-    return chosen
-
-
-def check_resume_options(path: str | Path, args: argparse.Namespace) -> None:
-    """Before any data is read: the command-line options of `RESUME_OPTIONS` and the tokenizer of
-    this run against those of the run that wrote checkpoint `path`. Without a tokenizer of its own the run
-    takes the checkpoint's (`args.tokenizer_name` is set to it). Raises a `ValueError` naming every
-    difference."""
-    manifest = read_manifest(path, verify_hashes=False)
-    saved, identity = manifest["options"], manifest["identity"]
-    differences = [f"--{name} is {getattr(args, name, None)!r} here, {saved[name]!r} there"
-                   for name in RESUME_OPTIONS if name in saved and getattr(args, name, None) != saved[name]]
-    source = args.tokenizer_name or (args.model_name_or_path if has_tokenizer(args.model_name_or_path) else None)
-    if source is not None:
-        tokenizer = load_tokenizer(source)
-        if tokenizer_hash(tokenizer) != identity["tokenizer"]:
-            differences.append(f"the tokenizer of {source} ({len(tokenizer)} tokens) is not the checkpoint's "
-                               f"({identity['vocabulary_size']} tokens)")
-    else:
-        if saved.get("vocab_size") is not None and args.vocab_size != saved["vocab_size"]:
-            differences.append(f"--vocab_size is {args.vocab_size} here, {saved['vocab_size']} there")
-        args.tokenizer_name = str(path)
-    if differences:
-        raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another "
-                         f"configuration: {'; '.join(differences)}. Resume with that run's options, or start "
-                         f"a new run in another --output_dir")
-
-
-def check_resume_model(path: str | Path, model: torch.nn.Module, tokenizer: Any) -> None:
-    """Before loading checkpoint `path`: its model class, config (but for
-    `RESUMABLE_CONFIG_FIELDS`) and tokenizer must be this run's; raises a `ValueError` naming the
-    differences."""
-    manifest = read_manifest(path, verify_hashes=False)
-    identity = run_identity(model, tokenizer)
-    if config_hash(identity) == manifest["config_hash"]:
-        return
-    saved = manifest["identity"]
-    differences = [f"the model is {identity['model_class']} here, {saved['model_class']} there"] \
-        if identity["model_class"] != saved["model_class"] else []
-    ours, theirs = identity["config"], saved["config"]
-    differences += [f"{key} is {ours.get(key)!r} here, {theirs.get(key)!r} there"
-                    for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
-    if identity["tokenizer"] != saved["tokenizer"]:
-        differences.append(f"the tokenizer differs ({identity['vocabulary_size']} tokens here, "
-                           f"{saved['vocabulary_size']} there)")
-    raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another configuration: "
-                     f"{'; '.join(differences)}")
-
-
-def resume(accelerator: Accelerator, path: Path, gradient_accumulation_steps: int, batches_per_epoch: int,
-           scheduler: Any | None = None, stopper: Any | None = None) -> tuple[int, int, int, dict[str, Any]]:
-    """Load the training state of checkpoint `path` (Accelerate's files, then the schedule and
-    early stopping from `training_state.json`); return (completed updates, epoch, batches to skip
-    in it, the saved state)."""
-    accelerator.print(f"Resuming from {path}")
-    state = read_training_state(path)
-    accelerator.load_state(str(path))
-    if scheduler is not None and "scheduler" in state:
-        load_scheduler_state(scheduler, state["scheduler"])
-    if stopper is not None and state.get("early_stopping") is not None:
-        stopper.load_state_dict(state["early_stopping"])
-    completed = int(state["step"])
-    batches = completed * gradient_accumulation_steps
-    return completed, batches // batches_per_epoch, batches % batches_per_epoch, state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,12 +388,6 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | N
                              f"--output_dir {folder}")
 
 
-def clear_folder(folder: str | Path) -> None:
-    """Remove everything inside `folder` (kept itself)."""
-    for path in Path(folder).iterdir():
-        _remove(path)
-
-
 # ---------------------------------------------------------------------------------------------
 # Best model
 # ---------------------------------------------------------------------------------------------
@@ -554,10 +400,10 @@ def save_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir
     if accelerator.is_main_process:
         final = Path(output_dir) / BEST_MODEL_DIR
         temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        _remove(temporary)
+        remove_path(temporary)
         accelerator.unwrap_model(model).save_pretrained(temporary, save_function=accelerator.save)
         write_json_atomically(temporary / BEST_MODEL_STATE_NAME, {"step": step, "validation": score})
-        _replace(temporary, final)
+        replace_folder(temporary, final)
     accelerator.wait_for_everyone()
 
 
@@ -584,110 +430,3 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir
                          f"unexpected {result.unexpected_keys}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Averaging
-# ---------------------------------------------------------------------------------------------
-
-def select_checkpoints(checkpoint_dir: str | Path, num_checkpoints: int, prefix: str | None = None) -> list[Path]:
-    """The newest `num_checkpoints` complete checkpoints in `checkpoint_dir`, oldest first."""
-    if num_checkpoints < 1:
-        raise ValueError(f"num_checkpoints must be at least 1; got {num_checkpoints}")
-    found = list_checkpoints(checkpoint_dir, prefix)
-    if len(found) < num_checkpoints:
-        incomplete = [p.name for p, _ in incomplete_checkpoints(checkpoint_dir, prefix or "step")]
-        raise ValueError(f"asked to average the last {num_checkpoints} checkpoints but {checkpoint_dir} "
-                         f"holds {len(found)} complete ones: {[p.name for p in found]}"
-                         + (f" (incomplete: {incomplete})" if incomplete else ""))
-    return found[-num_checkpoints:]
-
-
-def check_average_inputs(folders: list[Path]) -> list[int]:
-    """Before averaging: every folder a complete checkpoint (each file against its SHA-256), given
-    oldest first without repeats; return their steps."""
-    if not folders:
-        raise ValueError("no checkpoint to average")
-    steps = []
-    for folder in folders:
-        try:
-            steps.append(read_manifest(folder)["step"])
-        except IncompleteCheckpointError as error:
-            raise ValueError(f"{folder} is not a complete checkpoint: {error}") from None
-    for (earlier, a), (later, b) in zip(zip(folders, steps), zip(folders[1:], steps[1:])):
-        if b <= a:
-            raise ValueError(f"checkpoints must be given oldest first, each once: {later} (update {b}) comes "
-                             f"after {earlier} (update {a})")
-    return steps
-
-
-def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    path = folder / WEIGHTS_NAME
-    if not path.is_file():
-        contents = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
-        raise FileNotFoundError(f"{path} not found (contents: {contents})")
-    with safe_open(str(path), framework="pt") as handle:
-        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-
-
-def _check_same_tensors(folder: Path, shapes: dict[str, tuple[int, ...]], newest: Path,
-                        reference: dict[str, tuple[int, ...]]) -> None:
-    if shapes.keys() != reference.keys():
-        diff = sorted(shapes.keys() ^ reference.keys())
-        raise ValueError(f"{folder} and {newest} hold different tensors: {diff[:10]}")
-    for key, shape in shapes.items():
-        if shape != reference[key]:
-            raise ValueError(f"tensor {key!r} has shape {shape} in {folder} but {reference[key]} in {newest}")
-
-
-def average_state_dicts(folders: list[Path]) -> dict[str, torch.Tensor]:
-    """The averaged state dict of `folders`, ordered oldest to newest; tensors of other names or
-    shapes are refused (from the files' headers) before any is read."""
-    if not folders:
-        raise ValueError("no checkpoint to average")
-    reference = _tensor_shapes(folders[-1])
-    for folder in folders[:-1]:
-        _check_same_tensors(folder, _tensor_shapes(folder), folders[-1], reference)
-    newest = load_file(str(folders[-1] / WEIGHTS_NAME))
-    sums = {k: v.double() for k, v in newest.items() if v.is_floating_point()}
-    for folder in tqdm(folders[:-1], desc="Averaging checkpoints"):
-        state = load_file(str(folder / WEIGHTS_NAME))
-        for key, total in sums.items():
-            total += state[key].double()
-    return {k: (sums[k] / len(folders)).to(v.dtype) if k in sums else v.clone() for k, v in newest.items()}
-
-
-def write_average(folders: list[Path], output_dir: str | Path, *, overwrite: bool = False,
-                  command: str | None = None) -> Path:
-    """Average the complete checkpoints `folders` (oldest first) into the export `output_dir`:
-    the averaged `model.safetensors`, the newest checkpoint's config, code and tokenizer (none of
-    its training state), `all_results.json`, and the model card (with `command`, how it was made).
-    The export is written in a temporary folder and renamed into place: it is complete or absent.
-    An existing `output_dir` is replaced only with `overwrite`."""
-    output_dir = Path(output_dir)
-    if output_dir.absolute() in {f.absolute() for f in folders}:
-        raise ValueError(f"output_dir {output_dir} is one of the averaged checkpoints")
-    if output_dir.exists() and not overwrite:
-        raise ValueError(f"output_dir {output_dir} already exists; pass --overwrite to replace it")
-    steps = check_average_inputs(folders)
-    averaged = average_state_dicts(folders)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
-    _remove(temporary)
-    temporary.mkdir()
-    try:
-        _write_export(folders, steps, averaged, temporary)
-        complete_average_export(temporary, output_dir.resolve().name, steps, command)
-    except BaseException:
-        _remove(temporary)
-        raise
-    _replace(temporary, output_dir)
-    return output_dir
-
-
-def _write_export(folders: list[Path], steps: list[int], averaged: dict[str, torch.Tensor], folder: Path) -> None:
-    newest = folders[-1]
-    for name in read_manifest(newest, verify_hashes=False)["files"]:
-        if "/" not in name and name.endswith(_EXPORT_SUFFIXES) and name not in (MANIFEST_NAME, TRAINING_STATE_NAME):
-            shutil.copy2(newest / name, folder / name)
-    save_file(averaged, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    results = {"averaged_checkpoints": [f.name for f in folders], "averaged_steps": steps, "train_steps": steps[-1]}
-    write_json_atomically(folder / "all_results.json", results)

@@ -32,28 +32,25 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..instrumentation import NormStatisticsRecorder
+from .arguments import check_batch_budget
+from .atomic_files import clear_folder
 from .checkpoints import (
     BEST_MODEL_DIR,
     average_buffers_across_processes,
     best_model_step,
     check_output_dir,
-    check_resume_model,
-    check_resume_options,
-    clear_folder,
     load_best_model,
-    resume_options,
     prune_checkpoints,
-    resolve_resume_path,
-    resume,
+    resume_options,
     save_best_model,
     save_checkpoint,
     scheduler_state,
 )
-from ..instrumentation import NormStatisticsRecorder
-from .arguments import check_batch_budget
 from .batching import PaddingCollator, eval_loader, train_loader
 from .models import norm_types
 from .optimization import build_optimizer, build_scheduler
+from .resuming import check_resume_model, check_resume_options, resolve_resume_path, resume
 from .run_log import RunLog, drop_records_after
 
 logger = get_logger(__name__)

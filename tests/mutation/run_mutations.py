@@ -213,6 +213,7 @@ OPTIMIZATION = "hf_powernorm/training/optimization.py"
 TOKENIZATION = "hf_powernorm/training/tokenization.py"
 BATCHING = "hf_powernorm/training/batching.py"
 CHECKPOINTS = "hf_powernorm/training/checkpoints.py"
+RESUMING = "hf_powernorm/training/resuming.py"
 LOOP = "hf_powernorm/training/loop.py"
 TRAINING_TESTS = ("tests/test_training_loop.py",)
 DATA_TESTS = ("tests/test_training_data.py",)
@@ -256,7 +257,7 @@ TRAINING_MUTATIONS: list[Mutation] = [
         ("tests/test_recipes_lm_cls.py::test_early_stopping_state_round_trips",),
         "early stopping keeps the worst validation as the best"),
     Mutation(
-        "resume-restarts-the-epoch", CHECKPOINTS,
+        "resume-restarts-the-epoch", RESUMING,
         "    return completed, batches // batches_per_epoch, batches % batches_per_epoch, state\n",
         "    return completed, batches // batches_per_epoch, 0, state\n",
         ("tests/test_recipes_lm_cls.py::test_lm_resume_from_latest_matches_an_unbroken_run",),

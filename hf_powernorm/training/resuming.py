@@ -1,0 +1,130 @@
+"""Resuming a run from a checkpoint (`--resume_from_checkpoint PATH|latest`): which checkpoint
+(`latest`: the newest complete one), whether it belongs to this run (the command-line options of
+`RESUME_OPTIONS`, the tokenizer, the model class and config), and loading its training state.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from .checkpoints import (
+    RESUME_OPTIONS,
+    IncompleteCheckpointError,
+    checkpoint_step,
+    config_hash,
+    incomplete_checkpoints,
+    list_checkpoints,
+    load_scheduler_state,
+    read_manifest,
+    read_training_state,
+    run_identity,
+    tokenizer_hash,
+)
+from .tokenization import has_tokenizer, load_tokenizer
+
+
+def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
+                        report: Callable[[str], None] = print) -> Path:
+    """`--resume_from_checkpoint`: a complete `step_<N>` folder, or `latest`, the newest complete
+    one in `output_dir` (`report` names the incomplete ones passed over). Every file is checked
+    against the manifest's SHA-256."""
+    if resume_from_checkpoint != "latest":
+        path = Path(resume_from_checkpoint)
+        checkpoint_step(path)
+        try:
+            read_manifest(path)
+        except IncompleteCheckpointError as error:
+            raise ValueError(f"--resume_from_checkpoint {path} is not a complete checkpoint: {error}") from None
+        return path
+    output_dir = Path(output_dir)
+    skipped = incomplete_checkpoints(output_dir) if output_dir.is_dir() else []
+    candidates = list_checkpoints(output_dir, prefix="step") if output_dir.is_dir() else []
+    chosen = None
+    for path in reversed(candidates):
+        try:
+            read_manifest(path)
+        except IncompleteCheckpointError as error:
+            skipped.append((path, str(error).removeprefix(f"{path}: ")))
+            continue
+        chosen = path
+        break
+    reasons = ", ".join(f"{path.name} ({reason})" for path, reason in skipped)
+    if chosen is None:
+        raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
+                         + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: start the "
+                         "run again with --overwrite_output_dir instead of --resume_from_checkpoint")
+    if skipped:
+        report(f"Passing over incomplete checkpoints in {output_dir}: {reasons}")
+    return chosen
+
+
+def check_resume_options(path: str | Path, args: argparse.Namespace) -> None:
+    """Before any data is read: the command-line options of `RESUME_OPTIONS` and the tokenizer of
+    this run against those of the run that wrote checkpoint `path`. Without a tokenizer of its own the run
+    takes the checkpoint's (`args.tokenizer_name` is set to it). Raises a `ValueError` naming every
+    difference."""
+    manifest = read_manifest(path, verify_hashes=False)
+    saved, identity = manifest["options"], manifest["identity"]
+    differences = [f"--{name} is {getattr(args, name, None)!r} here, {saved[name]!r} there"
+                   for name in RESUME_OPTIONS if name in saved and getattr(args, name, None) != saved[name]]
+    source = args.tokenizer_name or (args.model_name_or_path if has_tokenizer(args.model_name_or_path) else None)
+    if source is not None:
+        tokenizer = load_tokenizer(source)
+        if tokenizer_hash(tokenizer) != identity["tokenizer"]:
+            differences.append(f"the tokenizer of {source} ({len(tokenizer)} tokens) is not the checkpoint's "
+                               f"({identity['vocabulary_size']} tokens)")
+    else:
+        if saved.get("vocab_size") is not None and args.vocab_size != saved["vocab_size"]:
+            differences.append(f"--vocab_size is {args.vocab_size} here, {saved['vocab_size']} there")
+        args.tokenizer_name = str(path)
+    if differences:
+        raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another "
+                         f"configuration: {'; '.join(differences)}. Resume with that run's options, or start "
+                         f"a new run in another --output_dir")
+
+
+def check_resume_model(path: str | Path, model: torch.nn.Module, tokenizer: Any) -> None:
+    """Before loading checkpoint `path`: its model class, config (but for
+    `RESUMABLE_CONFIG_FIELDS`) and tokenizer must be this run's; raises a `ValueError` naming the
+    differences."""
+    manifest = read_manifest(path, verify_hashes=False)
+    identity = run_identity(model, tokenizer)
+    if config_hash(identity) == manifest["config_hash"]:
+        return
+    saved = manifest["identity"]
+    differences = [f"the model is {identity['model_class']} here, {saved['model_class']} there"] \
+        if identity["model_class"] != saved["model_class"] else []
+    ours, theirs = identity["config"], saved["config"]
+    differences += [f"{key} is {ours.get(key)!r} here, {theirs.get(key)!r} there"
+                    for key in sorted(ours.keys() | theirs.keys()) if ours.get(key) != theirs.get(key)]
+    if identity["tokenizer"] != saved["tokenizer"]:
+        differences.append(f"the tokenizer differs ({identity['vocabulary_size']} tokens here, "
+                           f"{saved['vocabulary_size']} there)")
+    raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another configuration: "
+                     f"{'; '.join(differences)}")
+
+
+def resume(accelerator: Accelerator, path: Path, gradient_accumulation_steps: int, batches_per_epoch: int,
+           scheduler: Any | None = None, stopper: Any | None = None) -> tuple[int, int, int, dict[str, Any]]:
+    """Load the training state of checkpoint `path` (Accelerate's files, then the schedule and
+    early stopping from `training_state.json`); return (completed updates, epoch, batches to skip
+    in it, the saved state)."""
+    accelerator.print(f"Resuming from {path}")
+    state = read_training_state(path)
+    accelerator.load_state(str(path))
+    if scheduler is not None and "scheduler" in state:
+        load_scheduler_state(scheduler, state["scheduler"])
+    if stopper is not None and state.get("early_stopping") is not None:
+        stopper.load_state_dict(state["early_stopping"])
+    completed = int(state["step"])
+    batches = completed * gradient_accumulation_steps
+    return completed, batches // batches_per_epoch, batches % batches_per_epoch, state
+
+
+__all__ = ["check_resume_model", "check_resume_options", "resolve_resume_path", "resume"]
