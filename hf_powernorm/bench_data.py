@@ -1,6 +1,6 @@
 """Data benchmark: peak memory and time of the language-modelling data path against corpus size.
 
-    python -m hf_powernorm.bench_data [--text ../shared/data/ptb/ptb.train.txt] [--copies 1 10 100]
+    python -m hf_powernorm.bench_data --train_file ptb/ptb.train.txt [--copies 1 10 100]
 
 The corpus is the text file repeated `--copies` times (100 copies of PTB's training text are
 about WikiText-103's 100M tokens). For each size a fresh process reads it with `load_lm_dataset`,
@@ -83,7 +83,8 @@ def corpus_size(text: Path) -> int:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--text", default="../shared/data/ptb/ptb.train.txt", help="a plain-text corpus file")
+    parser.add_argument("--train_file", "--text", dest="text", required=True,
+                        help="a plain-text corpus file, one line a row (e.g. PTB's ptb.train.txt)")
     parser.add_argument("--copies", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--vocab_size", type=int, default=16000)
     parser.add_argument("--block_size", type=int, default=256)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     text = Path(args.text)
     if not text.is_file():
-        raise FileNotFoundError(f"--text {text}: not found (the shared corpora live in ../shared/data)")
+        raise FileNotFoundError(f"--train_file {text}: not found")
     from .training import column_texts, load_lm_dataset, train_bpe_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:

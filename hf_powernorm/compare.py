@@ -133,7 +133,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.jobs > 1 and _world_size() > 1:
         raise ValueError("--jobs runs several CPU processes; under `accelerate launch` each run already uses "
                          "every process: leave --jobs at 1")
-    embedded = args.model_name_or_path is None
+    embedded = args.embedded_default = args.model_name_or_path is None
     if embedded and args.task != "causal-lm":
         raise ValueError(f"--task {args.task} needs --model_name_or_path (a Hub id or a folder); only the embedded "
                          f"default (a tiny GPT-2, --task causal-lm) builds its own model")
@@ -519,7 +519,7 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
     """report.md: the table over seeds, the verdicts against the first norm, the rule and the settings."""
     task = TASKS[args.task]
     metric, better = task.metric, "lower" if task.mode == "min" else "higher"
-    lines = [f"# Does PN help {args.model_name_or_path}?", "",
+    lines = [f"# Does PN help {_model_description(args)}?", "",
              f"Task `{args.task}`, {_data_description(args)}; the model's norms: "
              + ", ".join(f"{count} {name}" for name, count in norm_counts.items())
              + f" (`{BASELINE}`: unchanged). Each norm fine-tuned for {args.max_train_steps or 'all'} updates at "
@@ -555,6 +555,10 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
 
 def _test_scores(results: Sequence[dict[str, Any]], norm: str, chosen: dict[str, float], metric: str) -> list[float]:
     return [r["scores"][f"test_{metric}"] for r in _final(results, norm, chosen) if f"test_{metric}" in r["scores"]]
+
+
+def _model_description(args: argparse.Namespace) -> str:
+    return "a tiny GPT-2 (the embedded default)" if args.embedded_default else args.model_name_or_path
 
 
 def _data_description(args: argparse.Namespace) -> str:
@@ -593,7 +597,7 @@ def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
                           alpha=0.2)
     axis.set_xlabel("update")
     axis.set_ylabel(f"validation {TASKS[args.task].metric}")
-    axis.set_title(f"{Path(args.model_name_or_path).name}, {args.task}")
+    axis.set_title(f"{_model_description(args)}, {args.task}")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

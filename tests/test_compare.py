@@ -175,6 +175,22 @@ def test_local_model_comparison_on_files(case, request, tmp_path):
     assert log["norm"] == "powernorm" and log["train_steps"] == 2
 
 
+def test_tune_lr_picks_each_norms_rate_on_validation_with_the_first_seed(gpt2_case, tmp_path):
+    model, task, data = gpt2_case
+    output = tmp_path / "compare"
+    rows = compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", "--tune_lr",
+                         "--lr_grid", "1e-4", "3e-3", *TINY, "--output_dir", str(output)])
+    runs = {(r["norm"], r["learning_rate"], r["seed"], r["chosen"]) for r in rows}
+    for norm in ("layernorm", "powernorm"):
+        tuned = {lr: r["perplexity"] for r in rows for lr in (r["learning_rate"],)
+                 if r["norm"] == norm and r["seed"] == 1 and r["split"] == "validation"}
+        best = min(tuned, key=tuned.get)
+        assert set(tuned) == {1e-4, 3e-3}
+        assert {(norm, best, seed, True) for seed in (1, 2)} <= runs  # every seed at the chosen rate
+        assert not any(n == norm and lr != best and (seed == 2 or chosen) for n, lr, seed, chosen in runs)
+    assert "| layernorm | " in (output / "report.md").read_text(encoding="utf-8")
+
+
 def test_second_run_reads_the_tokenization_cache(gpt2_case, tmp_path):
     model, task, data = gpt2_case
     args = compare.parse_args(["--model_name_or_path", model, "--task", task, *data, "--output_dir", str(tmp_path)])

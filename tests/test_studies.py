@@ -273,3 +273,66 @@ def test_seeds_of_lists_each_seed_with_a_run_once_in_order():
 
     assert seeds_of([{"seed": 3}, {"seed": 1}, {"seed": 3}, {"seed": 2}]) == [1, 2, 3]
     assert seeds_of([]) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Data as users give it: no default corpus path, the recipes' data options
+# --------------------------------------------------------------------------------------------
+
+def _text_files(folder, sizes=(("train", 120), ("validation", 20), ("test", 20))):
+    from hf_powernorm.training import synthetic_lm_corpus
+
+    corpus = synthetic_lm_corpus(dict(sizes), seed=7)
+    files = {}
+    for split, part in corpus.items():
+        files[split] = folder / f"{split}.txt"
+        files[split].write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
+    return files
+
+
+def test_lm_study_trains_on_the_users_files_or_a_load_dataset_folder(tmp_path):
+    files = _text_files(tmp_path)
+    argv = ["--smoke", "--seeds", "1", "--settings", "layernorm", "--max_train_steps", "2"]
+    given = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
+             "--test_file", str(files["test"])]
+    [result] = warmup_switch.main([*argv, *given, "--output_dir", str(tmp_path / "files")])
+    assert result["files"] == {split: str(path.resolve()) for split, path in files.items()}
+    # `--dataset_name` takes whatever `datasets.load_dataset` reads: here a local folder of text files.
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "train.txt").write_text(files["train"].read_text(encoding="utf-8"), encoding="utf-8")
+    [result] = warmup_switch.main([*argv, "--dataset_name", str(folder), "--output_dir", str(tmp_path / "hub")])
+    assert sorted(result["files"]) == ["test", "train", "validation"]  # carved out of train
+    assert result["test_perplexity"] > 1
+
+
+def test_study_without_data_options_names_them_and_only_smoke_uses_the_embedded_corpus(tmp_path):
+    from hf_powernorm.training.study_runs import lm_split_files
+
+    with pytest.raises(ValueError, match="--data_dir .*--train_file/--validation_file/--test_file.*--dataset_name"):
+        warmup_switch.main(["--seeds", "1", "--output_dir", str(tmp_path / "none")])
+    assert not (tmp_path / "none" / "cells").exists()
+    with pytest.raises(ValueError, match="also pass --test_file"):
+        lm_split_files(None, tmp_path, False, data_files={"train": "a.txt", "validation": "b.txt"})
+    assert lm_split_files(None, tmp_path, True)["train"].endswith("smoke.train.txt")
+    norm_comparison = load_recipe("studies/norm_comparison")
+    with pytest.raises(ValueError, match="--tasks multi30k needs --data_dir"):
+        norm_comparison.parse_args(["--tasks", "multi30k"])
+    with pytest.raises(ValueError, match="no PTB data: pass --data_dir"):
+        norm_comparison.parse_args(["--tasks", "ptb"])
+    phrasebank_norms = load_recipe("studies/phrasebank_norms")
+    with pytest.raises(ValueError, match="pass --phrasebank_file .* or --data_dir"):
+        phrasebank_norms.parse_args([])
+    from hf_powernorm import bench_data
+
+    with pytest.raises(SystemExit):
+        bench_data.main([])
+
+
+def test_no_study_or_benchmark_defaults_to_a_path_outside_the_project():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [*root.glob("recipes/**/*.py"), *root.glob("hf_powernorm/**/*.py")]
+    assert sources
+    assert not [str(p.relative_to(root)) for p in sources if "../shared" in p.read_text(encoding="utf-8")]

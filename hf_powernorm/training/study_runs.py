@@ -1,6 +1,7 @@
-"""The language-model runs the studies share: PTB's split files (or the embedded corpus at smoke
-size), its BPE and token blocks prepared once per study, and one causal-LM training run through the
-recipes' own argument parser and `fit`, returning the trained model with its scores."""
+"""The language-model runs the studies share: their data options and split files (PTB's, the
+user's files or a `datasets.load_dataset` corpus, or the embedded corpus at smoke size), the BPE
+and token blocks prepared once per study, and one causal-LM training run through the recipes' own
+argument parser and `fit`, returning the trained model with its scores."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .loop import fit, make_accelerator, prepare_eval_loaders
 from .losses import causal_lm_loss
 from .metrics import count_words
 from .models import build_model
-from .readers import load_lm_dataset
+from .readers import data_files_from_args, load_lm_dataset, split_train
 from .run_log import read_run_log
 from .tokenization import (
     column_texts,
@@ -39,22 +40,66 @@ PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
 WINDOW, PEAK_WINDOW = 10, 50
 
 
-def lm_split_files(data_dir: str | Path, output_dir: str | Path, smoke: bool) -> dict[str, str]:
-    """PTB's `ptb.{train,valid,test}.txt` under `data_dir`, or with `smoke` the embedded corpus
-    written once into `output_dir`. A missing PTB raises `FileNotFoundError` naming the folder."""
+# What a study without data options says it needs.
+DATA_OPTIONS = ("--data_dir (a folder holding ptb/ptb.{train,valid,test}.txt), --train_file/--validation_file/"
+                "--test_file (plain text, one line a row), or --dataset_name (a Hub id, or a local folder or file "
+                "that datasets.load_dataset reads)")
+
+
+def lm_split_files(data_dir: str | Path | None, output_dir: str | Path, smoke: bool, *,
+                   data_files: dict[str, str] | None = None, dataset_name: str | None = None,
+                   dataset_config: str | None = None) -> dict[str, str]:
+    """The text file of each split (train, validation, test): `data_files` as given, the splits of
+    `dataset_name` written once into `output_dir` (validation and test carved out of train where
+    missing), PTB's `ptb.{train,valid,test}.txt` under `data_dir`, or with `smoke` and no data
+    the embedded corpus written once into `output_dir`. Without any, a ValueError names the options;
+    a missing PTB raises `FileNotFoundError` naming the folder."""
+    if data_files:
+        missing = [f"--{split}_file" for split in ("train", "validation", "test") if split not in data_files]
+        if missing:
+            raise ValueError(f"a study trains on train and scores validation and test: also pass {', '.join(missing)}")
+        return {split: str(Path(path).resolve()) for split, path in data_files.items()}
+    if dataset_name:
+        return _dataset_split_files(dataset_name, dataset_config, Path(output_dir))
+    if data_dir is None and not smoke:
+        raise ValueError(f"no data: pass {DATA_OPTIONS}; or --smoke for the embedded corpus at tiny sizes")
     if not smoke:
         folder = Path(data_dir).resolve() / "ptb"
         if not (folder / "ptb.train.txt").is_file():
-            raise FileNotFoundError(f"--data_dir {data_dir}: no ptb/ptb.train.txt there (the shared corpora live "
-                                    f"in ../shared/data; --smoke runs on the embedded corpus)")
+            raise FileNotFoundError(f"--data_dir {data_dir}: no ptb/ptb.train.txt there (or pass --train_file/"
+                                    f"--validation_file/--test_file or --dataset_name; --smoke runs on the embedded "
+                                    f"corpus)")
         return {split: str(folder / f"ptb.{name}.txt") for split, name in PTB_SPLITS}
-    corpus = synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=3)
+    return _write_split_files(synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=3),
+                              Path(output_dir), "smoke")
+
+
+def _dataset_split_files(name: str, config: str | None, output_dir: Path) -> dict[str, str]:
+    """`datasets.load_dataset(name, config)`'s text splits as files in `output_dir` (once)."""
+    files = {split: output_dir / f"dataset.{split}.txt" for split, _ in PTB_SPLITS}
+    if all(path.is_file() for path in files.values()):
+        return {split: str(path) for split, path in files.items()}
+    return _write_split_files(split_train(load_lm_dataset(dataset_name=name, dataset_config=config), seed=0),
+                              output_dir, "dataset")
+
+
+def _write_split_files(corpus: Any, output_dir: Path, prefix: str) -> dict[str, str]:
+    """Each split's `text` column as `output_dir/{prefix}.{split}.txt`, one row a line (once)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
     files = {}
     for split, part in corpus.items():
-        files[split] = str(Path(output_dir) / f"smoke.{split}.txt")
+        files[split] = str(output_dir / f"{prefix}.{split}.txt")
         if not Path(files[split]).is_file():
-            Path(files[split]).write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
+            with open(files[split], "w", encoding="utf-8") as handle:
+                handle.writelines(line + "\n" for line in column_texts(part))
     return files
+
+
+def study_data_files(args: argparse.Namespace, output_dir: str | Path) -> dict[str, str]:
+    """`lm_split_files` from a study's data options (`add_study_data_args`)."""
+    return lm_split_files(args.data_dir, output_dir, args.smoke,
+                          data_files=data_files_from_args(args.train_file, args.validation_file, args.test_file),
+                          dataset_name=args.dataset_name, dataset_config=args.dataset_config)
 
 
 def prepare_lm_data(files: dict[str, str], output_dir: str | Path, vocab_size: int, block_size: int) -> str:
@@ -194,12 +239,27 @@ def lm_size(args: argparse.Namespace) -> dict[str, Any]:
             "num_attention_heads": args.hidden_size // 32, "decoder_layers": args.layers}
 
 
+def add_study_data_args(parser: argparse.ArgumentParser, data_dir_holds: str) -> argparse.ArgumentParser:
+    """The data options of a study: `--data_dir` (no default: a study without data runs only with
+    `--smoke`), and the recipes' `--train_file/--validation_file/--test_file` and
+    `--dataset_name/--dataset_config_name` (read by `datasets.load_dataset`, a local folder too)."""
+    data = parser.add_argument_group("data (one of them; none with --smoke: the embedded corpus)")
+    data.add_argument("--data_dir", help=f"a folder holding {data_dir_holds}")
+    data.add_argument("--train_file", help="the training split's file (instead of --data_dir)")
+    data.add_argument("--validation_file")
+    data.add_argument("--test_file")
+    data.add_argument("--dataset_name", help="a Hub dataset id, or a local folder or file for datasets.load_dataset")
+    data.add_argument("--dataset_config_name", "--dataset_config", dest="dataset_config",
+                      help="the dataset's configuration")
+    return parser
+
+
 def add_study_args(parser: argparse.ArgumentParser, sizes: dict[str, dict[str, Any]], output_dir: str,
                    seeds: Sequence[int]) -> argparse.ArgumentParser:
-    """The options every LM study shares: `--data_dir`, `--output_dir`, `--seeds`, `--jobs`,
+    """The options every LM study shares: the data (`add_study_data_args`), `--output_dir`, `--seeds`, `--jobs`,
     `--smoke`, `--report_only`, the LM's size, and one flag per entry of `sizes["real"]` (default from
     `sizes["smoke"]` with `--smoke`; `fill_sizes` sets them after parsing)."""
-    parser.add_argument("--data_dir", default="../shared/data", help="holds ptb/ptb.{train,valid,test}.txt")
+    add_study_data_args(parser, "ptb/ptb.{train,valid,test}.txt")
     parser.add_argument("--output_dir", default=output_dir)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
@@ -228,7 +288,7 @@ def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_
     those of the finished cells. Returns the results in cell order."""
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+    files = study_data_files(args, output_dir)
     tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
     grid = make_cells(args, files, tokenizer)
     results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc=desc, report_only=args.report_only)

@@ -10,7 +10,7 @@ norm position, for every seed, scored by validation and test perplexity. PN's wa
 forward passes, so it spans the same updates at every mini-batch size. Writes `results.csv`,
 `summary.md` and `batch_size.png` into `--output_dir`.
 
-    python recipes/studies/batch_size.py --jobs 2                       # PTB from ../shared/data
+    python recipes/studies/batch_size.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/batch_size.py --smoke --output_dir /tmp/bs   # embedded corpus, seconds
 
 Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).

@@ -18,7 +18,7 @@ and writes `results.csv` (one row per run: fluctuation summaries of the first no
 fraction, singular-value summaries, scores), `statistics.csv` (the recorded rows of every run),
 `summary.md` and `figure2_3.png`, `figure4.png`, `figure6.png`, `figure7.png` into `--output_dir`.
 
-    python recipes/studies/batch_statistics.py --jobs 2                      # PTB from ../shared/data
+    python recipes/studies/batch_statistics.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/batch_statistics.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
 Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).

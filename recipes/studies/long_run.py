@@ -9,7 +9,7 @@ reports whether and when the training loss first stopped being finite, the large
 after warmup, the last logged loss and validation and test perplexity, as `results.csv`,
 `summary.md` and `long_run.png` (training loss over updates) in `--output_dir`.
 
-    python recipes/studies/long_run.py --jobs 2                       # PTB from ../shared/data
+    python recipes/studies/long_run.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/long_run.py --smoke --output_dir /tmp/lr   # embedded corpus, seconds
 
 Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).

@@ -18,7 +18,9 @@ It writes `results.csv` (one row per run), `curves.csv` (validation score per ev
 `curves_<task>.png` into `--output_dir`. Cells run seed-major, so that a grid stopped early has
 every norm at its first seeds.
 
-    python recipes/studies/norm_comparison.py --tasks ptb --jobs 2              # ../shared/data
+    python recipes/studies/norm_comparison.py --data_dir DIR --jobs 2          # DIR holds ptb/, multi30k/raw/
+    python recipes/studies/norm_comparison.py --tasks ptb --train_file ptb.train.txt \
+        --validation_file ptb.valid.txt --test_file ptb.test.txt              # or --dataset_name ptb_text_only
     python recipes/studies/norm_comparison.py --smoke --output_dir /tmp/nc      # embedded corpora, seconds
 
 Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`); `--report_only`
@@ -44,7 +46,6 @@ from hf_powernorm.training import (
     budget_argv,
     lm_run_args,
     lm_size,
-    lm_split_files,
     mean_std,
     prepare_lm_data,
     read_run_log,
@@ -53,6 +54,7 @@ from hf_powernorm.training import (
     train_causal_lm,
     write_rows,
 )
+from hf_powernorm.training.study_runs import DATA_OPTIONS, add_study_data_args, study_data_files
 
 RECIPES = Path(__file__).resolve().parents[1]
 SETTINGS = {
@@ -84,7 +86,8 @@ LOWER_IS_BETTER = {"ptb": True, "multi30k": False}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data_dir", default="../shared/data", help="holds ptb/ and multi30k/raw/")
+    add_study_data_args(p, "ptb/ptb.{train,valid,test}.txt and multi30k/raw/ (Multi30k needs it; PTB may come "
+                           "from the other options)")
     p.add_argument("--output_dir", default="outputs/studies/norm_comparison")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
@@ -106,16 +109,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.sizes[task]["max_train_steps"] = steps
     if "multi30k" in args.tasks and not args.smoke:
         _multi30k_files(args.data_dir)  # fails now, not after the PTB runs
+    if "ptb" in args.tasks and not args.smoke and not (args.data_dir or args.train_file or args.dataset_name):
+        raise ValueError(f"no PTB data: pass {DATA_OPTIONS}; or --smoke for the embedded corpora")
     return args
 
 
-def _multi30k_files(data_dir: str) -> dict[str, str]:
+def _multi30k_files(data_dir: str | None) -> dict[str, str]:
+    if data_dir is None:
+        raise ValueError("--tasks multi30k needs --data_dir (a folder holding multi30k/raw/), or --smoke for the "
+                         "embedded corpus")
     folder = Path(data_dir).resolve() / "multi30k" / "raw"
     files = {"train": folder / "train", "validation": folder / "val", "test": folder / "test_2016_flickr"}
     missing = [str(prefix) + ".de" for prefix in files.values() if not Path(str(prefix) + ".de").is_file()]
     if missing:
-        raise FileNotFoundError(f"--data_dir {data_dir}: no Multi30k files {missing} (the shared corpora live in "
-                                f"../shared/data; --smoke runs on the embedded corpus)")
+        raise FileNotFoundError(f"--data_dir {data_dir}: no Multi30k files {missing} (--smoke runs on the embedded "
+                                f"corpus)")
     return {split: str(prefix) for split, prefix in files.items()}
 
 
@@ -168,7 +176,7 @@ def _inputs(args: argparse.Namespace, output_dir: Path) -> dict[str, dict[str, A
     inputs: dict[str, dict[str, Any]] = {}
     if "ptb" in args.tasks:
         sizes = args.sizes["ptb"]
-        files = lm_split_files(args.data_dir, output_dir, args.smoke)
+        files = study_data_files(args, output_dir)
         inputs["ptb"] = {"files": files, "model_size": lm_size(args),
                          "tokenizer": prepare_lm_data(files, output_dir, sizes["vocab_size"], sizes["block_size"])}
     if "multi30k" in args.tasks:

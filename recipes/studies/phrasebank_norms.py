@@ -43,7 +43,7 @@ Writes `results.csv` (one row per training run), `gradient_norms.csv`, `lipschit
 `summary.md` and the figures `gradient_norms.png`, `loss_curves.png`, `lipschitz.png` into
 `--output_dir`.
 
-    python recipes/studies/phrasebank_norms.py --jobs 2                      # PhraseBank from ../shared/data
+    python recipes/studies/phrasebank_norms.py --data_dir DIR --jobs 2       # DIR holds the PhraseBank
     python recipes/studies/phrasebank_norms.py --smoke --output_dir /tmp/p   # embedded corpus, seconds
 
 Runs resume: a finished grid cell is never redone (`hf_powernorm.training.run_grid`).
@@ -115,7 +115,9 @@ DOCUMENT_TABLE_NUMBERS = {shape: number for number, shape in enumerate(SHAPES, s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data_dir", default="../shared/data", help=f"holds {PHRASEBANK_FILE}")
+    p.add_argument("--data_dir", help=f"a folder holding {PHRASEBANK_FILE}")
+    p.add_argument("--phrasebank_file", help="a Financial PhraseBank file (sentence@label per line), instead of "
+                                             "--data_dir")
     p.add_argument("--output_dir", default="outputs/studies/phrasebank_norms")
     p.add_argument("--tokenizer", help="a saved WordPiece tokenizer folder (default: trained on the training split)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -134,9 +136,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.widths = args.widths or WIDTHS[sizes]
-    if not args.smoke and not (Path(args.data_dir) / PHRASEBANK_FILE).is_file():
-        raise FileNotFoundError(f"--data_dir {args.data_dir}: no {PHRASEBANK_FILE} there (the shared corpora "
-                                f"live in ../shared/data; --smoke runs on the embedded corpus)")
+    if args.phrasebank_file is None and args.data_dir is not None:
+        args.phrasebank_file = str(Path(args.data_dir) / PHRASEBANK_FILE)
+    if args.phrasebank_file is None and not args.smoke:
+        raise ValueError("no data: pass --phrasebank_file (the Sentences_AllAgree.txt file) or --data_dir (a folder "
+                         f"holding {PHRASEBANK_FILE}); or --smoke for the embedded corpus at tiny sizes")
+    if args.phrasebank_file is not None and not Path(args.phrasebank_file).is_file():
+        raise FileNotFoundError(f"--phrasebank_file {args.phrasebank_file}: not found")
     return args
 
 
@@ -191,7 +197,7 @@ def load_wordpiece_tokenizer(path: str | Path):
 
 def _prepare(args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
     """Train (or take) the tokenizer once and fill the tokenization cache, so the cells only read it."""
-    phrasebank = None if args.smoke else str((Path(args.data_dir) / PHRASEBANK_FILE).resolve())
+    phrasebank = str(Path(args.phrasebank_file).resolve()) if args.phrasebank_file else None
     data = {"phrasebank": phrasebank}
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else output_dir / "tokenizer"
     if not args.tokenizer and not (tokenizer_dir / "tokenizer.json").is_file():
@@ -646,7 +652,8 @@ def _lipschitz_lines(results: list[dict[str, Any]], args: argparse.Namespace) ->
 
 
 def write_summary(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    corpus = "embedded corpus, smoke sizes" if args.smoke else "Financial PhraseBank, full agreement"
+    corpus = (("smoke sizes, " if args.smoke else "")
+              + ("Financial PhraseBank, full agreement" if args.phrasebank_file else "embedded corpus"))
     lines = [f"# Normalization in a post-norm Transformer encoder ({corpus})", "",
              (f"Widths (narrow, normal, wide) {args.widths}, {args.epochs} epochs of plain SGD, batches of "
               f"{args.batch_size}, seeds {seeds_of(results)}. C = converged (most seeds), N = not; k/n converged seeds; "

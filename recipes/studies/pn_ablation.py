@@ -18,7 +18,7 @@ setting under which PN does best with its spread, as `results.csv`, `summary.md`
 `ablation.png` in `--output_dir`. Two settings that are the same run at the chosen budget (warmup
 double and half the run, at 600 updates) run once and report the same runs.
 
-    python recipes/studies/pn_ablation.py --jobs 2                       # PTB from ../shared/data
+    python recipes/studies/pn_ablation.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/pn_ablation.py --smoke --output_dir /tmp/ab   # embedded corpus, seconds
 
 Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).

@@ -16,7 +16,7 @@ each for every seed, the same budget and hyper-parameters, and reports the loss 
 excess over the pre-switch mean in the 50 after), validation and test perplexity (per BPE token and
 per word), as `results.csv`, `summary.md` and `loss_at_switch.png` in `--output_dir`.
 
-    python recipes/studies/warmup_switch.py --jobs 2                      # PTB from ../shared/data
+    python recipes/studies/warmup_switch.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/warmup_switch.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
 Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
