@@ -79,7 +79,8 @@ MODEL_NORMS = [("seq2seq", "powernorm", "powernorm"), ("causal", "powernorm", "p
                ("causal", "batchrenorm", "mabn"),
                *[pytest.param(head, norm, norm, marks=pytest.mark.slow)
                  for head in ("seq2seq", "causal", "classifier")
-                 for norm in ("powernorm_v", "batchnorm", "batchrenorm", "mabn")]]
+                 for norm in sorted(n for n, cls in NORM_CLASSES.items()
+                                    if cls.mixes_positions and not cls.mixing_options)]]
 
 
 @pytest.mark.parametrize("head, encoder_norm, decoder_norm", MODEL_NORMS)

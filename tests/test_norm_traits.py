@@ -8,6 +8,7 @@ warning, or a fold that changes its outputs.
 
 import copy
 import inspect
+import re
 
 import pytest
 import torch
@@ -92,8 +93,7 @@ def test_config_options_name_constructor_options_and_config_fields(name):
     build_norm(name, config.hidden_size, **config.norm_kwargs(name))
 
 
-def test_derived_lists():
-    assert FOLDABLE_NORMS == ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn")
-    assert set(RUNNING_BUFFERS) == {"running_phi", "running_nu", "running_mean", "running_var", "window_phi",
-                                    "window_gz", "num_batches_tracked"}
-    assert causal_norms() == "powernorm (warmup_steps=0, warmup_ramp_steps=0), layernorm, rmsnorm, groupnorm or none"
+def test_derived_lists_follow_the_traits():
+    assert set(FOLDABLE_NORMS) == {name for name, cls in NORM_CLASSES.items() if cls.foldable}
+    named = {word for word in re.findall(r"[a-z_]+", causal_norms()) if word in NORM_CLASSES}
+    assert named == {name for name in NORM_CLASSES if not mixes_positions(name, {})}
