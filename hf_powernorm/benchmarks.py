@@ -57,16 +57,23 @@ LAYER_CASES = {
     "powernorm no GS": ("powernorm", {"group_num": None}, True),
     "powernorm_v": ("powernorm_v", {}, True),
     "batchnorm (masked)": ("batchnorm", {}, True),
+    "batchnorm (masked), torch ops": ("batchnorm", {}, False),
+    "batchrenorm": ("batchrenorm", {}, True),
+    "mabn": ("mabn", {}, True),
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
 }
 EVAL_CASES = {
     "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
+    "powernorm no GS": ("powernorm", {"group_num": None}, True),
     "powernorm G=4, folded (group scaling only)": ("groupscale", {"group_num": GROUP_NUM}, True),
     "powernorm G=4, torch ops": ("powernorm", {"group_num": GROUP_NUM}, False),
+    "batchnorm (masked)": ("batchnorm", {}, True),
     "rmsnorm": ("rmsnorm", {}, True),
+    "layernorm (registry)": ("layernorm", {}, True),
 }
 MEMORY_CASES = ["powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "rmsnorm", "groupnorm", "layernorm"]
+MEMORY_OPTIONS = {"powernorm": {"group_num": GROUP_NUM}, "groupnorm": {"group_num": GROUP_NUM}}
 MARK_BEGIN = "<!-- benchmarks:begin (written by python -m hf_powernorm.benchmarks --write) -->"
 MARK_END = "<!-- benchmarks:end -->"
 
@@ -231,19 +238,69 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+_PEAK_CODE = """
+import ctypes, gc, sys, torch, torch.nn.functional as F
+from hf_powernorm.benchmarks import _layer_inputs, MEMORY_OPTIONS
+from hf_powernorm.normalization import build_norm
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD fixed at 128 KiB: large blocks unmapped when freed
+libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
+torch.set_num_threads(1)
+name, tokens, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+x, dy, mask = _layer_inputs(tokens, hidden, "cpu")
+if name == "F.layer_norm":
+    weight, bias = torch.ones(hidden, requires_grad=True), torch.zeros(hidden, requires_grad=True)
+    step = lambda xn: F.layer_norm(xn, (hidden,), weight, bias).backward(dy)
+else:
+    norm = build_norm(name, hidden, **MEMORY_OPTIONS.get(name, {})).train()
+    step = lambda xn: norm(xn, mask).backward(dy)
+def status(key):
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith(key))
+for _ in range(2):  # the second round is the measurement (kernels loaded, buffers in place)
+    xn = x.clone().requires_grad_(True)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # the peak resident set starts again from the current one
+    base = status("VmRSS:")
+    step(xn)
+    peak = status("VmHWM:") - base
+    del xn
+print(peak * 1024)
+"""
+
+
+def peak_bytes(name: str, shape: tuple[int, int]) -> int | None:
+    """Peak resident memory that a training step (forward + backward, the input's gradient included)
+    adds, in a fresh process with glibc returning large blocks when freed; None where not measurable."""
+    out = subprocess.run([sys.executable, "-c", _PEAK_CODE, name, *map(str, shape)], capture_output=True, text=True,
+                         check=False)
+    lines = out.stdout.strip().splitlines()
+    return int(lines[-1]) if out.returncode == 0 and lines else None
+
+
 def memory_table(shape, device) -> tuple[list[str], list[list[str]]]:
     tokens, hidden = shape
     x, _, mask = _layer_inputs(tokens, hidden, device)
     weight = torch.ones(hidden, device=device, requires_grad=True)
     bias = torch.zeros(hidden, device=device, requires_grad=True)
     base = saved_bytes(lambda: F.layer_norm(x.clone().requires_grad_(True), (hidden,), weight, bias))
-    header = ["norm", f"saved for backward, ({tokens}, {hidden}) float32", "x F.layer_norm's"]
-    rows = [["F.layer_norm", f"{base / 2**20:.2f} MiB", "1.00"]]
+    peak_base = peak_bytes("F.layer_norm", shape) if device == "cpu" else None
+    header = ["norm", f"saved for backward, ({tokens}, {hidden}) float32", "x F.layer_norm's",
+              "peak of a training step (forward + backward)", "x F.layer_norm's"]
+
+    def peak_cells(name):
+        peak = peak_bytes(name, shape) if peak_base is not None else None
+        if peak is None:
+            return ["not measured"] * 2
+        return [f"{peak / 2**20:.1f} MiB", f"{peak / peak_base:.2f}" if peak_base else "-"]
+
+    rows = [["F.layer_norm", f"{base / 2**20:.2f} MiB", "1.00", *peak_cells("F.layer_norm")]]
     for name in MEMORY_CASES:
-        options = {"group_num": GROUP_NUM} if name in ("powernorm", "groupnorm") else {}
-        norm = build_norm(name, hidden, **options).to(device).train()
+        progress(f"memory, {name}")
+        norm = build_norm(name, hidden, **MEMORY_OPTIONS.get(name, {})).to(device).train()
         saved = saved_bytes(lambda norm=norm: norm(x.clone().requires_grad_(True), mask))
-        rows.append([name, f"{saved / 2**20:.2f} MiB", f"{saved / base:.2f}"])
+        rows.append([name, f"{saved / 2**20:.2f} MiB", f"{saved / base:.2f}", *peak_cells(name)])
     return header, rows
 
 
@@ -331,15 +388,15 @@ def model_tables(sizes, repeats, warmup, device, threads):
             model.eval()
             calls[name] = (lambda model=model, beams=beams: model.generate(
                 **prompt, num_beams=beams, do_sample=False, max_new_tokens=new, min_new_tokens=new))
-        for name in ("pn", "ln"):
-            row = [f"generate, {'greedy' if beams == 1 else 'beam 5'}: our {name.upper()} model / BART "
-                   f"(tokens/s ratio)"]
+        for name, base in (("pn", "ln"), ("pn", "bart"), ("ln", "bart")):
+            row = [f"generate, {'greedy' if beams == 1 else 'beam 5'}: our {name.upper()} model / "
+                   f"{'our LN model' if base == 'ln' else 'BART'} (tokens/s ratio)"]
             for count in threads:
                 with _threads(count), torch.no_grad():
-                    result = interleaved(calls["bart"], calls[name], max(3, repeats // 2), 1, device)
-                tokens_per_s = sizes["batch"] * new / (result["ms"] / 1e3)  # BART's, for scale
+                    result = interleaved(calls[base], calls[name], max(3, repeats // 2), 1, device)
+                tokens_per_s = sizes["batch"] * new / (result["ms"] / 1e3)  # the baseline's, for scale
                 row.append(f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), "
-                           f"BART {tokens_per_s:.0f} tok/s")
+                           f"{'LN' if base == 'ln' else 'BART'} {tokens_per_s:.0f} tok/s")
             generate_rows.append(row)
     fold_rows = [fold_row(sizes, batch, repeats, warmup, device, threads)]
     return header, train_rows + generate_rows + fold_rows
@@ -367,10 +424,11 @@ def fold_row(sizes, batch, repeats, warmup, device, threads) -> list[str]:
 # First-call costs
 
 
-def first_call_table(device: str, quick: bool) -> tuple[list[str], list[list[str]]]:
+def first_call_table(device: str, quick: bool, compiled: bool) -> tuple[list[str], list[list[str]]]:
     rows = [["build the C kernels (cc, empty cache)", _kernel_build_seconds()]]
-    if quick:
-        rows.append(["torch.compile of PN's training step (first forward + backward)", "not measured (--quick)"])
+    if quick or not compiled:
+        why = "--quick" if quick else "without --compile"
+        rows.append(["torch.compile of PN's training step (first forward + backward)", f"not measured ({why})"])
     else:
         rows.append(["torch.compile of PN's training step (first forward + backward)", _compile_seconds(device)])
     return ["what", "seconds"], rows
@@ -469,14 +527,15 @@ def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]
     control_allocator()
     tables.append(("Layer training step (forward + backward) / F.layer_norm's: median (25-75%), candidate ms",
                    *layer_table(shapes, args.threads, repeats, warmup, args.device, train=True,
-                                compiled=not args.quick)))
+                                compiled=args.compile and not args.quick)))
     tables.append(("Layer eval forward (no_grad) / F.layer_norm's: median (25-75%), candidate ms",
                    *layer_table(shapes, args.threads, repeats, warmup, args.device, train=False)))
-    tables.append(("Saved for backward / F.layer_norm's", *memory_table(shapes[-1], args.device)))
+    tables.append(("Memory: saved for backward, and the peak of a training step, / F.layer_norm's",
+                   *memory_table(shapes[-1], args.device)))
     tables.append(("Models: time ratios (median, 25-75%), candidate ms; generate: BART's time / ours "
                    "(above 1: ours generates faster)",
                    *model_tables(model_sizes(args.quick), repeats, warmup, args.device, args.threads)))
-    tables.append(("First-call costs", *first_call_table(args.device, args.quick)))
+    tables.append(("First-call costs", *first_call_table(args.device, args.quick, args.compile)))
     return tables
 
 
@@ -499,6 +558,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats: checks that the suite runs")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time PN's torch.compile path (CUDA's; on a CPU it needs a C++ compiler and minutes)")
     parser.add_argument("--write", type=Path, default=None, help="rewrite the measured section of this file")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -13,7 +13,7 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     tables = benchmarks.main(["--quick", "--write", str(target)])
     titles = [title for title, _, _ in tables]
     assert len(titles) == 6
-    for word in ("Allocator", "training step", "eval forward", "Saved for backward", "Models", "First-call"):
+    for word in ("Allocator", "training step", "eval forward", "Memory", "Models", "First-call"):
         assert any(word in title for title in titles), word
     for title, header, rows in tables:
         assert rows, title
@@ -23,7 +23,11 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     assert all(cell.count("(") == 1 and cell.endswith(" ms") for cells in layer.values() for cell in cells)
     models = [row[0] for row in tables[4][2]]
     assert any("BART" in row and "train step" in row for row in models)
-    assert sum("generate" in row for row in models) == 4 and any("fold_norms" in row for row in models)
+    assert sum("generate" in row for row in models) == 6 and any("fold_norms" in row for row in models)
+    assert sum("our PN model / our LN model" in row for row in models) == 2
+    memory = {row[0]: row for row in tables[3][2]}
+    assert set(memory) == {"F.layer_norm", *benchmarks.MEMORY_CASES}
+    assert all(row[3].endswith(" MiB") for row in memory.values())  # the peak, measured
     written = target.read_text()
     assert written.startswith("# Benchmarks\n\nkept above\n") and written.rstrip().endswith("kept below")
     assert "old figures" not in written and written.count(benchmarks.MARK_BEGIN) == 1
