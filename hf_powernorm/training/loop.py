@@ -1,8 +1,9 @@
 """The Accelerate training loop of the recipes and studies (the paper's Section 5 setting).
 
-- `make_accelerator` / `check_run_start` / `start_run` / `log_run_start`: the `Accelerator`, the
-  checks that need no data (output folder, checkpoint to resume and its configuration, batch
-  budget), the Hub repository and trackers of a run, and its start-of-run log;
+- `build_accelerator` / `prepare_output_dir` (`check_run_start`) / `start_run` / `log_run_start`:
+  the `Accelerator`, the checks that need no data (output folder, checkpoint to resume and its
+  configuration, batch budget) and the output folder, the Hub repository and trackers of a run, and
+  its start-of-run log (`make_accelerator`: the first two);
 - `train`: the update loop with gradient accumulation, clipping, a tqdm bar, the JSON-lines log
   (`run_log.py`), tracking, validation every `--eval_steps` (else every epoch) and after the last
   update, the best model in `output_dir/best_model`, early stopping after `--patience`
@@ -66,25 +67,35 @@ NORM_STATS_NAME = "norm_stats.jsonl"
 # ---------------------------------------------------------------------------------------------
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
-    """The Accelerator, logging, `check_run_start`, seed and output folder (cleared first with
-    `--overwrite_output_dir`). Without synchronised statistics DDP must not overwrite the other
-    ranks' buffers with rank 0's at every forward: each process keeps its own, and
-    `average_buffers_across_processes` merges them before evaluating or saving."""
+    """`build_accelerator`, then `prepare_output_dir`: what a run needs before reading any data."""
+    accelerator = build_accelerator(args)
+    prepare_output_dir(accelerator, args)
+    return accelerator
+
+
+def build_accelerator(args: argparse.Namespace) -> Accelerator:
+    """The Accelerator of the run, logging and the seed. Without synchronised statistics DDP must not
+    overwrite the other ranks' buffers with rank 0's at every forward: each process keeps its own,
+    and `average_buffers_across_processes` merges them before evaluating or saving."""
     handlers = [DistributedDataParallelKwargs(broadcast_buffers=False)] if args.sync_stats is False else []
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
                               log_with=args.report_to if args.with_tracking else None, project_dir=args.output_dir,
                               kwargs_handlers=handlers)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    check_run_start(accelerator, args)
     set_seed(args.seed)
+    return accelerator
+
+
+def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace) -> None:
+    """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, created."""
+    check_run_start(accelerator, args)
     output_dir = Path(args.output_dir)
     if accelerator.is_main_process:
         if getattr(args, "overwrite_output_dir", False) and output_dir.is_dir():
             clear_folder(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    return accelerator
 
 
 INPUT_OPTIONS = ("train_file", "validation_file", "test_file", "phrasebank_file", "tokenizer_name",

@@ -2,10 +2,11 @@
 
 A recipe reads as its task's differences, in the manner of Accelerate's `examples/by_feature` and
 Transformers' `run_*_no_trainer.py` kept short: its arguments, its data, its head and default size,
-its metric. `run_task` does what every task does the same way: the accelerator and the run's start
-(`make_accelerator`, `start_run`), the model (`build_model`: new, loaded or converted), training
-with early stopping on the task's validation metric (`fit`), the scores of every evaluation split,
-and the export with its model card (`save_outputs`).
+its metric. `run_task` does what every task does the same way: the accelerator, the output folder
+and the run's start (`build_accelerator`, `prepare_output_dir`, `start_run`), the model
+(`build_model`: new, loaded or converted), training with early stopping on the task's validation
+metric (`fit`), the scores of every evaluation split, and the export with its model card
+(`save_outputs`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .batching import PaddingCollator
 from .evaluation import score_splits
 from .export import save_outputs, training_command
 from .losses import model_loss
-from .loop import LossFn, fit, log_run_start, make_accelerator, prepare_eval_loaders, start_run
+from .loop import LossFn, build_accelerator, fit, log_run_start, prepare_eval_loaders, prepare_output_dir, start_run
 from .models import build_model, model_tokenizer_path, resolve_model_path
 from .tokenization import prepare_tokenizer
 
@@ -97,7 +98,8 @@ def run_task(task: Task, argv: list[str] | None = None) -> dict[str, Any]:
     """Data -> model -> train (`--do_train`) -> score every evaluation split -> export. Returns the
     results: the training summary and each split's scores, keys prefixed by the split's name."""
     args = task.args
-    accelerator = make_accelerator(args)
+    accelerator = build_accelerator(args)
+    prepare_output_dir(accelerator, args)
     start_run(accelerator, args, Path(task.script).stem)
     if args.model_name_or_path:  # a Hub repository becomes its local snapshot
         args.model_name_or_path = resolve_model_path(args.model_name_or_path)
