@@ -87,7 +87,7 @@ TASKS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-powernorm compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_recipe_args(p, learning_rate=5e-4, num_warmup_steps=20, lr_scheduler_type="linear",
+    add_recipe_args(p, learning_rate=5e-4, num_warmup_steps=20, lr_scheduler_type="linear", num_train_epochs=3,
                     output_dir="outputs/compare", eval_batch_size=16)
     compare = p.add_argument_group("comparison")
     compare.add_argument("--task", choices=sorted(TASKS), default="causal-lm")
@@ -117,6 +117,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The options, checked before any model or data is read."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_runs(args)
+    args.embedded_default = args.model_name_or_path is None
+    if args.embedded_default and args.task != "causal-lm":
+        raise ValueError(f"--task {args.task} needs --model_name_or_path (a Hub id or a folder); only the embedded "
+                         f"default (a tiny GPT-2, --task causal-lm) builds its own model")
+    _fill_defaults(args, parser)
+    check_args(args, norm_options=())
+    check_batch_budget(args)
+    return args
+
+
+def _check_runs(args: argparse.Namespace) -> None:
+    """The options that say which runs to make: norms, seeds, processes."""
     given = [f"--{name}" for name in SET_BY_COMPARE if getattr(args, name, None) not in (None, False)]
     if given:
         raise ValueError(f"compare sets the model's norms and runs itself; leave out {', '.join(given)} "
@@ -133,15 +146,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.jobs > 1 and _world_size() > 1:
         raise ValueError("--jobs runs several CPU processes; under `accelerate launch` each run already uses "
                          "every process: leave --jobs at 1")
-    embedded = args.embedded_default = args.model_name_or_path is None
-    if embedded and args.task != "causal-lm":
-        raise ValueError(f"--task {args.task} needs --model_name_or_path (a Hub id or a folder); only the embedded "
-                         f"default (a tiny GPT-2, --task causal-lm) builds its own model")
-    if embedded:
+
+
+def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The embedded default's budget, the other tasks' options left out (neither shown in the
+    settings nor checked), PN's warmup, the validation interval and the learning-rate grid."""
+    if args.embedded_default:
         for name, value in EMBEDDED_BUDGET.items():
             if getattr(args, name) in (None, parser.get_default(name)):
                 setattr(args, name, value)
-    # Options of the other tasks are left out, so they neither show in the settings nor get checked.
     unused = {"causal-lm": ("max_length", "source_lang", "target_lang", "num_beams", "label_names"),
               "classification": ("block_size", "source_lang", "target_lang", "num_beams"),
               "seq2seq": ("block_size", "label_names")}[args.task]
@@ -150,13 +163,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.task != "classification" and args.powernorm_warmup_steps is None:
         # Batch statistics mix the positions of a causal (decoder) batch: no warmup on them by default.
         args.powernorm_warmup_steps = 0
-    if args.eval_steps is None:
-        args.eval_steps = max(1, (args.max_train_steps or 100) // 8)
+    if args.eval_steps is None and args.max_train_steps is not None:
+        args.eval_steps = max(1, args.max_train_steps // 8)  # else after each epoch
     if args.tune_lr and not args.lr_grid:
         args.lr_grid = [args.learning_rate / 3, args.learning_rate, args.learning_rate * 3]
-    check_args(args, norm_options=())
-    check_batch_budget(args)
-    return args
 
 
 def check_norms(names: Sequence[str]) -> list[str]:
@@ -380,6 +390,10 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
     args = run_args(cell, folder)
     task = TASKS[args.task]
+    if args.embedded_default:
+        import torch
+
+        torch.set_num_threads(1)  # a tiny model: several threads cost more than they bring
     accelerator = make_accelerator(args)
     tokenizer = load_model_tokenizer(args.model_name_or_path)
     with accelerator.main_process_first():
