@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_powernorm import (
+    NORM_CLASSES,
     PowerNormTransformerConfig,
     PowerNormTransformerForCausalLM,
     PowerNormTransformerForConditionalGeneration,
@@ -279,10 +280,16 @@ def test_gradient_checkpointing_changes_memory_not_results(head, norm):
 
 
 def test_keep_in_fp32_modules_name_buffers_that_exist():
-    names = {name.rsplit(".", 1)[-1] for norm in ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn")
+    with_statistics = [norm for norm, cls in NORM_CLASSES.items() if cls.has_running_stats]
+    assert len(with_statistics) >= 5
+    names = {name.rsplit(".", 1)[-1] for norm in with_statistics
              for name, _ in make_model("seq2seq", norm, train=False).named_buffers()}
     kept = set(PowerNormTransformerPreTrainedModel._keep_in_fp32_modules_strict)
     assert kept <= names, kept - names
+    # Every float statistic a norm keeps stays float32 under dtype=bfloat16 loading.
+    floats = {name.rsplit(".", 1)[-1] for norm in with_statistics
+              for name, buffer in make_model("seq2seq", norm, train=False).named_buffers() if buffer.is_floating_point()}
+    assert floats <= kept, floats - kept
     assert {"running_phi", "running_nu", "running_mean", "running_var"} <= kept
 
 
