@@ -227,6 +227,13 @@ def check_output_folder(args: argparse.Namespace) -> None:
     if not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {folder} {reason}: pass --overwrite_output_dir to clear it, or choose "
                          f"another --output_dir")
+    inputs = [getattr(args, name) for name in ("model_name_or_path", "train_file", "validation_file", "test_file",
+                                               "dataset_name")]
+    inside = [path for path in inputs if path and Path(path).exists()
+              and Path(path).resolve().is_relative_to(folder.resolve())]
+    if inside:
+        raise ValueError(f"--overwrite_output_dir would delete {inside}, inputs of this comparison inside "
+                         f"--output_dir {folder}")
     if _world_size() == 1 or int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(folder)
 

@@ -262,6 +262,10 @@ def test_output_folder_of_another_comparison_or_other_files_is_refused(gpt2_case
     _refused(monkeypatch, [*argv, "--max_train_steps", "7"],
              r"another comparison.s results \(.*--max_train_steps: None there, 7 now\).*--overwrite_output_dir")
     assert not (output / "cells").exists()
+    (output / "data").mkdir()
+    (output / "data" / "train.txt").write_text("a line\n", encoding="utf-8")
+    _refused(monkeypatch, [*argv, "--max_train_steps", "7", "--overwrite_output_dir", "--train_file",
+                           str(output / "data" / "train.txt")], "would delete .*train.txt")
 
 
 def test_no_data_options_use_the_embedded_corpus_and_no_path_outside_the_project():
