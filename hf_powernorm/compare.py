@@ -119,6 +119,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _check_runs(args)
     args.embedded_default = args.model_name_or_path is None
+    args.model_id = args.model_name_or_path  # as given: a Hub id is resolved to its local snapshot later
     if args.embedded_default and args.task != "causal-lm":
         raise ValueError(f"--task {args.task} needs --model_name_or_path (a Hub id or a folder); only the embedded "
                          f"default (a tiny GPT-2, --task causal-lm) builds its own model")
@@ -579,7 +580,7 @@ def _test_scores(results: Sequence[dict[str, Any]], norm: str, chosen: dict[str,
 
 
 def _model_description(args: argparse.Namespace) -> str:
-    return "a tiny GPT-2 (the embedded default)" if args.embedded_default else args.model_name_or_path
+    return "a tiny GPT-2 (the embedded default)" if args.embedded_default else args.model_id
 
 
 def _data_description(args: argparse.Namespace) -> str:

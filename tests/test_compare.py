@@ -175,6 +175,28 @@ def test_local_model_comparison_on_files(case, request, tmp_path):
     assert log["norm"] == "powernorm" and log["train_steps"] == 2
 
 
+def test_a_hub_id_loads_from_the_cache_offline(gpt2_case, tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub
+
+    model, task, data = gpt2_case
+    cache = tmp_path / "hub"
+    commit = "0" * 40
+    snapshot = cache / "models--tiny-org--tiny-gpt2" / "snapshots" / commit
+    shutil.copytree(model, snapshot)
+    (cache / "models--tiny-org--tiny-gpt2" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-gpt2" / "refs" / "main").write_text(commit, encoding="utf-8")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    output = tmp_path / "compare"
+    rows = compare.main(["--model_name_or_path", "tiny-org/tiny-gpt2", "--task", task, *data, "--seeds", "1",
+                         *TINY, "--output_dir", str(output)])
+    assert _keys(rows) == sorted((norm, "1", split) for norm in ("layernorm", "powernorm")
+                                 for split in ("validation", "test"))
+    report = (output / "report.md").read_text(encoding="utf-8")
+    assert report.startswith("# Does PN help tiny-org/tiny-gpt2?") and str(snapshot) in report  # resolved offline
+
+
 def test_tune_lr_picks_each_norms_rate_on_validation_with_the_first_seed(gpt2_case, tmp_path):
     model, task, data = gpt2_case
     output = tmp_path / "compare"
