@@ -554,9 +554,10 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
         if not runs:
             lines.append(f"| {norm} | - | - | - | - | - |")
             continue
+        validated = [r["scores"].get(f"validation_{metric}") for r in runs]
         tested = [r["scores"].get(f"test_{metric}") for r in runs]
         lines.append(f"| {norm} | {chosen[norm]:g} | {', '.join(str(r['seed']) for r in runs)} | "
-                     f"{mean_std([r['scores'].get(f'validation_{metric}') for r in runs], 3)} | {mean_std(tested, 3)} | "
+                     f"{mean_std(validated, 3)} | {mean_std(tested, 3)} | "
                      + ", ".join(f"{v:.3f}" for v in tested if v is not None) + " |")
     lines += ["", "## Verdict", "", f"| against {args.norms[0]} | difference of test means | seed spread | verdict |",
               "|---|---:|---:|---|"]
