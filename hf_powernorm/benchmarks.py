@@ -534,7 +534,8 @@ def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]
                    *memory_table(shapes[-1], args.device)))
     tables.append(("Models: time ratios (median, 25-75%), candidate ms; generate: BART's time / ours "
                    "(above 1: ours generates faster)",
-                   *model_tables(model_sizes(args.quick), repeats, warmup, args.device, args.threads)))
+                   *model_tables(model_sizes(args.quick), repeats, warmup, args.device,
+                                 args.model_threads or args.threads[:1])))
     tables.append(("First-call costs", *first_call_table(args.device, args.quick, args.compile)))
     return tables
 
@@ -555,6 +556,9 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads (CPU)")
+    parser.add_argument("--model_threads", type=int, nargs="+", default=None,
+                        help="torch threads of the model tables (default: the first of --threads; on a shared "
+                             "2-core machine a two-thread generate call mostly waits for a core)")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats: checks that the suite runs")
@@ -565,7 +569,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.device == "cuda":
-        args.threads = [torch.get_num_threads()]
+        args.threads = args.model_threads = [torch.get_num_threads()]
     elif args.quick:
         args.threads = args.threads[:1]
     command = "python -m hf_powernorm.benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for PowerNorm (float32, contiguous `(tokens, C)` inputs).
+"""Fused CPU kernels for PowerNorm and its relatives (float32, contiguous `(tokens, C)` inputs).
 
 A composition of torch ops takes about ten passes over memory per training step; on a CPU, where
 each elementwise pass costs about as much as a whole `layer_norm`, that is several times LayerNorm.
@@ -6,6 +6,10 @@ These kernels do the arithmetic in two passes per training step once the denomin
 statistic (statistics and output together; the backward sums and input gradient together), three
 during warmup (the output needs the batch statistic first), one in eval, parallel over tokens with
 OpenMP. They save nothing but `x`: the group scales and `z0 = x * r` are recomputed per token.
+`pn_step_forward`/`pn_step_backward` take a whole PN step in one call each (statistics, buffer
+updates and parameter gradients included, the attention mask read as it is); `bn_moments` and
+`affine_backward` serve masked BN, BRN and MABN the same way (two passes each way); `norm_eval` is
+every eval-mode norm in one pass, with streaming stores for outputs larger than the caches.
 `torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
 measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
 
@@ -98,6 +102,17 @@ static void rows_masked(const float *x, const void *m, int kind, long T, long C,
             for (long g = 0; g < G; g++) {
                 const float *xg = xt + g * k;
                 float rg = r[g], c2 = wt * rg * rg;
+                if (acc && wt != 0.0f && y && scale && shift) {  /* statistics and output in one loop */
+                    float *restrict ag = acc + g * k, *restrict yg = y + t * C + g * k;
+                    const float *sg = scale + g * k, *hg = shift + g * k;
+                    #pragma omp simd
+                    for (long j = 0; j < k; j++) {
+                        float xv = xg[j];
+                        ag[j] += c2 * xv * xv;
+                        yg[j] = xv * rg * sg[j] + hg[j];
+                    }
+                    continue;
+                }
                 if (acc && wt != 0.0f) {
                     float *ag = acc + g * k;
                     #pragma omp simd
@@ -333,6 +348,89 @@ static float lerp(float start, float end, float weight) {
     return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
 }
 
+static float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+/* Masked BN's and BRN's training forward in one call (MaskedBatchNorm / BatchRenorm): the moments
+   pass (about the running mean), the step's statistics, the output pass y = x a + b with
+   a = weight r / sigma, b = bias + weight d - mean a. mean = K + S1/n, var = max(S2/n - (S1/n)^2, 0)
+   (biased), usable = count > 0 and both finite; BRN (renorm): r = clip(sqrt(var + eps) / sigma_run,
+   1/rmax, rmax), d = clip((mean - mu_run) / sigma_run, -dmax, dmax) from the running statistics before
+   the update; BN: r = 1, d = 0. An unusable batch takes the running mean and variance, r = 1, d = 0,
+   and updates nothing. A usable one updates running_mean and running_var (lerp by momentum, the
+   unbiased variance var n / max(n - 1, 1)) and the counter. out (4 x C): mean, 1/sigma, r, d of the
+   step; reuse != 0 (a checkpointing recomputation): out holds them already, the output pass alone.
+   Returns 1 usable, 0 no real token, -1 non-finite statistics (as pn_statistics). */
+int bn_step_forward(const float *x, const void *m, int kind, long T, long C, int threads, const float *weight,
+                    const float *bias, float *running_mean, float *running_var, long long *counter, float eps,
+                    float momentum, int renorm, float rmax, float dmax, int reuse, float *y, float *out,
+                    float *count) {
+    float *mean = out, *inv = out + C, *r = out + 2 * C, *d = out + 3 * C;
+    int status = 1;
+    if (!reuse) {
+        double *sums = malloc(sizeof(double) * (2 * C + 1));
+        bn_moments(x, m, kind, T, C, running_mean, threads, sums);
+        *count = (float)sums[2 * C];
+        double n = sums[2 * C] > 1.0 ? sums[2 * C] : 1.0;
+        int finite = 1;
+        for (long c = 0; c < C; c++) {  /* the batch's mean and variance, kept in r and d for now */
+            double centred = sums[c] / n, var = sums[C + c] / n - centred * centred;
+            r[c] = (float)((double)running_mean[c] + centred);
+            d[c] = (float)(var > 0.0 ? var : 0.0);
+            finite &= isfinite(r[c]) && isfinite(d[c]);
+        }
+        free(sums);
+        status = *count > 0.0f && finite ? 1 : (*count > 0.0f ? -1 : 0);
+        float unbias = *count / (*count - 1.0f > 1.0f ? *count - 1.0f : 1.0f);
+        for (long c = 0; c < C; c++) {
+            float batch_mean = r[c], batch_var = d[c];
+            float inv_run = 1.0f / sqrtf(running_var[c] + eps);
+            if (status != 1) {
+                mean[c] = running_mean[c]; inv[c] = inv_run; r[c] = 1.0f; d[c] = 0.0f;
+                continue;
+            }
+            mean[c] = batch_mean;
+            inv[c] = 1.0f / sqrtf(batch_var + eps);
+            r[c] = renorm ? clampf(sqrtf(batch_var + eps) * inv_run, 1.0f / rmax, rmax) : 1.0f;
+            d[c] = renorm ? clampf((batch_mean - running_mean[c]) * inv_run, -dmax, dmax) : 0.0f;
+            running_mean[c] = lerp(running_mean[c], batch_mean, momentum);
+            running_var[c] = lerp(running_var[c], batch_var * unbias, momentum);
+        }
+        if (status == 1) *counter += 1;
+    }
+    float *a = malloc(sizeof(float) * 2 * C), *b = a + C;
+    for (long c = 0; c < C; c++) {
+        a[c] = weight[c] * r[c] * inv[c];
+        b[c] = bias[c] + weight[c] * d[c] - mean[c] * a[c];
+    }
+    norm_eval(x, T, C, 0, 0.0f, threads, a, b, NULL, NULL, 0.0f, 0, y);
+    free(a);
+    return status;
+}
+
+/* The backward of bn_step_forward: a sums pass (S1 = sum_all dy, S2 = sum_all dy (x - mean)) and the
+   input-gradient pass dx = a dy - (real) (a S1 / n + a S2 (x - mean) / (n sigma^2)), the batch terms
+   only for a usable step; grads (2 x C): dweight = r S2 / sigma + d S1, dbias = S1. */
+void bn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
+                      const float *weight, const float *out, float count, int usable, float *dx, float *grads) {
+    const float *mean = out, *inv = out + C, *r = out + 2 * C, *d = out + 3 * C;
+    double *sums = malloc(sizeof(double) * 3 * C);
+    float *v = malloc(sizeof(float) * 5 * C), *ones = v, *zeros = v + C, *a = v + 2 * C, *cc = v + 3 * C, *e = v + 4 * C;
+    for (long c = 0; c < C; c++) { ones[c] = 1.0f; zeros[c] = 0.0f; }
+    backward_masked(dy, x, NULL, 0, T, C, 0, 0.0f, threads, ones, zeros, ones, ones, NULL, sums, sums + C, sums + 2 * C);
+    float n = count > 1.0f ? count : 1.0f;
+    for (long c = 0; c < C; c++) {
+        float s1 = (float)sums[2 * C + c], s2 = (float)(sums[c] - (double)mean[c] * sums[2 * C + c]);
+        a[c] = weight[c] * r[c] * inv[c];
+        cc[c] = usable ? a[c] * inv[c] * inv[c] * s2 / n : 0.0f;
+        e[c] = (usable ? a[c] * s1 / n : 0.0f) - cc[c] * mean[c];
+        grads[c] = r[c] * inv[c] * s2 + d[c] * s1;
+        grads[C + c] = s1;
+    }
+    affine_backward(dy, x, m, kind, T, C, threads, a, cc, e, dx);
+    free(sums);
+    free(v);
+}
+
 /* One training step's statistics from the (reduced) sums, on C channels (PowerNorm._denominators):
    v = sum_sq / max(count, 1); usable = count > 0 and v finite; 1/s from the warmup weight
    r = clamp((t - W) / (K + 1), 0, 1) (the batch, the running or the blended denominator);
@@ -530,6 +628,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bn_moments.argtypes = [p, p, i, n, n, p, i, p]
     lib.affine_backward.argtypes = [p, p, p, i, n, n, i, p, p, p, p]
     lib.bn_moments.restype = lib.affine_backward.restype = None
+    lib.bn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, p, f, f, i, f, f, i, p, p, p]
+    lib.bn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, f, i, p, p]
+    lib.bn_step_forward.restype, lib.bn_step_backward.restype = i, None
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -691,6 +792,32 @@ def affine_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None
     _library.affine_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels,
                              torch.get_num_threads(), *(v.data_ptr() for v in vectors), dx.data_ptr())
     return dx
+
+
+def bn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                    running_mean: torch.Tensor, running_var: torch.Tensor, counter: torch.Tensor, eps: float,
+                    momentum: float, renorm: bool, rmax: float, dmax: float, reused: torch.Tensor | None = None):
+    """Masked BN's or BRN's training forward in one C call: `(status, y, out, count)`, `out` (4, C) =
+    `(mean, 1/sigma, r, d)` of the step, updating the running statistics and `counter` in place;
+    with `reused` (a recomputation: the step's `out`) the output pass alone. Contiguous float32 vectors."""
+    tokens, channels = x.shape
+    y, count = torch.empty_like(x), ctypes.c_float(0.0)
+    out = torch.empty(4, channels) if reused is None else reused
+    status = _library.bn_step_forward(
+        x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
+        bias.data_ptr(), running_mean.data_ptr(), running_var.data_ptr(), counter.data_ptr(), eps, momentum, renorm,
+        rmax, dmax, reused is not None, y.data_ptr(), out.data_ptr(), ctypes.byref(count))
+    return status, y, out, count.value
+
+
+def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, count: float, usable: bool):
+    """The backward of `bn_step_forward` in one C call: `(dx, grads)`, `grads` (2, C) = `(dweight, dbias)`."""
+    tokens, channels = x.shape
+    dx, grads = torch.empty_like(x), torch.empty(2, channels)
+    _library.bn_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(),
+                              weight.data_ptr(), out.data_ptr(), count, usable, dx.data_ptr(), grads.data_ptr())
+    return dx, grads
 
 
 def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor, counter: torch.Tensor,

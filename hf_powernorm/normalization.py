@@ -20,8 +20,10 @@ A training step never waits for the device: the guards (no real token, non-finit
 PN's warmup switch and the step counters are decided on the device with `torch.where`, so
 `torch.compile` traces a step in one graph. Only eager code on the CPU, where reading a value
 costs nothing, reads one (a non-finite warning's flag, the C kernels' step counter).
-On CPU float32 inputs PN, PN-V and RMSNorm run in the C kernels of `kernels_cpu.py`; on CUDA PN's
-step runs as two `torch.compile`d pure tensor functions; elsewhere everything runs in torch ops.
+On CPU float32 inputs the training steps of PN, PN-V, BN, BRN, MABN and RMSNorm, and every eval-mode
+norm's affine map, run in the C kernels of `kernels_cpu.py` (PN's step in two C calls, its statistics
+and buffer updates included); on CUDA PN's step runs as two `torch.compile`d pure tensor functions;
+elsewhere everything runs in torch ops.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from torch import nn
 from .kernels_cpu import (
     affine_backward,
     bn_moments,
+    bn_step_backward,
+    bn_step_forward,
     kernels_usable,
     norm_eval,
     pn_backward,
@@ -1110,56 +1114,47 @@ class PowerNormV(_RunningStatsNorm):
 
 
 class _BatchNormFunction(torch.autograd.Function):
-    """Masked BN's and BRN's training step in the C kernels, with the gradient through the batch mean
-    and variance: a moments pass (`kernels_cpu.bn_moments`, sums of `x - K` and its square over real
-    tokens about the running mean K), an output pass `y = x * a + b`; the backward a sums pass
-    (`S1 = sum_all dY`, `S2 = sum_all dY (x - mean)`) and an input-gradient pass
-    `dx = a dY - (real) * (a S1 / N + a S2 (x - mean) / (N sigma^2))` (`kernels_cpu.affine_backward`),
-    the batch-statistic terms only for a usable batch. `a = weight * r / sigma`, `b = bias + weight * d -
-    mean * a` (BN: r = 1, d = 0). Saves `x` and the mask: LayerNorm's memory, where the torch ops
-    also keep `x - mean`."""
+    """Masked BN's and BRN's training step in two C calls (`kernels_cpu.bn_step_forward`,
+    `bn_step_backward`), with the gradient through the batch mean and variance: a moments pass (sums
+    of `x - K` and its square over real tokens about the running mean K), the step's statistics and
+    running updates, an output pass `y = x * a + b`; the backward a sums pass (`S1 = sum_all dY`,
+    `S2 = sum_all dY (x - mean)`) and an input-gradient pass
+    `dx = a dY - (real) * (a S1 / N + a S2 (x - mean) / (N sigma^2))`, the batch-statistic terms only for
+    a usable batch. `a = weight * r / sigma`, `b = bias + weight * d - mean * a` (BN: r = 1, d = 0).
+    A checkpointing recomputation reuses its step's statistics. Saves `x` and the mask: LayerNorm's
+    memory, where the torch ops also keep `x - mean`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
         x = x.contiguous()
-        sums, count = bn_moments(x, mask, norm.running_mean)
-        n = max(count, 1.0)
-        centred = sums[0] / n
-        batch_mean = (norm.running_mean.double() + centred).float()
-        batch_var = (sums[1] / n - centred.square()).clamp_min(0.0).float()
-        count = torch.tensor(count)
-        r, d = norm._step_correction(batch_mean, batch_var)
-        usable = norm._usable(count, batch_mean, batch_var)
-        mean = torch.where(usable, batch_mean, norm.running_mean)
-        inv_std = torch.rsqrt(torch.where(usable, batch_var, norm.running_var) + norm.eps)
-        r, d = torch.where(usable, r, torch.ones_like(r)), torch.where(usable, d, torch.zeros_like(d))
-        norm._update(batch_mean, batch_var, count, usable)
-        weight_ = weight.detach()
-        a = weight_ * r * inv_std
-        y = norm_eval(x, None, a, bias.detach() + weight_ * d - mean * a)
-        ctx.save_for_backward(x, mask, weight, mean, inv_std, r, d, usable, count)
-        ctx.norm = norm
+        if _in_recomputation():
+            out, count, usable = norm._last_step
+            _, y, _, _ = bn_step_forward(x, None, weight, bias, norm.running_mean, norm.running_var,
+                                         norm.num_batches_tracked, norm.eps, norm.momentum, False, 1.0, 0.0, out)
+        else:
+            _warn_if_ddp_overwrites_statistics(norm)
+            renorm = isinstance(norm, BatchRenorm)
+            status, y, out, count = bn_step_forward(
+                x, mask, weight, bias, norm.running_mean, norm.running_var, norm.num_batches_tracked, norm.eps,
+                norm.momentum, renorm, norm.rmax if renorm else 1.0, norm.dmax if renorm else 0.0)
+            _warn_non_finite(type(norm).__name__, "batch statistic", status < 0)
+            usable = status == 1
+            norm.__dict__["_last_step"] = (out, count, usable)  # a plain attribute: no nn.Module.__setattr__
+        ctx.save_for_backward(x, mask, weight, out)
+        ctx.step = (norm, count, usable)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, mask, weight, mean, inv_std, r, d, usable, count = ctx.saved_tensors
+        x, mask, weight, out = ctx.saved_tensors
+        norm, count, usable = ctx.step
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            return (*ctx.norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, usable, grad_output),
+            mean, inv_std, r, d = out
+            usable = torch.tensor(usable)
+            return (*norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, usable, grad_output),
                     None, None)
-        dy = grad_output.float().contiguous()
-        ones = torch.ones_like(mean)
-        _, sums = pn_backward(dy, x, None, None, ones, torch.zeros_like(mean), ones, ones, input_gradient=False)
-        s1 = sums[2]
-        s2 = (sums[0] - mean.double() * s1).float()
-        s1 = s1.float()
-        a = weight.detach() * r * inv_std
-        n = count.clamp_min(1.0)
-        c = torch.where(usable, a * inv_std.square() * s2 / n, torch.zeros_like(a))
-        e = torch.where(usable, a * s1 / n, torch.zeros_like(a)) - c * mean
-        grad_x = affine_backward(dy, x, mask, a, c, e)
-        grad_weight = (r * inv_std * s2 + d * s1).to(weight.dtype)
-        return grad_x, grad_weight, s1.to(weight.dtype), None, None
+        grad_x, grads = bn_step_backward(grad_output.float().contiguous(), x, mask, weight, out, count, usable)
+        return grad_x, grads[0], grads[1], None, None
 
 
 class MaskedBatchNorm(_RunningStatsNorm):
@@ -1186,6 +1181,8 @@ class MaskedBatchNorm(_RunningStatsNorm):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
             mask = _kernel_mask(attention_mask)
             return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
+        if self.training and not _in_recomputation():
+            self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(flat, hidden_states.shape)
         if out is not None:
@@ -1205,16 +1202,15 @@ class MaskedBatchNorm(_RunningStatsNorm):
 
     def _step_in_c(self, x: torch.Tensor) -> bool:
         """Whether the training step runs in `_BatchNormFunction`: eager CPU float32 input with the C
-        kernels, float32 contiguous parameters and running statistics."""
+        kernels, float32 contiguous parameters and running statistics; a recomputation only when its
+        step ran there (it reuses that step's statistics)."""
         if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
             return False
+        if _in_recomputation():
+            return self.__dict__.get("_last_step") is not None
         tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_mean"],
                    self._buffers["running_var"])
         return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-    def _step_correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """BRN's `(r, d)`; batch norm's `(1, 0)`."""
-        return torch.ones_like(batch_mean), torch.zeros_like(batch_mean)
 
     def _differentiable_backward(self, x, mask, weight, mean, inv_std, r, d, usable, grad_output):
         """`_BatchNormFunction`'s gradient through torch ops, the statistics recomputed from `x`."""
@@ -1286,6 +1282,8 @@ class BatchRenorm(MaskedBatchNorm):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
             mask = _kernel_mask(attention_mask)
             return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
+        if self.training and not _in_recomputation():
+            self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(flat, hidden_states.shape)
         if out is not None:
@@ -1305,9 +1303,6 @@ class BatchRenorm(MaskedBatchNorm):
                 self._update(batch_mean, batch_var, count, usable)
             out = torch.addcmul(bias, xf - mean, scale)
         return out.to(flat.dtype).view(hidden_states.shape)
-
-    def _step_correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._correction(batch_mean, batch_var)
 
     def _correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(r, d)` from the running statistics before this step; a recomputation reuses the step's pair."""
