@@ -407,6 +407,34 @@ int bn_step_forward(const float *x, const void *m, int kind, long T, long C, int
     return status;
 }
 
+/* PN-V's training forward in one call (PowerNormV): the statistics pass, v = sum_V z0^2 / max(n, 1),
+   usable = n > 0 and v finite, 1/s = 1/sqrt(v + eps) for a usable batch, else 1/sqrt(phi + eps);
+   phi <- lerp(phi, v, ema) and the counter for a usable batch unless `update` is 0 (a checkpointing
+   recomputation); the output pass y = z0 weight / s + bias. inv_s (C) receives 1/s; *count the real
+   tokens; returns 1 usable, 0 no real token, -1 non-finite v. */
+int pnv_step_forward(const float *x, const void *m, int kind, long T, long C, long groups, float gs_eps, int threads,
+                     const float *weight, const float *bias, float *phi, long long *counter, float eps, float ema,
+                     int update, float *y, float *inv_s, float *count) {
+    double *sums = malloc(sizeof(double) * (C + 1));
+    float *v = malloc(sizeof(float) * 2 * C), *scale = v + C;
+    rows_masked(x, m, kind, T, C, groups, gs_eps, threads, NULL, NULL, NULL, sums);
+    *count = (float)sums[C];
+    float n = *count > 1.0f ? *count : 1.0f;
+    int finite = 1;
+    for (long c = 0; c < C; c++) { v[c] = (float)sums[c] / n; finite &= isfinite(v[c]) != 0; }
+    int usable = *count > 0.0f && finite;
+    for (long c = 0; c < C; c++) {
+        inv_s[c] = 1.0f / sqrtf((usable ? v[c] : phi[c]) + eps);
+        scale[c] = weight[c] * inv_s[c];
+        if (usable && update) phi[c] = lerp(phi[c], v[c], ema);
+    }
+    if (usable && update) *counter += 1;
+    rows_masked(x, NULL, 0, T, C, groups, gs_eps, threads, scale, bias, y, NULL);
+    free(sums);
+    free(v);
+    return usable ? 1 : (*count > 0.0f ? -1 : 0);
+}
+
 /* The backward of bn_step_forward: a sums pass (S1 = sum_all dy, S2 = sum_all dy (x - mean)) and the
    input-gradient pass dx = a dy - (real) (a S1 / n + a S2 (x - mean) / (n sigma^2)), the batch terms
    only for a usable step; grads (2 x C): dweight = r S2 / sigma + d S1, dbias = S1. */
@@ -631,6 +659,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, p, f, f, i, f, f, i, p, p, p]
     lib.bn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, f, i, p, p]
     lib.bn_step_forward.restype, lib.bn_step_backward.restype = i, None
+    lib.pnv_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, f, i, p, p, p]
+    lib.pnv_step_forward.restype = i
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -808,6 +838,20 @@ def bn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Te
         bias.data_ptr(), running_mean.data_ptr(), running_var.data_ptr(), counter.data_ptr(), eps, momentum, renorm,
         rmax, dmax, reused is not None, y.data_ptr(), out.data_ptr(), ctypes.byref(count))
     return status, y, out, count.value
+
+
+def pnv_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int | None, weight: torch.Tensor,
+                     bias: torch.Tensor, running_phi: torch.Tensor, counter: torch.Tensor, eps: float, ema_rate: float,
+                     update: bool):
+    """PN-V's training forward in one C call: `(status, y, inv_s, count)`, updating `running_phi` and
+    `counter` in place for a usable batch when `update`. Contiguous float32 vectors."""
+    tokens, channels = x.shape
+    y, inv_s, count = torch.empty_like(x), torch.empty(channels), ctypes.c_float(0.0)
+    status = _library.pnv_step_forward(
+        x.data_ptr(), *_mask_args(mask), tokens, channels, group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(),
+        weight.data_ptr(), bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, ema_rate, update,
+        y.data_ptr(), inv_s.data_ptr(), ctypes.byref(count))
+    return status, y, inv_s, count.value
 
 
 def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,

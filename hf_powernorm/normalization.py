@@ -54,6 +54,7 @@ from .kernels_cpu import (
     pn_statistics,
     pn_step_backward,
     pn_step_forward,
+    pnv_step_forward,
 )
 
 GROUP_SCALE_EPS = 1e-5
@@ -1015,13 +1016,12 @@ class _PowerNormVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, token_weights, norm):
         x = x.contiguous()
-        _, sum_sq, count = pn_rows(x, token_weights, norm.group_num)
-        count = torch.tensor(count)
-        v = sum_sq / count.clamp_min(1.0)
-        usable = norm._usable(count, v)
-        inv_s = torch.rsqrt(torch.where(usable, v, norm.running_phi) + norm.eps)
-        norm._update(v, usable)
-        y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * inv_s, bias, statistics=False)
+        _warn_if_ddp_overwrites_statistics(norm)
+        status, y, inv_s, count = pnv_step_forward(  # statistics, running update and output in one C call
+            x, token_weights, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
+            1.0 - norm.alpha_fwd, not _in_recomputation())
+        _warn_non_finite("PowerNormV", "batch statistic", status < 0)
+        count, usable = torch.tensor(count), torch.tensor(status == 1)
         ctx.save_for_backward(x, token_weights, weight, bias, inv_s, count, usable)
         ctx.norm = norm
         return y
@@ -1094,9 +1094,9 @@ class PowerNormV(_RunningStatsNorm):
         return out.to(flat.dtype).view(hidden_states.shape)
 
     def _fused_step_usable(self, flat: torch.Tensor) -> bool:
-        """The C kernels: CPU float32 input, parameters and statistic."""
-        return (_fused_kernels_usable(flat) and self.weight.dtype == torch.float32
-                and self.running_phi.dtype == torch.float32)
+        """The C kernels: CPU float32 input, contiguous float32 parameters and statistic."""
+        return _fused_kernels_usable(flat) and all(
+            t.dtype == torch.float32 and t.is_contiguous() for t in (self.weight, self.bias, self.running_phi))
 
     def _update(self, v: torch.Tensor, usable: torch.Tensor) -> None:
         """EMA update of `running_phi` where the batch gives a usable statistic (on the device)."""
