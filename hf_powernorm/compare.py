@@ -4,7 +4,7 @@ For each norm of `--norms` and each seed of `--seeds`, the model of `--model_nam
 or a folder) has its norms converted by `convert_norms` (`layernorm`: the model's own norms,
 unchanged), is fine-tuned by the training library's `fit` at equal settings (with `--tune_lr`, each
 norm's learning rate is chosen on validation from `--lr_grid`, with the first seed), and is scored
-on validation and test. The runs form a resumable grid (`training/grid.py`): a finished run is
+on validation and test. The runs form a resumable grid (`studies/grid.py`): a finished run is
 never redone, `--jobs N` runs N at once on CPU, and under `accelerate launch` every run uses all
 the processes. Writes into `--output_dir`:
 
@@ -42,8 +42,8 @@ from typing import Any
 from .normalization import NORM_CLASSES, normalize_norm_name
 from .training.arguments import add_recipe_args, check_args, check_batch_budget
 from .training.corpora import SENTIMENT_LABELS
-from .training.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
-from .training.study_runs import mean_std, write_rows
+from .studies.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
+from .studies.reports import mean_std, write_rows
 
 SPLITS = ("validation", "test")
 SETTINGS_NAME = "compare.json"

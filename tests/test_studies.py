@@ -6,11 +6,18 @@ import math
 
 import pytest
 import torch
-from recipe_scripts import load_recipe
 
-from hf_powernorm.training import STUDY_LM
-
-warmup_switch = load_recipe("studies/warmup_switch")
+from hf_powernorm.studies import (
+    batch_size,
+    batch_statistics,
+    converted_models,
+    long_run,
+    norm_comparison,
+    phrasebank_norms,
+    pn_ablation,
+    warmup_switch,
+)
+from hf_powernorm.studies.runs import STUDY_LM
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
 
@@ -43,9 +50,6 @@ def test_loss_jump_is_measured_around_the_first_update_after_warmup():
     assert jump == {"loss_jump": pytest.approx(1.0), "loss_peak_excess": pytest.approx(1.0)}
 
 
-converted_models = load_recipe("studies/converted_models")
-
-
 @pytest.mark.slow  # four recipe processes: about 30 s on an idle 2-core machine, minutes on a busy one
 def test_converted_models_smoke_runs_both_norms_from_the_same_weights(tmp_path):
     results = converted_models.main(["--smoke", "--seeds", "1", "--output_dir", str(tmp_path)])
@@ -57,9 +61,6 @@ def test_converted_models_smoke_runs_both_norms_from_the_same_weights(tmp_path):
         assert f'"norm_type": "{result["norm"]}"' in config
     summary = (tmp_path / "summary.md").read_text()
     assert "| bert-classification (test_accuracy) | powernorm |" in summary
-
-
-batch_statistics = load_recipe("studies/batch_statistics")
 
 
 def test_batch_statistics_smoke_records_every_norm_and_resumes(tmp_path):
@@ -100,9 +101,6 @@ def test_singular_value_summary_of_a_known_spectrum():
     assert summary["sv_8"] == 1.0 and summary["effective_rank"] == pytest.approx(8.0)
 
 
-norm_comparison = load_recipe("studies/norm_comparison")
-
-
 def test_norm_comparison_smoke_runs_both_tasks_and_reports_partial_grids(tmp_path):
     argv = ["--smoke", "--seeds", "1", "--settings", "layernorm", "powernorm", "--output_dir", str(tmp_path)]
     results = norm_comparison.main(argv)
@@ -140,9 +138,6 @@ def test_last_quarter_change_measures_whether_validation_has_flattened():
     curve = [(step, 300.0 - step / 10) for step in range(150, 1501, 150)]
     assert change(curve) == pytest.approx(100 * (150.0 - 180.0) / 180.0)
     assert change([(600, 5.0), (1200, 5.0)]) == 0.0 and math.isnan(change([(600, 5.0)]))
-
-
-pn_ablation = load_recipe("studies/pn_ablation")
 
 
 def test_pn_ablation_smoke_changes_one_option_at_a_time(tmp_path):
@@ -191,9 +186,6 @@ def test_pn_ablation_runs_settings_that_coincide_at_the_budget_once(tmp_path):
     assert "| warmup=half-run (the runs of pn-default) | 1 |" in (tmp_path / "summary.md").read_text()
 
 
-batch_size = load_recipe("studies/batch_size")
-
-
 def test_batch_size_smoke_keeps_the_update_and_varies_the_statistics_batch(tmp_path):
     argv = ["--smoke", "--seeds", "1", "--norms", "layernorm", "powernorm", "--accumulations", "8", "1",
             "--output_dir", str(tmp_path)]
@@ -216,9 +208,6 @@ def test_batch_size_smoke_keeps_the_update_and_varies_the_statistics_batch(tmp_p
     assert (tmp_path / "batch_size.png").stat().st_size > 5_000
     with pytest.raises(ValueError, match="--accumulations 3"):
         batch_size.parse_args(["--smoke", "--accumulations", "3"])
-
-
-long_run = load_recipe("studies/long_run")
 
 
 def test_long_run_smoke_trains_in_both_precisions(tmp_path):
@@ -247,7 +236,7 @@ def test_long_run_stability_finds_the_first_nonfinite_update():
 
 
 def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
-    from hf_powernorm.training import mean_std
+    from hf_powernorm.studies.reports import mean_std
 
     assert mean_std([1.0, 2.0], 3) == "1.500 ± 0.707" and mean_std([1.0]) == "1.00"
     assert mean_std([1.234e-5, 1.3e-5, None], 3, significant=True) == "1.27e-05 ± 4.7e-07"
@@ -256,7 +245,7 @@ def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
 
 
 def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty(tmp_path):
-    from hf_powernorm.training import write_rows
+    from hf_powernorm.studies.reports import write_rows
 
     rows = [{"seed": 1, "setting": "pn", "loss": 2.5, "noise": "x"}, {"setting": "ln", "seed": 2, "extra": 7}]
     write_rows(rows, tmp_path / "all.csv", leave_out=["noise"])
@@ -269,7 +258,7 @@ def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty
 
 
 def test_seeds_of_lists_each_seed_with_a_run_once_in_order():
-    from hf_powernorm.training import seeds_of
+    from hf_powernorm.studies.reports import seeds_of
 
     assert seeds_of([{"seed": 3}, {"seed": 1}, {"seed": 3}, {"seed": 2}]) == [1, 2, 3]
     assert seeds_of([]) == []
@@ -307,7 +296,7 @@ def test_lm_study_trains_on_the_users_files_or_a_load_dataset_folder(tmp_path):
 
 
 def test_study_without_data_options_names_them_and_only_smoke_uses_the_embedded_corpus(tmp_path):
-    from hf_powernorm.training.study_runs import lm_split_files
+    from hf_powernorm.studies.runs import lm_split_files
 
     with pytest.raises(ValueError, match="--data_dir .*--train_file/--validation_file/--test_file.*--dataset_name"):
         warmup_switch.main(["--seeds", "1", "--output_dir", str(tmp_path / "none")])
@@ -315,12 +304,10 @@ def test_study_without_data_options_names_them_and_only_smoke_uses_the_embedded_
     with pytest.raises(ValueError, match="also pass --test_file"):
         lm_split_files(None, tmp_path, False, data_files={"train": "a.txt", "validation": "b.txt"})
     assert lm_split_files(None, tmp_path, True)["train"].endswith("smoke.train.txt")
-    norm_comparison = load_recipe("studies/norm_comparison")
     with pytest.raises(ValueError, match="--tasks multi30k needs --data_dir"):
         norm_comparison.parse_args(["--tasks", "multi30k"])
     with pytest.raises(ValueError, match="no PTB data: pass --data_dir"):
         norm_comparison.parse_args(["--tasks", "ptb"])
-    phrasebank_norms = load_recipe("studies/phrasebank_norms")
     with pytest.raises(ValueError, match="pass --phrasebank_file .* or --data_dir"):
         phrasebank_norms.parse_args([])
     from hf_powernorm import bench_data

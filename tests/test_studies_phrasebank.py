@@ -8,9 +8,7 @@ import math
 import pytest
 import torch
 
-from recipe_scripts import load_recipe
-
-phrasebank_norms = load_recipe("studies/phrasebank_norms")
+from hf_powernorm.studies import phrasebank_norms
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
 

@@ -5,9 +5,8 @@ import csv
 import json
 
 import pytest
-from recipe_scripts import load_recipe
 
-tuned_comparison = load_recipe("studies/tuned_comparison")
+from hf_powernorm.studies import tuned_comparison
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
 

@@ -21,7 +21,7 @@ fraction, singular-value summaries, scores), `statistics.csv` (the recorded rows
     python recipes/studies/batch_statistics.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/batch_statistics.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
 """
 
 from __future__ import annotations
@@ -37,21 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_powernorm import MaskedBatchNorm, NormStatisticsRecorder
-from hf_powernorm.instrumentation import read_norm_statistics
-from hf_powernorm.training import (
-    Cell,
-    add_study_args,
-    budget_argv,
-    fill_sizes,
-    lm_run_args,
-    lm_size,
-    mean_std,
-    run_lm_study,
-    seeds_of,
-    train_causal_lm,
-    write_rows,
-)
+from .. import MaskedBatchNorm, NormStatisticsRecorder
+from ..instrumentation import read_norm_statistics
+from .grid import Cell
+from .reports import mean_std, seeds_of, write_rows
+from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,

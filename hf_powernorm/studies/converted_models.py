@@ -23,15 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hf_powernorm.training import (
-    Cell,
-    run_grid,
-    synthetic_classification_corpus,
-    synthetic_lm_corpus,
-    train_bpe_tokenizer,
-)
+from ..training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
+from .grid import Cell, run_grid
 
-RECIPES = Path(__file__).resolve().parents[1]
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TASKS = {"bert-classification": ("train_classification.py", "test_accuracy"),
          "gpt2-lm": ("train_lm.py", "test_perplexity")}
 SIZES = {"real": {"updates": {"bert-classification": 300, "gpt2-lm": 400}, "width": 64, "warmup": 100},

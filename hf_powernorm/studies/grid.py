@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .checkpoints import write_json_atomically
+from ..training.checkpoints import write_json_atomically
 
 RESULT_NAME = "result.json"
 

@@ -23,7 +23,7 @@ every norm at its first seeds.
         --validation_file ptb.valid.txt --test_file ptb.test.txt              # or --dataset_name ptb_text_only
     python recipes/studies/norm_comparison.py --smoke --output_dir /tmp/nc      # embedded corpora, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`); `--report_only`
+Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`); `--report_only`
 writes the outputs of the runs finished so far while the others still run.
 """
 
@@ -40,23 +40,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hf_powernorm.training import (
-    Cell,
+from ..training import read_run_log
+from .grid import Cell, run_grid
+from .reports import mean_std, seeds_of, write_rows
+from .runs import (
+    DATA_OPTIONS,
     add_lm_size_args,
+    add_study_data_args,
     budget_argv,
     lm_run_args,
     lm_size,
-    mean_std,
     prepare_lm_data,
-    read_run_log,
-    run_grid,
-    seeds_of,
+    study_data_files,
     train_causal_lm,
-    write_rows,
 )
-from hf_powernorm.training.study_runs import DATA_OPTIONS, add_study_data_args, study_data_files
 
-RECIPES = Path(__file__).resolve().parents[1]
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 SETTINGS = {
     "layernorm": ["--norm_type", "layernorm"],
     "batchnorm": ["--norm_type", "batchnorm"],

@@ -46,7 +46,7 @@ Writes `results.csv` (one row per training run), `gradient_norms.csv`, `lipschit
     python recipes/studies/phrasebank_norms.py --data_dir DIR --jobs 2       # DIR holds the PhraseBank
     python recipes/studies/phrasebank_norms.py --smoke --output_dir /tmp/p   # embedded corpus, seconds
 
-Runs resume: a finished grid cell is never redone (`hf_powernorm.training.run_grid`).
+Runs resume: a finished grid cell is never redone (`hf_powernorm.studies.grid`).
 """
 
 from __future__ import annotations
@@ -60,21 +60,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hf_powernorm import (
+from .. import (
     PowerNormTransformerConfig,
     PowerNormTransformerForSequenceClassification,
 )
-from hf_powernorm.training import (
-    Cell,
+from ..training import (
     PaddingCollator,
     TokenBudgetBatchSampler,
     eval_loader,
     load_classification_dataset,
-    run_grid,
-    seeds_of,
     synthetic_classification_corpus,
     tokenize_classification,
 )
+from .grid import Cell, run_grid
+from .reports import seeds_of
 
 DOCUMENT_NORMS = ("layernorm", "batchnorm", "none")
 NORMS = (*DOCUMENT_NORMS, "powernorm", "rmsnorm")

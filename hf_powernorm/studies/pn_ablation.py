@@ -21,7 +21,7 @@ double and half the run, at 600 updates) run once and report the same runs.
     python recipes/studies/pn_ablation.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/pn_ablation.py --smoke --output_dir /tmp/ab   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.training.run_grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
 """
 
 from __future__ import annotations
@@ -31,21 +31,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hf_powernorm.training import (
-    Cell,
-    add_study_args,
-    budget_argv,
-    fill_sizes,
-    lm_run_args,
-    lm_size,
-    loss_jump,
-    mean_std,
-    run_lm_study,
-    seeds_of,
-    train_causal_lm,
-    training_losses,
-    write_rows,
-)
+from .grid import Cell
+from .measures import loss_jump, training_losses
+from .reports import mean_std, seeds_of, write_rows
+from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},

@@ -6,9 +6,6 @@ argument parser and `fit`, returning the trained model with its scores."""
 from __future__ import annotations
 
 import argparse
-import csv
-import math
-import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,28 +13,25 @@ from typing import Any
 import torch
 
 from ..modeling_powernorm import PowerNormTransformerForCausalLM
-from .arguments import add_recipe_args, check_args
-from .batching import PaddingCollator
-from .corpora import synthetic_lm_corpus
-from .evaluation import evaluate_perplexity, score_splits
-from .grid import run_grid
-from .loop import fit, make_accelerator, prepare_eval_loaders
-from .losses import causal_lm_loss
-from .metrics import count_words
-from .models import build_model
-from .readers import data_files_from_args, load_lm_dataset, split_train
-from .run_log import read_run_log
-from .tokenization import (
+from ..training.arguments import add_recipe_args, check_args
+from ..training.batching import PaddingCollator
+from ..training.corpora import synthetic_lm_corpus
+from ..training.evaluation import evaluate_perplexity, score_splits
+from ..training.loop import fit, make_accelerator, prepare_eval_loaders
+from ..training.losses import causal_lm_loss
+from ..training.metrics import count_words
+from ..training.models import build_model
+from ..training.readers import data_files_from_args, load_lm_dataset, split_train
+from ..training.tokenization import (
     column_texts,
     lm_blocks,
     load_tokenizer,
     tokenize_lines,
     train_bpe_tokenizer,
 )
+from .grid import run_grid
 
 PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
-# The loss jump at PN's switch: means over WINDOW updates either side, the peak over PEAK_WINDOW after.
-WINDOW, PEAK_WINDOW = 10, 50
 
 
 # What a study without data options says it needs.
@@ -155,63 +149,6 @@ def train_causal_lm(args: argparse.Namespace, files: dict[str, str], block_size:
     accelerator.end_training()
     model = accelerator.unwrap_model(model).eval()
     return model, {**summary, **{k: v for k, v in scores.items() if k.endswith(("perplexity", "loss"))}}
-
-
-def training_losses(folder: str | Path) -> dict[int, float | None]:
-    """The run's training loss per update from its log (None where it was not finite)."""
-    return {r["step"]: r["loss"] for r in read_run_log(folder) if "loss" in r}
-
-
-def first_nonfinite_update(losses: dict[int, float | None]) -> int | None:
-    """The first update whose training loss was not finite (NaN or infinite), or None."""
-    return next((step for step in sorted(losses) if losses[step] is None or not math.isfinite(losses[step])), None)
-
-
-def loss_jump(losses: dict[int, float | None], warmup_steps: int) -> dict[str, float]:
-    """The training loss around the first update after warmup (`warmup_steps + 1`): the mean of the
-    `WINDOW` updates after it minus that of the `WINDOW` before, and the largest excess over the
-    pre-switch mean within `PEAK_WINDOW` updates. NaN without updates on both sides."""
-    def window(first: int, last: int) -> list[float]:
-        return [losses[s] for s in range(first, last + 1) if losses.get(s) is not None]
-
-    before = window(warmup_steps - WINDOW + 1, warmup_steps)
-    after = window(warmup_steps + 1, warmup_steps + WINDOW)
-    if warmup_steps < 1 or not before or not after:
-        return {"loss_jump": float("nan"), "loss_peak_excess": float("nan")}
-    reference = statistics.fmean(before)
-    later = window(warmup_steps + 1, warmup_steps + PEAK_WINDOW)
-    return {"loss_jump": statistics.fmean(after) - reference, "loss_peak_excess": max(later) - reference}
-
-
-def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool = False) -> str:
-    """`mean ± std` (sample standard deviation) of the values that are not missing (None or NaN),
-    the value alone for one, `-` for none; an infinite value (a diverged run) stays in and shows.
-    `digits` decimals, or with `significant` that many significant digits (the std with two)."""
-    present = [v for v in values if v is not None and not math.isnan(v)]
-    if not present:
-        return "-"
-    spec, std_spec = (f".{digits}g", ".2g") if significant else (f".{digits}f", f".{digits}f")
-    if len(present) == 1:
-        return f"{present[0]:{spec}}"
-    spread = statistics.stdev(present) if all(math.isfinite(v) for v in present) else math.nan
-    return f"{statistics.fmean(present):{spec}} ± {spread:{std_spec}}"
-
-
-def seeds_of(results: Sequence[dict[str, Any]]) -> list[int]:
-    """The seeds that have a run among `results`, in order (for a summary's heading)."""
-    return sorted({r["seed"] for r in results})
-
-
-def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = (),
-               columns: Sequence[str] | None = None) -> None:
-    """`rows` as a CSV table: `columns` in that order if given (a row without one leaves its cell
-    empty), else every column in first-seen order; `leave_out` columns dropped either way."""
-    columns = [c for c in (columns if columns is not None else dict.fromkeys(k for row in rows for k in row))
-               if c not in leave_out]
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 # The studies' language model: `lm-small`'s layout (pre-norm decoder, learned positions) at a size

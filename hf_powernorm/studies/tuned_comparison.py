@@ -52,24 +52,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hf_powernorm.training import (
-    Cell,
-    budget_argv,
-    finished_results,
-    lm_run_args,
-    lm_size,
-    lm_split_files,
-    prepare_lm_data,
-    read_run_log,
-    run_grid,
-    select_checkpoints,
-    train_causal_lm,
-    write_average,
-    write_rows,
-)
-from hf_powernorm.training.study_runs import STUDY_LM
+from ..training import read_run_log, select_checkpoints, write_average
+from .grid import Cell, finished_results, run_grid
+from .reports import write_rows
+from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
 
-RECIPES = Path(__file__).resolve().parents[1]
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TASKS = ("ptb", "multi30k")
 NORMS = ("layernorm", "powernorm", "rmsnorm")
 DEFAULT_ALPHA, DEFAULT_DENOMINATOR = 0.9, "running"

@@ -1,6 +1,7 @@
 """The training library under the recipes and the studies: data readers, embedded corpora,
-tokenization, batching, optimization, losses, the Accelerate loop, checkpoints, evaluation,
-metrics and the export. Never copied next to a checkpoint: the model files import nothing from it.
+tokenization, batching, optimization, losses, the Accelerate loop, the task runner, checkpoints,
+evaluation, metrics and the export; the studies built on it are `hf_powernorm.studies`. Never
+copied next to a checkpoint: the model files import nothing from it.
 
     from hf_powernorm.training import load_lm_dataset, tokenize_lines, lm_blocks, train
 """
@@ -40,7 +41,6 @@ from .corpora import (
 )
 from .evaluation import bleu_scores, evaluate_accuracy, evaluate_bleu, evaluate_perplexity, score_splits, translate
 from .export import complete_average_export, save_json, save_outputs, save_results, training_command
-from .grid import Cell, cell_result, finished_results, run_grid
 from .losses import label_smoothed_loss, model_loss, sequence_nll, token_nll, translation_loss
 from .loop import (
     EarlyStopping,
@@ -72,25 +72,6 @@ from .readers import (
 )
 from .resuming import resolve_resume_path
 from .run_log import RunLog, read_run_log
-from .study_runs import (
-    STUDY_LM,
-    add_lm_size_args,
-    add_study_args,
-    budget_argv,
-    fill_sizes,
-    first_nonfinite_update,
-    lm_run_args,
-    lm_size,
-    lm_split_files,
-    loss_jump,
-    mean_std,
-    prepare_lm_data,
-    run_lm_study,
-    seeds_of,
-    train_causal_lm,
-    training_losses,
-    write_rows,
-)
 from .tasks import Task, run_task
 from .tokenization import (
     SPECIAL_TOKENS,
@@ -108,26 +89,23 @@ from .tokenization import (
 
 __all__ = [
     "BEST_MODEL_DIR", "IGNORE_INDEX", "MANIFEST_NAME", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES",
-    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "STUDY_LM", "TRAINING_STATE_NAME", "Cell", "Task", "EarlyStopping",
+    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "TRAINING_STATE_NAME", "Task", "EarlyStopping",
     "IncompleteCheckpointError", "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler",
-    "TokenBudgetBatchSampler", "add_lm_size_args", "add_recipe_args", "add_study_args",
-    "average_buffers_across_processes", "average_state_dicts", "bleu_scores", "budget_argv", "build_config",
-    "build_model", "build_optimizer", "build_scheduler", "cell_result", "check_args", "check_average_inputs",
-    "check_batch_budget", "check_output_dir", "check_run_start", "column_texts", "complete_average_export",
-    "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader", "evaluate_accuracy", "evaluate_bleu",
-    "evaluate_perplexity", "fill_sizes", "finish_training", "finished_results", "first_nonfinite_update", "fit",
-    "incomplete_checkpoints", "inverse_sqrt_schedule", "label_names_of", "label_smoothed_loss", "latest_checkpoint",
-    "limit_samples", "limit_splits", "list_checkpoints", "lm_blocks", "lm_run_args", "lm_size", "lm_split_files", "loss_jump",
-    "load_classification_dataset", "load_hub_dataset", "load_lm_dataset", "load_metric", "load_scheduler_state",
-    "load_tokenizer", "load_translation_dataset", "log_run_start", "make_accelerator", "mean_std", "max_update_steps",
-    "model_loss", "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity", "prepare_eval_loaders",
-    "prepare_lm_data", "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank",
-    "read_run_log", "resolve_model_path", "resolve_resume_path", "run_grid", "run_lm_study", "run_task",
-    "save_checkpoint", "save_json", "save_outputs", "save_results", "scheduler_state", "score_splits",
-    "select_checkpoints", "seeds_of", "sequence_lengths", "sequence_nll", "split_train", "start_run",
-    "synthetic_classification_corpus",
-    "synthetic_lm_corpus", "synthetic_translation_corpus", "token_nll", "tokenize_classification", "tokenize_lines",
-    "tokenize_translation", "train", "train_bpe_tokenizer", "train_causal_lm", "training_losses", "train_loader",
-    "training_command", "translate", "translation_loss", "translation_texts", "write_average", "write_rows",
+    "TokenBudgetBatchSampler", "add_recipe_args", "average_buffers_across_processes", "average_state_dicts",
+    "bleu_scores", "build_config", "build_model", "build_optimizer", "build_scheduler", "check_args",
+    "check_average_inputs", "check_batch_budget", "check_output_dir", "check_run_start", "column_texts",
+    "complete_average_export", "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader",
+    "evaluate_accuracy", "evaluate_bleu", "evaluate_perplexity", "finish_training", "fit", "incomplete_checkpoints",
+    "inverse_sqrt_schedule", "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples",
+    "limit_splits", "list_checkpoints", "lm_blocks", "load_classification_dataset", "load_hub_dataset",
+    "load_lm_dataset", "load_metric", "load_scheduler_state", "load_tokenizer", "load_translation_dataset",
+    "log_run_start", "make_accelerator", "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types",
+    "parameter_groups", "perplexity", "prepare_eval_loaders", "prepare_tokenizer", "prune_checkpoints",
+    "read_lines", "read_manifest", "read_phrasebank", "read_run_log", "resolve_model_path", "resolve_resume_path",
+    "run_task", "save_checkpoint", "save_json", "save_outputs", "save_results", "scheduler_state", "score_splits",
+    "select_checkpoints", "sequence_lengths", "sequence_nll", "split_train", "start_run",
+    "synthetic_classification_corpus", "synthetic_lm_corpus", "synthetic_translation_corpus", "token_nll",
+    "tokenize_classification", "tokenize_lines", "tokenize_translation", "train", "train_bpe_tokenizer",
+    "train_loader", "training_command", "translate", "translation_loss", "translation_texts", "write_average",
     "write_manifest",
 ]

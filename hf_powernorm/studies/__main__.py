@@ -1,0 +1,28 @@
+"""`python -m hf_powernorm.studies <study> [options]`: run one study (`--help` lists them; `<study>
+--help` gives its options). The same as `python -m hf_powernorm.studies.<study> [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import STUDIES
+
+
+def main(argv: list[str] | None = None) -> object:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    listing = "\n".join(f"  {name:<18} {line}" for name, line in STUDIES.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_powernorm.studies", usage="%(prog)s [-h] study [options]", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one study of PowerNorm; its outputs go to its --output_dir.",
+        epilog=f"studies:\n{listing}\n\n`python -m hf_powernorm.studies <study> --help` gives a study's options.")
+    parser.add_argument("study", choices=list(STUDIES), metavar="study", help="one of the studies below")
+    if not argv or argv[0].startswith("-"):
+        parser.parse_args(argv)  # --help, or an error naming the missing study
+    study = parser.parse_args(argv[:1]).study
+    return importlib.import_module(f"{__package__}.{study}").main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""`python recipes/studies/batch_size.py [options]`: the study `hf_powernorm.studies.batch_size` (its docstring
+says what it runs and writes; also `python -m hf_powernorm.studies batch_size`)."""
+
+from hf_powernorm.studies.batch_size import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""`python recipes/studies/warmup_switch.py [options]`: the study `hf_powernorm.studies.warmup_switch` (its docstring
+says what it runs and writes; also `python -m hf_powernorm.studies warmup_switch`)."""
+
+from hf_powernorm.studies.warmup_switch import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The studies as a package: `python -m hf_powernorm.studies --help` lists every study module, each
+study runs as `python -m hf_powernorm.studies <study>`, and neither the package nor the recipes
+reach the code by editing `sys.path`."""
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_powernorm.studies import STUDIES
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY_FILES = sorted(p.stem for p in (ROOT / "hf_powernorm" / "studies").glob("*.py"))
+LIBRARY = {"__init__", "__main__", "grid", "measures", "reports", "runs"}
+
+
+def test_every_study_module_is_listed_and_has_a_main():
+    assert sorted(STUDIES) == [name for name in STUDY_FILES if name not in LIBRARY]
+    for name in STUDIES:
+        assert callable(importlib.import_module(f"hf_powernorm.studies.{name}").main)
+
+
+def test_help_lists_every_study_with_its_line():
+    completed = subprocess.run([sys.executable, "-m", "hf_powernorm.studies", "--help"], capture_output=True,
+                               text=True, check=True)
+    for name, line in STUDIES.items():
+        assert re.search(rf"^  {name} +{re.escape(line)}$", completed.stdout, re.M), name
+
+
+def test_a_study_runs_by_name_and_an_unknown_name_is_refused(capsys):
+    from hf_powernorm.studies.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["warmup_switch", "--help"])
+    assert "--ramp_steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["no_such_study"])
+    assert "invalid choice: 'no_such_study'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("folder", ["hf_powernorm", "recipes"])
+def test_no_module_edits_sys_path(folder):
+    touching = [str(path.relative_to(ROOT)) for path in sorted((ROOT / folder).rglob("*.py"))
+                if "sys.path" in path.read_text(encoding="utf-8")]
+    assert touching == []
+
+
+def test_recipe_study_scripts_only_point_to_the_package():
+    for name in STUDIES:
+        text = (ROOT / "recipes" / "studies" / f"{name}.py").read_text(encoding="utf-8")
+        assert f"from hf_powernorm.studies.{name} import main" in text and len(text.splitlines()) <= 8
