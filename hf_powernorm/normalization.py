@@ -77,7 +77,7 @@ def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, h
             f"hidden_states must have shape (batch, seq, {hidden_size}) or (tokens, {hidden_size}), "
             f"got {tuple(hidden_states.shape)}"
         )
-    flat = hidden_states.reshape(-1, hidden_size)
+    flat = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_size)
     if attention_mask is None:
         return flat, None
     if tuple(attention_mask.shape) != tuple(hidden_states.shape[:-1]):
@@ -415,7 +415,8 @@ class _RunningStatsNorm(_Norm):
         mean, var, group_num = self._eval_statistics()
         if not _eval_map_usable(flat, weight, bias, mean, var):
             return None
-        return _eval_map(flat, group_num, weight, bias, mean, var, self.eps).view(shape)
+        out = _eval_map(flat, group_num, weight, bias, mean, var, self.eps)
+        return out if out.shape == shape else out.view(shape)
 
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
@@ -617,9 +618,10 @@ class _PowerNormStepFunction(torch.autograd.Function):
             y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * stats[1], bias, statistics=False)
         else:
             _warn_if_ddp_overwrites_statistics(norm)
+            buffers = norm._buffers
             status, y, stats, count = pn_step_forward(
-                x, mask, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
-                norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd,
+                x, mask, norm.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"],
+                norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd,
                 norm.warmup_statistic == "reference", norm.backward_denominator == "batch")
             _warn_non_finite("PowerNorm", "batch statistic", status < 0)
             usable = status == 1
@@ -635,8 +637,8 @@ class _PowerNormStepFunction(torch.autograd.Function):
         x, mask, weight = ctx.saved_tensors
         norm, stats, count, usable = ctx.step
         dy = grad_output.float().contiguous()
-        status, grad_x, grads = pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count,
-                                                 usable, 1.0 - norm.alpha_bkw)
+        status, grad_x, grads = pn_step_backward(dy, x, mask, norm.group_num, weight, norm._buffers["running_nu"], stats,
+                                                 count, usable, 1.0 - norm.alpha_bkw)
         _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
         return grad_x, grads[0], grads[1], None, None
 
@@ -646,7 +648,8 @@ def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     as nonzero = real), else converted to float 0/1 weights."""
     if attention_mask is None:
         return None
-    mask = attention_mask.reshape(-1).cpu()
+    mask = attention_mask if attention_mask.dim() == 1 else attention_mask.reshape(-1)
+    mask = mask if mask.device.type == "cpu" else mask.cpu()
     if mask.dtype in (torch.int64, torch.bool, torch.uint8):
         return mask.contiguous()
     return (mask != 0).float()
@@ -840,8 +843,10 @@ class PowerNorm(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            mask = _kernel_mask(attention_mask)
-            return _PowerNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
+            parameters = self._parameters
+            y = _PowerNormStepFunction.apply(flat, parameters["weight"], parameters["bias"],
+                                             _kernel_mask(attention_mask), self)
+            return y if flat is hidden_states else y.view(hidden_states.shape)  # no view node for a no-op
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
             return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
