@@ -9,7 +9,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def load_recipe(name: str) -> ModuleType:
-    """`recipes/<name>.py` (e.g. "train_lm", "studies/warmup_switch") as a module `recipes_<name>`."""
+    """`recipes/<name>.py` (e.g. "train_lm") as a module `recipes_<name>`."""
     spec = importlib.util.spec_from_file_location(f"recipes_{name.replace('/', '_')}", RECIPES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

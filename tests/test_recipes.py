@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from recipe_scripts import average_checkpoints, train_classification, train_lm, train_wmt
 
 from hf_powernorm import training
+from hf_powernorm.training import translation
 
 FAST = ["--max_eval_samples", "8", "--eval_batch_size", "4", "--max_tokens", "512", "--vocab_size", "300",
         "--warmup_steps", "3", "--num_beams", "2", "--max_new_tokens", "8"]
@@ -120,7 +121,7 @@ def test_train_wmt_trains_saves_and_resumes_exactly(tmp_path, capsys, reset_acce
 
 def test_train_wmt_early_stopping_exports_the_best_model(translation_files, tmp_path, monkeypatch):
     scripted_scores = iter([10.0, 20.0, 15.0, 12.0])  # validation BLEU after each update
-    measured, translate = train_wmt.evaluate_bleu, training.evaluation.translate
+    measured, translate = translation.evaluate_bleu, training.evaluation.translate
     translations = []
 
     def recording_translate(*args, **kwargs):
@@ -132,7 +133,7 @@ def test_train_wmt_early_stopping_exports_the_best_model(translation_files, tmp_
         return {**scores, "bleu": next(scripted_scores, scores["bleu"])}
 
     monkeypatch.setattr(training.evaluation, "translate", recording_translate)
-    monkeypatch.setattr(train_wmt, "evaluate_bleu", scripted)
+    monkeypatch.setattr(translation, "evaluate_bleu", scripted)
     results = train_wmt.main(_file_args(translation_files, tmp_path, "--max_train_steps", "20", "--eval_steps", "1",
                                         "--patience", "2", "--checkpointing_steps", "1"))
     # Best at update 2; updates 3 and 4 do not improve: stop after 4 and export update 2's weights.
@@ -176,7 +177,7 @@ def test_train_wmt_bad_arguments_fail_before_training(bad, error, message, tmp_p
 
 def _beam_search(model, pad_token_id: int, rows: list[list[int]], batch_size: int, num_beams: int,
                  length_penalty: float, max_new_tokens: int) -> tuple[list[list[int]], list[float]]:
-    """`generate` as `train_wmt.evaluate_bleu` calls it, on batches padded like `PaddingCollator`
+    """`generate` as the translation task's `evaluate_bleu` calls it, on batches padded like `PaddingCollator`
     pads them (right, with an attention mask): the generated ids and the beam scores. The child
     below runs this very source."""
     import torch

@@ -26,6 +26,7 @@ from hf_powernorm import NORM_CLASSES
 from recipe_scripts import train_classification, train_lm
 
 from hf_powernorm import training
+from hf_powernorm.training import language_modeling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,14 +189,14 @@ def test_lm_resume_from_latest_matches_an_unbroken_run(lm_run, text_files, tmp_p
 
 def test_lm_early_stopping_exports_the_best_model(text_files, tmp_path, monkeypatch):
     scripted_scores = iter([10.0, 9.0, 12.0, 13.0])  # validation perplexity after each update
-    measured, real_scores = train_lm.evaluate_perplexity, []
+    measured, real_scores = language_modeling.evaluate_perplexity, []
 
     def scripted(accelerator, model, loader, num_words=None):
         scores = measured(accelerator, model, loader, num_words)
         real_scores.append(scores["perplexity"])
         return {**scores, "perplexity": next(scripted_scores, scores["perplexity"])}
 
-    monkeypatch.setattr(train_lm, "evaluate_perplexity", scripted)
+    monkeypatch.setattr(language_modeling, "evaluate_perplexity", scripted)
     results = train_lm.main(_lm_args(text_files, tmp_path, "--max_train_steps", "20", "--eval_steps", "1",
                                      "--patience", "2", "--checkpointing_steps", "1"))
     # Best at update 2; updates 3 and 4 do not improve: stop after 4 and export update 2's weights.

@@ -52,3 +52,9 @@ def test_recipe_study_scripts_only_point_to_the_package():
     for name in STUDIES:
         text = (ROOT / "recipes" / "studies" / f"{name}.py").read_text(encoding="utf-8")
         assert f"from hf_powernorm.studies.{name} import main" in text and len(text.splitlines()) <= 8
+
+
+def test_studies_train_in_process_through_the_tasks_not_recipe_scripts():
+    for path in sorted((ROOT / "hf_powernorm" / "studies").glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"^import (subprocess|runpy)|__file__", text, re.M), path.name

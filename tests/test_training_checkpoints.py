@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from recipe_scripts import average_checkpoints, train_lm, train_wmt
 
 from hf_powernorm import training
-from hf_powernorm.training import averaging, checkpoints
+from hf_powernorm.training import averaging, checkpoints, language_modeling, translation
 
 LM_TINY = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "32", "--dropout", "0.1", "--eval_steps", "2"]
@@ -209,7 +209,7 @@ def no_data(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("data was read")
 
-    for module, name in ((train_lm, "load_lm_dataset"), (train_wmt, "load_translation_dataset"),
+    for module, name in ((language_modeling, "load_lm_dataset"), (translation, "load_translation_dataset"),
                          (training.tokenization, "train_bpe_tokenizer")):
         monkeypatch.setattr(module, name, refuse)
 

@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> object:
     argv = sys.argv[1:] if argv is None else list(argv)
     listing = "\n".join(f"  {name:<18} {line}" for name, line in STUDIES.items())
     parser = argparse.ArgumentParser(
-        prog="python -m hf_powernorm.studies", usage="%(prog)s [-h] study [options]", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m hf_powernorm.studies", usage="%(prog)s [-h] study [options]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one study of PowerNorm; its outputs go to its --output_dir.",
         epilog=f"studies:\n{listing}\n\n`python -m hf_powernorm.studies <study> --help` gives a study's options.")
     parser.add_argument("study", choices=list(STUDIES), metavar="study", help="one of the studies below")

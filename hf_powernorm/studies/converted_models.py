@@ -1,8 +1,8 @@
 """LayerNorm against PowerNorm in Transformers' own models, converted with `convert_norms`.
 
 A tiny BERT sentence classifier and a tiny GPT-2 language model, randomly initialised from small
-configs with a BPE of the embedded corpora, are trained from scratch by the recipes
-(`--model_name_or_path` the saved folder, `--convert_norms layernorm|powernorm`): the same
+configs with a BPE of the embedded corpora, are trained from scratch by the recipes' tasks in
+this process (`--model_name_or_path` the saved folder, `--convert_norms layernorm|powernorm`): the same
 initial weights, data, budget and hyper-parameters for both norms, seeds 1-3. LayerNorm runs go
 through the same conversion (the registry's LayerNorm computes what `nn.LayerNorm` does), so the
 two differ only in the norm. Writes `results.csv` and `summary.md` into `--output_dir`.
@@ -16,19 +16,21 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from ..training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
+from ..training import (
+    classification,
+    language_modeling,
+    synthetic_classification_corpus,
+    synthetic_lm_corpus,
+    train_bpe_tokenizer,
+)
 from .grid import Cell, run_grid
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-TASKS = {"bert-classification": ("train_classification.py", "test_accuracy"),
-         "gpt2-lm": ("train_lm.py", "test_perplexity")}
+TASKS = {"bert-classification": (classification, "test_accuracy"),
+         "gpt2-lm": (language_modeling, "test_perplexity")}
 SIZES = {"real": {"updates": {"bert-classification": 300, "gpt2-lm": 400}, "width": 64, "warmup": 100},
          "smoke": {"updates": {"bert-classification": 3, "gpt2-lm": 3}, "width": 32, "warmup": 1}}
 
@@ -71,18 +73,19 @@ def _model_folder(output_dir: Path, task: str, width: int) -> Path:
 
 
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
-    """One recipe run, as its documented command line, in a process of its own."""
+    """One run of the task, as its recipe's documented command line, in this process."""
+    import torch
+
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
     options = cell.options
-    script, score = TASKS[options["task"]]
-    argv = [sys.executable, str(RECIPES / script), "--model_name_or_path", options["model"],
+    task, score = TASKS[options["task"]]
+    argv = ["--model_name_or_path", options["model"],
             "--convert_norms", options["norm"], "--seed", str(options["seed"]), "--max_train_steps",
             str(options["updates"]), "--num_warmup_steps", str(options["warmup"]), "--eval_steps",
             str(max(1, options["updates"] // 4)), "--output_dir", str(folder / "run")]
     if options["task"] == "gpt2-lm":
         argv += ["--block_size", "64"]
-    completed = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if completed.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{completed.stderr[-3000:]}")
+    task.main(argv)
     results = json.loads((folder / "run" / "all_results.json").read_text())
     return {"score": results[score], "validation": results["best_validation"], "train_steps": results["train_steps"]}
 

@@ -33,14 +33,11 @@ import argparse
 import csv
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from ..training import read_run_log
+from ..training import read_run_log, translation
 from .grid import Cell, run_grid
 from .reports import mean_std, seeds_of, write_rows
 from .runs import (
@@ -55,7 +52,6 @@ from .runs import (
     train_causal_lm,
 )
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 SETTINGS = {
     "layernorm": ["--norm_type", "layernorm"],
     "batchnorm": ["--norm_type", "batchnorm"],
@@ -137,19 +133,17 @@ def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """`recipes/train_wmt.py` on Multi30k (or the embedded corpus at smoke size) with the setting's
-    norm in the encoder, in its own process."""
+    """The translation task of `recipes/train_wmt.py` on Multi30k (or the embedded corpus at smoke
+    size) with the setting's norm in the encoder, in this process."""
     sizes = options["sizes"]
-    argv = [sys.executable, str(RECIPES / "train_wmt.py"), "--output_dir", str(folder / "run"),
+    argv = ["--output_dir", str(folder / "run"),
             *budget_argv(options["seed"], sizes), "--vocab_size", str(sizes["vocab_size"]),
             "--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", "4", "--max_new_tokens", "50",
             *SETTINGS[options["setting"]]]
     if options["files"]:
         argv += ["--train_file", options["files"]["train"], "--validation_file", options["files"]["validation"],
                  "--test_file", options["files"]["test"]]
-    completed = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if completed.returncode != 0:
-        raise RuntimeError(f"train_wmt.py failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
+    translation.main(argv)
     results = json.loads((folder / "run" / "all_results.json").read_text(encoding="utf-8"))
     return {k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 

@@ -46,18 +46,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
-import runpy
 import statistics
 from pathlib import Path
 from typing import Any
 
-from ..training import read_run_log, select_checkpoints, write_average
+from ..training import read_run_log, select_checkpoints, translation, write_average
 from .grid import Cell, finished_results, run_grid
 from .reports import write_rows
 from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TASKS = ("ptb", "multi30k")
 NORMS = ("layernorm", "powernorm", "rmsnorm")
 DEFAULT_ALPHA, DEFAULT_DENOMINATOR = 0.9, "running"
@@ -173,16 +170,16 @@ def _numbers(results: dict[str, Any]) -> dict[str, float]:
 
 
 def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """`recipes/train_wmt.py` in this process, then the average of its last checkpoints scored."""
+    """The translation task of `recipes/train_wmt.py` in this process, then the average of its last
+    checkpoints scored."""
     from accelerate.state import AcceleratorState
 
     sizes, files = options["sizes"], options["files"]
-    train_wmt = runpy.run_path(str(RECIPES / "train_wmt.py"), run_name="train_wmt")["main"]
     data = ([] if not files else ["--validation_file", files["validation"], "--test_file", files["test"]])
     generation = ["--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", str(sizes["num_beams"]),
                   "--length_penalty", "1.0", "--max_new_tokens", "50"]
     run = folder / "run"
-    results = _numbers(train_wmt([
+    results = _numbers(translation.main([
         "--output_dir", str(run), *_run_argv(options), "--vocab_size", str(sizes["vocab_size"]),
         "--label_smoothing", str(sizes["label_smoothing"]), "--checkpointing_steps", str(sizes["checkpointing_steps"]),
         "--config_overrides", f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
@@ -191,8 +188,8 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     AcceleratorState._reset_state(reset_partial_state=True)
     averaged = folder / "averaged"
     write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
-    scored = _numbers(train_wmt(["--no-do_train", "--model_name_or_path", str(averaged), "--output_dir",
-                                 str(folder / "averaged_scores"), *generation, *data]))
+    scored = _numbers(translation.main(["--no-do_train", "--model_name_or_path", str(averaged), "--output_dir",
+                                        str(folder / "averaged_scores"), *generation, *data]))
     AcceleratorState._reset_state(reset_partial_state=True)
     for path in run.glob("step_*"):  # the averaged export keeps what the checkpoints were for
         _remove_tree(path)

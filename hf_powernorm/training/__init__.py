@@ -1,6 +1,7 @@
 """The training library under the recipes and the studies: data readers, embedded corpora,
-tokenization, batching, optimization, losses, the Accelerate loop, the task runner, checkpoints,
-evaluation, metrics and the export; the studies built on it are `hf_powernorm.studies`. Never
+tokenization, batching, optimization, losses, the Accelerate loop, the task runner and the recipes'
+tasks (the modules `translation`, `language_modeling`, `classification`), checkpoints, evaluation,
+metrics and the export; the studies built on it are `hf_powernorm.studies`. Never
 copied next to a checkpoint: the model files import nothing from it.
 
     from hf_powernorm.training import load_lm_dataset, tokenize_lines, lm_blocks, train

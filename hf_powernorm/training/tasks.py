@@ -1,6 +1,7 @@
 """The body the training recipes share, and the `Task` each of them fills in.
 
-A recipe reads as its task's differences, in the manner of Accelerate's `examples/by_feature` and
+A task (`translation.py`, `language_modeling.py`, `classification.py`, each run by its recipe and by
+the studies) reads as its differences, in the manner of Accelerate's `examples/by_feature` and
 Transformers' `run_*_no_trainer.py` kept short: its arguments, its data, its head and default size,
 its metric. `run_task` does what every task does the same way: the accelerator, the output folder
 and the run's start (`build_accelerator`, `prepare_output_dir`, `start_run`), the model

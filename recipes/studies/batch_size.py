@@ -1,5 +1,5 @@
-"""`python recipes/studies/batch_size.py [options]`: the study `hf_powernorm.studies.batch_size` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies batch_size`)."""
+"""The study `hf_powernorm.studies.batch_size` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies batch_size`)."""
 
 from hf_powernorm.studies.batch_size import main
 

@@ -1,5 +1,5 @@
-"""`python recipes/studies/batch_statistics.py [options]`: the study `hf_powernorm.studies.batch_statistics` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies batch_statistics`)."""
+"""The study `hf_powernorm.studies.batch_statistics` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies batch_statistics`)."""
 
 from hf_powernorm.studies.batch_statistics import main
 

@@ -1,5 +1,5 @@
-"""`python recipes/studies/converted_models.py [options]`: the study `hf_powernorm.studies.converted_models` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies converted_models`)."""
+"""The study `hf_powernorm.studies.converted_models` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies converted_models`)."""
 
 from hf_powernorm.studies.converted_models import main
 

@@ -1,5 +1,5 @@
-"""`python recipes/studies/long_run.py [options]`: the study `hf_powernorm.studies.long_run` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies long_run`)."""
+"""The study `hf_powernorm.studies.long_run` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies long_run`)."""
 
 from hf_powernorm.studies.long_run import main
 

@@ -1,5 +1,5 @@
-"""`python recipes/studies/norm_comparison.py [options]`: the study `hf_powernorm.studies.norm_comparison` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies norm_comparison`)."""
+"""The study `hf_powernorm.studies.norm_comparison` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies norm_comparison`)."""
 
 from hf_powernorm.studies.norm_comparison import main
 

@@ -1,5 +1,5 @@
-"""`python recipes/studies/phrasebank_norms.py [options]`: the study `hf_powernorm.studies.phrasebank_norms` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies phrasebank_norms`)."""
+"""The study `hf_powernorm.studies.phrasebank_norms` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies phrasebank_norms`)."""
 
 from hf_powernorm.studies.phrasebank_norms import main
 

@@ -1,5 +1,5 @@
-"""`python recipes/studies/warmup_switch.py [options]`: the study `hf_powernorm.studies.warmup_switch` (its docstring
-says what it runs and writes; also `python -m hf_powernorm.studies warmup_switch`)."""
+"""The study `hf_powernorm.studies.warmup_switch` as a script: its docstring says what it runs and
+writes (also `python -m hf_powernorm.studies warmup_switch`)."""
 
 from hf_powernorm.studies.warmup_switch import main
 

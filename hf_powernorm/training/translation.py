@@ -1,0 +1,117 @@
+"""The translation task of `recipes/train_wmt.py` (the paper's Section 5.1): its arguments,
+its data (source/target pairs, joint BPE), its label-smoothed loss and BLEU of beam search. The
+recipe and the studies that translate (`hf_powernorm.studies.norm_comparison`, `tuned_comparison`)
+run it through `run_task` with `main(argv)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from ..modeling_powernorm import PowerNormTransformerForConditionalGeneration
+from .arguments import add_recipe_args, check_args
+from .batching import PaddingCollator
+from .evaluation import evaluate_bleu
+from .losses import translation_loss
+from .metrics import OncePerMessage
+from .readers import data_files_from_args, limit_splits, load_translation_dataset
+from .tasks import Task, run_task
+from .tokenization import tokenize_translation, translation_texts
+
+# sacrebleu warns about tokenized text (the embedded corpus is) at every validation: once is enough.
+logging.getLogger("sacrebleu").addFilter(OncePerMessage())
+
+
+# The default model for the embedded corpus: the preset `tiny` at width 64.
+DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train a PowerNorm Transformer for translation.")
+    add_recipe_args(p, eval_batch_size=64, output_dir="outputs/translation")
+    p.add_argument("--source_lang", default="de")
+    p.add_argument("--target_lang", default="en")
+    p.add_argument("--max_length", type=int, default=128, help="default of the two maximum lengths below")
+    p.add_argument("--max_source_length", type=int, help="truncate sources to this many tokens")
+    p.add_argument("--max_target_length", type=int, help="truncate targets to this many tokens")
+    p.add_argument("--label_smoothing", type=float, default=0.1)
+    p.add_argument("--num_beams", type=int, default=5)
+    p.add_argument("--length_penalty", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    check_args(args)
+    if args.source_lang == args.target_lang:
+        raise ValueError(f"--source_lang and --target_lang are both {args.source_lang!r}")
+    if not 0.0 <= args.label_smoothing < 1.0:
+        raise ValueError(f"--label_smoothing must be in [0, 1); got {args.label_smoothing}")
+    args.max_source_length = args.max_source_length or args.max_length
+    args.max_target_length = args.max_target_length or args.max_length
+    for option in ("num_beams", "max_new_tokens", "max_source_length", "max_target_length"):
+        if getattr(args, option) < 1:
+            raise ValueError(f"--{option} must be at least 1; got {getattr(args, option)}")
+    return args
+
+
+class Translation(Task):
+    """Label-smoothed cross-entropy on token-budget batches of source and target; BLEU of beam search."""
+
+    script = "recipes/train_wmt.py"
+    model_class = PowerNormTransformerForConditionalGeneration
+    default_size = DEFAULT_SIZE
+    metric, mode = "bleu", "max"
+    length_columns = ("input_ids", "labels")
+    corpus = "the embedded synthetic German/English corpus"
+    description = "A PowerNorm Transformer for {source_lang}->{target_lang} translation, trained on {data}."
+
+    def load_data(self, accelerator: Accelerator) -> dict:
+        """Raw pairs (JSON lines, aligned text files, a Hub dataset or the embedded corpus) -> joint BPE
+        -> cached `input_ids` and `labels`."""
+        args = self.args
+        files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
+        raw = load_translation_dataset(args.source_lang, args.target_lang, dataset_name=args.dataset_name,
+                                       dataset_config=args.dataset_config, data_files=files)
+        if "train" not in raw and args.do_train:
+            raise ValueError(f"no train split; got {list(raw)} (pass --train_file)")
+        raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
+        languages = (args.source_lang, args.target_lang)
+        self.prepare_tokenizer(accelerator, lambda: translation_texts(raw["train"], languages))
+        with accelerator.main_process_first():
+            return tokenize_translation(raw, self.tokenizer, args.source_lang, args.target_lang,
+                                        args.max_source_length, args.max_target_length,
+                                        num_proc=args.preprocessing_num_workers, overwrite_cache=args.overwrite_cache)
+
+    def describe(self, data: dict) -> str:
+        return f"{len(data.get('train', []))} training pairs"
+
+    def max_length(self) -> int:
+        return max(self.args.max_source_length, self.args.max_target_length)
+
+    def train_collate(self) -> PaddingCollator:
+        # The decoder's padding is marked too, so batch statistics in the decoder leave it out.
+        return PaddingCollator(self.tokenizer.pad_token_id, decoder_attention_mask=True)
+
+    def loss(self, accelerator: Accelerator):
+        return translation_loss(accelerator, self.args.label_smoothing)
+
+    def evaluate(self, accelerator: Accelerator, model, loader: DataLoader, split: str) -> dict:
+        """BLEU of beam search; the test split's translations go to `generated_predictions.txt`."""
+        args = self.args
+        predictions = Path(args.output_dir) / "generated_predictions.txt" if split == "test" else None
+        return evaluate_bleu(accelerator, model, loader, self.tokenizer, predictions, num_beams=args.num_beams,
+                             length_penalty=args.length_penalty, max_new_tokens=args.max_new_tokens)
+
+    def summary(self, results: dict, split: str) -> str:
+        return f"BLEU {results[f'{split}_bleu']:.2f} ({results[f'{split}_bleu_signature']})"
+
+    def card_kwargs(self, argv: list[str] | None) -> dict:
+        return {**super().card_kwargs(argv), "language": [self.args.source_lang, self.args.target_lang]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float | int | str]:
+    return run_task(Translation(parse_args(argv)), argv)
+
