@@ -1,5 +1,7 @@
 """The `hf-powernorm` command. `hf-powernorm compare ...` answers "does PN help my model?" on the
-user's model and data (`compare.py`); a bad option stops with its message, before any training."""
+user's model and data (`compare.py`); `hf-powernorm studies <study> ...` runs one of the studies
+(`hf_powernorm.studies`, the same as `python -m hf_powernorm.studies`). A bad option stops with its
+message, before any training."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 # Each subcommand is a module with `main(argv)`, imported only when it runs.
-COMMANDS = {"compare": "hf_powernorm.compare"}
+COMMANDS = {"compare": "hf_powernorm.compare", "studies": "hf_powernorm.studies.__main__"}
 
 
 def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str]) -> None:

@@ -306,7 +306,7 @@ def test_console_script_prints_bad_input_as_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("hf-powernorm compare: error: --norms: unknown norm 'powrnorm'")
     with pytest.raises(SystemExit) as stopped:
         cli.main(["comparre"])
-    assert stopped.value.code == 2 and "usage: hf-powernorm {compare}" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "usage: hf-powernorm {compare, studies}" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------

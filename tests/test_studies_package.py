@@ -58,3 +58,12 @@ def test_studies_train_in_process_through_the_tasks_not_recipe_scripts():
     for path in sorted((ROOT / "hf_powernorm" / "studies").glob("*.py")):
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"^import (subprocess|runpy)|__file__", text, re.M), path.name
+
+
+def test_the_console_script_runs_the_studies_too(capsys):
+    from hf_powernorm import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["studies", "--help"])
+    shown = capsys.readouterr().out
+    assert stopped.value.code == 0 and all(name in shown for name in STUDIES)
