@@ -68,6 +68,64 @@ static void group_scales(const float *x, long C, long groups, float eps, float *
     }
 }
 
+/* Streaming (non-temporal) stores of y = x r s + h over n floats: the output goes to memory
+   without first being read into the cache, a third less traffic than an ordinary store. For outputs
+   larger than the caches only (the caller decides); y and n must suit the vector width (see below). */
+#if defined(__AVX512F__)
+#define STREAM_FLOATS 16
+static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
+    __m512 vr = _mm512_set1_ps(r);
+    for (long j = 0; j < n; j += 16)
+        _mm512_stream_ps(y + j, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), vr),
+                                                _mm512_loadu_ps(s + j), _mm512_loadu_ps(h + j)));
+}
+#elif defined(__AVX__)
+#define STREAM_FLOATS 8
+static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
+    __m256 vr = _mm256_set1_ps(r);
+    for (long j = 0; j < n; j += 8)
+        _mm256_stream_ps(y + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vr),
+                                                            _mm256_loadu_ps(s + j)), _mm256_loadu_ps(h + j)));
+}
+#else
+#define STREAM_FLOATS 0
+#endif
+
+/* Whether rows of k floats (and of C, a multiple of k) starting at y can be streamed. */
+static int streamable(int stream, const float *y, long k) {
+    return stream && y && STREAM_FLOATS && k % (STREAM_FLOATS ? STREAM_FLOATS : 1) == 0
+           && (uintptr_t)y % (4 * (STREAM_FLOATS ? STREAM_FLOATS : 1)) == 0;
+}
+
+/* The input gradient of one token's group of k channels, streamed: z0 = x r,
+   dz0 = dy a - w c z0, dx = r (dz0 - z0 proj) (grouped) or dz0 (no group scaling). */
+#if defined(__AVX512F__)
+static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
+                            float proj, int grouped, float *dx, long k) {
+    __m512 vr = _mm512_set1_ps(r), vw = _mm512_set1_ps(w), vp = _mm512_set1_ps(proj);
+    for (long j = 0; j < k; j += 16) {
+        __m512 z0 = _mm512_mul_ps(_mm512_loadu_ps(x + j), vr);
+        __m512 dz0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(dy + j), _mm512_loadu_ps(a + j)),
+                                   _mm512_mul_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(c + j)), z0));
+        if (grouped) dz0 = _mm512_mul_ps(vr, _mm512_sub_ps(dz0, _mm512_mul_ps(z0, vp)));
+        _mm512_stream_ps(dx + j, dz0);
+    }
+}
+#elif defined(__AVX__)
+static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
+                            float proj, int grouped, float *dx, long k) {
+    __m256 vr = _mm256_set1_ps(r), vw = _mm256_set1_ps(w), vp = _mm256_set1_ps(proj);
+    for (long j = 0; j < k; j += 8) {
+        __m256 z0 = _mm256_mul_ps(_mm256_loadu_ps(x + j), vr);
+        __m256 dz0 = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(dy + j), _mm256_loadu_ps(a + j)),
+                                   _mm256_mul_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(c + j)), z0));
+        if (grouped) dz0 = _mm256_mul_ps(vr, _mm256_sub_ps(dz0, _mm256_mul_ps(z0, vp)));
+        _mm256_stream_ps(dx + j, dz0);
+    }
+}
+#endif
+
+
 /* A token's weight from the mask as given: kind 0 none (1), 1 float32 weights, 2 int64 and
    3 bool/uint8 attention masks (1 where nonzero). Reading the mask in place spares its conversion. */
 static inline float mask_weight(const void *m, int kind, long t) {
@@ -82,8 +140,9 @@ static inline float mask_weight(const void *m, int kind, long t) {
    y = z0 scale + shift when y is given (no shift: y = z0 scale; no scale either: y = z0).
    The group scales' eps is `eps` (1e-5 for PN's group scaling). */
 static void rows_masked(const float *x, const void *m, int kind, long T, long C, long groups, float eps,
-                        int threads, const float *scale, const float *shift, float *y, double *sum_sq) {
+                        int threads, const float *scale, const float *shift, float *y, double *sum_sq, int stream) {
     long G = groups ? groups : 1, k = C / G;
+    int streamed = streamable(stream, y, k) && scale && shift;
     if (sum_sq) {  /* sum_sq[C] receives the real-token count */
         memset(sum_sq, 0, sizeof(double) * (C + 1));
         if (kind) { for (long t = 0; t < T; t++) sum_sq[C] += mask_weight(m, kind, t); } else sum_sq[C] = (double)T;
@@ -102,6 +161,17 @@ static void rows_masked(const float *x, const void *m, int kind, long T, long C,
             for (long g = 0; g < G; g++) {
                 const float *xg = xt + g * k;
                 float rg = r[g], c2 = wt * rg * rg;
+#if STREAM_FLOATS
+                if (streamed) {  /* the statistics, then the output streamed */
+                    if (acc && wt != 0.0f) {
+                        float *ag = acc + g * k;
+                        #pragma omp simd
+                        for (long j = 0; j < k; j++) ag[j] += c2 * xg[j] * xg[j];
+                    }
+                    stream_affine(xg, rg, scale + g * k, shift + g * k, y + t * C + g * k, k);
+                    continue;
+                }
+#endif
                 if (acc && wt != 0.0f && y && scale && shift) {  /* statistics and output in one loop */
                     float *restrict ag = acc + g * k, *restrict yg = y + t * C + g * k;
                     const float *sg = scale + g * k, *hg = shift + g * k;
@@ -145,11 +215,14 @@ static void rows_masked(const float *x, const void *m, int kind, long T, long C,
         free(dacc);
         free(r);
     }
+#if STREAM_FLOATS
+    if (streamed) _mm_sfence();
+#endif
 }
 
 void pn_rows(const float *x, const float *w, long T, long C, long groups, float eps, int threads,
              const float *scale, const float *shift, float *y, double *sum_sq) {
-    rows_masked(x, w, w ? 1 : 0, T, C, groups, eps, threads, scale, shift, y, sum_sq);
+    rows_masked(x, w, w ? 1 : 0, T, C, groups, eps, threads, scale, shift, y, sum_sq, 0);
 }
 
 /* The backward in one pass over (dy, x): z0 = x r recomputed per token;
@@ -158,8 +231,10 @@ void pn_rows(const float *x, const float *w, long T, long C, long groups, float 
    dx = r (dz0 - z0 mean_group(dz0 z0)), or dx = dz0 without group scaling. */
 static void backward_masked(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
                             float eps, int threads, const float *weight, const float *nu, const float *inv_s,
-                            const float *inv_s_b, float *dx, double *s_all, double *s_real, double *s_dy) {
+                            const float *inv_s_b, float *dx, double *s_all, double *s_real, double *s_dy,
+                            int stream) {
     long G = groups ? groups : 1, k = C / G;
+    int streamed = streamable(stream, dx, k);
     float *a = malloc(sizeof(float) * 2 * C), *cc = a + C;
     for (long c = 0; c < C; c++) { a[c] = weight[c] * inv_s_b[c]; cc[c] = nu[c] * inv_s[c] * inv_s_b[c]; }
     memset(s_all, 0, sizeof(double) * C);
@@ -191,6 +266,20 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
                     }
                     continue;
                 }
+#if STREAM_FLOATS
+                if (streamed) {  /* the sums and the projection, then dx recomputed and streamed */
+                    #pragma omp simd reduction(+:proj)
+                    for (long j = 0; j < k; j++) {
+                        float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
+                        a_all[o + j] += p;
+                        a_real[o + j] += wt * p;
+                        a_dy[o + j] += d;
+                        proj += (d * a[o + j] - wt * cc[o + j] * z0) * z0;
+                    }
+                    stream_backward(xt + o, dyt + o, a + o, cc + o, rg, wt, proj / (float)k, groups != 0, dxt + o, k);
+                    continue;
+                }
+#endif
                 #pragma omp simd reduction(+:proj)
                 for (long j = 0; j < k; j++) {
                     float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
@@ -219,37 +308,17 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
         free(dacc);
         free(r);
     }
+#if STREAM_FLOATS
+    if (streamed) _mm_sfence();
+#endif
     free(a);
 }
 
 void pn_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups, float eps,
                  int threads, const float *weight, const float *nu, const float *inv_s, const float *inv_s_b,
                  float *dx, double *s_all, double *s_real, double *s_dy) {
-    backward_masked(dy, x, m, kind, T, C, groups, eps, threads, weight, nu, inv_s, inv_s_b, dx, s_all, s_real, s_dy);
+    backward_masked(dy, x, m, kind, T, C, groups, eps, threads, weight, nu, inv_s, inv_s_b, dx, s_all, s_real, s_dy, 0);
 }
-
-/* Streaming (non-temporal) stores of y = x r s + h over n floats: the output goes to memory
-   without first being read into the cache, a third less traffic than an ordinary store. For outputs
-   larger than the caches only (the caller decides); y and n must suit the vector width (see below). */
-#if defined(__AVX512F__)
-#define STREAM_FLOATS 16
-static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
-    __m512 vr = _mm512_set1_ps(r);
-    for (long j = 0; j < n; j += 16)
-        _mm512_stream_ps(y + j, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), vr),
-                                                _mm512_loadu_ps(s + j), _mm512_loadu_ps(h + j)));
-}
-#elif defined(__AVX__)
-#define STREAM_FLOATS 8
-static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
-    __m256 vr = _mm256_set1_ps(r);
-    for (long j = 0; j < n; j += 8)
-        _mm256_stream_ps(y + j, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), vr),
-                                                            _mm256_loadu_ps(s + j)), _mm256_loadu_ps(h + j)));
-}
-#else
-#define STREAM_FLOATS 0
-#endif
 
 /* An eval-mode norm in one pass over the rows of x (T x C): y = GS(x) scale + shift with
    scale = weight / sqrt(var + eps) and shift = bias - mean scale per channel (a missing vector
@@ -268,8 +337,7 @@ void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int th
         scale[c] = s;
         shift[c] = (bias ? bias[c] : 0.0f) - (mean ? mean[c] * s : 0.0f);
     }
-    int streamed = stream && STREAM_FLOATS && k % (STREAM_FLOATS ? STREAM_FLOATS : 1) == 0
-                   && (uintptr_t)y % (4 * (STREAM_FLOATS ? STREAM_FLOATS : 1)) == 0;
+    int streamed = streamable(stream, y, k);
     #pragma omp parallel num_threads(threads)
     {
         float *r = malloc(sizeof(float) * G);
@@ -331,16 +399,46 @@ void bn_moments(const float *x, const void *m, int kind, long T, long C, const f
 
 /* The input gradient of a per-channel affine map with batch-statistic terms, one pass:
    dx = dy a - w_t (c x + e) (real tokens carry the statistics' terms, padding gets dy a). */
-void affine_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
-                     const float *a, const float *cc, const float *e, float *dx) {
+static void affine_backward_rows(const float *dy, const float *x, const void *m, int kind, long T, long C,
+                                 int threads, const float *a, const float *cc, const float *e, float *dx, int stream) {
+    int streamed = streamable(stream, dx, C);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *dyt = dy + t * C, *xt = x + t * C;
         float *dxt = dx + t * C;
         float wt = mask_weight(m, kind, t);
+#if defined(__AVX512F__)
+        if (streamed) {
+            __m512 vw = _mm512_set1_ps(wt);
+            for (long c = 0; c < C; c += 16)
+                _mm512_stream_ps(dxt + c, _mm512_sub_ps(
+                    _mm512_mul_ps(_mm512_loadu_ps(dyt + c), _mm512_loadu_ps(a + c)),
+                    _mm512_mul_ps(vw, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(cc + c), _mm512_loadu_ps(xt + c)),
+                                                    _mm512_loadu_ps(e + c)))));
+            continue;
+        }
+#elif defined(__AVX__)
+        if (streamed) {
+            __m256 vw = _mm256_set1_ps(wt);
+            for (long c = 0; c < C; c += 8)
+                _mm256_stream_ps(dxt + c, _mm256_sub_ps(
+                    _mm256_mul_ps(_mm256_loadu_ps(dyt + c), _mm256_loadu_ps(a + c)),
+                    _mm256_mul_ps(vw, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(cc + c), _mm256_loadu_ps(xt + c)),
+                                                    _mm256_loadu_ps(e + c)))));
+            continue;
+        }
+#endif
         #pragma omp simd
         for (long c = 0; c < C; c++) dxt[c] = dyt[c] * a[c] - wt * (cc[c] * xt[c] + e[c]);
     }
+#if STREAM_FLOATS
+    if (streamed) _mm_sfence();
+#endif
+}
+
+void affine_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
+                     const float *a, const float *cc, const float *e, float *dx) {
+    affine_backward_rows(dy, x, m, kind, T, C, threads, a, cc, e, dx, 0);
 }
 
 /* torch.lerp's formula, so that the buffers match the torch ops' bit for bit where they can. */
@@ -362,7 +460,7 @@ static float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi 
    Returns 1 usable, 0 no real token, -1 non-finite statistics (as pn_statistics). */
 int bn_step_forward(const float *x, const void *m, int kind, long T, long C, int threads, const float *weight,
                     const float *bias, float *running_mean, float *running_var, long long *counter, float eps,
-                    float momentum, int renorm, float rmax, float dmax, int reuse, float *y, float *out,
+                    float momentum, int renorm, float rmax, float dmax, int reuse, int stream, float *y, float *out,
                     float *count) {
     float *mean = out, *inv = out + C, *r = out + 2 * C, *d = out + 3 * C;
     int status = 1;
@@ -402,7 +500,7 @@ int bn_step_forward(const float *x, const void *m, int kind, long T, long C, int
         a[c] = weight[c] * r[c] * inv[c];
         b[c] = bias[c] + weight[c] * d[c] - mean[c] * a[c];
     }
-    norm_eval(x, T, C, 0, 0.0f, threads, a, b, NULL, NULL, 0.0f, 0, y);
+    norm_eval(x, T, C, 0, 0.0f, threads, a, b, NULL, NULL, 0.0f, stream, y);
     free(a);
     return status;
 }
@@ -414,10 +512,10 @@ int bn_step_forward(const float *x, const void *m, int kind, long T, long C, int
    tokens; returns 1 usable, 0 no real token, -1 non-finite v. */
 int pnv_step_forward(const float *x, const void *m, int kind, long T, long C, long groups, float gs_eps, int threads,
                      const float *weight, const float *bias, float *phi, long long *counter, float eps, float ema,
-                     int update, float *y, float *inv_s, float *count) {
+                     int update, int stream, float *y, float *inv_s, float *count) {
     double *sums = malloc(sizeof(double) * (C + 1));
     float *v = malloc(sizeof(float) * 2 * C), *scale = v + C;
-    rows_masked(x, m, kind, T, C, groups, gs_eps, threads, NULL, NULL, NULL, sums);
+    rows_masked(x, m, kind, T, C, groups, gs_eps, threads, NULL, NULL, NULL, sums, 0);
     *count = (float)sums[C];
     float n = *count > 1.0f ? *count : 1.0f;
     int finite = 1;
@@ -429,7 +527,7 @@ int pnv_step_forward(const float *x, const void *m, int kind, long T, long C, lo
         if (usable && update) phi[c] = lerp(phi[c], v[c], ema);
     }
     if (usable && update) *counter += 1;
-    rows_masked(x, NULL, 0, T, C, groups, gs_eps, threads, scale, bias, y, NULL);
+    rows_masked(x, NULL, 0, T, C, groups, gs_eps, threads, scale, bias, y, NULL, stream);
     free(sums);
     free(v);
     return usable ? 1 : (*count > 0.0f ? -1 : 0);
@@ -439,12 +537,14 @@ int pnv_step_forward(const float *x, const void *m, int kind, long T, long C, lo
    input-gradient pass dx = a dy - (real) (a S1 / n + a S2 (x - mean) / (n sigma^2)), the batch terms
    only for a usable step; grads (2 x C): dweight = r S2 / sigma + d S1, dbias = S1. */
 void bn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
-                      const float *weight, const float *out, float count, int usable, float *dx, float *grads) {
+                      const float *weight, const float *out, float count, int usable, int stream, float *dx,
+                      float *grads) {
     const float *mean = out, *inv = out + C, *r = out + 2 * C, *d = out + 3 * C;
     double *sums = malloc(sizeof(double) * 3 * C);
     float *v = malloc(sizeof(float) * 5 * C), *ones = v, *zeros = v + C, *a = v + 2 * C, *cc = v + 3 * C, *e = v + 4 * C;
     for (long c = 0; c < C; c++) { ones[c] = 1.0f; zeros[c] = 0.0f; }
-    backward_masked(dy, x, NULL, 0, T, C, 0, 0.0f, threads, ones, zeros, ones, ones, NULL, sums, sums + C, sums + 2 * C);
+    backward_masked(dy, x, NULL, 0, T, C, 0, 0.0f, threads, ones, zeros, ones, ones, NULL, sums, sums + C, sums + 2 * C,
+                    0);
     float n = count > 1.0f ? count : 1.0f;
     for (long c = 0; c < C; c++) {
         float s1 = (float)sums[2 * C + c], s2 = (float)(sums[c] - (double)mean[c] * sums[2 * C + c]);
@@ -454,7 +554,7 @@ void bn_step_backward(const float *dy, const float *x, const void *m, int kind, 
         grads[c] = r[c] * inv[c] * s2 + d[c] * s1;
         grads[C + c] = s1;
     }
-    affine_backward(dy, x, m, kind, T, C, threads, a, cc, e, dx);
+    affine_backward_rows(dy, x, m, kind, T, C, threads, a, cc, e, dx, stream);
     free(sums);
     free(v);
 }
@@ -522,8 +622,8 @@ int pn_gradient_statistics(const double *s_all, const double *s_real, const floa
    stats (3 x C) receives v, 1/s, 1/s_b; *count the real tokens; returns pn_statistics's status. */
 int pn_step_forward(const float *x, const void *m, int kind, long T, long C, long groups, float gs_eps,
                     int threads, const float *weight, const float *bias, float *phi, long long *counter, float eps,
-                    long warmup, long ramp, float ema, int reference, int batch_backward, float *y, float *stats,
-                    float *count) {
+                    long warmup, long ramp, float ema, int reference, int batch_backward, int stream, float *y,
+                    float *stats, float *count) {
     double *sums = malloc(sizeof(double) * (C + 1));
     float *scale = malloc(sizeof(float) * 2 * C), *sum_sq = scale + C;
     long long t = *counter + 1;
@@ -531,9 +631,9 @@ int pn_step_forward(const float *x, const void *m, int kind, long T, long C, lon
     if (running) {
         /* weight times pn_statistics's 1/s: a recomputation's weight * (1/s) gives the same bits */
         for (long c = 0; c < C; c++) scale[c] = weight[c] * (1.0f / sqrtf(phi[c] + eps));
-        rows_masked(x, m, kind, T, C, groups, gs_eps, threads, scale, bias, y, sums);
+        rows_masked(x, m, kind, T, C, groups, gs_eps, threads, scale, bias, y, sums, stream);
     } else {
-        rows_masked(x, m, kind, T, C, groups, gs_eps, threads, NULL, NULL, NULL, sums);
+        rows_masked(x, m, kind, T, C, groups, gs_eps, threads, NULL, NULL, NULL, sums, 0);
     }
     for (long c = 0; c < C; c++) sum_sq[c] = (float)sums[c];
     *count = (float)sums[C];
@@ -541,7 +641,7 @@ int pn_step_forward(const float *x, const void *m, int kind, long T, long C, lon
                                stats, stats + C, stats + 2 * C);
     if (!running) {
         for (long c = 0; c < C; c++) scale[c] = weight[c] * stats[C + c];
-        rows_masked(x, NULL, 0, T, C, groups, gs_eps, threads, scale, bias, y, NULL);
+        rows_masked(x, NULL, 0, T, C, groups, gs_eps, threads, scale, bias, y, NULL, stream);
     }
     free(sums);
     free(scale);
@@ -552,11 +652,11 @@ int pn_step_forward(const float *x, const void *m, int kind, long T, long C, lon
    (nu read by the pass before it is updated); grads (2 x C) receives dweight and dbias. */
 int pn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
                      float gs_eps, int threads, const float *weight, float *nu, const float *stats, float count,
-                     int usable, float rate, float *dx, float *grads) {
+                     int usable, float rate, int stream, float *dx, float *grads) {
     double *sums = malloc(sizeof(double) * 3 * C);
     const float *v = stats, *inv_s = stats + C, *inv_s_b = stats + 2 * C;
     backward_masked(dy, x, m, kind, T, C, groups, gs_eps, threads, weight, nu, inv_s, inv_s_b, dx, sums, sums + C,
-                    sums + 2 * C);
+                    sums + 2 * C, stream);
     int status = pn_gradient_statistics(sums, sums + C, weight, v, inv_s, count, C, usable, rate, nu, grads);
     for (long c = 0; c < C; c++) grads[C + c] = (float)sums[2 * C + c];
     free(sums);
@@ -650,16 +750,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pn_gradient_statistics.argtypes = [p, p, p, p, p, f, n, i, f, p, p]
     lib.norm_eval.argtypes = [p, n, n, n, f, i, p, p, p, p, f, i, p]
     lib.norm_eval.restype = None
-    lib.pn_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, n, n, f, i, i, p, p, p]
-    lib.pn_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, f, i, f, p, p]
+    lib.pn_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, n, n, f, i, i, i, p, p, p]
+    lib.pn_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, f, i, f, i, p, p]
     lib.pn_step_forward.restype = lib.pn_step_backward.restype = i
     lib.bn_moments.argtypes = [p, p, i, n, n, p, i, p]
     lib.affine_backward.argtypes = [p, p, p, i, n, n, i, p, p, p, p]
     lib.bn_moments.restype = lib.affine_backward.restype = None
-    lib.bn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, p, f, f, i, f, f, i, p, p, p]
-    lib.bn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, f, i, p, p]
+    lib.bn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, p, f, f, i, f, f, i, i, p, p, p]
+    lib.bn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, f, i, i, p, p]
     lib.bn_step_forward.restype, lib.bn_step_backward.restype = i, None
-    lib.pnv_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, f, i, p, p, p]
+    lib.pnv_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, f, i, i, p, p, p]
     lib.pnv_step_forward.restype = i
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
@@ -779,7 +879,8 @@ def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int |
         x.data_ptr(), None if mask is None else mask.data_ptr(), 0 if mask is None else MASK_KINDS[mask.dtype],
         tokens, channels, group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(),
         bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, warmup_steps, ramp_steps, ema_rate,
-        reference, batch_backward, y.data_ptr(), stats.data_ptr(), ctypes.byref(count))
+        reference, batch_backward, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), stats.data_ptr(),
+        ctypes.byref(count))
     return status, y, stats, count.value
 
 
@@ -794,7 +895,7 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
         dy.data_ptr(), x.data_ptr(), None if mask is None else mask.data_ptr(),
         0 if mask is None else MASK_KINDS[mask.dtype], tokens, channels, group_num or 0, GROUP_SCALE_EPS,
         torch.get_num_threads(), weight.data_ptr(), running_nu.data_ptr(), stats.data_ptr(), count, usable, rate,
-        dx.data_ptr(), grads.data_ptr())
+        tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
     return status, dx, grads
 
 
@@ -836,7 +937,8 @@ def bn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Te
     status = _library.bn_step_forward(
         x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
         bias.data_ptr(), running_mean.data_ptr(), running_var.data_ptr(), counter.data_ptr(), eps, momentum, renorm,
-        rmax, dmax, reused is not None, y.data_ptr(), out.data_ptr(), ctypes.byref(count))
+        rmax, dmax, reused is not None, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), out.data_ptr(),
+        ctypes.byref(count))
     return status, y, out, count.value
 
 
@@ -850,7 +952,7 @@ def pnv_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int 
     status = _library.pnv_step_forward(
         x.data_ptr(), *_mask_args(mask), tokens, channels, group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(),
         weight.data_ptr(), bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, ema_rate, update,
-        y.data_ptr(), inv_s.data_ptr(), ctypes.byref(count))
+        tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), inv_s.data_ptr(), ctypes.byref(count))
     return status, y, inv_s, count.value
 
 
@@ -860,7 +962,8 @@ def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
     tokens, channels = x.shape
     dx, grads = torch.empty_like(x), torch.empty(2, channels)
     _library.bn_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(),
-                              weight.data_ptr(), out.data_ptr(), count, usable, dx.data_ptr(), grads.data_ptr())
+                              weight.data_ptr(), out.data_ptr(), count, usable, tokens * channels * 4 >= STREAM_BYTES,
+                              dx.data_ptr(), grads.data_ptr())
     return dx, grads
 
 

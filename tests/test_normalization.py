@@ -769,6 +769,57 @@ def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, optio
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("groups", [None, GROUPS])
+def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups):
+    """PN's C step with every output and input gradient written by streaming stores (what tensors of
+    `kernels_cpu.STREAM_BYTES` and more get) against the torch ops, warmup and running statistic."""
+    import hf_powernorm.kernels_cpu as kernels_cpu
+    import hf_powernorm.normalization as normalization
+
+    monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+        norm = PowerNorm(64, warmup_steps=1, group_num=groups)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        trace = []
+        for step in range(3):
+            x, mask, dy = _batch(60 + step, hidden=64, dtype=torch.float32)
+            y = _training_step(norm, x, mask, dy)
+            trace.append((y.detach(), x.grad, norm.weight.grad.clone(), norm.running_phi.clone(),
+                          norm.running_nu.clone()))
+        results.append(trace)
+    for fused_step, eager_step in zip(*results):
+        for a, b in zip(fused_step, eager_step):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "batchrenorm", "powernorm_v"])
+def test_batch_statistic_steps_with_streaming_stores_match_eager(monkeypatch, name):
+    """BN's, BRN's and PN-V's C steps with streamed outputs and input gradients against the torch ops."""
+    import hf_powernorm.kernels_cpu as kernels_cpu
+    import hf_powernorm.normalization as normalization
+
+    monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+        norm = build_norm(name, 64)
+        trace = []
+        for step in range(2):
+            x, mask, dy = _batch(65 + step, hidden=64, dtype=torch.float32)
+            y = _training_step(norm, x, mask, dy)
+            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
+                          *(b.clone() for b in norm.buffers())))
+        results.append(trace)
+    for fused_step, eager_step in zip(*results):
+        for a, b in zip(fused_step, eager_step):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_powernorm_step_in_c_reads_every_mask_dtype_alike():
     """The C step reads an int64, bool or uint8 mask as it is and converts others: the same step."""
     results = []
