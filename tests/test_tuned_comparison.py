@@ -24,11 +24,23 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(tmp_path):
         assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"]
         assert all(result is not None for cells in protocol.stages.values() for _, result in cells)
         task_sizes = sizes[protocol.task]
-        assert len(protocol.stages["lr"]) == 3 * len(task_sizes["learning_rates"]) * len(task_sizes["warmups"])
+        base = 3 * len(task_sizes["learning_rates"]) * len(task_sizes["warmups"])
+        lr_runs = [r for _, r in protocol.stages["lr"]]
+        # A pick at the edge of the first grid adds the next rate beyond it, at every warmup.
+        for norm in ("layernorm", "powernorm", "rmsnorm"):
+            first = [r for r in lr_runs[:base] if r["norm"] == norm]
+            rates = sorted(task_sizes["learning_rates"])
+            picked = (min if tuned_comparison.LOWER_IS_BETTER[protocol.task] else max)(
+                first, key=lambda r: r["best_validation"])["learning_rate"]
+            added = {r["learning_rate"] for r in lr_runs[base:] if r["norm"] == norm}
+            expected = {picked * 2} if picked == rates[-1] else {picked / 2} if picked == rates[0] else set()
+            assert added == expected, (protocol.task, norm, added, expected)
+        assert len(lr_runs) == base + len(task_sizes["warmups"]) * sum(
+            1 for norm in ("layernorm", "powernorm", "rmsnorm") if any(r["norm"] == norm for r in lr_runs[base:]))
         # Each pick is the best validation of its stage, never a test score.
         lower = tuned_comparison.LOWER_IS_BETTER[protocol.task]
         for norm in ("layernorm", "rmsnorm"):
-            runs = [r for _, r in protocol.stages["lr"] if r["norm"] == norm]
+            runs = [r for r in lr_runs if r["norm"] == norm]
             best = (min if lower else max)(runs, key=lambda r: r["best_validation"])
             assert protocol.picks[f"{norm}@{protocol.short}"] == tuned_comparison._chosen(best)
         denominators = [r for _, r in protocol.stages["denominator"]]

@@ -18,7 +18,8 @@ models are small (PTB: width 128, 2 layers; Multi30k: width 64, 2+2 layers), the
 
 Protocol, the same for every norm, chosen on validation only (best validation of a run):
 1. `lr`: peak learning rate x warmup (3 x 2) for each norm at the short budget, seed 1; PN with
-   alpha_fwd = alpha_bkw = 0.9 and the running backward denominator;
+   alpha_fwd = alpha_bkw = 0.9 and the running backward denominator; a norm whose pick lies at
+   the edge of its learning rates gets one more (x2 or /2) at every warmup, up to twice;
 2. `alpha` (PN): alpha_fwd in {0.9, 0.95, 0.99} x alpha_bkw in {0.9, 0.95, 0.99, 1.0} at PN's pick;
 3. `denominator` (PN): the batch backward denominator at the picked alphas, against the running one;
 4. `recheck`: LayerNorm's and PN's learning rate again at the long budget (the pick x 0.5, 1, 2);
@@ -106,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.data_dir is None and not args.smoke:
         raise ValueError("pass --data_dir (a folder with ptb/ and multi30k/raw/), or --smoke for the embedded corpora")
     args.sizes = SIZES["smoke" if args.smoke else "real"]
+    # How often a norm's learning-rate grid may grow past an edge its pick lies on (not a run
+    # option: the runs it adds are named by their learning rate).
+    args.extensions = 1 if args.smoke else 2
     if "multi30k" in args.tasks and not args.smoke:
         _multi30k_files(args.data_dir)  # fails now, not after hours of PTB runs
     return args
@@ -233,6 +237,21 @@ def _chosen(result: dict[str, Any]) -> dict[str, Any]:
     return {k: result[k] for k in ("norm", "learning_rate", "warmup", "alpha_fwd", "alpha_bkw", "denominator")}
 
 
+def _edge_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
+    """A learning rate picked at the edge of a norm's grid is no pick: one step (x2, or /2) beyond
+    that edge, at every warmup, for each norm whose pick lies there - the same rule for every norm."""
+    extra = []
+    for norm in NORMS:
+        runs = [r for r in results if r["norm"] == norm]
+        rates = sorted({r["learning_rate"] for r in runs})
+        picked = _best(protocol.task, runs)["learning_rate"]
+        beyond = picked * 2 if picked == rates[-1] else picked / 2 if picked == rates[0] else None
+        if beyond is not None:
+            extra += [protocol.cell(setting(norm, beyond, warmup), protocol.short)
+                      for warmup in protocol.sizes["warmups"]]
+    return extra
+
+
 class Protocol:
     """Runs (or, with `report_only`, reads) one task's stages in order; each stage's cells come from
     the picks of the stages before it. `stages` maps a stage name to its cells' results."""
@@ -265,6 +284,14 @@ class Protocol:
         results = self._stage("lr", grid)
         if results is None:
             return
+        for _ in range(self.args.extensions):
+            extra = _edge_extension(self, results)
+            if not extra:
+                break
+            grid += extra
+            results = self._stage("lr", grid)
+            if results is None:
+                return
         for norm in norms:
             self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
         pn = self.picks[f"powernorm@{self.short}"]
