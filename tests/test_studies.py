@@ -310,7 +310,7 @@ def test_study_without_data_options_names_them_and_only_smoke_uses_the_embedded_
         norm_comparison.parse_args(["--tasks", "ptb"])
     with pytest.raises(ValueError, match="pass --phrasebank_file .* or --data_dir"):
         phrasebank_norms.parse_args([])
-    from hf_powernorm import bench_data
+    from hf_powernorm.benchmarks import data as bench_data
 
     with pytest.raises(SystemExit):
         bench_data.main([])

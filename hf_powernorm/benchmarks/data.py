@@ -1,6 +1,6 @@
 """Data benchmark: peak memory and time of the language-modelling data path against corpus size.
 
-    python -m hf_powernorm.bench_data --train_file ptb/ptb.train.txt [--copies 1 10 100]
+    python -m hf_powernorm.benchmarks.data --train_file ptb/ptb.train.txt [--copies 1 10 100]
 
 The corpus is the text file repeated `--copies` times (100 copies of PTB's training text are
 about WikiText-103's 100M tokens). For each size a fresh process reads it with `load_lm_dataset`,
@@ -27,7 +27,7 @@ from pathlib import Path
 
 _CHILD = """
 import json, resource, sys, threading, time
-from hf_powernorm.training import lm_blocks, load_lm_dataset, load_tokenizer, sequence_lengths, tokenize_lines
+from ..training import lm_blocks, load_lm_dataset, load_tokenizer, sequence_lengths, tokenize_lines
 
 def anonymous_mb():  # resident memory that is not a mapped file (Arrow files are memory-mapped)
     for line in open("/proc/self/status"):
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     text = Path(args.text)
     if not text.is_file():
         raise FileNotFoundError(f"--train_file {text}: not found")
-    from .training import column_texts, load_lm_dataset, train_bpe_tokenizer
+    from ..training import column_texts, load_lm_dataset, train_bpe_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         workdir = Path(tmp)

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import normalization
-from .normalization import build_norm
+from .. import normalization
+from ..normalization import NORM_CLASSES, build_norm
 
 LAYER_SHAPES = [(1024, 512), (4096, 512), (16384, 1024)]
 QUICK_SHAPES = [(256, 64)]
@@ -72,7 +72,8 @@ EVAL_CASES = {
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
 }
-MEMORY_CASES = ["powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "rmsnorm", "groupnorm", "layernorm"]
+# Every norm of the registry but the identity, in the registry's order.
+MEMORY_CASES = [name for name in NORM_CLASSES if name != "none"]
 MEMORY_OPTIONS = {"powernorm": {"group_num": GROUP_NUM}, "groupnorm": {"group_num": GROUP_NUM}}
 MARK_BEGIN = "<!-- benchmarks:begin (written by python -m hf_powernorm.benchmarks --write) -->"
 MARK_END = "<!-- benchmarks:end -->"
@@ -178,7 +179,7 @@ def _layer_norm_step(x, dy, weight, bias):
 
 def _build(name: str, hidden: int, options: dict, device: str):
     if name == "groupscale":
-        from .modeling_powernorm import GroupScale
+        from ..modeling_powernorm import GroupScale
 
         return GroupScale(options["group_num"]).to(device)
     return build_norm(name, hidden, **options).to(device)
@@ -240,7 +241,7 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
 
 _PEAK_CODE = """
 import ctypes, gc, sys, torch, torch.nn.functional as F
-from hf_powernorm.benchmarks import _layer_inputs, MEMORY_OPTIONS
+from hf_powernorm.benchmarks.suite import _layer_inputs, MEMORY_OPTIONS
 from hf_powernorm.normalization import build_norm
 libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD fixed at 128 KiB: large blocks unmapped when freed
@@ -315,8 +316,8 @@ def model_sizes(quick: bool) -> dict:
 
 
 def our_model(sizes: dict, encoder_norm: str, device: str):
-    from .configuration_powernorm import PowerNormTransformerConfig
-    from .modeling_powernorm import PowerNormTransformerForConditionalGeneration
+    from ..configuration_powernorm import PowerNormTransformerConfig
+    from ..modeling_powernorm import PowerNormTransformerForConditionalGeneration
 
     config = PowerNormTransformerConfig(
         vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], encoder_layers=sizes["layers"],

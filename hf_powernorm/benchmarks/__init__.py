@@ -1,0 +1,7 @@
+"""Benchmarks: the norms and models against LayerNorm and BART (`suite`, `python -m
+hf_powernorm.benchmarks`, figures in BENCHMARKS.md) and the data pipeline (`data`, `python -m
+hf_powernorm.benchmarks.data`)."""
+
+from .suite import LAYER_CASES, MARK_BEGIN, MARK_END, MEMORY_CASES, MEMORY_OPTIONS, main
+
+__all__ = ["LAYER_CASES", "MARK_BEGIN", "MARK_END", "MEMORY_CASES", "MEMORY_OPTIONS", "main"]
