@@ -300,3 +300,16 @@ def test_weights_that_disagree_with_the_config_refuse_to_load(tmp_path):
     make_model("causal", "powernorm", train=False).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="disagrees with the weights"):
         PowerNormTransformerForCausalLM.from_pretrained(tmp_path, decoder_norm_type="layernorm")
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_generation_continues_from_inputs_embeds_and_a_returned_cache(norm):
+    model = make_model("causal", norm)
+    embeds = model.get_input_embeddings()(ids(seq=4))
+    options = dict(do_sample=False, eos_token_id=None, pad_token_id=1, return_dict_in_generate=True)
+    whole = model.generate(inputs_embeds=embeds, max_new_tokens=4, **options)
+    first = model.generate(inputs_embeds=embeds, max_new_tokens=3, **options)
+    continued = torch.cat([embeds, model.get_input_embeddings()(first.sequences)], dim=1)
+    second = model.generate(inputs_embeds=continued, max_new_tokens=1, **{_CACHE_FIELD: getattr(first, _CACHE_FIELD)},
+                            **options)
+    assert torch.equal(torch.cat([first.sequences, second.sequences], dim=1), whole.sequences)
