@@ -22,7 +22,12 @@ def main(argv: list[str] | None = None) -> object:
     if not argv or argv[0].startswith("-"):
         parser.parse_args(argv)  # --help, or an error naming the missing study
     study = parser.parse_args(argv[:1]).study
-    return importlib.import_module(f"{__package__}.{study}").main(argv[1:])
+    # The study's own parser names its program after argv[0]: the command as typed, not __main__.py.
+    program, sys.argv[0] = sys.argv[0], f"{parser.prog} {study}"
+    try:
+        return importlib.import_module(f"{__package__}.{study}").main(argv[1:])
+    finally:
+        sys.argv[0] = program
 
 
 if __name__ == "__main__":
