@@ -43,7 +43,7 @@ from .normalization import NORM_CLASSES, normalize_norm_name
 from .training.arguments import add_recipe_args, check_args, check_batch_budget
 from .training.corpora import SENTIMENT_LABELS
 from .studies.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
-from .studies.reports import mean_std, write_rows
+from .studies.reports import better_of, mean_std, write_rows
 
 SPLITS = ("validation", "test")
 SETTINGS_NAME = "compare.json"
@@ -518,14 +518,12 @@ def verdict(baseline: Sequence[float], other: Sequence[float], mode: str, names:
     """`"<other> better"` / `"<baseline> better"` when the difference of the means exceeds the sum
     of the two sample standard deviations over the seeds, else `"tie"`; under two seeds a side,
     `"one seed: no verdict"`."""
-    if min(len(baseline), len(other)) < 2:
+    better = better_of(baseline, other, lower_is_better=mode == "min")
+    if better is None:
         return "one seed: no verdict"
-    difference = statistics.fmean(other) - statistics.fmean(baseline)
-    spread = statistics.stdev(baseline) + statistics.stdev(other)
-    if not math.isfinite(difference) or abs(difference) <= spread:
+    if better == "tie":
         return "tie"
-    other_better = difference < 0 if mode == "min" else difference > 0
-    return f"{names[1] if other_better else names[0]} better"
+    return f"{names[1] if better == 'other' else names[0]} better"
 
 
 def _short(norm: str) -> str:

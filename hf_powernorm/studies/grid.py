@@ -76,7 +76,7 @@ def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path) -
     return result
 
 
-def _reset_accelerate() -> None:
+def reset_accelerate() -> None:
     """Accelerate keeps one state per process; the next in-process cell starts afresh."""
     from accelerate.state import AcceleratorState
 
@@ -105,7 +105,7 @@ def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], outp
     if jobs == 1:
         for cell in todo:
             _run_one(run_cell, cell, root / cell.name)
-            _reset_accelerate()
+            reset_accelerate()
             bar.update(1)
     else:
         # Fresh processes, one cell each: no state (threads, Accelerate, caches) crosses cells.

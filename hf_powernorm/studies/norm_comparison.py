@@ -103,13 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 raise ValueError(f"--{task}_steps must be at least 1; got {steps}")
             args.sizes[task]["max_train_steps"] = steps
     if "multi30k" in args.tasks and not args.smoke:
-        _multi30k_files(args.data_dir)  # fails now, not after the PTB runs
+        multi30k_files(args.data_dir)  # fails now, not after the PTB runs
     if "ptb" in args.tasks and not args.smoke and not (args.data_dir or args.train_file or args.dataset_name):
         raise ValueError(f"no PTB data: pass {DATA_OPTIONS}; or --smoke for the embedded corpora")
     return args
 
 
-def _multi30k_files(data_dir: str | None) -> dict[str, str]:
+def multi30k_files(data_dir: str | None) -> dict[str, str]:
     if data_dir is None:
         raise ValueError("--tasks multi30k needs --data_dir (a folder holding multi30k/raw/), or --smoke for the "
                          "embedded corpus")
@@ -173,7 +173,7 @@ def _inputs(args: argparse.Namespace, output_dir: Path) -> dict[str, dict[str, A
         inputs["ptb"] = {"files": files, "model_size": lm_size(args),
                          "tokenizer": prepare_lm_data(files, output_dir, sizes["vocab_size"], sizes["block_size"])}
     if "multi30k" in args.tasks:
-        inputs["multi30k"] = {"files": None if args.smoke else _multi30k_files(args.data_dir)}
+        inputs["multi30k"] = {"files": None if args.smoke else multi30k_files(args.data_dir)}
     return inputs
 
 

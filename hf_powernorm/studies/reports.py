@@ -25,6 +25,18 @@ def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool 
     return f"{statistics.fmean(present):{spec}} ± {spread:{std_spec}}"
 
 
+def better_of(baseline: Sequence[float], other: Sequence[float], lower_is_better: bool) -> str | None:
+    """Which side's mean over seeds is better beyond the seed spread: `"baseline"` or `"other"` when
+    the means differ by more than the two sample standard deviations added together, `"tie"`
+    otherwise (a non-finite difference included); None with fewer than two seeds on a side."""
+    if min(len(baseline), len(other)) < 2:
+        return None
+    difference = statistics.fmean(other) - statistics.fmean(baseline)
+    if not math.isfinite(difference) or abs(difference) <= statistics.stdev(baseline) + statistics.stdev(other):
+        return "tie"
+    return "other" if (difference < 0) == lower_is_better else "baseline"
+
+
 def seeds_of(results: Sequence[dict[str, Any]]) -> list[int]:
     """The seeds that have a run among `results`, in order (for a summary's heading)."""
     return sorted({r["seed"] for r in results})

@@ -51,9 +51,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..training import read_run_log, select_checkpoints, translation, write_average
-from .grid import Cell, finished_results, run_grid
-from .reports import write_rows
+from ..training import select_checkpoints, translation, write_average
+from ..training.atomic_files import remove_path
+from .grid import Cell, finished_results, reset_accelerate, run_grid
+from .norm_comparison import multi30k_files, validation_curve
+from .reports import better_of, write_rows
 from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
 
 TASKS = ("ptb", "multi30k")
@@ -111,17 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # option: the runs it adds are named by their learning rate).
     args.extensions = 1 if args.smoke else 2
     if "multi30k" in args.tasks and not args.smoke:
-        _multi30k_files(args.data_dir)  # fails now, not after hours of PTB runs
+        multi30k_files(args.data_dir)  # fails now, not after hours of PTB runs
     return args
-
-
-def _multi30k_files(data_dir: str) -> dict[str, str]:
-    folder = Path(data_dir).resolve() / "multi30k" / "raw"
-    files = {"train": folder / "train", "validation": folder / "val", "test": folder / "test_2016_flickr"}
-    missing = [f"{prefix}.de" for prefix in files.values() if not Path(f"{prefix}.de").is_file()]
-    if missing:
-        raise FileNotFoundError(f"--data_dir {data_dir}: no Multi30k files {missing}")
-    return {split: str(prefix) for split, prefix in files.items()}
 
 
 # -- one run ------------------------------------------------------------------------------------
@@ -176,8 +169,6 @@ def _numbers(results: dict[str, Any]) -> dict[str, float]:
 def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The translation task of `recipes/train_wmt.py` in this process, then the average of its last
     checkpoints scored."""
-    from accelerate.state import AcceleratorState
-
     sizes, files = options["sizes"], options["files"]
     data = ([] if not files else ["--validation_file", files["validation"], "--test_file", files["test"]])
     generation = ["--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", str(sizes["num_beams"]),
@@ -189,21 +180,15 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
         "--config_overrides", f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
         "--checkpoints_total_limit", str(sizes["averaged"]), *generation,
         *(["--train_file", files["train"]] if files else []), *data]))
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate()
     averaged = folder / "averaged"
     write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
     scored = _numbers(translation.main(["--no-do_train", "--model_name_or_path", str(averaged), "--output_dir",
                                         str(folder / "averaged_scores"), *generation, *data]))
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate()
     for path in run.glob("step_*"):  # the averaged export keeps what the checkpoints were for
-        _remove_tree(path)
+        remove_path(path)
     return {**results, **{f"{k}_averaged": v for k, v in scored.items() if k.endswith("bleu")}}
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
@@ -353,25 +338,17 @@ def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
     return list(unique.values())
 
 
-def _curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int, float]]:
-    folder = output_dir / "cells" / result["cell"]
-    folder = folder / "run" if result["task"] == "multi30k" else folder
-    return [(r["step"], r["validation"]) for r in read_run_log(folder) if "validation" in r]
-
-
 def _finals(protocol: Protocol) -> list[dict[str, Any]]:
     return [result for _, result in protocol.stages.get("final", []) if result is not None]
 
 
 def verdict(ln: list[float], pn: list[float], lower_is_better: bool) -> str:
     """'PN better' / 'LN better' when the means differ by more than the two seed standard
-    deviations together, else 'tie'; fewer than 2 seeds of either: no verdict."""
-    if len(ln) < 2 or len(pn) < 2:
+    deviations together, else 'tie'; fewer than 2 seeds of either: no verdict (`better_of`)."""
+    better = better_of(ln, pn, lower_is_better)
+    if better is None:
         return "fewer than 2 seeds: no verdict"
-    difference = statistics.fmean(pn) - statistics.fmean(ln)
-    if abs(difference) <= statistics.stdev(ln) + statistics.stdev(pn):
-        return "tie (within seed spread)"
-    return "PN better" if (difference < 0) == lower_is_better else "LN better"
+    return {"tie": "tie (within seed spread)", "other": "PN better", "baseline": "LN better"}[better]
 
 
 def _mean_std(values: list[float]) -> str:
@@ -427,7 +404,7 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
                 if result is None or result["cell"] in seen:
                     continue
                 seen.add(result["cell"])
-                for step, value in _curve(output_dir, result):
+                for step, value in validation_curve(output_dir, result):
                     writer.writerow([result["task"], result["norm"], result["updates"], result["cell"],
                                      result["seed"], step, value])
     picks = {protocol.task: protocol.picks for protocol in protocols}
@@ -459,7 +436,7 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
             continue
         figure, axis = plt.subplots(figsize=(6.5, 4))
         for norm in dict.fromkeys(r["norm"] for r in runs):
-            curves = [dict(_curve(output_dir, r)) for r in runs if r["norm"] == norm]
+            curves = [dict(validation_curve(output_dir, r)) for r in runs if r["norm"] == norm]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             values = [[c[s] for c in curves] for s in steps]
             axis.plot(steps, [statistics.fmean(v) for v in values], label=f"{norm} ({len(curves)} seeds)")
@@ -478,7 +455,7 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
 def _inputs(task: str, args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
     sizes = args.sizes[task]
     if task == "multi30k":
-        return {"files": None if args.smoke else _multi30k_files(args.data_dir)}
+        return {"files": None if args.smoke else multi30k_files(args.data_dir)}
     files = lm_split_files(args.data_dir, output_dir, args.smoke)
     model_size = lm_size(argparse.Namespace(hidden_size=STUDY_LM["hidden_size"], layers=STUDY_LM["decoder_layers"]))
     return {"files": files, "model_size": model_size,
