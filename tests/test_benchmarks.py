@@ -33,3 +33,15 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     assert "old figures" not in written and written.count(benchmarks.MARK_BEGIN) == 1
     assert "Command: `python -m hf_powernorm.benchmarks --quick" in written
     assert "| powernorm G=4 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compiled_model_table_traces_every_model_in_one_graph(capsys):
+    """`benchmarks.compiled` at its quick size with `aot_eager` (tracing, no code generated): one graph and
+    no graph break for the PN-encoder, PN-everywhere and LayerNorm models."""
+    from hf_powernorm.benchmarks import compiled
+
+    text = compiled.main(["--device", "cpu", "--backend", "aot_eager", "--quick"])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| PN") or line.startswith("| LayerNorm")]
+    assert [row[0] for row in rows] == ["| PN encoder, LN decoder", "| PN in every layer", "| LayerNorm"]
+    assert all(row[1:3] == ["1", "0"] for row in rows), rows
