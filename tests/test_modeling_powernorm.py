@@ -836,3 +836,23 @@ def test_a_config_that_disagrees_with_the_weights_refuses_to_load(changes, saved
     assert f"'{position}'" in message and f"{position}: config builds" in message, message
     for field, value in changes.items():
         assert f"{field}={value!r}" in message, message
+
+
+def test_dropout_of_the_model_keeps_1_minus_p_scaled_and_routes_its_gradient_through_the_mask():
+    """The CPU mask (uniform numbers >= p): the kept fraction is 1 - p, kept values are scaled by
+    1 / (1 - p), the gradient is the same mask; the same seed gives the same mask; nothing is dropped
+    in eval or at p = 0."""
+    from hf_powernorm.modeling_powernorm import apply_dropout
+
+    x = torch.randn(64, 256, requires_grad=True)
+    torch.manual_seed(3)
+    y = apply_dropout(x, 0.3, training=True)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.01
+    torch.testing.assert_close(y[kept], x[kept] / 0.7)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, kept.float() / 0.7)
+    torch.manual_seed(3)
+    assert torch.equal(apply_dropout(x, 0.3, training=True) != 0, kept)
+    assert apply_dropout(x, 0.3, training=False) is x and apply_dropout(x, 0.0, training=True) is x
+    assert (apply_dropout(x, 1.0, training=True) == 0).all()

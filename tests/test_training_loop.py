@@ -116,6 +116,40 @@ def test_label_smoothed_loss_against_a_hand_computed_value():
     assert training.label_smoothed_loss(logits.bfloat16(), labels, eps).dtype == torch.float32
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("spread", [1.0, 300.0])
+def test_label_smoothed_loss_and_its_gradient_equal_cross_entropys(eps, spread):
+    """The fused loss (its own backward) against autograd through `F.cross_entropy`, in float64
+    arithmetic's reach of float32: value and logits' gradient, with ignored rows (a whole sequence
+    too), logits far apart (the log-softmax must not overflow), and an output gradient other than 1."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 6, 40, generator=generator) * spread
+    labels = torch.randint(0, 40, (5, 6), generator=generator)
+    labels[0, :4] = -100
+    labels[3] = -100
+    ours_in, ref_in = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    ours = training.label_smoothed_loss(ours_in, labels, eps)
+    reference = F.cross_entropy(ref_in.reshape(-1, 40), labels.reshape(-1), ignore_index=-100, label_smoothing=eps)
+    (2.5 * ours).backward()
+    (2.5 * reference).backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-5, atol=1e-7)
+    assert (ours_in.grad[3] == 0).all() and (ours_in.grad[0, :4] == 0).all()
+
+
+def test_causal_lm_loss_scores_each_position_against_the_next_label():
+    """`next_token_labels` shifts left and ignores the last position; the loss on the full logits
+    equals the loss on `logits[:, :-1]` against `labels[:, 1:]` (which copied the logits)."""
+    labels = torch.tensor([[5, 6, 7, -100], [1, 2, 3, 4]])
+    assert training.losses.next_token_labels(labels).tolist() == [[6, 7, -100, -100], [2, 3, 4, -100]]
+    logits = torch.randn(2, 4, 9, generator=torch.Generator().manual_seed(1))
+    shifted = training.label_smoothed_loss(logits[:, :-1], labels[:, 1:], 0.1)
+    assert training.label_smoothed_loss(logits, training.losses.next_token_labels(labels), 0.1).item() == \
+        pytest.approx(shifted.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="label_smoothing must be in \\[0, 1\\); got 1.0"):
+        training.label_smoothed_loss(logits, labels, 1.0)
+
+
 def _lrs(scheduler, optimizer, steps: int) -> list[float]:
     lrs = []
     for _ in range(steps):
