@@ -45,3 +45,17 @@ def test_compiled_model_table_traces_every_model_in_one_graph(capsys):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| PN") or line.startswith("| LayerNorm")]
     assert [row[0] for row in rows] == ["| PN encoder, LN decoder", "| PN in every layer", "| LayerNorm"]
     assert all(row[1:3] == ["1", "0"] for row in rows), rows
+
+
+def test_study_step_times_and_profiles_the_study_lm_step(capsys):
+    """`benchmarks.study_step`: a median step time, and with --profile every category and the step total."""
+    from hf_powernorm.benchmarks import study_step
+
+    assert study_step.main(["--norm", "layernorm", "--steps", "1"])["step"] > 0
+    totals = study_step.main(["--norm", "powernorm", "--steps", "1", "--profile"])
+    assert set(totals) == {*study_step.CATEGORIES, "step"}
+    assert totals["step"] == sum(totals[name] for name in study_step.CATEGORIES) > 0
+    assert totals[study_step.CATEGORIES[0]] > 0 and totals[study_step.CATEGORIES[1]] > 0  # matmuls and the loss
+    with pytest.raises(SystemExit):
+        study_step.main(["--steps", "0"])
+    assert "--steps must be at least 1; got 0" in capsys.readouterr().err

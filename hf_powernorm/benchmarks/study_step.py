@@ -96,7 +96,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1; got {args.steps}")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _measure(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(args: argparse.Namespace) -> dict[str, float]:
     step = build_step(args.norm)
     for _ in range(3):
         step()
@@ -114,7 +122,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     median = statistics.median(times) * 1e3
     print(f"{args.norm}: median step {median:.1f} ms over {args.steps} steps")
     return {"step": median}
-
 
 if __name__ == "__main__":
     main()
