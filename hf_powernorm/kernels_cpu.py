@@ -7,7 +7,8 @@ statistic (statistics and output together; the backward sums and input gradient 
 during warmup (the output needs the batch statistic first), one in eval, parallel over tokens with
 OpenMP. They save nothing but `x`: the group scales and `z0 = x * r` are recomputed per token.
 `pn_step_forward`/`pn_step_backward` take a whole PN step in one call each (statistics, buffer
-updates and parameter gradients included, the attention mask read as it is); `bn_moments` and
+updates and parameter gradients included, the attention mask read as it is); `pnv_step_forward`/`pnv_step_backward` take
+PN-V's step likewise (two passes each way: its exact gradient needs a batch sum first); `bn_moments` and
 `affine_backward` serve masked BN, BRN and MABN the same way (two passes each way); `norm_eval` is
 every eval-mode norm in one pass, with streaming stores for outputs larger than the caches.
 `torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
@@ -648,6 +649,29 @@ int pn_step_forward(const float *x, const void *m, int kind, long T, long C, lon
     return status;
 }
 
+/* PN-V's exact backward in one call: a sums pass (S = sum_all dY z0, sum_all dY), then the
+   input-gradient pass of pn_backward with nu = usable ? weight S inv_s / max(count, 1) : 0 (its
+   c = nu inv_s^2); grads (2 x C) receives dweight = inv_s S and dbias = sum_all dY. */
+void pnv_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
+                       float gs_eps, int threads, const float *weight, const float *inv_s, float count, int usable,
+                       int stream, float *dx, float *grads) {
+    double *sums = malloc(sizeof(double) * 3 * C);
+    float *nu = calloc(C, sizeof(float));
+    backward_masked(dy, x, m, kind, T, C, groups, gs_eps, threads, weight, nu, inv_s, inv_s, NULL, sums, sums + C,
+                    sums + 2 * C, 0);
+    float n = count > 1.0f ? count : 1.0f;
+    for (long c = 0; c < C; c++) {
+        float total = (float)sums[c];
+        nu[c] = usable ? weight[c] * total * inv_s[c] / n : 0.0f;
+        grads[c] = inv_s[c] * total;
+        grads[C + c] = (float)sums[2 * C + c];
+    }
+    backward_masked(dy, x, m, kind, T, C, groups, gs_eps, threads, weight, nu, inv_s, inv_s, dx, sums, sums + C,
+                    sums + 2 * C, stream);
+    free(sums);
+    free(nu);
+}
+
 /* PowerNorm's whole backward in one call: the pass of pn_backward, then pn_gradient_statistics
    (nu read by the pass before it is updated); grads (2 x C) receives dweight and dbias. */
 int pn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
@@ -761,6 +785,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bn_step_forward.restype, lib.bn_step_backward.restype = i, None
     lib.pnv_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, f, i, i, p, p, p]
     lib.pnv_step_forward.restype = i
+    lib.pnv_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, f, i, i, p, p]
+    lib.pnv_step_backward.restype = None
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -954,6 +980,19 @@ def pnv_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int 
         weight.data_ptr(), bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, ema_rate, update,
         tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), inv_s.data_ptr(), ctypes.byref(count))
     return status, y, inv_s, count.value
+
+
+def pnv_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, group_num: int | None,
+                      weight: torch.Tensor, inv_s: torch.Tensor, count: float, usable: bool):
+    """The backward of `pnv_step_forward` in one C call (a sums pass, then the input gradient):
+    `(dx, grads)`, `grads` (2, C) = `(dweight, dbias)`."""
+    tokens, channels = x.shape
+    dx, grads = torch.empty_like(x), torch.empty(2, channels)
+    weight = _float_vector(weight)
+    _library.pnv_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, group_num or 0,
+                               GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(), inv_s.data_ptr(), count,
+                               usable, tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
+    return dx, grads
 
 
 def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,

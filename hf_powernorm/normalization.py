@@ -54,6 +54,7 @@ from .kernels_cpu import (
     pn_statistics,
     pn_step_backward,
     pn_step_forward,
+    pnv_step_backward,
     pnv_step_forward,
 )
 
@@ -1040,13 +1041,9 @@ class _PowerNormVFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
             return (*_PowerNormVFunction._differentiable_backward(ctx.norm, x, token_weights, weight, bias, count,
                                                                   usable, grad_output), None, None)
-        dy = grad_output.float().contiguous()
-        zeros = torch.zeros_like(inv_s)
-        _, sums = pn_backward(dy, x, token_weights, group_num, weight, zeros, inv_s, inv_s, input_gradient=False)
-        total = sums[0].float()  # S = sum_all(dY * z0)
-        c_over_s2 = torch.where(usable, weight.detach() * total * inv_s / count.clamp_min(1.0), zeros)
-        grad_x, _ = pn_backward(dy, x, token_weights, group_num, weight, c_over_s2, inv_s, inv_s)
-        return grad_x, (inv_s * total).to(weight.dtype), sums[2].to(weight.dtype), None, None
+        grad_x, grads = pnv_step_backward(grad_output.float().contiguous(), x, token_weights, group_num, weight,
+                                          inv_s, float(count), bool(usable))
+        return grad_x, grads[0].to(weight.dtype), grads[1].to(weight.dtype), None, None
 
     @staticmethod
     def _differentiable_backward(norm, x, token_weights, weight, bias, count, usable, grad_output):
