@@ -176,7 +176,10 @@ def apply_dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torc
         return hidden_states
     if hidden_states.device.type != "cpu" or torch.compiler.is_compiling() or not 0.0 < p < 1.0:
         return F.dropout(hidden_states, p=p, training=True)
-    keep = torch.rand_like(hidden_states).ge_(p).mul_(1.0 / (1.0 - p))
+    # Uniform numbers in float32 whatever the input's dtype: bfloat16's coarse grid near p would shift
+    # the kept fraction.
+    keep = torch.rand(hidden_states.shape, dtype=torch.float32).ge_(p)
+    keep = (keep if hidden_states.dtype == torch.float32 else keep.to(hidden_states.dtype)).mul_(1.0 / (1.0 - p))
     return hidden_states * keep
 
 

@@ -856,3 +856,5 @@ def test_dropout_of_the_model_keeps_1_minus_p_scaled_and_routes_its_gradient_thr
     assert torch.equal(apply_dropout(x, 0.3, training=True) != 0, kept)
     assert apply_dropout(x, 0.3, training=False) is x and apply_dropout(x, 0.0, training=True) is x
     assert (apply_dropout(x, 1.0, training=True) == 0).all()
+    half = apply_dropout(torch.ones(256, 1024, dtype=torch.bfloat16), 0.3, training=True)
+    assert half.dtype == torch.bfloat16 and abs((half != 0).float().mean().item() - 0.7) < 0.003
