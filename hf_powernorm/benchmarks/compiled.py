@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from .suite import _cell, progress, _clock, _model_batch, interleaved, machine_line, markdown, model_sizes, our_model
+from .suite import _cell, _clock, _model_batch, interleaved, machine_line, markdown, model_sizes, our_model, progress
 
 
 def _model(sizes: dict, norm: str, everywhere: bool, device: str):

@@ -14,11 +14,15 @@ hf_powernorm/benchmarks/study_step.py` times that checkout's library with this f
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 
+# The step's data: 2,048 tokens as 16 blocks of 128, PTB's vocabulary (the profile's categories read
+# these shapes).
+BATCH, LENGTH, VOCAB = 16, 128, 4000
 CATEGORIES = (
     "linear layers and output projection (mm, addmm)",
     "loss (log-softmax, NLL, smoothing, their backward, copies of the logits)",
@@ -30,21 +34,21 @@ CATEGORIES = (
 )
 
 
-def build_step(norm: str, vocab: int = 4000, batch: int = 16, length: int = 128):
+def build_step(norm: str):
     # Absolute imports: run as a file with PYTHONPATH=<checkout>, this times that checkout's library.
     from hf_powernorm.configuration_powernorm import PowerNormTransformerConfig
     from hf_powernorm.modeling_powernorm import PowerNormTransformerForCausalLM
     from hf_powernorm.studies.runs import STUDY_LM
     from hf_powernorm.training.losses import causal_lm_loss
 
-    config = PowerNormTransformerConfig(**{**STUDY_LM, "dropout": 0.3}, vocab_size=vocab, max_position_embeddings=256,
+    config = PowerNormTransformerConfig(**{**STUDY_LM, "dropout": 0.3}, vocab_size=VOCAB, max_position_embeddings=256,
                                         decoder_norm_type=norm, encoder_norm_type=norm, pad_token_id=0,
                                         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = PowerNormTransformerForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = causal_lm_loss(0.1)
-    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
     def step() -> None:
@@ -54,17 +58,29 @@ def build_step(norm: str, vocab: int = 4000, batch: int = 16, length: int = 128)
     return step
 
 
-def category(name: str, shapes: str, vocab: int) -> str:
-    logits = any(f"{dims}, {vocab}]" in shapes for dims in ("[2048", "[2032", "[16, 128", "[16, 127"))
+@functools.cache
+def _shapes() -> tuple[tuple[str, ...], str]:
+    """The profiler's spelling of the logits' shapes (full and shifted, flat and not) and the attention
+    probabilities' shape of this step."""
+    from hf_powernorm.studies.runs import STUDY_LM
+
+    tokens = BATCH * LENGTH
+    rows = (f"[{tokens}", f"[{tokens - BATCH}", f"[{BATCH}, {LENGTH}", f"[{BATCH}, {LENGTH - 1}")
+    return tuple(f"{row}, {VOCAB}]" for row in rows), f"[{BATCH}, {STUDY_LM['num_attention_heads']}, {LENGTH}, {LENGTH}]"
+
+
+def category(name: str, shapes: str) -> str:
+    logit_shapes, attention = _shapes()
+    logits = any(shape in shapes for shape in logit_shapes)
     if name in ("aten::mm", "aten::addmm"):
         return CATEGORIES[0]
     if logits or "SmoothedCrossEntropy" in name or "nll" in name or "log_softmax" in name:
         return CATEGORIES[1]
     if name in ("aten::bernoulli_", "aten::uniform_", "aten::ge_", "aten::div_") or (
-            name == "aten::mul_" and "[]" in shapes and str(vocab) not in shapes):
+            name == "aten::mul_" and "[]" in shapes and str(VOCAB) not in shapes):
         return CATEGORIES[2]
     if name in ("aten::bmm", "aten::_softmax", "aten::_softmax_backward_data", "aten::all", "aten::where",
-                "aten::_safe_softmax") or "[16, 4, 128, 128]" in shapes:
+                "aten::_safe_softmax") or attention in shapes:
         return CATEGORIES[3]
     if any(key in name for key in ("PowerNorm", "LayerNorm", "layer_norm")):
         return CATEGORIES[4]
@@ -73,7 +89,7 @@ def category(name: str, shapes: str, vocab: int) -> str:
     return CATEGORIES[6]
 
 
-def profile(step, steps: int, vocab: int = 4000) -> dict[str, float]:
+def profile(step, steps: int) -> dict[str, float]:
     """Milliseconds of self time per step, by category, and the total under `"step"`."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -83,7 +99,7 @@ def profile(step, steps: int, vocab: int = 4000) -> dict[str, float]:
             step()
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for event in prof.key_averages(group_by_input_shape=True):
-        totals[category(event.key, str(event.input_shapes), vocab)] += event.self_cpu_time_total / steps / 1e3
+        totals[category(event.key, str(event.input_shapes))] += event.self_cpu_time_total / steps / 1e3
     totals["step"] = sum(totals.values())
     return totals
 
@@ -122,6 +138,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     median = statistics.median(times) * 1e3
     print(f"{args.norm}: median step {median:.1f} ms over {args.steps} steps")
     return {"step": median}
+
 
 if __name__ == "__main__":
     main()
