@@ -3,6 +3,7 @@ validation only, the CSV's columns, resuming and reporting."""
 
 import csv
 import json
+import shutil
 
 import pytest
 
@@ -90,6 +91,39 @@ def test_report_only_stops_at_the_first_unfinished_stage(tmp_path):
     assert list(partial.stages) == ["lr", "alpha"]
     assert not (tmp_path / "cells" / cell.name / "result.json").exists()
     assert "alpha 1/2" in (tmp_path / "summary.md").read_text()
+
+
+def test_export_is_a_record_that_resumes_the_study_elsewhere(tmp_path):
+    argv = ["--smoke", "--tasks", "ptb", "--seeds", "1"]
+    tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out")])
+    stale = tmp_path / "export" / "cells" / "a-run-since-removed"
+    stale.mkdir(parents=True)
+    tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out"), "--report_only",
+                           "--export_dir", str(tmp_path / "export")])
+    export = tmp_path / "export"
+    assert not stale.exists()
+    for name in (*tuned_comparison.OUTPUT_FILES, "curves_ptb_6.png"):
+        assert (export / name).read_bytes() == (tmp_path / "out" / name).read_bytes(), name
+    finished = sorted(path.parent.name for path in (tmp_path / "out").glob("cells/*/result.json"))
+    assert sorted(path.parent.name for path in export.glob("cells/*/result.json")) == finished
+    # Only validation records are kept: no checkpoints, no training-loss lines.
+    assert {path.name for path in export.rglob("*") if path.is_file()} == {
+        *tuned_comparison.OUTPUT_FILES, "curves_ptb_4.png", "curves_ptb_6.png", "result.json", "training_log.jsonl"}
+    assert all('"validation"' in line for path in export.glob("cells/*/training_log.jsonl")
+               for line in path.read_text().splitlines())
+
+    # The record's cells in a new output folder: nothing reruns, the same outputs come back.
+    shutil.copytree(export / "cells", tmp_path / "elsewhere" / "cells")
+    stamps = {path: path.stat().st_mtime_ns for path in (tmp_path / "elsewhere").glob("cells/*/result.json")}
+    tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "elsewhere")])
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "elsewhere").glob("cells/*/result.json")} == stamps
+    for name in ("results.csv", "curves.csv", "picks.json"):
+        assert (tmp_path / "elsewhere" / name).read_bytes() == (export / name).read_bytes(), name
+
+
+def test_export_into_the_output_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--export_dir must differ"):
+        tuned_comparison.parse_args(["--smoke", "--output_dir", str(tmp_path), "--export_dir", str(tmp_path / ".")])
 
 
 @pytest.mark.parametrize("argv, message", [

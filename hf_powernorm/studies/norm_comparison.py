@@ -180,10 +180,14 @@ def _inputs(args: argparse.Namespace, output_dir: Path) -> dict[str, dict[str, A
 # -- outputs ------------------------------------------------------------------------------------
 
 
+def log_folder(output_dir: Path, result: dict[str, Any]) -> Path:
+    """The folder of a run's `training_log.jsonl` (a translation run logs in its `run/` subfolder)."""
+    folder = Path(output_dir) / "cells" / result["cell"]
+    return folder / "run" if result["task"] == "multi30k" else folder
+
+
 def validation_curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int, float]]:
-    folder = output_dir / "cells" / result["cell"]
-    folder = folder / "run" if result["task"] == "multi30k" else folder
-    return [(r["step"], r["validation"]) for r in read_run_log(folder) if "validation" in r]
+    return [(r["step"], r["validation"]) for r in read_run_log(log_folder(output_dir, result)) if "validation" in r]
 
 
 def last_quarter_change(curve: list[tuple[int, float]]) -> float:

@@ -38,7 +38,9 @@ headline table: per task and budget, mean ± std over seeds and the verdict) and
     python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
 
 Resumable (finished runs are never redone), `--report_only` writes the outputs of the runs
-finished so far. Cut rule, fixed before any test score: if the budget runs out, drop the
+finished so far, `--export_dir DIR` copies them with each finished run's result and validation
+records into DIR (`studies/tuned_comparison/` is such a copy: its `cells/`, copied into an output
+folder, resumes the study on another machine). Cut rule, fixed before any test score: if the budget runs out, drop the
 Multi30k `powernorm-all` finals first, then Multi30k's long finals, never a norm's seed alone.
 """
 
@@ -47,14 +49,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
 
 from ..training import select_checkpoints, translation, write_average
 from ..training.atomic_files import remove_path
-from .grid import Cell, finished_results, reset_accelerate, run_grid
-from .norm_comparison import multi30k_files, validation_curve
+from ..training.run_log import LOG_NAME
+from .grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
+from .norm_comparison import log_folder, multi30k_files, validation_curve
 from .reports import better_of, write_rows
 from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
 
@@ -101,7 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
     p.add_argument("--report_only", action="store_true",
                    help="write the outputs from the runs finished so far, and run nothing")
+    p.add_argument("--export_dir", help="also copy the outputs, and each finished run's result and validation "
+                                        "records, into this folder: small enough to commit, and its cells/ copied "
+                                        "into an output folder resumes the study there")
     args = p.parse_args(argv)
+    if args.export_dir and Path(args.export_dir).resolve() == Path(args.output_dir).resolve():
+        raise ValueError(f"--export_dir must differ from --output_dir; both are {args.export_dir}")
     if not args.seeds:
         raise ValueError("--seeds needs at least one seed")
     if 1 not in args.seeds:
@@ -452,6 +461,33 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
         plt.close(figure)
 
 
+OUTPUT_FILES = ("results.csv", "curves.csv", "picks.json", "summary.md")
+
+
+def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int:
+    """Copy the outputs and each finished run's `result.json` and validation records (the lines of
+    its log that `validation_curve` reads, as they are) into `export_dir`; a run folder there that
+    is no longer a finished run is removed. Returns the number of runs exported. Copied into an
+    output folder, `cells/` resumes the study: the grid never reruns a run with a result, and the
+    report reads the same curves from it."""
+    export_dir.mkdir(parents=True, exist_ok=True)
+    for path in [output_dir / name for name in OUTPUT_FILES] + sorted(output_dir.glob("curves_*.png")):
+        shutil.copyfile(path, export_dir / path.name)
+    results = {result["cell"]: result for protocol in protocols for cells in protocol.stages.values()
+               for _, result in cells if result is not None}
+    for cell, result in results.items():
+        target = log_folder(export_dir, result)
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(output_dir / "cells" / cell / RESULT_NAME, export_dir / "cells" / cell / RESULT_NAME)
+        lines = (log_folder(output_dir, result) / LOG_NAME).read_text(encoding="utf-8").splitlines(keepends=True)
+        records = [line for line in lines if line.strip() and "validation" in json.loads(line)]
+        (target / LOG_NAME).write_text("".join(records), encoding="utf-8")
+    for folder in (export_dir / "cells").iterdir():
+        if folder.name not in results:
+            remove_path(folder)
+    return len(results)
+
+
 def _inputs(task: str, args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
     sizes = args.sizes[task]
     if task == "multi30k":
@@ -473,6 +509,9 @@ def main(argv: list[str] | None = None) -> list[Protocol]:
         protocols.append(protocol)
         write_outputs(protocols, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    if args.export_dir:
+        count = export(protocols, output_dir, Path(args.export_dir))
+        print(f"Exported the outputs and {count} finished runs to {args.export_dir}")
     return protocols
 
 
