@@ -45,14 +45,19 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
+def check_label_smoothing(value: float, name: str = "label_smoothing") -> None:
+    """Refuse a smoothing weight outside [0, 1) (1 would ignore the labels), naming the option."""
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1); got {value}")
+
+
 def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean label-smoothed cross-entropy over the non-ignored (-100) positions of aligned `logits`
     and `labels`: `(1 - eps) * NLL + eps * mean over the vocabulary of -log p` per token (what
     `F.cross_entropy(label_smoothing=eps)` computes; NaN when no position is scored, as there).
     Computed in float32 whatever the logits' dtype.
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+    check_label_smoothing(label_smoothing)
     return _SmoothedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                                        float(label_smoothing))
 
@@ -97,8 +102,7 @@ def translation_loss(accelerator, label_smoothing: float) -> Callable[[torch.nn.
 def causal_lm_loss(label_smoothing: float = 0.0) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
     """Label-smoothed next-token cross-entropy of a causal LM (the logits at t score the label at
     t + 1); with no smoothing, the model's own loss."""
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+    check_label_smoothing(label_smoothing)
     if label_smoothing == 0.0:
         return model_loss
 

@@ -17,7 +17,7 @@ from ..modeling_powernorm import PowerNormTransformerForConditionalGeneration
 from .arguments import add_recipe_args, check_args
 from .batching import PaddingCollator
 from .evaluation import evaluate_bleu
-from .losses import translation_loss
+from .losses import check_label_smoothing, translation_loss
 from .metrics import OncePerMessage
 from .readers import data_files_from_args, limit_splits, load_translation_dataset
 from .tasks import Task, run_task
@@ -47,8 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_args(args)
     if args.source_lang == args.target_lang:
         raise ValueError(f"--source_lang and --target_lang are both {args.source_lang!r}")
-    if not 0.0 <= args.label_smoothing < 1.0:
-        raise ValueError(f"--label_smoothing must be in [0, 1); got {args.label_smoothing}")
+    check_label_smoothing(args.label_smoothing, "--label_smoothing")
     args.max_source_length = args.max_source_length or args.max_length
     args.max_target_length = args.max_target_length or args.max_length
     for option in ("num_beams", "max_new_tokens", "max_source_length", "max_target_length"):
