@@ -59,3 +59,19 @@ def test_study_step_times_and_profiles_the_study_lm_step(capsys):
     with pytest.raises(SystemExit):
         study_step.main(["--steps", "0"])
     assert "--steps must be at least 1; got 0" in capsys.readouterr().err
+
+
+def test_host_cost_times_each_norm_against_layer_norm_on_the_device():
+    """`benchmarks.host_cost --quick` on the CPU: a row per norm, the step's time, its ratio to
+    `F.layer_norm`'s, and the host's issue time, which cannot exceed the synchronised step's."""
+    from hf_powernorm.benchmarks import host_cost
+
+    text = host_cost.main(["--device", "cpu", "--quick"])
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    header, body = rows[0], rows[1:]
+    assert header[0].strip() == "norm" and len(header) == 6
+    assert [row[0].strip() for row in body] == ["F.layer_norm", *host_cost.CASES]
+    for row in body:
+        step, host = float(row[2]), float(row[4])
+        assert 0 < host <= step, row
+        assert float(row[3].split()[0]) > 0 and row[5].strip() == "-"  # no device ops off CUDA

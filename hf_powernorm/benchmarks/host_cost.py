@@ -1,0 +1,145 @@
+"""A norm layer's eager training step: what the device spends on it against what the host does.
+
+    python -m hf_powernorm.benchmarks.host_cost [--device cuda] [--quick]
+
+On a GPU a layer's step is bounded by whichever is slower: the device running its kernels, or the
+host issuing them (Python, autograd, dispatch, `torch.compile`'s guards and wrappers, launches).
+For each norm and shape this prints one markdown table:
+- `step`: the step (forward + backward, fresh gradients) with the device synchronised after each
+  batch of steps, and its ratio to `F.layer_norm`'s, interleaved batch by batch (median, 25-75%);
+- `host`: the host's time to issue one step, timed without waiting for the device (the batch is
+  synchronised only before and after), median over the batches: where it is close to `step`, the
+  step is host-bound and a faster kernel would not show;
+- `device ops`: kernels and copies the device runs per step (`torch.profiler`, CUDA only).
+Norms: `F.layer_norm`, the registry's LayerNorm module, PN on its path for the device (CUDA: two
+`torch.compile`d pure functions; CPU: the C kernels), PN in torch ops (`HF_POWERNORM_COMPILE=0` and
+no C kernels), masked BatchNorm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..normalization import build_norm
+from .suite import PADDING, c_kernels, machine_line, markdown, progress
+
+CASES = {
+    "powernorm G=4": ("powernorm", {"group_num": 4}, True),
+    "powernorm G=4, torch ops": ("powernorm", {"group_num": 4}, False),
+    "layernorm (registry)": ("layernorm", {}, True),
+    "batchnorm (masked)": ("batchnorm", {}, True),
+}
+SHAPES = ((4096, 512), (16384, 1024))
+QUICK_SHAPES = ((64, 32),)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _inputs(tokens: int, hidden: int, device: str):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=generator).to(device).requires_grad_()
+    dy = torch.randn(tokens, hidden, generator=generator).to(device)
+    mask = (torch.rand(tokens, generator=generator) >= PADDING).long().to(device)
+    return x, dy, mask
+
+
+def _step(module, x, dy, mask, parameters, kernels):
+    def step():
+        with c_kernels(kernels):
+            for tensor in (x, *parameters):
+                tensor.grad = None
+            (module(x, mask) if module is not None else F.layer_norm(x, x.shape[-1:], *parameters)).backward(dy)
+    return step
+
+
+def _timed(step, steps: int, device: str) -> tuple[float, float]:
+    """(seconds per step synchronised, seconds per step the host took to issue them)."""
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    issued = time.perf_counter()
+    _synchronize(device)
+    return (time.perf_counter() - start) / steps, (issued - start) / steps
+
+
+def device_ops(step, device: str, steps: int = 5) -> float | None:
+    """Kernels and copies the device runs per step (None off CUDA)."""
+    if device != "cuda":
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        _synchronize(device)
+    return sum(event.count for event in profiler.key_averages()
+               if event.device_type == torch.autograd.DeviceType.CUDA) / steps
+
+
+def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[list[str], list[list[str]]]:
+    header = ["norm", "shape", "step, ms", "step / F.layer_norm's", "host issue, ms", "device ops per step"]
+    rows = []
+    for tokens, hidden in shapes:
+        x, dy, mask = _inputs(tokens, hidden, device)
+        weight = torch.ones(hidden, device=device, requires_grad=True)
+        bias = torch.zeros(hidden, device=device, requires_grad=True)
+        baseline = _step(None, x, dy, mask, [weight, bias], True)
+        candidates = {"F.layer_norm": baseline}
+        for label, (name, options, kernels) in CASES.items():
+            module = build_norm(name, hidden, **options).to(device).train()
+            candidates[label] = _step(module, x, dy, mask, list(module.parameters()), kernels)
+        for label, step in candidates.items():
+            progress(f"host cost, {device}, ({tokens}, {hidden}), {label}")
+            for _ in range(warmup):  # compiles PN's functions on CUDA
+                step()
+            times, hosts, ratios = [], [], []
+            for _ in range(repeats):
+                seconds, host = _timed(step, steps, device)
+                base, _ = _timed(baseline, steps, device)
+                times.append(seconds)
+                hosts.append(host)
+                ratios.append(seconds / base)
+            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            ops = device_ops(step, device)
+            rows.append([label, f"({tokens}, {hidden})", f"{statistics.median(times) * 1e3:.3f}",
+                         f"{statistics.median(ratios):.2f} ({quartiles[0]:.2f}-{quartiles[2]:.2f})",
+                         f"{statistics.median(hosts) * 1e3:.3f}", "-" if ops is None else f"{ops:.0f}"])
+    return header, rows
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=11, help="batches of steps per norm and shape")
+    parser.add_argument("--steps", type=int, default=20, help="steps per batch")
+    parser.add_argument("--warmup", type=int, default=20, help="steps before timing (compiling included)")
+    parser.add_argument("--quick", action="store_true", help="one tiny shape, 3 batches of 2 steps: checks that it runs")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    for option in ("repeats", "steps"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1; got {getattr(args, option)}")
+    shapes, repeats, steps, warmup = ((QUICK_SHAPES, 3, 2, 1) if args.quick
+                                      else (SHAPES, args.repeats, args.steps, args.warmup))
+    command = "python -m hf_powernorm.benchmarks.host_cost " + " ".join(argv if argv is not None else sys.argv[1:])
+    start_load = os.getloadavg()[0]
+    header, rows = run(shapes, args.device, repeats, steps, warmup)
+    text = machine_line(args.device, command.strip(), (start_load, os.getloadavg()[0])) + "\n\n"
+    text += markdown("Eager layer training step: device and host, median (25-75%)", header, rows)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
