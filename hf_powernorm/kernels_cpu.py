@@ -8,8 +8,9 @@ during warmup (the output needs the batch statistic first), one in eval, paralle
 OpenMP. They save nothing but `x`: the group scales and `z0 = x * r` are recomputed per token.
 `pn_step_forward`/`pn_step_backward` take a whole PN step in one call each (statistics, buffer
 updates and parameter gradients included, the attention mask read as it is); `pnv_step_forward`/`pnv_step_backward` take
-PN-V's step likewise (two passes each way: its exact gradient needs a batch sum first); `bn_moments` and
-`affine_backward` serve masked BN, BRN and MABN the same way (two passes each way); `norm_eval` is
+PN-V's step likewise (two passes each way: its exact gradient needs a batch sum first);
+`bn_step_*` (masked BN and BRN) and `mabn_step_*` (MABN, its moving averages included) the same
+way, two passes each way (`bn_moments`, then `affine_backward_rows`); `norm_eval` is
 every eval-mode norm in one pass, with streaming stores for outputs larger than the caches.
 `torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
 measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
@@ -437,11 +438,6 @@ static void affine_backward_rows(const float *dy, const float *x, const void *m,
 #endif
 }
 
-void affine_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
-                     const float *a, const float *cc, const float *e, float *dx) {
-    affine_backward_rows(dy, x, m, kind, T, C, threads, a, cc, e, dx, 0);
-}
-
 /* torch.lerp's formula, so that the buffers match the torch ops' bit for bit where they can. */
 static float lerp(float start, float end, float weight) {
     return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
@@ -672,6 +668,104 @@ void pnv_step_backward(const float *dy, const float *x, const void *m, int kind,
     free(nu);
 }
 
+/* MABN's training forward in one call (MovingAverageBatchNorm._forward_statistics with the passes):
+   the moments pass (S = sum_V x^2), chi2_B = S / max(n, 1), usable = n > 0 and chi2_B finite; step
+   t = counter + 1; a usable batch is stored in window_phi[t % m]; chi2 = chi2_B while t <= m or t < W,
+   else the mean of window_phi's m rows; r = clip(sqrt((chi2 + eps) / (phi + eps)), 1/rmax, rmax) for
+   a usable step after max(renorm_warmup, W), else 1; 1/chi = 1/sqrt(chi2 + eps), or 1/sqrt(phi + eps)
+   for an unusable batch; a usable batch moves phi towards chi2 (lerp by momentum) and counts. Then
+   the output pass y = x weight r / chi + bias. out (2 x C) receives 1/chi and r; reuse != 0 (a
+   checkpointing recomputation): out holds them already, the output pass alone. Returns 1 usable,
+   0 no real token, -1 non-finite chi2_B (as bn_step_forward). */
+int mabn_step_forward(const float *x, const void *m, int kind, long T, long C, int threads, const float *weight,
+                      const float *bias, float *phi, float *window_phi, long window, long long *counter, float eps,
+                      float momentum, long warmup, float rmax, long renorm_warmup, int reuse, int stream, float *y,
+                      float *out, float *count) {
+    float *inv = out, *r = out + C;
+    int status = 1;
+    if (!reuse) {
+        double *sums = malloc(sizeof(double) * (2 * C + 1));
+        float *chi2 = malloc(sizeof(float) * 2 * C), *batch = chi2 + C;
+        float *zeros = calloc(C, sizeof(float));
+        bn_moments(x, m, kind, T, C, zeros, threads, sums);
+        *count = (float)sums[2 * C];
+        double n = *count > 1.0f ? (double)*count : 1.0;
+        int finite = 1;
+        for (long c = 0; c < C; c++) { batch[c] = (float)(sums[C + c] / n); finite &= isfinite(batch[c]) != 0; }
+        status = *count > 0.0f && finite ? 1 : (*count > 0.0f ? -1 : 0);
+        long long t = *counter + 1;
+        if (status == 1) memcpy(window_phi + (t % window) * C, batch, sizeof(float) * C);
+        int batch_phase = t <= window || t < warmup;
+        int renormalize = status == 1 && t > (renorm_warmup > warmup ? renorm_warmup : warmup);
+        for (long c = 0; c < C; c++) {
+            if (batch_phase) {
+                chi2[c] = batch[c];
+            } else {
+                float total = 0.0f;
+                for (long k = 0; k < window; k++) total += window_phi[k * C + c];
+                chi2[c] = total / (float)window;
+            }
+            r[c] = renormalize ? clampf(sqrtf((chi2[c] + eps) / (phi[c] + eps)), 1.0f / rmax, rmax) : 1.0f;
+            inv[c] = 1.0f / sqrtf((status == 1 ? chi2[c] : phi[c]) + eps);
+            if (status == 1) phi[c] = lerp(phi[c], chi2[c], momentum);
+        }
+        if (status == 1) *counter += 1;
+        free(sums);
+        free(chi2);
+        free(zeros);
+    }
+    float *a = malloc(sizeof(float) * C);
+    for (long c = 0; c < C; c++) a[c] = weight[c] * r[c] * inv[c];
+    norm_eval(x, T, C, 0, 0.0f, threads, a, bias, NULL, NULL, 0.0f, stream, y);
+    free(a);
+    return status;
+}
+
+/* The backward of mabn_step_forward (MovingAverageBatchNorm._backward_statistic with the passes): a
+   sums pass (sum_all dY x, sum_V dY x, sum_all dY); Psi_B = a sum_V(dY x) / max(n, 1), a = weight r / chi;
+   a usable step with finite Psi_B stores it in window_gz[t % m]; Psi = Psi_B while t <= m or t < W, else
+   the mean of window_gz's m rows; Psi_B itself where it is not finite; 0 after an unusable forward. The
+   input-gradient pass dx = dY a - (real) Psi x / chi^2; grads (2 x C): dweight = r / chi sum_all(dY x),
+   dbias = sum_all dY. Returns -1 where a usable step's Psi_B is not finite (nothing stored), else 0. */
+int mabn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, int threads,
+                       const float *weight, const float *out, float *window_gz, long window, long long step,
+                       long warmup, float count, int usable, int stream, float *dx, float *grads) {
+    const float *inv = out, *r = out + C;
+    double *sums = malloc(sizeof(double) * 3 * C);
+    float *v = malloc(sizeof(float) * 6 * C), *ones = v, *zeros = v + C, *a = v + 2 * C, *psi = v + 3 * C;
+    float *cc = v + 4 * C, *batch = v + 5 * C;
+    for (long c = 0; c < C; c++) { ones[c] = 1.0f; zeros[c] = 0.0f; }
+    backward_masked(dy, x, m, kind, T, C, 0, 0.0f, threads, ones, zeros, ones, ones, NULL, sums, sums + C, sums + 2 * C,
+                    0);
+    float n = count > 1.0f ? count : 1.0f;
+    int finite = 1;
+    for (long c = 0; c < C; c++) {
+        a[c] = weight[c] * r[c] * inv[c];
+        batch[c] = a[c] * (float)sums[C + c] / n;
+        finite &= isfinite(batch[c]) != 0;
+    }
+    if (usable && finite) memcpy(window_gz + (step % window) * C, batch, sizeof(float) * C);
+    int batch_phase = step <= window || step < warmup;
+    for (long c = 0; c < C; c++) {
+        if (!usable) {
+            psi[c] = 0.0f;
+        } else if (batch_phase || !finite) {
+            psi[c] = batch[c];
+        } else {
+            float total = 0.0f;
+            for (long k = 0; k < window; k++) total += window_gz[k * C + c];
+            psi[c] = total / (float)window;
+        }
+        cc[c] = psi[c] * (inv[c] * inv[c]);
+        grads[c] = r[c] * inv[c] * (float)sums[c];
+        grads[C + c] = (float)sums[2 * C + c];
+    }
+    affine_backward_rows(dy, x, m, kind, T, C, threads, a, cc, zeros, dx, stream);
+    free(sums);
+    free(v);
+    return usable && !finite ? -1 : 0;
+}
+
 /* PowerNorm's whole backward in one call: the pass of pn_backward, then pn_gradient_statistics
    (nu read by the pass before it is updated); grads (2 x C) receives dweight and dbias. */
 int pn_step_backward(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
@@ -777,9 +871,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pn_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, n, n, f, i, i, i, p, p, p]
     lib.pn_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, f, i, f, i, p, p]
     lib.pn_step_forward.restype = lib.pn_step_backward.restype = i
-    lib.bn_moments.argtypes = [p, p, i, n, n, p, i, p]
-    lib.affine_backward.argtypes = [p, p, p, i, n, n, i, p, p, p, p]
-    lib.bn_moments.restype = lib.affine_backward.restype = None
     lib.bn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, p, f, f, i, f, f, i, i, p, p, p]
     lib.bn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, f, i, i, p, p]
     lib.bn_step_forward.restype, lib.bn_step_backward.restype = i, None
@@ -787,6 +878,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pnv_step_forward.restype = i
     lib.pnv_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, f, i, i, p, p]
     lib.pnv_step_backward.restype = None
+    lib.mabn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, n, p, f, f, n, f, n, i, i, p, p, p]
+    lib.mabn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, p, n, ctypes.c_longlong, n, f, i, i, p, p]
+    lib.mabn_step_forward.restype = lib.mabn_step_backward.restype = i
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
@@ -929,28 +1023,6 @@ def _mask_args(mask: torch.Tensor | None) -> tuple:
     return (None, 0) if mask is None else (mask.data_ptr(), MASK_KINDS[mask.dtype])
 
 
-def bn_moments(x: torch.Tensor, mask: torch.Tensor | None, shift: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Real-token moments of contiguous float32 `x` (tokens, C) in one pass about `shift` (C,):
-    `(sums, count)`, `sums` (2, C) float64 = `(sum_V (x - shift), sum_V (x - shift)^2)`."""
-    tokens, channels = x.shape
-    sums = torch.empty(2 * channels + 1, dtype=torch.float64)
-    shift = _float_vector(shift)
-    _library.bn_moments(x.data_ptr(), *_mask_args(mask), tokens, channels, shift.data_ptr(), torch.get_num_threads(),
-                        sums.data_ptr())
-    return sums[:-1].view(2, channels), float(sums[-1])
-
-
-def affine_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, a: torch.Tensor,
-                    c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """`dx = dy * a - (real) * (c * x + e)` per channel in one pass over contiguous float32 `dy`, `x`."""
-    tokens, channels = x.shape
-    dx = torch.empty_like(x)
-    vectors = [_float_vector(t) for t in (a, c, e)]  # kept alive across the call
-    _library.affine_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels,
-                             torch.get_num_threads(), *(v.data_ptr() for v in vectors), dx.data_ptr())
-    return dx
-
-
 def bn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                     running_mean: torch.Tensor, running_var: torch.Tensor, counter: torch.Tensor, eps: float,
                     momentum: float, renorm: bool, rmax: float, dmax: float, reused: torch.Tensor | None = None):
@@ -993,6 +1065,39 @@ def pnv_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | No
                                GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(), inv_s.data_ptr(), count,
                                usable, tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
     return dx, grads
+
+
+def mabn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                      running_phi: torch.Tensor, window_phi: torch.Tensor, counter: torch.Tensor, eps: float,
+                      momentum: float, warmup_steps: int, rmax: float, renorm_warmup_steps: int,
+                      reused: torch.Tensor | None = None):
+    """MABN's training forward in one C call: `(status, y, out, count)`, `out` (2, C) = `(1/chi, r)` of
+    the step, updating `running_phi`, `window_phi` and `counter` in place; with `reused` (a
+    recomputation: the step's `out`) the output pass alone. Contiguous float32 vectors."""
+    tokens, channels = x.shape
+    y, count = torch.empty_like(x), ctypes.c_float(0.0)
+    out = torch.empty(2, channels) if reused is None else reused
+    status = _library.mabn_step_forward(
+        x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
+        bias.data_ptr(), running_phi.data_ptr(), window_phi.data_ptr(), window_phi.shape[0], counter.data_ptr(), eps,
+        momentum, warmup_steps, rmax, renorm_warmup_steps, reused is not None, tokens * channels * 4 >= STREAM_BYTES,
+        y.data_ptr(), out.data_ptr(), ctypes.byref(count))
+    return status, y, out, count.value
+
+
+def mabn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
+                       out: torch.Tensor, window_gz: torch.Tensor, step: int, warmup_steps: int, count: float,
+                       usable: bool):
+    """The backward of `mabn_step_forward` in one C call: `(status, dx, grads)`, `grads` (2, C) =
+    `(dweight, dbias)`, updating `window_gz` in place; status -1: a non-finite gradient statistic."""
+    tokens, channels = x.shape
+    dx, grads = torch.empty_like(x), torch.empty(2, channels)
+    weight = _float_vector(weight)
+    status = _library.mabn_step_backward(
+        dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
+        out.data_ptr(), window_gz.data_ptr(), window_gz.shape[0], step, warmup_steps, count, usable,
+        tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
+    return status, dx, grads
 
 
 def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,

@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels_cpu import (
-    affine_backward,
-    bn_moments,
     bn_step_backward,
     bn_step_forward,
     kernels_usable,
+    mabn_step_backward,
+    mabn_step_forward,
     norm_eval,
     pn_backward,
     pn_gradient_statistics,
@@ -1325,36 +1325,46 @@ class BatchRenorm(MaskedBatchNorm):
 
 
 class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
-    """MABN's training step in the C kernels: a statistics pass (`sum_V x^2`), the step's statistics
-    (`MovingAverageBatchNorm._forward_statistics`), an output pass `y = x * weight * r / chi + bias`;
-    the backward a sums pass (`sum_V dY x`, `sum_all dY x`, `sum_all dY`), `Psi` from
-    `Psi_B = weight * r * sum_V(dY x) / (chi N)`, and an input-gradient pass
-    `dx = dY * weight * r / chi - (real) * Psi * x / chi^2`. Saves `x`, as the torch ops save `z`."""
+    """MABN's training step in two C calls, `kernels_cpu.mabn_step_forward` and `mabn_step_backward`:
+    the arithmetic of `_forward_statistics` and `_backward_statistic` with the passes (a moments pass
+    and an output pass `y = x * weight * r / chi + bias`; a sums pass and an input-gradient pass
+    `dx = dY * weight * r / chi - (real) * Psi * x / chi^2`), the buffer updates and the parameter
+    gradients in C, so that a step costs its passes and little else. A checkpointing recomputation
+    reuses its step's statistics and updates nothing. Saves `x`, as the torch ops save `z`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
         x = x.contiguous()
-        sums, count = bn_moments(x, mask, torch.zeros_like(norm.running_phi))
-        count = torch.tensor(count)
-        inv_chi, r, step, usable = norm._forward_statistics(
-            x, None, moments=(count, (sums[1] / count.clamp_min(1.0)).float()))
-        y = norm_eval(x, None, weight.detach() * r * inv_chi, bias.detach())
-        ctx.save_for_backward(x, mask, weight, inv_chi, r, step, usable, count)
-        ctx.norm = norm
+        buffers = norm._buffers
+        reused = norm._last_step if _in_recomputation() else None
+        if reused is not None:
+            out, count, usable, step = reused
+            _, y, _, _ = mabn_step_forward(x, None, weight, bias, buffers["running_phi"], buffers["window_phi"],
+                                           buffers["num_batches_tracked"], norm.eps, norm.momentum, norm.warmup_steps,
+                                           norm.rmax, norm.renorm_warmup_steps, reused=out)
+        else:
+            _warn_if_ddp_overwrites_statistics(norm)
+            step = int(buffers["num_batches_tracked"]) + 1
+            status, y, out, count = mabn_step_forward(
+                x, mask, weight, bias, buffers["running_phi"], buffers["window_phi"], buffers["num_batches_tracked"],
+                norm.eps, norm.momentum, norm.warmup_steps, norm.rmax, norm.renorm_warmup_steps)
+            _warn_non_finite("MovingAverageBatchNorm", "batch statistic", status < 0)
+            usable = status == 1
+            # plain attributes (nn.Module.__setattr__ costs more than the statistics otherwise)
+            norm.__dict__.update(_last_step=(out, count, usable, step), _last_statistics=None)
+        ctx.save_for_backward(x, mask, weight)
+        ctx.step = (norm, out, count, usable, step)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("MovingAverageBatchNorm")
-        x, mask, weight, inv_chi, r, step, usable, count = ctx.saved_tensors
-        dy = grad_output.float().contiguous()
-        ones = torch.ones_like(inv_chi)
-        _, sums = pn_backward(dy, x, mask, None, ones, torch.zeros_like(inv_chi), ones, ones, input_gradient=False)
-        sum_all, sum_real, sum_dy = sums.float()
-        a = weight.detach() * r * inv_chi
-        psi = ctx.norm._backward_statistic(a * sum_real / count.clamp_min(1.0), step, usable)
-        grad_x = affine_backward(dy, x, mask, a, psi * inv_chi.square(), torch.zeros_like(a))
-        return grad_x, (r * inv_chi * sum_all).to(weight.dtype), sum_dy.to(weight.dtype), None, None
+        x, mask, weight = ctx.saved_tensors
+        norm, out, count, usable, step = ctx.step
+        status, grad_x, grads = mabn_step_backward(grad_output.float().contiguous(), x, mask, weight, out,
+                                                   norm._buffers["window_gz"], step, norm.warmup_steps, count, usable)
+        _warn_non_finite("MovingAverageBatchNorm", "gradient statistic", status < 0)
+        return grad_x, grads[0].to(weight.dtype), grads[1].to(weight.dtype), None, None
 
 
 class _MovingAverageBatchNormFunction(torch.autograd.Function):
@@ -1431,14 +1441,14 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         self.group_num = None
         for name in self._window_buffers:
             self.register_buffer(name, torch.zeros(window, hidden_size, dtype=torch.float32))
-        self._last_statistics = None
+        self._last_statistics = self._last_step = None
 
     def reset_running_stats(self) -> None:
         super().reset_running_stats()
         with torch.no_grad():
             self.window_phi.zero_()
             self.window_gz.zero_()
-        self._last_statistics = None
+        self._last_statistics = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
@@ -1469,8 +1479,12 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         input with the C kernels, float32 contiguous parameters and running statistic."""
         if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
             return False
-        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"])
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        if _in_recomputation():  # as the step itself, if it was one
+            return self._last_step is not None
+        tensors = (self._parameters["weight"], self._parameters["bias"], *(self._buffers[name] for name in
+                                                                           ("running_phi", *self._window_buffers)))
+        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
+            self._buffers["num_batches_tracked"].dtype == torch.int64)
 
     def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None, moments=None):
         """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the
@@ -1479,6 +1493,7 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         `moments`: `(count, chi2_B)` when taken already (the C kernels)."""
         if _in_recomputation() and self._last_statistics is not None:
             return self._last_statistics  # same step: reuse its statistics, update nothing
+        self._last_step = None
         with torch.no_grad():  # no gradient flows through chi2 (see the backward)
             if moments is None:
                 count = _token_count(xf, token_weights)
