@@ -429,8 +429,15 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
         _plot(protocol, output_dir)
 
 
+# The difference panel starts at this fraction of the budget: the first evaluations differ by
+# several points and would flatten the rest of the curve.
+DIFFERENCE_FROM = 0.2
+
+
 def _plot(protocol: Protocol, output_dir: Path) -> None:
-    """Validation over updates of the finals: per norm the mean over seeds and the seeds' band."""
+    """Validation over updates of the finals: per norm the mean over seeds and the seeds' range
+    (left), and each norm's seeds minus LayerNorm's mean at the same update (right), where
+    differences of a fraction of a point are visible."""
     finals = _finals(protocol)
     if not finals:
         return
@@ -443,19 +450,35 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
         runs = [r for r in finals if r["updates"] == updates]
         if not runs:
             continue
-        figure, axis = plt.subplots(figsize=(6.5, 4))
-        for norm in dict.fromkeys(r["norm"] for r in runs):
-            curves = [dict(validation_curve(output_dir, r)) for r in runs if r["norm"] == norm]
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            values = [[c[s] for c in curves] for s in steps]
-            axis.plot(steps, [statistics.fmean(v) for v in values], label=f"{norm} ({len(curves)} seeds)")
-            axis.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+        curves = {norm: [dict(validation_curve(output_dir, r)) for r in runs if r["norm"] == norm]
+                  for norm in dict.fromkeys(r["norm"] for r in runs)}
+        steps = {norm: sorted(set.intersection(*(set(c) for c in runs_))) for norm, runs_ in curves.items()}
+        means = {norm: {s: statistics.fmean(c[s] for c in curves[norm]) for s in steps[norm]} for norm in curves}
+        figure, (axis, difference) = plt.subplots(1, 2, figsize=(11, 4))
+        for norm, norm_curves in curves.items():
+            values = [[c[s] for c in norm_curves] for s in steps[norm]]
+            seeds = f"{len(norm_curves)} seed{'s' if len(norm_curves) > 1 else ''}"
+            line, = axis.plot(steps[norm], [statistics.fmean(v) for v in values], label=f"{norm} ({seeds})")
+            axis.fill_between(steps[norm], [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+            if "layernorm" in means and norm != "layernorm":
+                shared = [s for s in steps[norm] if s in means["layernorm"] and s >= DIFFERENCE_FROM * updates]
+                gaps = [[c[s] - means["layernorm"][s] for c in norm_curves] for s in shared]
+                difference.plot(shared, [statistics.fmean(g) for g in gaps], color=line.get_color(), label=norm)
+                difference.fill_between(shared, [min(g) for g in gaps], [max(g) for g in gaps],
+                                        color=line.get_color(), alpha=0.2)
         if LOWER_IS_BETTER[protocol.task]:
             axis.set_yscale("log")
+        metric = "validation perplexity" if protocol.task == "ptb" else "validation BLEU"
         axis.set_xlabel("update")
-        axis.set_ylabel("validation perplexity" if protocol.task == "ptb" else "validation BLEU")
+        axis.set_ylabel(metric)
         axis.set_title(f"{protocol.task}, {updates} updates: mean and seed range")
         axis.legend(fontsize=8)
+        difference.axhline(0.0, color="black", linewidth=0.8)
+        difference.set_xlabel("update")
+        difference.set_ylabel(f"{metric} minus LayerNorm's mean")
+        difference.set_title(f"against LayerNorm's mean, from update {DIFFERENCE_FROM * updates:g} (seed range)")
+        if difference.lines[1:]:
+            difference.legend(fontsize=8)
         figure.tight_layout()
         figure.savefig(output_dir / f"curves_{protocol.task}_{updates}.png", dpi=100)
         plt.close(figure)
