@@ -21,8 +21,8 @@ PN's warmup switch and the step counters are decided on the device with `torch.w
 `torch.compile` traces a step in one graph. Only eager code on the CPU, where reading a value
 costs nothing, reads one (a non-finite warning's flag, the C kernels' step counter).
 On CPU float32 inputs the training steps of PN, PN-V, BN, BRN, MABN and RMSNorm, and every eval-mode
-norm's affine map, run in the C kernels of `kernels_cpu.py` (PN's step in two C calls, its statistics
-and buffer updates included); on CUDA PN's step runs as two `torch.compile`d pure tensor functions;
+norm's affine map, run in the C kernels of `kernels_cpu.py` (each batch-statistic norm's step in two C calls, forward
+and backward, its statistics and buffer updates included); on CUDA PN's step runs as two `torch.compile`d pure tensor functions;
 elsewhere everything runs in torch ops.
 """
 
