@@ -1486,20 +1486,17 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
             self._buffers["num_batches_tracked"].dtype == torch.int64)
 
-    def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None, moments=None):
+    def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
         """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the
         device. An unusable batch (no real token, non-finite values) divides by the running statistic
         with `r = 1`, stores nothing and takes no backward statistic: the eval map, with its gradient.
-        `moments`: `(count, chi2_B)` when taken already (the C kernels)."""
+        (The torch ops' path; the C kernels' step does the same in `kernels_cpu.mabn_step_forward`.)"""
         if _in_recomputation() and self._last_statistics is not None:
             return self._last_statistics  # same step: reuse its statistics, update nothing
         self._last_step = None
         with torch.no_grad():  # no gradient flows through chi2 (see the backward)
-            if moments is None:
-                count = _token_count(xf, token_weights)
-                chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
-            else:
-                count, chi2_batch = moments
+            count = _token_count(xf, token_weights)
+            chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
             usable = self._usable(count, chi2_batch)
             step = self._next_step()
             _write_row_(self.window_phi, step % self.window, chi2_batch, keep=usable)
