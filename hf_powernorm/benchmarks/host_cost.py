@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalization import build_norm
-from .suite import PADDING, c_kernels, machine_line, markdown, progress
+from .suite import _layer_inputs, c_kernels, machine_line, markdown, progress
 
 CASES = {
     "powernorm G=4": ("powernorm", {"group_num": 4}, True),
@@ -43,14 +43,6 @@ QUICK_SHAPES = ((64, 32),)
 def _synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def _inputs(tokens: int, hidden: int, device: str):
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=generator).to(device).requires_grad_()
-    dy = torch.randn(tokens, hidden, generator=generator).to(device)
-    mask = (torch.rand(tokens, generator=generator) >= PADDING).long().to(device)
-    return x, dy, mask
 
 
 def _step(module, x, dy, mask, parameters, kernels):
@@ -90,7 +82,8 @@ def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[lis
     header = ["norm", "shape", "step, ms", "step / F.layer_norm's", "host issue, ms", "device ops per step"]
     rows = []
     for tokens, hidden in shapes:
-        x, dy, mask = _inputs(tokens, hidden, device)
+        x, dy, mask = _layer_inputs(tokens, hidden, device)  # the suite's layer inputs
+        x.requires_grad_()
         weight = torch.ones(hidden, device=device, requires_grad=True)
         bias = torch.zeros(hidden, device=device, requires_grad=True)
         baseline = _step(None, x, dy, mask, [weight, bias], True)
