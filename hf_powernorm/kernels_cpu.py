@@ -230,7 +230,8 @@ void pn_rows(const float *x, const float *w, long T, long C, long groups, float 
 /* The backward in one pass over (dy, x): z0 = x r recomputed per token;
    s_all[c] = sum_t dy z0, s_real[c] = sum_t w_t dy z0, s_dy[c] = sum_t dy;
    dz0 = dy a - w_t c z0 with a = weight / s_b and c = nu / (s s_b) (eqs. 11-12);
-   dx = r (dz0 - z0 mean_group(dz0 z0)), or dx = dz0 without group scaling. */
+   dx = r (dz0 - z0 mean_group(dz0 z0)), or dx = dz0 without group scaling. No sums (s_all NULL,
+   dx given): the input gradient alone. */
 static void backward_masked(const float *dy, const float *x, const void *m, int kind, long T, long C, long groups,
                             float eps, int threads, const float *weight, const float *nu, const float *inv_s,
                             const float *inv_s_b, float *dx, double *s_all, double *s_real, double *s_dy,
@@ -239,9 +240,12 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
     int streamed = streamable(stream, dx, k);
     float *a = malloc(sizeof(float) * 2 * C), *cc = a + C;
     for (long c = 0; c < C; c++) { a[c] = weight[c] * inv_s_b[c]; cc[c] = nu[c] * inv_s[c] * inv_s_b[c]; }
-    memset(s_all, 0, sizeof(double) * C);
-    memset(s_real, 0, sizeof(double) * C);
-    memset(s_dy, 0, sizeof(double) * C);
+    int want_sums = s_all != NULL;
+    if (want_sums) {
+        memset(s_all, 0, sizeof(double) * C);
+        memset(s_real, 0, sizeof(double) * C);
+        memset(s_dy, 0, sizeof(double) * C);
+    }
     #pragma omp parallel num_threads(threads)
     {
         float *acc = calloc(3 * C, sizeof(float));
@@ -282,26 +286,35 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
                     continue;
                 }
 #endif
-                #pragma omp simd reduction(+:proj)
-                for (long j = 0; j < k; j++) {
-                    float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
-                    a_all[o + j] += p;
-                    a_real[o + j] += wt * p;
-                    a_dy[o + j] += d;
-                    float dz0 = d * a[o + j] - wt * cc[o + j] * z0;
-                    dxt[o + j] = dz0;
-                    proj += dz0 * z0;
+                if (!want_sums) {
+                    #pragma omp simd reduction(+:proj)
+                    for (long j = 0; j < k; j++) {
+                        float z0 = xt[o + j] * rg, dz0 = dyt[o + j] * a[o + j] - wt * cc[o + j] * z0;
+                        dxt[o + j] = dz0;
+                        proj += dz0 * z0;
+                    }
+                } else {
+                    #pragma omp simd reduction(+:proj)
+                    for (long j = 0; j < k; j++) {
+                        float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
+                        a_all[o + j] += p;
+                        a_real[o + j] += wt * p;
+                        a_dy[o + j] += d;
+                        float dz0 = d * a[o + j] - wt * cc[o + j] * z0;
+                        dxt[o + j] = dz0;
+                        proj += dz0 * z0;
+                    }
                 }
                 if (groups == 0) continue;
                 proj /= (float)k;
                 #pragma omp simd
                 for (long j = 0; j < k; j++) dxt[o + j] = rg * (dxt[o + j] - xt[o + j] * rg * proj);
             }
-            if (++rows % FLUSH == 0) add_to(dacc, acc, 3 * C);
+            if (want_sums && ++rows % FLUSH == 0) add_to(dacc, acc, 3 * C);
         }
         add_to(dacc, acc, 3 * C);
         #pragma omp critical
-        for (long c = 0; c < C; c++) {
+        for (long c = 0; want_sums && c < C; c++) {
             s_all[c] += dacc[c];
             s_real[c] += dacc[C + c];
             s_dy[c] += dacc[2 * C + c];
@@ -662,8 +675,8 @@ void pnv_step_backward(const float *dy, const float *x, const void *m, int kind,
         grads[c] = inv_s[c] * total;
         grads[C + c] = (float)sums[2 * C + c];
     }
-    backward_masked(dy, x, m, kind, T, C, groups, gs_eps, threads, weight, nu, inv_s, inv_s, dx, sums, sums + C,
-                    sums + 2 * C, stream);
+    backward_masked(dy, x, m, kind, T, C, groups, gs_eps, threads, weight, nu, inv_s, inv_s, dx, NULL, NULL, NULL,
+                    stream);
     free(sums);
     free(nu);
 }

@@ -619,11 +619,7 @@ class _PowerNormStepFunction(torch.autograd.Function):
             y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * stats[1], bias, statistics=False)
         else:
             _warn_if_ddp_overwrites_statistics(norm)
-            buffers = norm._buffers
-            status, y, stats, count = pn_step_forward(
-                x, mask, norm.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"],
-                norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd,
-                norm.warmup_statistic == "reference", norm.backward_denominator == "batch")
+            status, y, stats, count = norm._c_step_forward(x, mask, weight, bias)
             _warn_non_finite("PowerNorm", "batch statistic", status < 0)
             usable = status == 1
             # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
@@ -637,9 +633,8 @@ class _PowerNormStepFunction(torch.autograd.Function):
         _refuse_double_backward("PowerNorm")
         x, mask, weight = ctx.saved_tensors
         norm, stats, count, usable = ctx.step
-        dy = grad_output.float().contiguous()
-        status, grad_x, grads = pn_step_backward(dy, x, mask, norm.group_num, weight, norm._buffers["running_nu"], stats,
-                                                 count, usable, 1.0 - norm.alpha_bkw)
+        status, grad_x, grads = norm._c_step_backward(grad_output.float().contiguous(), x, mask, weight, stats, count,
+                                                      usable)
         _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
         return grad_x, grads[0], grads[1], None, None
 
@@ -920,6 +915,20 @@ class PowerNorm(_RunningStatsNorm):
                    self._buffers["running_nu"])
         return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
             self._buffers["num_batches_tracked"].dtype == torch.int64)
+
+    def _c_step_forward(self, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor):
+        """`kernels_cpu.pn_step_forward` with this module's buffers and options: `(status, y, stats, count)`."""
+        buffers = self._buffers
+        return pn_step_forward(
+            x, mask, self.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], self.eps,
+            self.warmup_steps, self.warmup_ramp_steps, 1.0 - self.alpha_fwd, self.warmup_statistic == "reference",
+            self.backward_denominator == "batch")
+
+    def _c_step_backward(self, dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
+                         stats: torch.Tensor, count: float, usable: bool):
+        """`kernels_cpu.pn_step_backward` with this module's buffers and options: `(status, dx, grads)`."""
+        return pn_step_backward(dy, x, mask, self.group_num, weight, self._buffers["running_nu"], stats, count, usable,
+                                1.0 - self.alpha_bkw)
 
     def _compiled_step_usable(self, x: torch.Tensor) -> bool:
         """Whether this step runs the compiled pure functions: compilation wanted for `x`, no process

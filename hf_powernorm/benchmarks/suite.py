@@ -62,6 +62,8 @@ LAYER_CASES = {
     "mabn": ("mabn", {}, True),
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
+    "powernorm G=4, its two C calls alone (no module, no autograd)": ("pn_calls", {"group_num": GROUP_NUM}, True),
+    "autograd.Function doing no arithmetic (a Python autograd step's fixed cost)": ("autograd", {}, True),
 }
 EVAL_CASES = {
     "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
@@ -187,9 +189,48 @@ class _Copy(torch.nn.Module):
         return hidden_states.clone()
 
 
+class _Empty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.saved_tensors
+        return torch.empty_like(grad_output)
+
+
+class _AutogradCost(torch.nn.Module):
+    """What a norm written as a Python autograd function costs before any arithmetic: the module call,
+    the function's forward and backward calls, saving `x`, allocating the output and the input gradient."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return _Empty.apply(hidden_states)
+
+
+class _PowerNormCalls(torch.nn.Module):
+    """PN's training step as its two C calls (`pn_step_forward`, `pn_step_backward`) and nothing
+    around them: the kernels' share of the module's step. `step` replaces forward + backward."""
+
+    def __init__(self, hidden: int, group_num: int) -> None:
+        super().__init__()
+        self.norm = build_norm("powernorm", hidden, group_num=group_num)
+
+    def step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
+        norm = self.norm
+        weight, bias = norm.weight.detach(), norm.bias.detach()
+        status, _, stats, count = norm._c_step_forward(x.detach(), mask, weight, bias)
+        norm._c_step_backward(dy, x.detach(), mask, weight, stats, count, status == 1)
+
+
 def _build(name: str, hidden: int, options: dict, device: str):
     if name == "copy":
         return _Copy()
+    if name == "autograd":
+        return _AutogradCost()
+    if name == "pn_calls":
+        return _PowerNormCalls(hidden, options["group_num"]) if normalization.kernels_usable(torch.empty(0, device=device)) else None
     if name == "groupscale":
         from ..modeling_powernorm import GroupScale
 
@@ -219,12 +260,18 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool,
                     def baseline(x=x, hidden=hidden, weight=weight, bias=bias):
                         F.layer_norm(x, (hidden,), weight, bias)
                 for label, (name, options, kernels) in cases.items():
-                    norm = _build(name, hidden, options, device).train(train)
+                    norm = _build(name, hidden, options, device)
+                    if norm is None:  # the C calls on a device without them
+                        rows[label].append("n/a")
+                        continue
+                    norm.train(train)
                     xn = x.clone().requires_grad_(train)
 
                     def step(norm=norm, x=x, xn=xn, dy=dy, mask=mask, kernels=kernels, params=list(norm.parameters())):
                         with c_kernels(kernels):
-                            if train:
+                            if isinstance(norm, _PowerNormCalls):
+                                norm.step(x, dy, mask)
+                            elif train:
                                 for tensor in (xn, *params):  # fresh gradients, as the baseline's
                                     tensor.grad = None
                                 norm(xn, mask).backward(dy)
