@@ -402,29 +402,35 @@ def _progress(protocol: Protocol) -> str:
     return f"{protocol.task}: " + (", ".join(parts) or "nothing run")
 
 
+# The study's outputs, written by `write_outputs` (with the figures `curves_<task>_<updates>.png`).
+OUTPUT_FILES = RESULTS_CSV, CURVES_CSV, PICKS_JSON, SUMMARY_MD = ("results.csv", "curves.csv", "picks.json",
+                                                                  "summary.md")
+
+
+def _finished_runs(protocol: Protocol) -> list[dict[str, Any]]:
+    """Each finished run of the protocol once, in stage order (a final's seed 1 is also a tuning run)."""
+    runs = {result["cell"]: result for cells in protocol.stages.values() for _, result in cells if result is not None}
+    return list(runs.values())
+
+
 def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_dir: Path) -> None:
-    write_rows(result_rows(protocols), output_dir / "results.csv", columns=COLUMNS)
-    with open(output_dir / "curves.csv", "w", newline="", encoding="utf-8") as handle:
+    write_rows(result_rows(protocols), output_dir / RESULTS_CSV, columns=COLUMNS)
+    with open(output_dir / CURVES_CSV, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["task", "norm", "updates", "cell", "seed", "step", "validation"])
-        for protocol in protocols:
-            seen = set()
-            for _, result in (pair for cells in protocol.stages.values() for pair in cells):
-                if result is None or result["cell"] in seen:
-                    continue
-                seen.add(result["cell"])
-                for step, value in validation_curve(output_dir, result):
-                    writer.writerow([result["task"], result["norm"], result["updates"], result["cell"],
-                                     result["seed"], step, value])
+        for result in (run for protocol in protocols for run in _finished_runs(protocol)):
+            for step, value in validation_curve(output_dir, result):
+                writer.writerow([result["task"], result["norm"], result["updates"], result["cell"],
+                                 result["seed"], step, value])
     picks = {protocol.task: protocol.picks for protocol in protocols}
-    (output_dir / "picks.json").write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (output_dir / PICKS_JSON).write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({'smoke sizes' if args.smoke else 'PTB and Multi30k'})", "",
              "Headline score: PTB test perplexity per BPE token of the best validated model; Multi30k test BLEU "
              "of the average of the last checkpoints (beam 5). Verdict: a norm is better when the means differ by "
              "more than the two seed standard deviations together.", "", *headline(protocols), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
-             "Picks (validation only): `picks.json`."]
-    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+             f"Picks (validation only): `{PICKS_JSON}`."]
+    (output_dir / SUMMARY_MD).write_text("\n".join(lines) + "\n", encoding="utf-8")
     for protocol in protocols:
         _plot(protocol, output_dir)
 
@@ -484,9 +490,6 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
         plt.close(figure)
 
 
-OUTPUT_FILES = ("results.csv", "curves.csv", "picks.json", "summary.md")
-
-
 def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int:
     """Copy the outputs and each finished run's `result.json` and validation records (the lines of
     its log that `validation_curve` reads, as they are) into `export_dir`; a run folder there that
@@ -496,8 +499,7 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
     export_dir.mkdir(parents=True, exist_ok=True)
     for path in [output_dir / name for name in OUTPUT_FILES] + sorted(output_dir.glob("curves_*.png")):
         shutil.copyfile(path, export_dir / path.name)
-    results = {result["cell"]: result for protocol in protocols for cells in protocol.stages.values()
-               for _, result in cells if result is not None}
+    results = {result["cell"]: result for protocol in protocols for result in _finished_runs(protocol)}
     for cell, result in results.items():
         target = log_folder(export_dir, result)
         target.mkdir(parents=True, exist_ok=True)
@@ -531,7 +533,7 @@ def main(argv: list[str] | None = None) -> list[Protocol]:
         protocol.run()
         protocols.append(protocol)
         write_outputs(protocols, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
+    print((output_dir / SUMMARY_MD).read_text(encoding="utf-8"))
     if args.export_dir:
         count = export(protocols, output_dir, Path(args.export_dir))
         print(f"Exported the outputs and {count} finished runs to {args.export_dir}")
