@@ -799,6 +799,7 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
 # The library is then specific to the CPU, whose identity is part of the digest that names it.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
+_library_path: pathlib.Path | None = None  # the loaded library's file (kernels_cpp links against it)
 _tried = False
 GROUP_SCALE_EPS = 1e-5  # PN's group scaling (normalization.GROUP_SCALE_EPS)
 
@@ -843,11 +844,13 @@ def _record_path(target: pathlib.Path) -> pathlib.Path:
     return target.with_suffix(".json")
 
 
-def _trusted(target: pathlib.Path) -> bool:
-    """True when the record next to `target` names this source and flags and `target`'s hash."""
+def _trusted(target: pathlib.Path, digest: str | None = None) -> bool:
+    """True when the record next to `target` names this source and flags (or `digest`, another
+    library's) and `target`'s hash."""
     try:
         record = json.loads(_record_path(target).read_text())
-        return record.get("source_and_flags") == _source_digest() and record.get("library") == _file_digest(target)
+        return (record.get("source_and_flags") == (digest or _source_digest())
+                and record.get("library") == _file_digest(target))
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -902,7 +905,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first use; None when disabled or unavailable."""
-    global _library, _tried
+    global _library, _library_path, _tried
     if _tried:
         return _library
     _tried = True
@@ -915,6 +918,7 @@ def load() -> ctypes.CDLL | None:
             if not _trusted(target):
                 raise RuntimeError(f"{target} changed while it was being built")
         _library = _bind(ctypes.CDLL(str(target)))
+        _library_path = target
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", b"") or b""
         logger.warning("PowerNorm CPU kernels unavailable (%s %s); using the eager implementation",

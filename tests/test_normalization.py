@@ -838,6 +838,104 @@ def test_powernorm_step_in_c_reads_every_mask_dtype_alike():
                 assert torch.equal(u, v)
 
 
+def _step_node(y: torch.Tensor) -> str:
+    """The name of the autograd node under `y`'s view of the flattened output."""
+    node = y.grad_fn
+    return node.next_functions[0][0].name() if node.name() == "ViewBackward0" else node.name()
+
+
+def _cpp_step():
+    from hf_powernorm import kernels_cpp
+
+    if kernels_cpp.load() is None:
+        pytest.skip("no C++ compiler or torch headers here: PN's step runs its C calls from Python")
+    return kernels_cpp
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mask_dtype", [None, torch.long, torch.bool, torch.float32])
+def test_powernorm_cpp_step_gives_the_python_steps_bits(monkeypatch, mask_dtype, stream):
+    """`torch.ops.hf_powernorm.pn_step` (the C++ autograd node) against `_PowerNormStepFunction` (the
+    same C calls from Python): identical outputs, gradients and buffers through warmup, the ramp and
+    the running statistic, a batch without real tokens and non-finite inputs and gradients, with the
+    same warnings; the batch-denominator backward and the reference warmup statistic too."""
+    import hf_powernorm.kernels_cpu as kernels_cpu
+
+    kernels_cpp = _cpp_step()
+    if stream:
+        monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
+    results = []
+    for cpp in (True, False):
+        if not cpp:
+            monkeypatch.setattr(kernels_cpp, "load", lambda: None)
+        trace = []
+        for options in ({}, {"backward_denominator": "batch", "warmup_statistic": "reference"}):
+            norm = PowerNorm(HIDDEN, warmup_steps=2, warmup_ramp_steps=2, group_num=GROUPS, **options)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+            for step in range(8):
+                x, mask, dy = _batch(70 + step, dtype=torch.float32)
+                mask = torch.zeros_like(mask) if step == 3 else mask
+                if step == 5:
+                    x[0, 0, 1] = float("nan")
+                if step == 6:
+                    dy[0, 0, 1] = float("inf")
+                mask = None if mask_dtype is None else mask.to(mask_dtype)
+                x.requires_grad_(True)
+                norm.zero_grad()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    y = norm(x, mask)
+                    y.backward(dy)
+                if cpp and x.grad is not None:
+                    assert "PowerNormStep" in _step_node(y)
+                trace.append((y.detach(), x.grad, norm.weight.grad, norm.bias.grad, *norm.buffers(),
+                              sorted((w.category.__name__, str(w.message)) for w in caught)))
+        results.append(trace)
+    assert any(step[-1] for step in results[0])  # the non-finite steps warned
+    for cpp_step, python_step in zip(*results):
+        assert cpp_step[-1] == python_step[-1]
+        for a, b in zip(cpp_step[:-1], python_step[:-1]):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+
+
+def test_powernorm_cpp_step_refuses_a_double_backward_and_turns_warnings_into_errors_on_request():
+    _cpp_step()
+    norm = PowerNorm(HIDDEN, group_num=GROUPS)
+    x, mask, dy = _batch(80, dtype=torch.float32)
+    x.requires_grad_(True)
+    y = norm(x, mask)
+    assert "PowerNormStep" in _step_node(y)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(y, x, dy, create_graph=True)
+    dy[0, 0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeError, match="non-finite gradient statistic"):
+            norm(x, mask).backward(dy)
+
+
+def test_powernorm_cpp_step_falls_back_to_the_python_step_without_a_compiler(monkeypatch, tmp_path):
+    """A C++ build that fails (here: no compiler at `CXX`) leaves PN training through its C calls from
+    Python, with the same result, and nothing half-built in the cache."""
+    from hf_powernorm import kernels_cpp, kernels_cpu
+
+    if kernels_cpu.load() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("HF_POWERNORM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    for module, names in ((kernels_cpu, ("_library", "_library_path", "_tried")), (kernels_cpp, ("_op", "_tried"))):
+        for name in names:
+            monkeypatch.setattr(module, name, None if name != "_tried" else False)
+    assert kernels_cpp.load() is None and kernels_cpu.load() is not None
+    assert not list(tmp_path.glob("powernorm_ops_*"))
+    norm = PowerNorm(HIDDEN, group_num=GROUPS)
+    x, mask, dy = _batch(81, dtype=torch.float32)
+    y = _training_step(norm, x, mask, dy)
+    assert _step_node(y) == "_PowerNormStepFunctionBackward"
+    assert torch.isfinite(x.grad).all() and int(norm.num_batches_tracked) == 1
+
+
 @pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
 def test_batch_norm_in_c_kernels_is_differentiable_twice_like_the_torch_ops(monkeypatch, name):
     """create_graph=True through BN's and BRN's C step takes the torch ops' gradient: the same
