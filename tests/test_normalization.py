@@ -852,13 +852,22 @@ def _cpp_step():
     return kernels_cpp
 
 
+_CPP_CASES = [("powernorm", dict(warmup_steps=2, warmup_ramp_steps=2, group_num=GROUPS)),
+              ("powernorm", dict(warmup_steps=2, warmup_ramp_steps=2, group_num=GROUPS, backward_denominator="batch",
+                                 warmup_statistic="reference")),
+              ("mabn", _options("mabn"))]
+_CPP_NODES = {"powernorm": "PowerNormStep", "mabn": "MovingAverageBatchNormStep"}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("mask_dtype", [None, torch.long, torch.bool, torch.float32])
-def test_powernorm_cpp_step_gives_the_python_steps_bits(monkeypatch, mask_dtype, stream):
-    """`torch.ops.hf_powernorm.pn_step` (the C++ autograd node) against `_PowerNormStepFunction` (the
-    same C calls from Python): identical outputs, gradients and buffers through warmup, the ramp and
-    the running statistic, a batch without real tokens and non-finite inputs and gradients, with the
-    same warnings; the batch-denominator backward and the reference warmup statistic too."""
+@pytest.mark.parametrize("name, options", _CPP_CASES)
+def test_cpp_steps_give_the_python_steps_bits(monkeypatch, name, options, mask_dtype, stream):
+    """`torch.ops.hf_powernorm.pn_step` and `mabn_step` (C++ autograd nodes) against
+    `_PowerNormStepFunction` and `_MovingAverageBatchNormStepFunction` (the same C calls from Python):
+    identical outputs, gradients and buffers through PN's warmup, ramp and running statistic and
+    MABN's batch and window phases, a batch without real tokens and non-finite inputs and gradients,
+    with the same warnings."""
     import hf_powernorm.kernels_cpu as kernels_cpu
 
     kernels_cpp = _cpp_step()
@@ -868,29 +877,28 @@ def test_powernorm_cpp_step_gives_the_python_steps_bits(monkeypatch, mask_dtype,
     for cpp in (True, False):
         if not cpp:
             monkeypatch.setattr(kernels_cpp, "load", lambda: None)
+        norm = build_norm(name, HIDDEN, **options)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
         trace = []
-        for options in ({}, {"backward_denominator": "batch", "warmup_statistic": "reference"}):
-            norm = PowerNorm(HIDDEN, warmup_steps=2, warmup_ramp_steps=2, group_num=GROUPS, **options)
-            with torch.no_grad():
-                norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
-            for step in range(8):
-                x, mask, dy = _batch(70 + step, dtype=torch.float32)
-                mask = torch.zeros_like(mask) if step == 3 else mask
-                if step == 5:
-                    x[0, 0, 1] = float("nan")
-                if step == 6:
-                    dy[0, 0, 1] = float("inf")
-                mask = None if mask_dtype is None else mask.to(mask_dtype)
-                x.requires_grad_(True)
-                norm.zero_grad()
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    y = norm(x, mask)
-                    y.backward(dy)
-                if cpp and x.grad is not None:
-                    assert "PowerNormStep" in _step_node(y)
-                trace.append((y.detach(), x.grad, norm.weight.grad, norm.bias.grad, *norm.buffers(),
-                              sorted((w.category.__name__, str(w.message)) for w in caught)))
+        for step in range(8):
+            x, mask, dy = _batch(70 + step, dtype=torch.float32)
+            mask = torch.zeros_like(mask) if step == 3 else mask
+            if step == 5:
+                x[0, 0, 1] = float("nan")
+            if step == 6:
+                dy[0, 0, 1] = float("inf")
+            mask = None if mask_dtype is None else mask.to(mask_dtype)
+            x.requires_grad_(True)
+            norm.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                y = norm(x, mask)
+                y.backward(dy)
+            node = _step_node(y)  # torch::autograd::CppNode<...PowerNormStep>, or the Python function's
+            assert ("CppNode" in node and _CPP_NODES[name] in node) == cpp, node
+            trace.append((y.detach(), x.grad, norm.weight.grad, norm.bias.grad, *norm.buffers(),
+                          sorted((w.category.__name__, str(w.message)) for w in caught)))
         results.append(trace)
     assert any(step[-1] for step in results[0])  # the non-finite steps warned
     for cpp_step, python_step in zip(*results):
@@ -899,15 +907,17 @@ def test_powernorm_cpp_step_gives_the_python_steps_bits(monkeypatch, mask_dtype,
             assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
 
 
-def test_powernorm_cpp_step_refuses_a_double_backward_and_turns_warnings_into_errors_on_request():
+@pytest.mark.parametrize("name", ["powernorm", "mabn"])
+def test_cpp_steps_refuse_a_double_backward_and_turn_warnings_into_errors_on_request(name):
     _cpp_step()
-    norm = PowerNorm(HIDDEN, group_num=GROUPS)
+    norm = build_norm(name, HIDDEN, **_options(name))
     x, mask, dy = _batch(80, dtype=torch.float32)
     x.requires_grad_(True)
-    y = norm(x, mask)
-    assert "PowerNormStep" in _step_node(y)
-    with pytest.raises(RuntimeError, match="not twice differentiable"):
-        torch.autograd.grad(y, x, dy, create_graph=True)
+    for _ in range(3):  # MABN: past its batch phase, where the gradient statistic is kept
+        y = norm(x, mask)
+        assert "CppNode" in _step_node(y) and _CPP_NODES[name] in _step_node(y)
+        with pytest.raises(RuntimeError, match="not twice differentiable"):
+            torch.autograd.grad(y, x, dy, create_graph=True)
     dy[0, 0, 0] = float("nan")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -924,7 +934,7 @@ def test_powernorm_cpp_step_falls_back_to_the_python_step_without_a_compiler(mon
         pytest.skip("no C compiler here")
     monkeypatch.setenv("HF_POWERNORM_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    for module, names in ((kernels_cpu, ("_library", "_library_path", "_tried")), (kernels_cpp, ("_op", "_tried"))):
+    for module, names in ((kernels_cpu, ("_library", "_library_path", "_tried")), (kernels_cpp, ("_ops", "_tried"))):
         for name in names:
             monkeypatch.setattr(module, name, None if name != "_tried" else False)
     assert kernels_cpp.load() is None and kernels_cpu.load() is not None
