@@ -22,7 +22,8 @@ The directory is private (mode 0700, owned by the user; another owner's is refus
 is loaded only when the record written next to it names the hash of this source and these flags
 and the library's own hash; any other file of that name is rebuilt, never loaded.
 Without a compiler, or with `HF_POWERNORM_KERNELS=0`, `load()` returns None and PowerNorm runs
-its torch ops; the results agree to float32 rounding (tested).
+its torch ops; the results agree to float32 rounding (tested). `kernels_cpp` links PN's and MABN's
+step functions into C++ autograd nodes, built against this library.
 """
 
 from __future__ import annotations
