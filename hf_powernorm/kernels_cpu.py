@@ -22,8 +22,7 @@ The directory is private (mode 0700, owned by the user; another owner's is refus
 is loaded only when the record written next to it names the hash of this source and these flags
 and the library's own hash; any other file of that name is rebuilt, never loaded.
 Without a compiler, or with `HF_POWERNORM_KERNELS=0`, `load()` returns None and PowerNorm runs
-its torch ops; the results agree to float32 rounding (tested). `kernels_cpp` links PN's and MABN's
-step functions into C++ autograd nodes, built against this library.
+its torch ops; the results agree to float32 rounding (tested).
 """
 
 from __future__ import annotations
@@ -800,7 +799,6 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
 # The library is then specific to the CPU, whose identity is part of the digest that names it.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
-_library_path: pathlib.Path | None = None  # the loaded library's file (kernels_cpp links against it)
 _tried = False
 GROUP_SCALE_EPS = 1e-5  # PN's group scaling (normalization.GROUP_SCALE_EPS)
 
@@ -845,13 +843,11 @@ def _record_path(target: pathlib.Path) -> pathlib.Path:
     return target.with_suffix(".json")
 
 
-def _trusted(target: pathlib.Path, digest: str | None = None) -> bool:
-    """True when the record next to `target` names this source and flags (or `digest`, another
-    library's) and `target`'s hash."""
+def _trusted(target: pathlib.Path) -> bool:
+    """True when the record next to `target` names this source and flags and `target`'s hash."""
     try:
         record = json.loads(_record_path(target).read_text())
-        return (record.get("source_and_flags") == (digest or _source_digest())
-                and record.get("library") == _file_digest(target))
+        return record.get("source_and_flags") == _source_digest() and record.get("library") == _file_digest(target)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -906,7 +902,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first use; None when disabled or unavailable."""
-    global _library, _library_path, _tried
+    global _library, _tried
     if _tried:
         return _library
     _tried = True
@@ -919,7 +915,6 @@ def load() -> ctypes.CDLL | None:
             if not _trusted(target):
                 raise RuntimeError(f"{target} changed while it was being built")
         _library = _bind(ctypes.CDLL(str(target)))
-        _library_path = target
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", b"") or b""
         logger.warning("PowerNorm CPU kernels unavailable (%s %s); using the eager implementation",

@@ -41,9 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels_cpp, kernels_cpu
 from .kernels_cpu import (
-    MASK_KINDS,
     bn_step_backward,
     bn_step_forward,
     kernels_usable,
@@ -626,15 +624,15 @@ class _PowerNormStepFunction(torch.autograd.Function):
             usable = status == 1
             # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
             norm.__dict__.update(_last_step=(stats, count, usable), _last_denominators=None)
-        ctx.save_for_backward(x, weight)  # as many saved tensors as the C++ node (kernels_cpp) saves
-        ctx.step = (norm, mask, stats, count, usable)
+        ctx.save_for_backward(x, mask, weight)
+        ctx.step = (norm, stats, count, usable)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("PowerNorm")
-        x, weight = ctx.saved_tensors
-        norm, mask, stats, count, usable = ctx.step
+        x, mask, weight = ctx.saved_tensors
+        norm, stats, count, usable = ctx.step
         status, grad_x, grads = norm._c_step_backward(grad_output.float().contiguous(), x, mask, weight, stats, count,
                                                       usable)
         _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
@@ -843,12 +841,9 @@ class PowerNorm(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            parameters, mask = self._parameters, _kernel_mask(attention_mask)
-            steps = None if _in_recomputation() else kernels_cpp.load()
-            if steps is not None:  # the C++ autograd node
-                y = self._cpp_step(steps.pn_step, flat, mask)
-            else:
-                y = _PowerNormStepFunction.apply(flat, parameters["weight"], parameters["bias"], mask, self)
+            parameters = self._parameters
+            y = _PowerNormStepFunction.apply(flat, parameters["weight"], parameters["bias"],
+                                             _kernel_mask(attention_mask), self)
             return y if flat is hidden_states else y.view(hidden_states.shape)  # no view node for a no-op
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
@@ -920,23 +915,6 @@ class PowerNorm(_RunningStatsNorm):
                    self._buffers["running_nu"])
         return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
             self._buffers["num_batches_tracked"].dtype == torch.int64)
-
-    def _cpp_step(self, step, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The training step in `torch.ops.hf_powernorm.pn_step` (`kernels_cpp`): `_PowerNormStepFunction`'s
-        two C calls in a C++ autograd node, the same bits without the Python function around them."""
-        _warn_if_ddp_overwrites_statistics(self)
-        parameters, buffers = self._parameters, self._buffers
-        y, stats, info = step(
-            x.contiguous(), parameters["weight"], parameters["bias"], mask, 0 if mask is None else MASK_KINDS[mask.dtype],
-            buffers["running_phi"], buffers["running_nu"], buffers["num_batches_tracked"], self.group_num or 0,
-            GROUP_SCALE_EPS, self.eps, self.warmup_steps, self.warmup_ramp_steps, 1.0 - self.alpha_fwd,
-            1.0 - self.alpha_bkw, self.warmup_statistic == "reference", self.backward_denominator == "batch",
-            kernels_cpu.STREAM_BYTES)
-        count, status = info.tolist()
-        _warn_non_finite("PowerNorm", "batch statistic", status < 0)
-        # plain attributes: what a checkpointing recomputation reuses (`_PowerNormStepFunction`)
-        self.__dict__.update(_last_step=(stats, count, status == 1), _last_denominators=None)
-        return y
 
     def _c_step_forward(self, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor):
         """`kernels_cpu.pn_step_forward` with this module's buffers and options: `(status, y, stats, count)`."""
@@ -1383,15 +1361,15 @@ class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
             usable = status == 1
             # plain attributes (nn.Module.__setattr__ costs more than the statistics otherwise)
             norm.__dict__.update(_last_step=(out, count, usable, step), _last_statistics=None)
-        ctx.save_for_backward(x, weight)  # as many saved tensors as the C++ node (kernels_cpp) saves
-        ctx.step = (norm, mask, out, count, usable, step)
+        ctx.save_for_backward(x, mask, weight)
+        ctx.step = (norm, out, count, usable, step)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("MovingAverageBatchNorm")
-        x, weight = ctx.saved_tensors
-        norm, mask, out, count, usable, step = ctx.step
+        x, mask, weight = ctx.saved_tensors
+        norm, out, count, usable, step = ctx.step
         status, grad_x, grads = mabn_step_backward(grad_output.float().contiguous(), x, mask, weight, out,
                                                    norm._buffers["window_gz"], step, norm.warmup_steps, count, usable)
         _warn_non_finite("MovingAverageBatchNorm", "gradient statistic", status < 0)
@@ -1485,9 +1463,6 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
             mask = _kernel_mask(attention_mask)
-            steps = None if _in_recomputation() else kernels_cpp.load()
-            if steps is not None:  # the C++ autograd node
-                return self._cpp_step(steps.mabn_step, flat, mask).view(hidden_states.shape)
             return _MovingAverageBatchNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view(
                 hidden_states.shape)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
@@ -1519,23 +1494,6 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
                                                                            ("running_phi", *self._window_buffers)))
         return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
             self._buffers["num_batches_tracked"].dtype == torch.int64)
-
-    def _cpp_step(self, step, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The training step in `torch.ops.hf_powernorm.mabn_step` (`kernels_cpp`):
-        `_MovingAverageBatchNormStepFunction`'s two C calls in a C++ autograd node, the same bits."""
-        _warn_if_ddp_overwrites_statistics(self)
-        parameters, buffers = self._parameters, self._buffers
-        counter = buffers["num_batches_tracked"]
-        last = int(counter) + 1
-        y, out, info = step(
-            x.contiguous(), parameters["weight"], parameters["bias"], mask, 0 if mask is None else MASK_KINDS[mask.dtype],
-            buffers["running_phi"], buffers["window_phi"], buffers["window_gz"], counter, self.eps, self.momentum,
-            self.warmup_steps, self.rmax, self.renorm_warmup_steps, kernels_cpu.STREAM_BYTES)
-        count, status = info.tolist()
-        _warn_non_finite("MovingAverageBatchNorm", "batch statistic", status < 0)
-        # plain attributes: what a checkpointing recomputation reuses (`_MovingAverageBatchNormStepFunction`)
-        self.__dict__.update(_last_step=(out, count, status == 1, last), _last_statistics=None)
-        return y
 
     def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
         """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the

@@ -53,7 +53,6 @@ GROUP_NUM = 4
 LAYER_CASES = {
     "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
     "powernorm G=4, torch ops": ("powernorm", {"group_num": GROUP_NUM}, False),
-    "powernorm G=4, C calls from Python (no C++ node)": ("powernorm", {"group_num": GROUP_NUM}, "python"),
     "powernorm G=4, in warmup (batch statistic)": ("powernorm", {"group_num": GROUP_NUM, "warmup_steps": 10**9}, True),
     "powernorm no GS": ("powernorm", {"group_num": None}, True),
     "powernorm_v": ("powernorm_v", {}, True),
@@ -61,7 +60,6 @@ LAYER_CASES = {
     "batchnorm (masked), torch ops": ("batchnorm", {}, False),
     "batchrenorm": ("batchrenorm", {}, True),
     "mabn": ("mabn", {}, True),
-    "mabn, C calls from Python (no C++ node)": ("mabn", {}, "python"),
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
     "powernorm G=4, its two C calls alone (no module, no autograd)": ("pn_calls", {"group_num": GROUP_NUM}, True),
@@ -130,19 +128,9 @@ def interleaved(candidate: Callable, baseline: Callable, repeats: int, warmup: i
 @contextlib.contextmanager
 def c_kernels(enabled: bool | str):
     """Switch the C kernels off for a block: the torch ops (`False`, the path without a C compiler)
-    or PN's `torch.compile`d pure functions (`"compile"`, the path of CUDA devices); or only the C++
-    autograd nodes (`"python"`: the C calls from Python autograd functions, the path without a C++
-    compiler)."""
+    or PN's `torch.compile`d pure functions (`"compile"`, the path of CUDA devices)."""
     if enabled is True:  # nothing to switch: no cost charged to the candidate's time
         yield
-        return
-    if enabled == "python":
-        original_load = normalization.kernels_cpp.load
-        normalization.kernels_cpp.load = lambda: None
-        try:
-            yield
-        finally:
-            normalization.kernels_cpp.load = original_load
         return
     original, setting = normalization.kernels_usable, os.environ.get("HF_POWERNORM_COMPILE")
     normalization.kernels_usable = lambda x: False
