@@ -63,7 +63,7 @@ LAYER_CASES = {
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
     "powernorm G=4, its two C calls alone (no module, no autograd)": ("pn_calls", {"group_num": GROUP_NUM}, True),
-    "autograd.Function doing no arithmetic (a Python autograd step's fixed cost)": ("autograd", {}, True),
+    "autograd.Function doing no arithmetic (module call, output and gradient allocation, autograd)": ("autograd", {}, True),
 }
 EVAL_CASES = {
     "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
@@ -202,8 +202,9 @@ class _Empty(torch.autograd.Function):
 
 
 class _AutogradCost(torch.nn.Module):
-    """What a norm written as a Python autograd function costs before any arithmetic: the module call,
-    the function's forward and backward calls, saving `x`, allocating the output and the input gradient."""
+    """What a norm's step written as a Python autograd function costs before any arithmetic: the module
+    call, the function's forward and backward calls, saving `x`, allocating the output and the input
+    gradient (most of it allocation and the autograd engine, which a C++ node pays as well)."""
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return _Empty.apply(hidden_states)
