@@ -1202,16 +1202,20 @@ class MaskedBatchNorm(_RunningStatsNorm):
             return out
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
-            xf = flat.to(dtype)
-            mean, var = self.running_mean.to(dtype), self.running_var.to(dtype)
-            if self.training:
-                count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
-                usable = self._usable(count, batch_mean, batch_var)
-                mean, var = torch.where(usable, batch_mean, mean), torch.where(usable, batch_var, var)
-                self._update(batch_mean, batch_var, count, usable)
-            scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
-            out = torch.addcmul(self.bias.to(dtype), xf - mean, scale)
+            out = self._affine_in_torch_ops(flat.to(dtype), token_weights)
         return out.to(flat.dtype).view(hidden_states.shape)
+
+    def _affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+        """The forward in torch ops, in the statistics' dtype (training: the batch moments where usable)."""
+        dtype = xf.dtype
+        mean, var = self.running_mean.to(dtype), self.running_var.to(dtype)
+        if self.training:
+            count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
+            usable = self._usable(count, batch_mean, batch_var)
+            mean, var = torch.where(usable, batch_mean, mean), torch.where(usable, batch_var, var)
+            self._update(batch_mean, batch_var, count, usable)
+        scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
+        return torch.addcmul(self.bias.to(dtype), xf - mean, scale)
 
     def _step_in_c(self, x: torch.Tensor) -> bool:
         """Whether the training step runs in `_BatchNormFunction`: eager CPU float32 input with the C
@@ -1290,32 +1294,20 @@ class BatchRenorm(MaskedBatchNorm):
         self.dmax = float(dmax)
         self._last_correction = None
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self._step_in_c(hidden_states):
-            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            mask = _kernel_mask(attention_mask)
-            return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
-        if self.training and not _in_recomputation():
-            self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(flat, hidden_states.shape)
-        if out is not None:
-            return out
-        dtype = _stat_dtype(flat)
-        with _float32(flat.device):
-            xf = flat.to(dtype)
-            weight, bias = self.weight.to(dtype), self.bias.to(dtype)
-            mean, scale = self.running_mean.to(dtype), weight * torch.rsqrt(self.running_var.to(dtype) + self.eps)
-            if self.training:
-                count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
-                r, d = self._correction(batch_mean, batch_var)
-                usable = self._usable(count, batch_mean, batch_var)
-                mean = torch.where(usable, batch_mean, mean)
-                scale = torch.where(usable, weight * r * torch.rsqrt(batch_var + self.eps), scale)
-                bias = torch.where(usable, bias + weight * d, bias)
-                self._update(batch_mean, batch_var, count, usable)
-            out = torch.addcmul(bias, xf - mean, scale)
-        return out.to(flat.dtype).view(hidden_states.shape)
+    def _affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+        """The forward in torch ops: masked BN's with the corrections `r`, `d` in training."""
+        dtype = xf.dtype
+        weight, bias = self.weight.to(dtype), self.bias.to(dtype)
+        mean, scale = self.running_mean.to(dtype), weight * torch.rsqrt(self.running_var.to(dtype) + self.eps)
+        if self.training:
+            count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
+            r, d = self._correction(batch_mean, batch_var)
+            usable = self._usable(count, batch_mean, batch_var)
+            mean = torch.where(usable, batch_mean, mean)
+            scale = torch.where(usable, weight * r * torch.rsqrt(batch_var + self.eps), scale)
+            bias = torch.where(usable, bias + weight * d, bias)
+            self._update(batch_mean, batch_var, count, usable)
+        return torch.addcmul(bias, xf - mean, scale)
 
     def _correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(r, d)` from the running statistics before this step; a recomputation reuses the step's pair."""
