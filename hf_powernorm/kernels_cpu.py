@@ -250,7 +250,9 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
     {
         float *acc = calloc(3 * C, sizeof(float));
         double *dacc = calloc(3 * C, sizeof(double));
-        float *a_all = acc, *a_real = acc + C, *a_dy = acc + 2 * C;
+        /* per token one of two sums of dy z0: real tokens' (s_real) or padding's; s_all is both
+           (token weights are 0 or 1 wherever this runs: _flatten's and _kernel_mask's) */
+        float *a_pad = acc, *a_real = acc + C, *a_dy = acc + 2 * C;
         float *r = malloc(sizeof(float) * G);
         long rows = 0;
         #pragma omp for schedule(static)
@@ -258,6 +260,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
             const float *dyt = dy + t * C, *xt = x + t * C;
             float *dxt = dx ? dx + t * C : NULL;  /* no dx: the sums only */
             float wt = mask_weight(m, kind, t);
+            float *a_tok = wt != 0.0f ? a_real : a_pad;
             group_scales(xt, C, groups, eps, r);
             for (long g = 0; g < G; g++) {
                 long o = g * k;
@@ -266,8 +269,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
                     #pragma omp simd
                     for (long j = 0; j < k; j++) {
                         float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
-                        a_all[o + j] += p;
-                        a_real[o + j] += wt * p;
+                        a_tok[o + j] += p;
                         a_dy[o + j] += d;
                     }
                     continue;
@@ -277,8 +279,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
                     #pragma omp simd reduction(+:proj)
                     for (long j = 0; j < k; j++) {
                         float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
-                        a_all[o + j] += p;
-                        a_real[o + j] += wt * p;
+                        a_tok[o + j] += p;
                         a_dy[o + j] += d;
                         proj += (d * a[o + j] - wt * cc[o + j] * z0) * z0;
                     }
@@ -297,8 +298,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
                     #pragma omp simd reduction(+:proj)
                     for (long j = 0; j < k; j++) {
                         float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
-                        a_all[o + j] += p;
-                        a_real[o + j] += wt * p;
+                        a_tok[o + j] += p;
                         a_dy[o + j] += d;
                         float dz0 = d * a[o + j] - wt * cc[o + j] * z0;
                         dxt[o + j] = dz0;
@@ -315,7 +315,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
         add_to(dacc, acc, 3 * C);
         #pragma omp critical
         for (long c = 0; want_sums && c < C; c++) {
-            s_all[c] += dacc[c];
+            s_all[c] += dacc[c] + dacc[C + c];
             s_real[c] += dacc[C + c];
             s_dy[c] += dacc[2 * C + c];
         }
