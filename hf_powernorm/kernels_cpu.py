@@ -954,9 +954,13 @@ def pn_rows(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int 
     return y, sums[:-1], float(sums[-1])
 
 
-# Outputs from this size on are written with streaming stores: they do not fit the caches, and the
-# ordinary stores' reads of the output lines cost a third of the traffic (BENCHMARKS.md).
-STREAM_BYTES = 32 << 20
+# Outputs (y, dx) from this size on are written with streaming stores, past the core's caches: an
+# ordinary store first reads each output line it misses, a third of the traffic. Measured on the
+# benchmark machine (2 MiB of L2 per core; study stopped, interleaved against ordinary stores):
+# PN's, masked BN's and MABN's training steps took 0.75-0.83x at 4-8 MiB, PN's eval map 0.74-0.85x
+# at 6-8 MiB and 0.95-1.02x at 4 MiB, but 1.22x on two threads at 2 MiB; a whole model's train
+# step and eval forward with 8 MiB norm tensors did not change (1.00x: its norms are 1-2% of it).
+STREAM_BYTES = 4 << 20
 
 
 def norm_eval(x: torch.Tensor, group_num: int | None, weight: torch.Tensor | None = None,
