@@ -11,7 +11,7 @@ updates and parameter gradients included, the attention mask read as it is); `pn
 PN-V's step likewise (two passes each way: its exact gradient needs a batch sum first);
 `bn_step_*` (masked BN and BRN) and `mabn_step_*` (MABN, its moving averages included) the same
 way, two passes each way (`bn_moments`, then `affine_backward_rows`); `norm_eval` is
-every eval-mode norm in one pass, with streaming stores for outputs larger than the caches.
+every eval-mode norm in one pass, with streaming stores for outputs of `STREAM_BYTES` and more.
 `torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
 measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
 
@@ -72,7 +72,7 @@ static void group_scales(const float *x, long C, long groups, float eps, float *
 
 /* Streaming (non-temporal) stores of y = x r s + h over n floats: the output goes to memory
    without first being read into the cache, a third less traffic than an ordinary store. For outputs
-   larger than the caches only (the caller decides); y and n must suit the vector width (see below). */
+   of STREAM_BYTES and more only (the caller decides); y and n must suit the vector width (see below). */
 #if defined(__AVX512F__)
 #define STREAM_FLOATS 16
 static void stream_affine(const float *x, float r, const float *s, const float *h, float *y, long n) {
