@@ -248,11 +248,11 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
     }
     #pragma omp parallel num_threads(threads)
     {
-        float *acc = calloc(3 * C, sizeof(float));
-        double *dacc = calloc(3 * C, sizeof(double));
+        float *acc = want_sums ? calloc(3 * C, sizeof(float)) : NULL;
+        double *dacc = want_sums ? calloc(3 * C, sizeof(double)) : NULL;
         /* per token one of two sums of dy z0: real tokens' (s_real) or padding's; s_all is both
            (token weights are 0 or 1 wherever this runs: _flatten's and _kernel_mask's) */
-        float *a_pad = acc, *a_real = acc + C, *a_dy = acc + 2 * C;
+        float *a_pad = acc, *a_real = acc ? acc + C : NULL, *a_dy = acc ? acc + 2 * C : NULL;
         float *r = malloc(sizeof(float) * G);
         long rows = 0;
         #pragma omp for schedule(static)
@@ -276,12 +276,20 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
                 }
 #if STREAM_FLOATS
                 if (streamed) {  /* the sums and the projection, then dx recomputed and streamed */
-                    #pragma omp simd reduction(+:proj)
-                    for (long j = 0; j < k; j++) {
-                        float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
-                        a_tok[o + j] += p;
-                        a_dy[o + j] += d;
-                        proj += (d * a[o + j] - wt * cc[o + j] * z0) * z0;
+                    if (want_sums) {
+                        #pragma omp simd reduction(+:proj)
+                        for (long j = 0; j < k; j++) {
+                            float z0 = xt[o + j] * rg, d = dyt[o + j], p = d * z0;
+                            a_tok[o + j] += p;
+                            a_dy[o + j] += d;
+                            proj += (d * a[o + j] - wt * cc[o + j] * z0) * z0;
+                        }
+                    } else {
+                        #pragma omp simd reduction(+:proj)
+                        for (long j = 0; j < k; j++) {
+                            float z0 = xt[o + j] * rg;
+                            proj += (dyt[o + j] * a[o + j] - wt * cc[o + j] * z0) * z0;
+                        }
                     }
                     stream_backward(xt + o, dyt + o, a + o, cc + o, rg, wt, proj / (float)k, groups != 0, dxt + o, k);
                     continue;
@@ -312,7 +320,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
             }
             if (want_sums && ++rows % FLUSH == 0) add_to(dacc, acc, 3 * C);
         }
-        add_to(dacc, acc, 3 * C);
+        if (want_sums) add_to(dacc, acc, 3 * C);
         #pragma omp critical
         for (long c = 0; want_sums && c < C; c++) {
             s_all[c] += dacc[c] + dacc[C + c];
