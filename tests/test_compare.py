@@ -4,12 +4,11 @@ comparisons on files, resuming, the bad inputs refused before any training, and 
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from launching import accelerate_launch
 from hf_powernorm import compare
 from hf_powernorm.training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
 
@@ -313,24 +312,11 @@ def test_console_script_prints_bad_input_as_one_line(tmp_path, capsys):
 # Two processes through `accelerate launch`
 # --------------------------------------------------------------------------------------------
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def test_two_processes_give_the_rows_of_one(gpt2_case, tmp_path):
     model, task, data = gpt2_case
     argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", *TINY, "--cpu"]
     one = compare.main([*argv, "--output_dir", str(tmp_path / "one")])
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               _free_port(), "-m", "hf_powernorm.compare", *argv, "--output_dir", str(tmp_path / "two")]
-    out = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
+    accelerate_launch(["-m", "hf_powernorm.compare", *argv, "--output_dir", str(tmp_path / "two")])
     two = _rows(tmp_path / "two")
     assert _keys(two) == _keys(one)
     assert [list(r) for r in two] == [list(r) for r in _rows(tmp_path / "one")]  # the same columns

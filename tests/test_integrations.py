@@ -1,7 +1,6 @@
 """PN's statistics where they meet the ecosystem: double backward, FSDP's buffer dtype, PEFT, DDP."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -9,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from launching import free_port
 from hf_powernorm import NORM_CLASSES, build_norm
 
 HIDDEN = 12
@@ -239,16 +239,10 @@ _DDP_WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_ddp_broadcasting_buffers_is_warned_once_in_each_of_two_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_DDP_WORKER)
-    port = str(_free_port())
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, os.path.dirname(__file__)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -5,7 +5,6 @@ and autograd for group scaling; it shares no code with `hf_powernorm.normalizati
 """
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from launching import free_port
 from hf_powernorm import (
     NORM_CLASSES,
     BatchRenorm,
@@ -654,12 +654,6 @@ _SYNC_WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sync_stats_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     steps = []
     for step in range(4):  # across the end of warmup
@@ -671,7 +665,7 @@ def test_sync_stats_two_processes_equal_one_process_on_the_whole_batch(tmp_path)
     torch.save(steps, tmp_path / "steps.pt")
     script = tmp_path / "worker.py"
     script.write_text(_SYNC_WORKER)
-    port = str(_free_port())
+    port = free_port()
     procs = [
         subprocess.Popen([sys.executable, str(script), str(rank), "2", port, str(tmp_path / "steps.pt"),
                           str(tmp_path / f"rank{rank}.pt")])

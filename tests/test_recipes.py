@@ -10,13 +10,9 @@ runs here at tiny scale: the same options with small sizes and local files.
 import csv
 import inspect
 import json
-import os
 import re
 import shlex
 import shutil
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+from launching import accelerate_launch
 from recipe_scripts import average_checkpoints, train_classification, train_lm, train_wmt
 
 from hf_powernorm import training
@@ -322,12 +319,6 @@ RANK_DUMPER = textwrap.dedent(
 )
 
 
-def _free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def _rank_states(folder: Path, name: str) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(folder / f"{name}.rank{rank}.safetensors")) for rank in (0, 1)]
 
@@ -346,12 +337,9 @@ def test_train_wmt_two_processes_save_statistics_independent_of_the_rank(sync, t
     # It is the tiny run of the tests above, for four updates with a checkpoint every two.
     tiny = ["--cpu", sync, *_file_args(translation_files, out, "--max_train_steps", "4", "--checkpointing_steps", "2")]
     assert sorted(_options(args), key=str) == sorted(_options(tiny), key=str)
-    port = launcher.index("--main_process_port") + 1
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher[2:port], _free_port(), str(script), *args]
-    run = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    log = run.stdout + run.stderr
+    port = launcher.index("--main_process_port")
+    assert launcher[:2] == ["accelerate", "launch"], launcher
+    log = accelerate_launch([str(script), *args], launcher=[*launcher[2:port], *launcher[port + 2:]])
     assert "2 process(es)" in log and "norms {'PowerNorm': 5, 'LayerNorm': 7}" in log and "parameters" in log
     assert "model config: {" in log and "'powernorm_warmup_steps': 3" in log
     assert json.loads((out / "config.json").read_text())["powernorm_sync_stats"] is (sync == "--sync_stats")

@@ -10,9 +10,6 @@ import collections
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hf_powernorm import NORM_CLASSES
 
+from launching import accelerate_launch
 from recipe_scripts import train_classification, train_lm
 
 from hf_powernorm import training
@@ -368,24 +366,8 @@ def test_empty_split_fails_before_training(text_files, classification_files, tmp
 # Two processes through `accelerate launch`
 # --------------------------------------------------------------------------------------------
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def _launch(script: str, args: list[str]) -> str:
-    command = [*LAUNCH, "--main_process_port", _free_port(), str(ROOT / "recipes" / script), "--cpu", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out.stdout + out.stderr
+    return accelerate_launch([str(ROOT / "recipes" / script), "--cpu", *args])
 
 
 def test_lm_two_processes_unsynced_statistics_are_averaged(text_files, lm_run, tmp_path):
