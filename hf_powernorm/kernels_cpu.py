@@ -59,6 +59,14 @@ static void add_to(double *dst, float *src, long n) {
 }
 
 /* r[g] = 1 / sqrt(mean_group(x^2) + eps) of one token, or 1 when groups == 0 (no group scaling). */
+/* The threads worth starting for n floats: one per TEAM_FLOATS at most (waking a thread costs
+   microseconds, the whole pass over a decoding step's few tokens less than that). */
+#define TEAM_FLOATS 32768L
+static int team(int threads, long n) {
+    long useful = n / TEAM_FLOATS;
+    return useful < 1 ? 1 : (useful < threads ? (int)useful : threads);
+}
+
 static void group_scales(const float *x, long C, long groups, float eps, float *r) {
     if (groups == 0) { r[0] = 1.0f; return; }
     long k = C / groups;
@@ -149,7 +157,7 @@ static void rows_masked(const float *x, const void *m, int kind, long T, long C,
         memset(sum_sq, 0, sizeof(double) * (C + 1));
         if (kind) { for (long t = 0; t < T; t++) sum_sq[C] += mask_weight(m, kind, t); } else sum_sq[C] = (double)T;
     }
-    #pragma omp parallel num_threads(threads)
+    #pragma omp parallel num_threads(team(threads, T * C))
     {
         float *acc = sum_sq ? calloc(C, sizeof(float)) : NULL;
         double *dacc = sum_sq ? calloc(C, sizeof(double)) : NULL;
@@ -246,7 +254,7 @@ static void backward_masked(const float *dy, const float *x, const void *m, int 
         memset(s_real, 0, sizeof(double) * C);
         memset(s_dy, 0, sizeof(double) * C);
     }
-    #pragma omp parallel num_threads(threads)
+    #pragma omp parallel num_threads(team(threads, T * C))
     {
         float *acc = want_sums ? calloc(3 * C, sizeof(float)) : NULL;
         double *dacc = want_sums ? calloc(3 * C, sizeof(double)) : NULL;
@@ -361,7 +369,7 @@ void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int th
         shift[c] = (bias ? bias[c] : 0.0f) - (mean ? mean[c] * s : 0.0f);
     }
     int streamed = streamable(stream, y, k);
-    #pragma omp parallel num_threads(threads)
+    #pragma omp parallel num_threads(team(threads, T * C))
     {
         float *r = malloc(sizeof(float) * G);
         #pragma omp for schedule(static)
@@ -394,7 +402,7 @@ void bn_moments(const float *x, const void *m, int kind, long T, long C, const f
                 double *sums) {
     memset(sums, 0, sizeof(double) * (2 * C + 1));
     if (kind) { for (long t = 0; t < T; t++) sums[2 * C] += mask_weight(m, kind, t); } else sums[2 * C] = (double)T;
-    #pragma omp parallel num_threads(threads)
+    #pragma omp parallel num_threads(team(threads, T * C))
     {
         float *acc = calloc(2 * C, sizeof(float)), *acc2 = acc + C;
         double *dacc = calloc(2 * C, sizeof(double));
@@ -425,7 +433,7 @@ void bn_moments(const float *x, const void *m, int kind, long T, long C, const f
 static void affine_backward_rows(const float *dy, const float *x, const void *m, int kind, long T, long C,
                                  int threads, const float *a, const float *cc, const float *e, float *dx, int stream) {
     int streamed = streamable(stream, dx, C);
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(team(threads, T * C)) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *dyt = dy + t * C, *xt = x + t * C;
         float *dxt = dx + t * C;

@@ -70,7 +70,8 @@ WARMUP_STATISTICS = ("cumulative", "reference")
 def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, hidden_size: int,
              weights: bool = True):
     """Return hidden states as `(tokens, hidden)` and float32 token weights `(tokens,)` or None
-    (always None without `weights`: an eval map, which checks the mask's shape and ignores it)."""
+    (always None without `weights`: an eval map or a per-token norm, which checks the mask's shape
+    and ignores it)."""
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
     if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != hidden_size:
@@ -194,9 +195,15 @@ def _stat_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)` without the call where it would return `tensor` (it costs a small norm's work)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _float32(device: torch.device):
-    """Statistics stay float32 under autocast: matrix products would otherwise run in half precision."""
-    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu"):
+    """Statistics stay float32 under autocast: matrix products would otherwise run in half precision.
+    Outside autocast nothing to undo (entering `torch.autocast` costs more than a small norm's work)."""
+    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
 
@@ -246,7 +253,7 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
     if channels % group_num != 0:
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
-        return norm_eval(hidden_states.reshape(-1, channels).contiguous(), group_num).view(hidden_states.shape)
+        return norm_eval(hidden_states.reshape(-1, channels).contiguous(), group_num).view_as(hidden_states)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
     scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
     return scaled.flatten(-2)
@@ -408,8 +415,9 @@ class _RunningStatsNorm(_Norm):
         """`(mean, var, group_num)` of the eval map `GS(x) * weight / sqrt(var + eps) + bias - mean * scale`."""
         return None, self._buffers["running_phi"], self.__dict__.get("group_num")
 
-    def _eval_in_c(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
-        """The eval forward in one C pass (`_eval_map`), or None where the C kernels do not apply."""
+    def _eval_in_c(self, flat: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The eval forward of `hidden_states` (`flat`, its `(tokens, hidden)` view) in one C pass
+        (`_eval_map`), shaped as `hidden_states`; None where the C kernels do not apply."""
         if self.training:
             return None
         weight, bias = self._parameters["weight"], self._parameters["bias"]
@@ -417,7 +425,7 @@ class _RunningStatsNorm(_Norm):
         if not _eval_map_usable(flat, weight, bias, mean, var):
             return None
         out = _eval_map(flat, group_num, weight, bias, mean, var, self.eps)
-        return out if out.shape == shape else out.view(shape)
+        return out if flat is hidden_states else out.view_as(hidden_states)
 
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
@@ -844,11 +852,11 @@ class PowerNorm(_RunningStatsNorm):
             parameters = self._parameters
             y = _PowerNormStepFunction.apply(flat, parameters["weight"], parameters["bias"],
                                              _kernel_mask(attention_mask), self)
-            return y if flat is hidden_states else y.view(hidden_states.shape)  # no view node for a no-op
+            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
-            return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
-        out = self._eval_in_c(flat, hidden_states.shape)  # one pass in C
+            return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
+        out = self._eval_in_c(flat, hidden_states)  # one pass in C
         if out is not None:
             return out
         scale, shift = self.affine_after_group_scale()
@@ -856,7 +864,7 @@ class PowerNorm(_RunningStatsNorm):
         with _float32(flat.device):
             z0 = group_scale(flat, self.group_num).to(dtype)
             out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)
-        return out.view(hidden_states.shape)
+        return out.view_as(hidden_states)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The eval-mode map `y = GS(x) * scale + shift` as float32 `(scale, shift)`."""
@@ -1089,8 +1097,8 @@ class PowerNormV(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training and self._fused_step_usable(flat):
-            return _PowerNormVFunction.apply(flat, self.weight, self.bias, token_weights, self).view(hidden_states.shape)
-        out = self._eval_in_c(flat, hidden_states.shape)
+            return _PowerNormVFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
+        out = self._eval_in_c(flat, hidden_states)
         if out is not None:
             return out
         dtype = _stat_dtype(flat)
@@ -1104,7 +1112,7 @@ class PowerNormV(_RunningStatsNorm):
                 phi = torch.where(usable, v, phi)  # the running statistic for an unusable batch
                 self._update(v, usable)
             out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps), self.weight.to(dtype))
-        return out.to(flat.dtype).view(hidden_states.shape)
+        return out.to(flat.dtype).view_as(hidden_states)
 
     def _fused_step_usable(self, flat: torch.Tensor) -> bool:
         """The C kernels: CPU float32 input, contiguous float32 parameters and statistic."""
@@ -1193,17 +1201,17 @@ class MaskedBatchNorm(_RunningStatsNorm):
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
             mask = _kernel_mask(attention_mask)
-            return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view(hidden_states.shape)
+            return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view_as(hidden_states)
         if self.training and not _in_recomputation():
             self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(flat, hidden_states.shape)
+        out = self._eval_in_c(flat, hidden_states)
         if out is not None:
             return out
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
             out = self._affine_in_torch_ops(flat.to(dtype), token_weights)
-        return out.to(flat.dtype).view(hidden_states.shape)
+        return out.to(flat.dtype).view_as(hidden_states)
 
     def _affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
         """The forward in torch ops, in the statistics' dtype (training: the batch moments where usable)."""
@@ -1455,10 +1463,10 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
             mask = _kernel_mask(attention_mask)
-            return _MovingAverageBatchNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view(
-                hidden_states.shape)
+            return _MovingAverageBatchNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view_as(
+                hidden_states)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(flat, hidden_states.shape)
+        out = self._eval_in_c(flat, hidden_states)
         if out is not None:
             return out
         dtype = _stat_dtype(flat)
@@ -1470,7 +1478,7 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
                 out = _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, self, *statistics)
             else:
                 out = torch.addcmul(bias, xf, weight * torch.rsqrt(self.running_phi.to(dtype) + self.eps))
-        return out.to(flat.dtype).view(hidden_states.shape)
+        return out.to(flat.dtype).view_as(hidden_states)
 
     def _batch_phase(self, step: torch.Tensor) -> torch.Tensor:
         return (step <= self.window) | (step < self.warmup_steps)
@@ -1554,13 +1562,12 @@ class LayerNorm(_Norm):
         nn.init.zeros_(self.bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _flatten(hidden_states, attention_mask, self.hidden_size)
+        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         dtype = _stat_dtype(hidden_states)
         with _float32(hidden_states.device):
-            out = F.layer_norm(
-                hidden_states.to(dtype), (self.hidden_size,), self.weight.to(dtype), self.bias.to(dtype), self.eps
-            )
-        return out.to(hidden_states.dtype)
+            out = F.layer_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(self.weight, dtype),
+                               _cast(self.bias, dtype), self.eps)
+        return _cast(out, hidden_states.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -1606,17 +1613,17 @@ class RMSNorm(_Norm):
         nn.init.ones_(self.weight)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _flatten(hidden_states, attention_mask, self.hidden_size)
+        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         dtype = _stat_dtype(hidden_states)
         if _fused_kernels_usable(hidden_states) and self.weight.dtype == torch.float32:
             flat = hidden_states.reshape(-1, self.hidden_size)
             if not (torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)):
                 # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
-                return _eval_map(flat, 1, self.weight, None, None, None, 0.0, self.eps).view(hidden_states.shape)
-            return _RMSNormFunction.apply(flat, self.weight, self.eps).view(hidden_states.shape)
+                return _eval_map(flat, 1, self.weight, None, None, None, 0.0, self.eps).view_as(hidden_states)
+            return _RMSNormFunction.apply(flat, self.weight, self.eps).view_as(hidden_states)
         with _float32(hidden_states.device):
-            out = F.rms_norm(hidden_states.to(dtype), (self.hidden_size,), self.weight.to(dtype), self.eps)
-        return out.to(hidden_states.dtype)
+            out = F.rms_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(self.weight, dtype), self.eps)
+        return _cast(out, hidden_states.dtype)
 
 
 class GroupNorm(_Norm):
@@ -1639,11 +1646,12 @@ class GroupNorm(_Norm):
         nn.init.zeros_(self.bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size)
+        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
-            out = F.group_norm(flat.to(dtype), self.group_num, self.weight.to(dtype), self.bias.to(dtype), self.eps)
-        return out.to(flat.dtype).view(hidden_states.shape)
+            out = F.group_norm(_cast(flat, dtype), self.group_num, _cast(self.weight, dtype), _cast(self.bias, dtype),
+                               self.eps)
+        return _cast(out, flat.dtype).view_as(hidden_states)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, group_num={self.group_num}"
@@ -1657,7 +1665,7 @@ class Identity(_Norm):
     foldable = False
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _flatten(hidden_states, attention_mask, self.hidden_size)
+        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         return hidden_states
 
 
