@@ -27,7 +27,8 @@ def _descendants(pid: int) -> list[int]:
     """The processes below `pid`, children first (from /proc: the launcher starts each rank in a
     session of its own, so no process-group signal reaches them)."""
     children = {}
-    for entry in Path("/proc").iterdir():
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():  # no /proc (macOS): the launcher alone
         if not entry.name.isdigit():
             continue
         try:
