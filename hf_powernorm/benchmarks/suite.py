@@ -212,13 +212,14 @@ class _AutogradCost(torch.nn.Module):
 
 class _PowerNormCalls(torch.nn.Module):
     """PN's training step as its two C calls (`pn_step_forward`, `pn_step_backward`) and nothing
-    around them: the kernels' share of the module's step. `step` replaces forward + backward."""
+    around them: the kernels' share of the module's step. Its `training_step` is what the layer table
+    times in place of forward + backward (a case may define one)."""
 
     def __init__(self, hidden: int, group_num: int) -> None:
         super().__init__()
         self.norm = build_norm("powernorm", hidden, group_num=group_num)
 
-    def step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
+    def training_step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
         norm = self.norm
         weight, bias = norm.weight.detach(), norm.bias.detach()
         status, _, stats, count = norm._c_step_forward(x.detach(), mask, weight, bias)
@@ -268,10 +269,11 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool,
                     norm.train(train)
                     xn = x.clone().requires_grad_(train)
 
-                    def step(norm=norm, x=x, xn=xn, dy=dy, mask=mask, kernels=kernels, params=list(norm.parameters())):
+                    def step(norm=norm, x=x, xn=xn, dy=dy, mask=mask, kernels=kernels, params=list(norm.parameters()),
+                             own_step=getattr(norm, "training_step", None) if train else None):
                         with c_kernels(kernels):
-                            if isinstance(norm, _PowerNormCalls):
-                                norm.step(x, dy, mask)
+                            if own_step is not None:
+                                own_step(x, dy, mask)
                             elif train:
                                 for tensor in (xn, *params):  # fresh gradients, as the baseline's
                                     tensor.grad = None
