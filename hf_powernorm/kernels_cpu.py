@@ -813,7 +813,9 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
 
 # -march=native: the vector width of this CPU (AVX2/AVX-512), as torch's own kernels dispatch to it.
 # The library is then specific to the CPU, whose identity is part of the digest that names it.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+# -fno-math-errno: nothing here reads errno, and with it sqrtf vectorises (the same correctly
+# rounded results); a small eval call's per-channel scale took 0.6 us of its 3.1 without it.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
 _tried = False
 GROUP_SCALE_EPS = 1e-5  # PN's group scaling (normalization.GROUP_SCALE_EPS)
