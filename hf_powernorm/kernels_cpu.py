@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -357,6 +358,27 @@ void pn_backward(const float *dy, const float *x, const void *m, int kind, long 
    (var = the running quadratic mean), BN and BRN (mean and variance), RMSNorm (groups 1, gs_eps
    its eps, weight only) and the group scaling left by folding (no vectors). groups = 0: no group
    scaling. stream != 0: streaming stores where the layout allows. */
+/* Rows t0 <= t < t1 of norm_eval's output. */
+static void eval_rows(const float *x, long t0, long t1, long C, long groups, float gs_eps, const float *scale,
+                      const float *shift, int streamed, float *y) {
+    long G = groups ? groups : 1, k = C / G;
+    float r[G];
+    for (long t = t0; t < t1; t++) {
+        const float *xt = x + t * C;
+        float *yt = y + t * C;
+        group_scales(xt, C, groups, gs_eps, r);
+        for (long g = 0; g < G; g++) {
+            long o = g * k;
+            float rg = r[g];
+#if STREAM_FLOATS
+            if (streamed) { stream_affine(xt + o, rg, scale + o, shift + o, yt + o, k); continue; }
+#endif
+            #pragma omp simd
+            for (long j = 0; j < k; j++) yt[o + j] = xt[o + j] * rg * scale[o + j] + shift[o + j];
+        }
+    }
+}
+
 void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int threads,
                const float *weight, const float *bias, const float *mean, const float *var, float eps,
                int stream, float *y) {
@@ -368,26 +390,15 @@ void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int th
         scale[c] = s;
         shift[c] = (bias ? bias[c] : 0.0f) - (mean ? mean[c] * s : 0.0f);
     }
-    int streamed = streamable(stream, y, k);
-    #pragma omp parallel num_threads(team(threads, T * C))
-    {
-        float *r = malloc(sizeof(float) * G);
-        #pragma omp for schedule(static)
-        for (long t = 0; t < T; t++) {
-            const float *xt = x + t * C;
-            float *yt = y + t * C;
-            group_scales(xt, C, groups, gs_eps, r);
-            for (long g = 0; g < G; g++) {
-                long o = g * k;
-                float rg = r[g];
-#if STREAM_FLOATS
-                if (streamed) { stream_affine(xt + o, rg, scale + o, shift + o, yt + o, k); continue; }
-#endif
-                #pragma omp simd
-                for (long j = 0; j < k; j++) yt[o + j] = xt[o + j] * rg * scale[o + j] + shift[o + j];
-            }
+    int streamed = streamable(stream, y, k), nthr = team(threads, T * C);
+    if (nthr == 1) {  /* a decoding step's few tokens: no OpenMP team to set up */
+        eval_rows(x, 0, T, C, groups, gs_eps, scale, shift, streamed, y);
+    } else {
+        #pragma omp parallel num_threads(nthr)
+        {  /* the static schedule's contiguous chunks */
+            long i = omp_get_thread_num(), n = omp_get_num_threads();
+            eval_rows(x, T * i / n, T * (i + 1) / n, C, groups, gs_eps, scale, shift, streamed, y);
         }
-        free(r);
     }
 #if STREAM_FLOATS
     if (streamed) _mm_sfence();
@@ -984,10 +995,11 @@ STREAM_BYTES = 4 << 20
 def norm_eval(x: torch.Tensor, group_num: int | None, weight: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, mean: torch.Tensor | None = None, var: torch.Tensor | None = None,
               eps: float = 0.0, group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
-    """An eval-mode norm of contiguous float32 `x` (tokens, C) in one pass (no autograd):
+    """An eval-mode norm of contiguous float32 `x` (..., C) in one pass (no autograd), shaped as `x`:
     `GS(x) * scale + shift`, `scale = weight / sqrt(var + eps)`, `shift = bias - mean * scale`, each
     vector float32 and contiguous or None (weight 1, bias and mean 0, no var: scale = weight)."""
-    tokens, channels = x.shape
+    channels = x.shape[-1]
+    tokens = x.numel() // channels if channels else 0
     y = torch.empty_like(x)
     _library.norm_eval(x.data_ptr(), tokens, channels, group_num or 0, group_eps, torch.get_num_threads(),
                        weight if weight is None else weight.data_ptr(), bias if bias is None else bias.data_ptr(),
@@ -997,7 +1009,7 @@ def norm_eval(x: torch.Tensor, group_num: int | None, weight: torch.Tensor | Non
 
 
 def group_scale(x: torch.Tensor, group_num: int) -> torch.Tensor:
-    """`GS(x)` of contiguous float32 `x` (tokens, C) in one pass (no autograd)."""
+    """`GS(x)` of contiguous float32 `x` (..., C) in one pass (no autograd)."""
     return norm_eval(x, group_num)
 
 

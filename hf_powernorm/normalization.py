@@ -82,7 +82,7 @@ def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, h
     flat = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_size)
     if attention_mask is None:
         return flat, None
-    if tuple(attention_mask.shape) != tuple(hidden_states.shape[:-1]):
+    if attention_mask.shape != hidden_states.shape[:-1]:
         raise ValueError(
             f"attention_mask must have shape {tuple(hidden_states.shape[:-1])} to match hidden_states "
             f"{tuple(hidden_states.shape)}, got {tuple(attention_mask.shape)}"
@@ -253,7 +253,7 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
     if channels % group_num != 0:
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
-        return norm_eval(hidden_states.reshape(-1, channels).contiguous(), group_num).view_as(hidden_states)
+        return norm_eval(hidden_states.contiguous(), group_num)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
     scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
     return scaled.flatten(-2)
@@ -415,17 +415,16 @@ class _RunningStatsNorm(_Norm):
         """`(mean, var, group_num)` of the eval map `GS(x) * weight / sqrt(var + eps) + bias - mean * scale`."""
         return None, self._buffers["running_phi"], self.__dict__.get("group_num")
 
-    def _eval_in_c(self, flat: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The eval forward of `hidden_states` (`flat`, its `(tokens, hidden)` view) in one C pass
-        (`_eval_map`), shaped as `hidden_states`; None where the C kernels do not apply."""
+    def _eval_in_c(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The eval forward of `hidden_states` in one C pass (`_eval_map`), or None where the C
+        kernels do not apply."""
         if self.training:
             return None
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         mean, var, group_num = self._eval_statistics()
-        if not _eval_map_usable(flat, weight, bias, mean, var):
+        if not _eval_map_usable(hidden_states, weight, bias, mean, var):
             return None
-        out = _eval_map(flat, group_num, weight, bias, mean, var, self.eps)
-        return out if flat is hidden_states else out.view_as(hidden_states)
+        return _eval_map(hidden_states, group_num, weight, bias, mean, var, self.eps)
 
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
@@ -672,15 +671,17 @@ def _eval_map_usable(x: torch.Tensor, *vectors: torch.Tensor | None) -> bool:
 
 def _eval_map(x: torch.Tensor, group_num: int | None, weight, bias, mean, var, eps: float,
               group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
-    """An eval-mode norm `y = GS(x) * scale + shift` of float32 `(tokens, C)` in one C pass, with
-    `scale = weight / sqrt(var + eps)`, `shift = bias - mean * scale` computed in C from the
+    """An eval-mode norm `y = GS(x) * scale + shift` of float32 `(..., C)` in one C pass, shaped as
+    `x`, with `scale = weight / sqrt(var + eps)`, `shift = bias - mean * scale` computed in C from the
     parameters and running statistics as they are now (nothing cached, so nothing goes stale).
     Called directly when no gradient is wanted; through `_EvalMapFunction`, with the same bits,
     otherwise."""
     x = x.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                     or (bias is not None and bias.requires_grad)):
-        return _EvalMapFunction.apply(x, group_num, weight, bias, mean, var, eps, group_eps)
+        flat = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+        out = _EvalMapFunction.apply(flat, group_num, weight, bias, mean, var, eps, group_eps)
+        return out if flat is x else out.view_as(x)
     return norm_eval(x, group_num, weight, bias, mean, var, eps, group_eps)  # reads the data, no autograd
 
 
@@ -856,7 +857,7 @@ class PowerNorm(_RunningStatsNorm):
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
             return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
-        out = self._eval_in_c(flat, hidden_states)  # one pass in C
+        out = self._eval_in_c(hidden_states)  # one pass in C
         if out is not None:
             return out
         scale, shift = self.affine_after_group_scale()
@@ -1098,7 +1099,7 @@ class PowerNormV(_RunningStatsNorm):
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training and self._fused_step_usable(flat):
             return _PowerNormVFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
-        out = self._eval_in_c(flat, hidden_states)
+        out = self._eval_in_c(hidden_states)
         if out is not None:
             return out
         dtype = _stat_dtype(flat)
@@ -1205,7 +1206,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
         if self.training and not _in_recomputation():
             self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(flat, hidden_states)
+        out = self._eval_in_c(hidden_states)
         if out is not None:
             return out
         dtype = _stat_dtype(flat)
@@ -1466,7 +1467,7 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
             return _MovingAverageBatchNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view_as(
                 hidden_states)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(flat, hidden_states)
+        out = self._eval_in_c(hidden_states)
         if out is not None:
             return out
         dtype = _stat_dtype(flat)
@@ -1619,7 +1620,7 @@ class RMSNorm(_Norm):
             flat = hidden_states.reshape(-1, self.hidden_size)
             if not (torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)):
                 # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
-                return _eval_map(flat, 1, self.weight, None, None, None, 0.0, self.eps).view_as(hidden_states)
+                return _eval_map(hidden_states, 1, self.weight, None, None, None, 0.0, self.eps)
             return _RMSNormFunction.apply(flat, self.weight, self.eps).view_as(hidden_states)
         with _float32(hidden_states.device):
             out = F.rms_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(self.weight, dtype), self.eps)
