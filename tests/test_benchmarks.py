@@ -23,7 +23,7 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     assert all(cell.count("(") == 1 and cell.endswith(" ms") for cells in layer.values() for cell in cells)
     models = [row[0] for row in tables[4][2]]
     assert any("BART" in row and "train step" in row for row in models)
-    assert sum("generate" in row for row in models) == 6 and any("fold_norms" in row for row in models)
+    assert sum("generate" in row for row in models) == 7 and any("fold_norms" in row for row in models)
     assert sum("our PN model / our LN model" in row for row in models) == 2
     memory = {row[0]: row for row in tables[3][2]}
     assert set(memory) == {"F.layer_norm", *benchmarks.MEMORY_CASES}

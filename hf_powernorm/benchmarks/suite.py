@@ -8,7 +8,8 @@ Tables (markdown, printed; `--write` also replaces the measured section of that 
 - saved-for-backward memory of each norm's training forward / `F.layer_norm`'s;
 - model train step (forward, backward, AdamW step): PN encoder / LN encoder, and our LN model /
   `BartForConditionalGeneration` of the same dimensions;
-- `generate` tokens per second, greedy and beam 5: our PN and LN models / BART;
+- `generate` tokens per second, greedy and beam 5: our PN and LN models / BART; greedy, a causal LM
+  with PN in every layer / the same with LayerNorm;
 - `fold_norms()`: the PN model's eval forward after folding / before;
 - first-call costs: building the C kernels, and `torch.compile` of PN's training step.
 
@@ -392,6 +393,23 @@ def our_model(sizes: dict, encoder_norm: str, device: str):
     return PowerNormTransformerForConditionalGeneration(config).to(device)
 
 
+def our_causal_model(sizes: dict, norm: str, device: str):
+    """A decoder-only LM of the same size with `norm` in every layer (a decoding step calls each
+    norm on one token per sequence)."""
+    from ..configuration_powernorm import PowerNormTransformerConfig
+    from ..modeling_powernorm import PowerNormTransformerForCausalLM
+
+    config = PowerNormTransformerConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], encoder_layers=0, decoder_layers=sizes["layers"],
+        num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"], max_position_embeddings=256,
+        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, encoder_norm_type=norm, decoder_norm_type=norm,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, is_decoder=True,
+        is_encoder_decoder=False,
+    )
+    torch.manual_seed(0)
+    return PowerNormTransformerForCausalLM(config).to(device)
+
+
 def bart_model(sizes: dict, device: str):
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -461,6 +479,17 @@ def model_tables(sizes, repeats, warmup, device, threads):
                 row.append(f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), "
                            f"{'LN' if base == 'ln' else 'BART'} {tokens_per_s:.0f} tok/s")
             generate_rows.append(row)
+    causal = {norm: our_causal_model(sizes, norm, device).eval() for norm in ("powernorm", "layernorm")}
+    prompt = {key: batch[key][:, : sizes["source"] // 4] for key in ("input_ids", "attention_mask")}
+    row = ["generate, greedy: causal LM, PN in every layer / LN in every layer (tokens/s ratio)"]
+    for count in threads:
+        calls = {norm: (lambda model=model: model.generate(**prompt, do_sample=False, max_new_tokens=new,
+                                                           min_new_tokens=new)) for norm, model in causal.items()}
+        with _threads(count), torch.no_grad():
+            result = interleaved(calls["layernorm"], calls["powernorm"], max(3, repeats // 2), 1, device)
+        tokens_per_s = sizes["batch"] * new / (result["ms"] / 1e3)
+        row.append(f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), LN {tokens_per_s:.0f} tok/s")
+    generate_rows.append(row)
     fold_rows = [fold_row(sizes, batch, repeats, warmup, device, threads)]
     return header, train_rows + generate_rows + fold_rows
 
