@@ -790,34 +790,44 @@ def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _c_and_torch_traces(monkeypatch, make_norm, batches, evaluate: bool = False) -> list[tuple]:
+    """`make_norm()` trained on `batches` in the C kernels, then a fresh one in the torch ops: per
+    step the output, input gradient, parameter gradients and buffers, and with `evaluate` the eval
+    output of the last batch; the two traces, step by step."""
+    import hf_powernorm.normalization as normalization
+
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+        norm = make_norm()
+        trace = []
+        for x, mask, dy in batches:
+            x = x.clone()  # a leaf of this pass's own
+            y = _training_step(norm, x, mask, dy)
+            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
+                          *(b.clone() for b in norm.buffers())))
+        if evaluate:
+            norm.eval()
+            with torch.no_grad():
+                trace.append((norm(x, mask),))
+        results.append(trace)
+    return list(zip(*results))
+
+
 @pytest.mark.parametrize("name", ["powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "rmsnorm"])
 def test_c_steps_on_several_threads_match_eager(monkeypatch, name):
     """The C kernels start one thread per `TEAM_FLOATS` floats at most (a decoding step's few tokens
     run on one): a batch large enough for three threads, trained and evaluated, against the torch ops
     (the per-thread sums merged, padding and warmup included)."""
-    import hf_powernorm.normalization as normalization
-
     previous = torch.get_num_threads()
-    results = []
     try:
         torch.set_num_threads(3)
-        for fused in (True, False):
-            if not fused:
-                monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
-            norm = build_norm(name, 256)
-            trace = []
-            for step in range(3):
-                x, mask, dy = _batch(120 + step, batch=8, seq=64, hidden=256, dtype=torch.float32)
-                y = _training_step(norm, x, mask, dy)
-                trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
-                              *(b.clone() for b in norm.buffers())))
-            norm.eval()
-            with torch.no_grad():
-                trace.append((norm(x, mask),))
-            results.append(trace)
+        batches = [_batch(120 + step, batch=8, seq=64, hidden=256, dtype=torch.float32) for step in range(3)]
+        steps = _c_and_torch_traces(monkeypatch, lambda: build_norm(name, 256), batches, evaluate=True)
     finally:
         torch.set_num_threads(previous)
-    for fused_step, eager_step in zip(*results):
+    for fused_step, eager_step in steps:
         for a, b in zip(fused_step, eager_step):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -826,22 +836,10 @@ def test_c_steps_on_several_threads_match_eager(monkeypatch, name):
 def test_batch_statistic_steps_with_streaming_stores_match_eager(monkeypatch, name):
     """BN's, BRN's and PN-V's C steps with streamed outputs and input gradients against the torch ops."""
     import hf_powernorm.kernels_cpu as kernels_cpu
-    import hf_powernorm.normalization as normalization
 
     monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
-    results = []
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
-        norm = build_norm(name, 64)
-        trace = []
-        for step in range(2):
-            x, mask, dy = _batch(65 + step, hidden=64, dtype=torch.float32)
-            y = _training_step(norm, x, mask, dy)
-            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
-                          *(b.clone() for b in norm.buffers())))
-        results.append(trace)
-    for fused_step, eager_step in zip(*results):
+    batches = [_batch(65 + step, hidden=64, dtype=torch.float32) for step in range(2)]
+    for fused_step, eager_step in _c_and_torch_traces(monkeypatch, lambda: build_norm(name, 64), batches):
         for a, b in zip(fused_step, eager_step):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

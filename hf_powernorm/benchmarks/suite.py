@@ -378,17 +378,22 @@ def model_sizes(quick: bool) -> dict:
     return dict(hidden=256, layers=3, heads=4, ffn=1024, vocab=8000, batch=16, source=64, target=64, new_tokens=32)
 
 
-def our_model(sizes: dict, encoder_norm: str, device: str):
+def _our_config(sizes: dict, **fields):
+    """The benchmark's `PowerNormTransformerConfig` at `sizes` (BART's dimensions), with `fields` set."""
     from ..configuration_powernorm import PowerNormTransformerConfig
+
+    return PowerNormTransformerConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], num_attention_heads=sizes["heads"],
+        intermediate_size=sizes["ffn"], max_position_embeddings=256, dropout=0.1, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **fields,
+    )
+
+
+def our_model(sizes: dict, encoder_norm: str, device: str):
     from ..modeling_powernorm import PowerNormTransformerForConditionalGeneration
 
-    config = PowerNormTransformerConfig(
-        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], encoder_layers=sizes["layers"],
-        decoder_layers=sizes["layers"], num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"],
-        max_position_embeddings=256, dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
-        encoder_norm_type=encoder_norm, decoder_norm_type="layernorm", pad_token_id=1, bos_token_id=0,
-        eos_token_id=2, decoder_start_token_id=2, tie_word_embeddings=True,
-    )
+    config = _our_config(sizes, encoder_layers=sizes["layers"], decoder_layers=sizes["layers"],
+                         encoder_norm_type=encoder_norm, decoder_norm_type="layernorm", tie_word_embeddings=True)
     torch.manual_seed(0)
     return PowerNormTransformerForConditionalGeneration(config).to(device)
 
@@ -396,16 +401,10 @@ def our_model(sizes: dict, encoder_norm: str, device: str):
 def our_causal_model(sizes: dict, norm: str, device: str):
     """A decoder-only LM of the same size with `norm` in every layer (a decoding step calls each
     norm on one token per sequence)."""
-    from ..configuration_powernorm import PowerNormTransformerConfig
     from ..modeling_powernorm import PowerNormTransformerForCausalLM
 
-    config = PowerNormTransformerConfig(
-        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], encoder_layers=0, decoder_layers=sizes["layers"],
-        num_attention_heads=sizes["heads"], intermediate_size=sizes["ffn"], max_position_embeddings=256,
-        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, encoder_norm_type=norm, decoder_norm_type=norm,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, is_decoder=True,
-        is_encoder_decoder=False,
-    )
+    config = _our_config(sizes, encoder_layers=0, decoder_layers=sizes["layers"], encoder_norm_type=norm,
+                         decoder_norm_type=norm, is_decoder=True, is_encoder_decoder=False)
     torch.manual_seed(0)
     return PowerNormTransformerForCausalLM(config).to(device)
 
@@ -447,6 +446,15 @@ def _train_step(model, batch):
     return step
 
 
+def _generate_cell(candidate, baseline, base_label: str, count: int, repeats: int, device: str, tokens: int) -> str:
+    """A generate cell: the candidate's tokens/s over the baseline's (the baseline's time over the
+    candidate's, interleaved, no grad, `count` threads), then the baseline's tokens/s for scale."""
+    with _threads(count), torch.no_grad():
+        result = interleaved(baseline, candidate, max(3, repeats // 2), 1, device)
+    tokens_per_s = tokens / (result["ms"] / 1e3)
+    return f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), {base_label} {tokens_per_s:.0f} tok/s"
+
+
 def model_tables(sizes, repeats, warmup, device, threads):
     batch = _model_batch(sizes, device)
     models = {"pn": our_model(sizes, "powernorm", device), "ln": our_model(sizes, "layernorm", device),
@@ -473,22 +481,17 @@ def model_tables(sizes, repeats, warmup, device, threads):
             row = [f"generate, {'greedy' if beams == 1 else 'beam 5'}: our {name.upper()} model / "
                    f"{'our LN model' if base == 'ln' else 'BART'} (tokens/s ratio)"]
             for count in threads:
-                with _threads(count), torch.no_grad():
-                    result = interleaved(calls[base], calls[name], max(3, repeats // 2), 1, device)
-                tokens_per_s = sizes["batch"] * new / (result["ms"] / 1e3)  # the baseline's, for scale
-                row.append(f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), "
-                           f"{'LN' if base == 'ln' else 'BART'} {tokens_per_s:.0f} tok/s")
+                row.append(_generate_cell(calls[name], calls[base], "LN" if base == "ln" else "BART", count,
+                                          repeats, device, sizes["batch"] * new))
             generate_rows.append(row)
     causal = {norm: our_causal_model(sizes, norm, device).eval() for norm in ("powernorm", "layernorm")}
     prompt = {key: batch[key][:, : sizes["source"] // 4] for key in ("input_ids", "attention_mask")}
+    calls = {norm: (lambda model=model: model.generate(**prompt, do_sample=False, max_new_tokens=new,
+                                                       min_new_tokens=new)) for norm, model in causal.items()}
     row = ["generate, greedy: causal LM, PN in every layer / LN in every layer (tokens/s ratio)"]
     for count in threads:
-        calls = {norm: (lambda model=model: model.generate(**prompt, do_sample=False, max_new_tokens=new,
-                                                           min_new_tokens=new)) for norm, model in causal.items()}
-        with _threads(count), torch.no_grad():
-            result = interleaved(calls["layernorm"], calls["powernorm"], max(3, repeats // 2), 1, device)
-        tokens_per_s = sizes["batch"] * new / (result["ms"] / 1e3)
-        row.append(f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), LN {tokens_per_s:.0f} tok/s")
+        row.append(_generate_cell(calls["powernorm"], calls["layernorm"], "LN", count, repeats, device,
+                                  sizes["batch"] * new))
     generate_rows.append(row)
     fold_rows = [fold_row(sizes, batch, repeats, warmup, device, threads)]
     return header, train_rows + generate_rows + fold_rows
