@@ -142,3 +142,42 @@ def test_verdict_needs_a_difference_beyond_the_seed_spread():
     assert verdict([100.0, 101.0, 102.0], [99.0, 101.0, 103.0], lower_is_better=True).startswith("tie")
     assert verdict([30.0, 31.0, 32.0], [26.0, 27.0, 28.0], lower_is_better=False) == "LN better"
     assert verdict([30.0], [26.0, 27.0], lower_is_better=False).startswith("fewer than 2 seeds")
+
+
+def test_warmup_edge_rule_extends_the_warmup_then_the_rates_at_it(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2)
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    ran = []
+
+    def run(norm, rate, warmup, bleu):
+        cell = protocol.cell(tuned_comparison.setting(norm, rate, warmup), protocol.short)
+        ran.append({"cell": cell.name, "norm": norm, "learning_rate": rate, "warmup": warmup, "best_validation": bleu})
+
+    def extension():
+        return sorted((c.options["norm"], c.options["learning_rate"], c.options["warmup"])
+                      for c in tuned_comparison._warmup_extension(protocol, ran))
+
+    for norm in tuned_comparison.NORMS:
+        for rate in (1.5e-3, 3e-3, 6e-3):
+            for warmup in (200, 600):
+                run(norm, rate, warmup, 10.0 + rate * 1000 + warmup / 100 if norm != "rmsnorm" else 30.0 - warmup / 100)
+    # LayerNorm and PN pick 6e-3 at 600, the longest warmup: that rate and its neighbours at 1,200;
+    # RMSNorm (level across rates: the first in grid order) picks 1.5e-3 at the shortest, 200: at 100.
+    assert extension() == sorted([(norm, rate, 1200) for norm in ("layernorm", "powernorm")
+                                  for rate in (3e-3, 6e-3, 1.2e-2)]
+                                 + [("rmsnorm", rate, 100) for rate in (7.5e-4, 1.5e-3, 3e-3)])
+    for norm in ("layernorm", "powernorm"):
+        for rate, bleu in ((3e-3, 20.0), (6e-3, 25.0), (1.2e-2, 40.0 if norm == "layernorm" else 22.0)):
+            run(norm, rate, 1200, bleu)
+    for rate in (7.5e-4, 1.5e-3, 3e-3):
+        run("rmsnorm", rate, 100, 1.0)
+    # 2,400 would not be below the 2,000-update budget; LayerNorm's pick at 1,200 is the highest rate
+    # run there: one more beyond it; PN's (6e-3 at 1,200) lies inside; RMSNorm's stays at 200.
+    assert extension() == [("layernorm", 2.4e-2, 1200)]
+    run("layernorm", 2.4e-2, 1200, 39.0)
+    assert extension() == []
+    # One warmup in the grid (the smoke sizes): no edge to extend.
+    smoke = tuned_comparison.Protocol("multi30k", tuned_comparison.argparse.Namespace(
+        sizes=tuned_comparison.SIZES["smoke"], extensions=1), {}, tmp_path)
+    assert tuned_comparison._warmup_extension(smoke, ran) == []
+    assert tuned_comparison.WARMUP_EDGE_TASKS == ("multi30k",)
