@@ -1040,28 +1040,30 @@ class _PowerNormVFunction(torch.autograd.Function):
     running statistic), then the exact group-scaling backward. Saves `x`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, token_weights, norm):
+    def forward(ctx, x, weight, bias, mask, norm):
         x = x.contiguous()
         _warn_if_ddp_overwrites_statistics(norm)
+        buffers = norm._buffers
         status, y, inv_s, count = pnv_step_forward(  # statistics, running update and output in one C call
-            x, token_weights, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
+            x, mask, norm.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.eps,
             1.0 - norm.alpha_fwd, not _in_recomputation())
         _warn_non_finite("PowerNormV", "batch statistic", status < 0)
-        count, usable = torch.tensor(count), torch.tensor(status == 1)
-        ctx.save_for_backward(x, token_weights, weight, bias, inv_s, count, usable)
-        ctx.norm = norm
+        ctx.save_for_backward(x, mask, weight, bias, inv_s)
+        ctx.step = (norm, count, status == 1)  # host values: nothing to read back in the backward
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, token_weights, weight, bias, inv_s, count, usable = ctx.saved_tensors
-        group_num = ctx.norm.group_num
+        x, mask, weight, bias, inv_s = ctx.saved_tensors
+        norm, count, usable = ctx.step
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            return (*_PowerNormVFunction._differentiable_backward(ctx.norm, x, token_weights, weight, bias, count,
-                                                                  usable, grad_output), None, None)
-        grad_x, grads = pnv_step_backward(grad_output.float().contiguous(), x, token_weights, group_num, weight,
-                                          inv_s, float(count), bool(usable))
-        return grad_x, grads[0].to(weight.dtype), grads[1].to(weight.dtype), None, None
+            token_weights = None if mask is None else (mask != 0).to(x.dtype)
+            return (*_PowerNormVFunction._differentiable_backward(norm, x, token_weights, weight, bias,
+                                                                  torch.tensor(count), torch.tensor(usable),
+                                                                  grad_output), None, None)
+        grad_x, grads = pnv_step_backward(grad_output.float().contiguous(), x, mask, norm.group_num, weight, inv_s,
+                                          count, usable)
+        return grad_x, grads[0], grads[1], None, None
 
     @staticmethod
     def _differentiable_backward(norm, x, token_weights, weight, bias, count, usable, grad_output):
@@ -1096,9 +1098,13 @@ class PowerNormV(_RunningStatsNorm):
         self.group_num = group_num
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self._fused_step_usable(hidden_states):
+            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+            parameters = self._parameters
+            y = _PowerNormVFunction.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask),
+                                          self)
+            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        if self.training and self._fused_step_usable(flat):
-            return _PowerNormVFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
         out = self._eval_in_c(hidden_states)
         if out is not None:
             return out
@@ -1117,8 +1123,10 @@ class PowerNormV(_RunningStatsNorm):
 
     def _fused_step_usable(self, flat: torch.Tensor) -> bool:
         """The C kernels: CPU float32 input, contiguous float32 parameters and statistic."""
-        return _fused_kernels_usable(flat) and all(
-            t.dtype == torch.float32 and t.is_contiguous() for t in (self.weight, self.bias, self.running_phi))
+        if not isinstance(flat, torch.Tensor) or not _fused_kernels_usable(flat):
+            return False
+        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"])
+        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def _update(self, v: torch.Tensor, usable: torch.Tensor) -> None:
         """EMA update of `running_phi` where the batch gives a usable statistic (on the device)."""
@@ -1201,8 +1209,10 @@ class MaskedBatchNorm(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            mask = _kernel_mask(attention_mask)
-            return _BatchNormFunction.apply(flat, self.weight, self.bias, mask, self).view_as(hidden_states)
+            parameters = self._parameters
+            y = _BatchNormFunction.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask),
+                                         self)
+            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
         if self.training and not _in_recomputation():
             self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
@@ -1463,9 +1473,10 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
             flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            mask = _kernel_mask(attention_mask)
-            return _MovingAverageBatchNormStepFunction.apply(flat, self.weight, self.bias, mask, self).view_as(
-                hidden_states)
+            parameters = self._parameters
+            y = _MovingAverageBatchNormStepFunction.apply(flat, parameters["weight"], parameters["bias"],
+                                                          _kernel_mask(attention_mask), self)
+            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(hidden_states)
         if out is not None:
@@ -1621,7 +1632,8 @@ class RMSNorm(_Norm):
             if not (torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)):
                 # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
                 return _eval_map(hidden_states, 1, self.weight, None, None, None, 0.0, self.eps)
-            return _RMSNormFunction.apply(flat, self.weight, self.eps).view_as(hidden_states)
+            y = _RMSNormFunction.apply(flat, self._parameters["weight"], self.eps)
+            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
         with _float32(hidden_states.device):
             out = F.rms_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(self.weight, dtype), self.eps)
         return _cast(out, hidden_states.dtype)
