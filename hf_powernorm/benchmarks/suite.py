@@ -450,7 +450,7 @@ def _generate_cell(candidate, baseline, base_label: str, count: int, repeats: in
     """A generate cell: the candidate's tokens/s over the baseline's (the baseline's time over the
     candidate's, interleaved, no grad, `count` threads), then the baseline's tokens/s for scale."""
     with _threads(count), torch.no_grad():
-        result = interleaved(baseline, candidate, max(3, repeats // 2), 1, device)
+        result = interleaved(baseline, candidate, repeats, 1, device)
     tokens_per_s = tokens / (result["ms"] / 1e3)
     return f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), {base_label} {tokens_per_s:.0f} tok/s"
 
