@@ -426,6 +426,15 @@ class _RunningStatsNorm(_Norm):
             return None
         return _eval_map(hidden_states, group_num, weight, bias, mean, var, self.eps)
 
+    def _c_step(self, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """A training step in the C kernels through `function` (an autograd function taking `x`, the
+        weight, the bias, the mask as the kernels read it and the module): no view node where the
+        input is already `(tokens, hidden)`."""
+        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+        parameters = self._parameters
+        y = function.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask), self)
+        return y if flat is hidden_states else y.view_as(hidden_states)
+
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
         super()._apply(fn, recurse)
@@ -849,11 +858,7 @@ class PowerNorm(_RunningStatsNorm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
-            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            parameters = self._parameters
-            y = _PowerNormStepFunction.apply(flat, parameters["weight"], parameters["bias"],
-                                             _kernel_mask(attention_mask), self)
-            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
+            return self._c_step(_PowerNormStepFunction, hidden_states, attention_mask)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
             return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
@@ -1099,11 +1104,7 @@ class PowerNormV(_RunningStatsNorm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._fused_step_usable(hidden_states):
-            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            parameters = self._parameters
-            y = _PowerNormVFunction.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask),
-                                          self)
-            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
+            return self._c_step(_PowerNormVFunction, hidden_states, attention_mask)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(hidden_states)
         if out is not None:
@@ -1208,11 +1209,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
-            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            parameters = self._parameters
-            y = _BatchNormFunction.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask),
-                                         self)
-            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
+            return self._c_step(_BatchNormFunction, hidden_states, attention_mask)
         if self.training and not _in_recomputation():
             self.__dict__["_last_step"] = None  # this step's statistics are not the C path's
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
@@ -1472,11 +1469,7 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self._step_in_c(hidden_states):
-            flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-            parameters = self._parameters
-            y = _MovingAverageBatchNormStepFunction.apply(flat, parameters["weight"], parameters["bias"],
-                                                          _kernel_mask(attention_mask), self)
-            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
+            return self._c_step(_MovingAverageBatchNormStepFunction, hidden_states, attention_mask)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         out = self._eval_in_c(hidden_states)
         if out is not None:

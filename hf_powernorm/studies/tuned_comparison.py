@@ -319,23 +319,18 @@ class Protocol:
         results = self._stage("lr", grid)
         if results is None:
             return
-        for _ in range(self.args.extensions):
-            extra = _edge_extension(self, results)
-            if not extra:
-                break
-            grid += extra
-            results = self._stage("lr", grid)
-            if results is None:
-                return
-        # The warmup edge (tasks of WARMUP_EDGE_TASKS): one longer warmup, then up to two rates beyond.
-        for _ in range(self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0):
-            extra = _warmup_extension(self, results)
-            if not extra:
-                break
-            grid += extra
-            results = self._stage("lr", grid)
-            if results is None:
-                return
+        # The learning-rate edge, then the warmup edge (tasks of WARMUP_EDGE_TASKS: one longer warmup,
+        # then up to two rates beyond).
+        for rule, rounds in ((_edge_extension, self.args.extensions),
+                             (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)):
+            for _ in range(rounds):
+                extra = rule(self, results)
+                if not extra:
+                    break
+                grid += extra
+                results = self._stage("lr", grid)
+                if results is None:
+                    return
         for norm in norms:
             self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
         pn = self.picks[f"powernorm@{self.short}"]
