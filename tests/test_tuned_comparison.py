@@ -22,7 +22,10 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(tmp_path):
     protocols = tuned_comparison.main(argv)
     sizes = tuned_comparison.SIZES["smoke"]
     for protocol in protocols:
-        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"]
+        finals = [r for _, r in protocol.stages["final"]]
+        checks = tuned_comparison._win_checks(protocol, finals)  # only where a PN row won
+        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"] + (["check"] if checks else [])
+        assert [cell.name for cell, _ in protocol.stages.get("check", [])] == [cell.name for cell in checks]
         assert all(result is not None for cells in protocol.stages.values() for _, result in cells)
         task_sizes = sizes[protocol.task]
         base = 3 * len(task_sizes["learning_rates"]) * len(task_sizes["warmups"])
@@ -181,3 +184,27 @@ def test_warmup_edge_rule_extends_the_warmup_then_the_rates_at_it(tmp_path):
         sizes=tuned_comparison.SIZES["smoke"], extensions=1), {}, tmp_path)
     assert tuned_comparison._warmup_extension(smoke, ran) == []
     assert tuned_comparison.WARMUP_EDGE_TASKS == ("multi30k",)
+
+
+def test_a_pn_win_is_checked_without_pns_own_tuning(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3])
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    tuned = tuned_comparison.setting("powernorm", 3e-3, 1200, 0.99, 1.0, "batch")
+    protocol.picks = {"powernorm@2000": tuned, "powernorm@4000": {**tuned, "alpha_fwd": 0.9, "alpha_bkw": 0.9,
+                                                                   "denominator": "running"}}
+
+    def finals(updates, bleu):
+        return [{"norm": norm, "updates": updates, "seed": seed, "test_bleu_averaged": bleu[norm] + seed / 10}
+                for norm in bleu for seed in (1, 2, 3)]
+
+    # At 2,000 updates PN beats LayerNorm beyond the seed spread and PN in every layer ties; at 4,000
+    # PN wins too, but its pick there has stage 1's options already: nothing to check.
+    results = finals(2000, {"layernorm": 25.0, "powernorm": 27.0, "powernorm-all": 25.1}) + finals(
+        4000, {"layernorm": 25.0, "powernorm": 28.0})
+    checks = tuned_comparison._win_checks(protocol, results)
+    assert [(c.options["norm"], c.options["updates"], c.options["seed"], c.options["learning_rate"],
+             c.options["warmup"], c.options["alpha_fwd"], c.options["alpha_bkw"], c.options["denominator"])
+            for c in checks] == [("powernorm", 2000, seed, 3e-3, 1200, 0.9, 0.9, "running") for seed in (1, 2, 3)]
+    # LayerNorm ahead, or a tie: no check.
+    assert tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 27.0, "powernorm": 25.0})) == []
+    assert tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 25.0, "powernorm": 25.05})) == []
