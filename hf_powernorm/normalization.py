@@ -1122,9 +1122,9 @@ class PowerNormV(_RunningStatsNorm):
             out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps), self.weight.to(dtype))
         return out.to(flat.dtype).view_as(hidden_states)
 
-    def _fused_step_usable(self, flat: torch.Tensor) -> bool:
+    def _fused_step_usable(self, x: torch.Tensor) -> bool:
         """The C kernels: CPU float32 input, contiguous float32 parameters and statistic."""
-        if not isinstance(flat, torch.Tensor) or not _fused_kernels_usable(flat):
+        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
             return False
         tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"])
         return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
