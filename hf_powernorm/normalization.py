@@ -667,6 +667,11 @@ def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return (mask != 0).float()
 
 
+def _mask_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A kernel mask (`_kernel_mask`) as the 0/1 token weights of the torch ops, in `dtype`."""
+    return None if mask is None else (mask != 0).to(dtype)
+
+
 def _eval_map_usable(x: torch.Tensor, *vectors: torch.Tensor | None) -> bool:
     """Whether an eval map runs in `kernels_cpu.norm_eval`: C kernels for `x`, contiguous float32
     vectors. (Inference calls this once per norm and token batch: written for a few microseconds.)"""
@@ -1062,7 +1067,7 @@ class _PowerNormVFunction(torch.autograd.Function):
         x, mask, weight, bias, inv_s = ctx.saved_tensors
         norm, count, usable = ctx.step
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            token_weights = None if mask is None else (mask != 0).to(x.dtype)
+            token_weights = _mask_weights(mask, x.dtype)
             return (*_PowerNormVFunction._differentiable_backward(norm, x, token_weights, weight, bias,
                                                                   torch.tensor(count), torch.tensor(usable),
                                                                   grad_output), None, None)
@@ -1248,7 +1253,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
     def _differentiable_backward(self, x, mask, weight, mean, inv_std, r, d, usable, grad_output):
         """`_BatchNormFunction`'s gradient through torch ops, the statistics recomputed from `x`."""
         with torch.enable_grad():
-            token_weights = None if mask is None else (mask != 0).to(x.dtype)
+            token_weights = _mask_weights(mask, x.dtype)
             _, batch_mean, batch_var = self._batch_moments(x, token_weights)
             mean = torch.where(usable, batch_mean, mean)
             inv_std = torch.where(usable, torch.rsqrt(batch_var + self.eps), inv_std)
