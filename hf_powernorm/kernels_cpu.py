@@ -352,12 +352,6 @@ void pn_backward(const float *dy, const float *x, const void *m, int kind, long 
     backward_masked(dy, x, m, kind, T, C, groups, eps, threads, weight, nu, inv_s, inv_s_b, dx, s_all, s_real, s_dy, 0);
 }
 
-/* An eval-mode norm in one pass over the rows of x (T x C): y = GS(x) scale + shift with
-   scale = weight / sqrt(var + eps) and shift = bias - mean scale per channel (a missing vector
-   counts as 1 for weight, 0 for bias and mean, and no var means scale = weight): PN, PN-V and MABN
-   (var = the running quadratic mean), BN and BRN (mean and variance), RMSNorm (groups 1, gs_eps
-   its eps, weight only) and the group scaling left by folding (no vectors). groups = 0: no group
-   scaling. stream != 0: streaming stores where the layout allows. */
 /* Rows t0 <= t < t1 of norm_eval's output. */
 static void eval_rows(const float *x, long t0, long t1, long C, long groups, float gs_eps, const float *scale,
                       const float *shift, int streamed, float *y) {
@@ -379,6 +373,12 @@ static void eval_rows(const float *x, long t0, long t1, long C, long groups, flo
     }
 }
 
+/* An eval-mode norm in one pass over the rows of x (T x C): y = GS(x) scale + shift with
+   scale = weight / sqrt(var + eps) and shift = bias - mean scale per channel (a missing vector
+   counts as 1 for weight, 0 for bias and mean, and no var means scale = weight): PN, PN-V and MABN
+   (var = the running quadratic mean), BN and BRN (mean and variance), RMSNorm (groups 1, gs_eps
+   its eps, weight only) and the group scaling left by folding (no vectors). groups = 0: no group
+   scaling. stream != 0: streaming stores where the layout allows. */
 void norm_eval(const float *x, long T, long C, long groups, float gs_eps, int threads,
                const float *weight, const float *bias, const float *mean, const float *var, float eps,
                int stream, float *y) {
