@@ -244,15 +244,19 @@ def _chosen(result: dict[str, Any]) -> dict[str, Any]:
     return {k: result[k] for k in ("norm", "learning_rate", "warmup", "alpha_fwd", "alpha_bkw", "denominator")}
 
 
+def _beyond(picked: float, rates: set[float]) -> float | None:
+    """The next learning rate past the edge of `rates` that `picked` lies on (x2 above the highest,
+    /2 below the lowest), or None for a pick inside them."""
+    return picked * 2 if picked == max(rates) else picked / 2 if picked == min(rates) else None
+
+
 def _edge_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
     """A learning rate picked at the edge of a norm's grid is no pick: one step (x2, or /2) beyond
     that edge, at every warmup, for each norm whose pick lies there - the same rule for every norm."""
     extra = []
     for norm in NORMS:
         runs = [r for r in results if r["norm"] == norm]
-        rates = sorted({r["learning_rate"] for r in runs})
-        picked = _best(protocol.task, runs)["learning_rate"]
-        beyond = picked * 2 if picked == rates[-1] else picked / 2 if picked == rates[0] else None
+        beyond = _beyond(_best(protocol.task, runs)["learning_rate"], {r["learning_rate"] for r in runs})
         if beyond is not None:
             extra += [protocol.cell(setting(norm, beyond, warmup), protocol.short)
                       for warmup in protocol.sizes["warmups"]]
@@ -284,8 +288,7 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
         elif warmup == warmups[0] and warmup // 2 >= 1:
             settings = [(value, warmup // 2) for value in (rate / 2, rate, rate * 2)]
         if not settings and warmup not in protocol.sizes["warmups"]:
-            rates = sorted({r["learning_rate"] for r in runs if r["warmup"] == warmup})
-            beyond = rate * 2 if rate == rates[-1] else rate / 2 if rate == rates[0] else None
+            beyond = _beyond(rate, {r["learning_rate"] for r in runs if r["warmup"] == warmup})
             settings = [(beyond, warmup)] if beyond is not None else []
         cells = [protocol.cell(setting(norm, value, steps), protocol.short) for value, steps in settings]
         extra += [cell for cell in cells if cell.name not in done]
