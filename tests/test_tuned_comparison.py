@@ -193,9 +193,10 @@ def test_a_pn_win_is_checked_without_pns_own_tuning(tmp_path):
     protocol.picks = {"powernorm@2000": tuned, "powernorm@4000": {**tuned, "alpha_fwd": 0.9, "alpha_bkw": 0.9,
                                                                    "denominator": "running"}}
 
-    def finals(updates, bleu):
-        return [{"norm": norm, "updates": updates, "seed": seed, "test_bleu_averaged": bleu[norm] + seed / 10}
-                for norm in bleu for seed in (1, 2, 3)]
+    def finals(updates, averaged, best=None):  # test BLEU of the averaged and of the best checkpoint
+        best = best or averaged
+        return [{"norm": norm, "updates": updates, "seed": seed, "test_bleu_averaged": averaged[norm] + seed / 10,
+                 "test_bleu": best[norm] + seed / 10} for norm in averaged for seed in (1, 2, 3)]
 
     # At 2,000 updates PN beats LayerNorm beyond the seed spread and PN in every layer ties; at 4,000
     # PN wins too, but its pick there has stage 1's options already: nothing to check.
@@ -208,3 +209,24 @@ def test_a_pn_win_is_checked_without_pns_own_tuning(tmp_path):
     # LayerNorm ahead, or a tie: no check.
     assert tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 27.0, "powernorm": 25.0})) == []
     assert tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 25.0, "powernorm": 25.05})) == []
+    # A win on either headline score is checked: here on the best checkpoint's only.
+    checks = tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 25.0, "powernorm": 24.0},
+                                                           {"layernorm": 25.0, "powernorm": 27.0}))
+    assert [(c.options["norm"], c.options["seed"]) for c in checks] == [("powernorm", seed) for seed in (1, 2, 3)]
+
+
+def test_the_multi30k_headline_scores_the_average_and_the_best_checkpoint(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3])
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    results = [{"norm": norm, "updates": 2000, "seed": seed, "test_bleu_averaged": averaged + seed / 10,
+                "test_bleu": best + seed / 10}
+               for norm, averaged, best in (("layernorm", 25.0, 28.0), ("powernorm", 21.0, 28.1),
+                                            ("rmsnorm", 24.0, 27.0)) for seed in (1, 2, 3)]
+    protocol.stages["final"] = [(None, result) for result in results]
+    lines = tuned_comparison.headline([protocol])
+    assert len(lines) == 4  # the header, its rule and one row per score (no 4,000-update finals)
+    averaged, best = (line.split(" | ") for line in lines[2:])
+    assert "average of the last checkpoints" in averaged[3] and averaged[4:7] == [
+        "25.20 ± 0.10 (3 seeds)", "21.20 ± 0.10 (3 seeds)", "24.20 ± 0.10 (3 seeds)"]
+    assert averaged[7:] == ["-4.00", "LN better |"]
+    assert "best validated checkpoint" in best[3] and best[7:] == ["+0.10", "tie (within seed spread) |"]
