@@ -230,3 +230,17 @@ def test_the_multi30k_headline_scores_the_average_and_the_best_checkpoint(tmp_pa
         "25.20 ± 0.10 (3 seeds)", "21.20 ± 0.10 (3 seeds)", "24.20 ± 0.10 (3 seeds)"]
     assert averaged[7:] == ["-4.00", "LN better |"]
     assert "best validated checkpoint" in best[3] and best[7:] == ["+0.10", "tie (within seed spread) |"]
+    # PN in every layer and stage 6's checks: a row each under each score, against the same LayerNorm.
+    more = [{"norm": norm, "updates": 2000, "seed": seed, "test_bleu_averaged": 26.0 + seed / 10,
+             "test_bleu": 29.0 + seed / 10} for norm in ("powernorm-all", "powernorm") for seed in (1, 2, 3)]
+    protocol.stages["final"] += [(None, result) for result in more[:3]]
+    protocol.stages["check"] = [(None, result) for result in more[3:]]
+    rows = [line.split(" | ") for line in tuned_comparison.headline([protocol])[2:]]
+    assert [(row[2].startswith("as above"), row[4], row[7], row[8]) for row in rows] == [
+        (False, "25.20 ± 0.10 (3 seeds)", "-4.00", "LN better |"),
+        (True, "25.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
+        (True, "25.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
+        (False, "28.20 ± 0.10 (3 seeds)", "+0.10", "tie (within seed spread) |"),
+        (True, "28.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
+        (True, "28.20 ± 0.10 (3 seeds)", "+1.00", "PN better |")]
+    assert "every layer" in rows[1][2] and "stage 1's options" in rows[2][2] and rows[1][6] == "-"
