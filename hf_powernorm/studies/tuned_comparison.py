@@ -34,8 +34,8 @@ Protocol, the same for every norm, chosen on validation only (best validation of
 4. `recheck`: LayerNorm's and PN's learning rate again at the long budget (the pick x 0.5, 1, 2);
    RMSNorm keeps its short-budget pick;
 5. `final`: each norm's pick at every seed, at the short and the long budget;
-6. `check`, only where a PN row beats LayerNorm by the verdict rule on either headline score: that PN row again at every
-   seed with PN's own options back at stage 1's (alpha_fwd = alpha_bkw = 0.9, running
+6. `check`, only where a PN row beats LayerNorm by the verdict rule on either headline score: that
+   PN row again at every seed with PN's own options back at stage 1's (alpha_fwd = alpha_bkw = 0.9, running
    denominator; its learning rate and warmup kept, which every norm had tuned alike), so that a
    win is shown not to rest on the tuning only PN had (rows of stage `final` in the CSV, with those
    options; a line of their own in the headline).
@@ -437,8 +437,9 @@ def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
     return list(unique.values())
 
 
-def _finals(protocol: Protocol) -> list[dict[str, Any]]:
-    return [result for _, result in protocol.stages.get("final", []) if result is not None]
+def _finished(protocol: Protocol, stage: str = "final") -> list[dict[str, Any]]:
+    """The finished runs' results of one stage (the finals by default)."""
+    return [result for _, result in protocol.stages.get(stage, []) if result is not None]
 
 
 def verdict(ln: list[float], pn: list[float], lower_is_better: bool) -> str:
@@ -458,35 +459,40 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f} ({len(values)} seeds)"
 
 
+# The headline's rows after each score's first (PN in the encoder against LayerNorm and RMSNorm):
+# `(norm, stage its results come from, regime)`, each against the same LayerNorm finals.
+_FURTHER_ROWS = (("powernorm-all", "final", "as above, PN in every layer"),
+                 ("powernorm", "check", "as above, PN with stage 1's options only (alphas 0.9, running denominator)"),
+                 ("powernorm-all", "check", "as above, PN in every layer with stage 1's options only (alphas 0.9, "
+                                            "running denominator)"))
+
+
 def headline(protocols: list[Protocol]) -> list[str]:
     lines = ["| task | updates | regime | metric | LayerNorm | PN | RMSNorm | PN minus LN | verdict |",
              "|---|---:|---|---|---|---|---|---:|---|"]
     for protocol in protocols:
-        finals = _finals(protocol)
-        checks = [result for _, result in protocol.stages.get("check", []) if result is not None]
+        results = {stage: _finished(protocol, stage) for stage in ("final", "check")}
         lower = LOWER_IS_BETTER[protocol.task]
         for updates in protocol.sizes["budgets"]:
             length = "short" if updates == protocol.short else "long"
             for split, metric, scored in HEADLINES[protocol.task]:
                 key, label = f"{split}_{metric}", f"{split} {metric.partition('_')[0]} ({scored})"
-                ln = _scores(finals, "layernorm", updates, key)
-                rows = [("powernorm", finals, f"paper's (dropout 0.3, smoothing 0.1, PN warmup = LR warmup), small "
-                                              f"model, {length} budget"),
-                        ("powernorm-all", finals, "as above, PN in every layer"),
-                        ("powernorm", checks, "as above, PN with stage 1's options only (alphas 0.9, running "
-                                              "denominator)"),
-                        ("powernorm-all", checks, "as above, PN in every layer with stage 1's options only "
-                                                  "(alphas 0.9, running denominator)")]
-                for index, (norm, results, regime) in enumerate(rows):
-                    pn = _scores(results, norm, updates, key)
-                    if index and not (pn and ln):
-                        continue
-                    if not index and not any(_scores(finals, n, updates, key) for n in (*NORMS, "powernorm-all")):
-                        break
-                    rms = _mean_std(_scores(finals, "rmsnorm", updates, key)) if not index else "-"
+                if not any(_scores(results["final"], norm, updates, key) for norm in (*NORMS, "powernorm-all")):
+                    continue
+                ln = _scores(results["final"], "layernorm", updates, key)
+
+                def row(regime: str, pn: list[float], rms: str = "-") -> str:
                     difference = f"{statistics.fmean(pn) - statistics.fmean(ln):+.2f}" if ln and pn else "-"
-                    lines.append(f"| {protocol.task} | {updates} | {regime} | {label} | {_mean_std(ln)} | "
-                                 f"{_mean_std(pn)} | {rms} | {difference} | {verdict(ln, pn, lower)} |")
+                    return (f"| {protocol.task} | {updates} | {regime} | {label} | {_mean_std(ln)} | "
+                            f"{_mean_std(pn)} | {rms} | {difference} | {verdict(ln, pn, lower)} |")
+
+                lines.append(row(f"paper's (dropout 0.3, smoothing 0.1, PN warmup = LR warmup), small model, "
+                                 f"{length} budget", _scores(results["final"], "powernorm", updates, key),
+                                 _mean_std(_scores(results["final"], "rmsnorm", updates, key))))
+                for norm, stage, regime in _FURTHER_ROWS:
+                    pn = _scores(results[stage], norm, updates, key)
+                    if pn and ln:
+                        lines.append(row(regime, pn))
     return lines
 
 
@@ -541,7 +547,7 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
     """Validation over updates of the finals: per norm the mean over seeds and the seeds' range
     (left), and each norm's seeds minus LayerNorm's mean at the same update (right), where
     differences of a fraction of a point are visible."""
-    finals = _finals(protocol)
+    finals = _finished(protocol)
     if not finals:
         return
     import matplotlib
