@@ -244,3 +244,16 @@ def test_the_multi30k_headline_scores_the_average_and_the_best_checkpoint(tmp_pa
         (True, "28.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
         (True, "28.20 ± 0.10 (3 seeds)", "+1.00", "PN better |")]
     assert "every layer" in rows[1][2] and "stage 1's options" in rows[2][2] and rows[1][6] == "-"
+
+
+def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2])
+    protocol = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
+    protocol.stages["final"] = [(None, {"norm": norm, "updates": 1500, "seed": seed, "test_perplexity": value})
+                                for norm, seed, value in (("layernorm", 1, 84.5), ("powernorm", 1, 85.25),
+                                                          ("rmsnorm", 1, 84.0), ("layernorm", 2, 86.0),
+                                                          ("powernorm", 2, 85.5))]
+    rows = [line.split(" | ") for line in tuned_comparison.per_seed([protocol])[2:]]
+    assert [row[3:] for row in rows] == [["1", "84.50", "85.25", "84.00", "-", "+0.75 |"],
+                                         ["2", "86.00", "85.50", "-", "-", "-0.50 |"]]
+    assert all(row[1] == "1500" and "test perplexity" in row[2] for row in rows)

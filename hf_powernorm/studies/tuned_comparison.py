@@ -45,8 +45,9 @@ pick's seed-1 run is also a final) runs once.
 Outputs in `--output_dir`: `results.csv` (one row per run, stage and evaluation: task, norm, stage,
 updates, learning_rate, warmup, dropout, label_smoothing, alpha_fwd, alpha_bkw, denominator, seed,
 split, metric, value), `curves.csv` (validation per evaluation), `picks.json`, `summary.md` (the
-headline table: per task and budget, mean ± std over seeds and the verdict) and
-`curves_<task>_<updates>.png` (validation curves of the finals, mean and seed band).
+headline table: per task and budget, mean ± std over seeds and the verdict; then each final's score
+seed by seed) and `curves_<task>_<updates>.png` (validation curves of the finals, mean and seed
+band).
 
     python recipes/studies/tuned_comparison.py --data_dir DIR --jobs 2   # DIR holds ptb/ and multi30k/raw/
     python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
@@ -496,6 +497,32 @@ def headline(protocols: list[Protocol]) -> list[str]:
     return lines
 
 
+_SEED_COLUMNS = (*NORMS, "powernorm-all")
+
+
+def per_seed(protocols: list[Protocol]) -> list[str]:
+    """The finals' headline scores seed by seed, with PN minus LayerNorm at each seed: whether a mean
+    difference is one seed's or every seed's."""
+    lines = ["| task | updates | score | seed | LayerNorm | PN | RMSNorm | PN in every layer | PN minus LN |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for protocol in protocols:
+        finals = _finished(protocol)
+        for updates in protocol.sizes["budgets"]:
+            for split, metric, scored in HEADLINES[protocol.task]:
+                key = f"{split}_{metric}"
+                by_seed: dict[int, dict[str, float]] = {}
+                for result in finals:
+                    if result["updates"] == updates and result["norm"] in _SEED_COLUMNS and key in result:
+                        by_seed.setdefault(result["seed"], {})[result["norm"]] = result[key]
+                for seed, scores in sorted(by_seed.items()):
+                    cells = [f"{scores[norm]:.2f}" if norm in scores else "-" for norm in _SEED_COLUMNS]
+                    difference = (f"{scores['powernorm'] - scores['layernorm']:+.2f}"
+                                  if "powernorm" in scores and "layernorm" in scores else "-")
+                    lines.append(f"| {protocol.task} | {updates} | {split} {metric.partition('_')[0]} ({scored}) | "
+                                 f"{seed} | {' | '.join(cells)} | {difference} |")
+    return lines
+
+
 def _progress(protocol: Protocol) -> str:
     parts = []
     for stage, cells in protocol.stages.items():
@@ -531,6 +558,7 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
              "of the average of the last checkpoints (beam 5; the paper's inference) and of the best validated "
              "checkpoint (beam 5). Verdict: a norm is better when the means differ by "
              "more than the two seed standard deviations together.", "", *headline(protocols), "",
+             "Per seed (the finals):", "", *per_seed(protocols), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
              f"Picks (validation only): `{PICKS_JSON}`."]
     (output_dir / SUMMARY_MD).write_text("\n".join(lines) + "\n", encoding="utf-8")
