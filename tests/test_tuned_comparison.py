@@ -257,3 +257,35 @@ def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):
     assert [row[3:] for row in rows] == [["1", "84.50", "85.25", "84.00", "-", "+0.75 |"],
                                          ["2", "86.00", "85.50", "-", "-", "-0.50 |"]]
     assert all(row[1] == "1500" and "test perplexity" in row[2] for row in rows)
+
+
+def test_a_long_budget_pick_at_the_edge_of_its_rechecked_rates_gets_the_next_rate(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2)
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    pn = tuned_comparison.setting("powernorm", 3e-3, 1200, 0.95, 1.0, "running")
+    ln = tuned_comparison.setting("layernorm", 6e-3, 600)
+    ran = []
+
+    def run(chosen, rate, bleu):
+        cell = protocol.cell({**chosen, "learning_rate": rate}, protocol.long)
+        ran.append({"cell": cell.name, **chosen, "learning_rate": rate, "best_validation": bleu})
+
+    def extension():
+        return [(c.options["norm"], c.options["learning_rate"], c.options["warmup"], c.options["alpha_fwd"],
+                 c.options["updates"]) for c in tuned_comparison._recheck_extension(protocol, ran)]
+
+    # Multi30k's re-check as it ran: LayerNorm's middle rate best, PN's highest.
+    for rate, bleu in ((3e-3, 33.39), (6e-3, 34.31), (1.2e-2, 32.09)):
+        run(ln, rate, bleu)
+    for rate, bleu in ((1.5e-3, 30.33), (3e-3, 33.86), (6e-3, 34.78)):
+        run(pn, rate, bleu)
+    assert extension() == [("powernorm", 1.2e-2, 1200, 0.95, 4000)]
+    run(pn, 1.2e-2, 35.0)  # better again: one more beyond
+    assert extension() == [("powernorm", 2.4e-2, 1200, 0.95, 4000)]
+    run(pn, 2.4e-2, 20.0)  # worse: the pick lies inside its rates now
+    assert extension() == []
+    # The lowest rate picked: half of it; the same rule for LayerNorm.
+    ran[:3] = []
+    for rate, bleu in ((3e-3, 35.0), (6e-3, 34.31), (1.2e-2, 32.09)):
+        run(ln, rate, bleu)
+    assert extension() == [("layernorm", 1.5e-3, 600, None, 4000)]
