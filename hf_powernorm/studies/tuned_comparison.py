@@ -32,7 +32,10 @@ Protocol, the same for every norm, chosen on validation only (best validation of
 2. `alpha` (PN): alpha_fwd in {0.9, 0.95, 0.99} x alpha_bkw in {0.9, 0.95, 0.99, 1.0} at PN's pick;
 3. `denominator` (PN): the batch backward denominator at the picked alphas, against the running one;
 4. `recheck`: LayerNorm's and PN's learning rate again at the long budget (the pick x 0.5, 1, 2);
-   RMSNorm keeps its short-budget pick;
+   a norm whose long-budget pick lies at the edge of its re-checked rates gets one more (x2 or /2),
+   up to twice, as in stage 1 (added 2026-11-26 on Multi30k's re-check validation scores alone, where
+   PN picked the highest of its three rates and LayerNorm the middle one, before any Multi30k final;
+   it adds nothing on PTB, where both picked the middle one); RMSNorm keeps its short-budget pick;
 5. `final`: each norm's pick at every seed, at the short and the long budget;
 6. `check`, only where a PN row beats LayerNorm by the verdict rule: that PN row again at every
    seed with PN's own options back at stage 1's (alpha_fwd = alpha_bkw = 0.9, running
@@ -272,6 +275,22 @@ def _edge_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list
     return extra
 
 
+def _recheck_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
+    """Stage 4's learning-rate edge: a long-budget pick at the edge of the rates re-checked for a norm
+    gets the next rate beyond (x2 or /2) with its other options - the same rule for LayerNorm and PN;
+    returns only cells that have not run yet."""
+    done = {result["cell"] for result in results}
+    extra = []
+    for norm in ("layernorm", "powernorm"):
+        runs = [r for r in results if r["norm"] == norm]
+        pick, rates = _best(protocol.task, runs), sorted({r["learning_rate"] for r in runs})
+        picked = pick["learning_rate"]
+        beyond = picked * 2 if picked == rates[-1] else picked / 2 if picked == rates[0] else None
+        if beyond is not None:
+            extra.append(protocol.cell({**_chosen(pick), "learning_rate": beyond}, protocol.long))
+    return [cell for cell in extra if cell.name not in done]
+
+
 # Tasks whose stage 1 extends a warmup picked at the edge (the docstring's rule and why PTB is not one).
 WARMUP_EDGE_TASKS = ("multi30k",)
 
@@ -399,6 +418,14 @@ class Protocol:
         results = self._stage("recheck", recheck)
         if results is None:
             return
+        for _ in range(self.args.extensions):  # the learning-rate edge, as in stage 1
+            extra = _recheck_extension(self, results)
+            if not extra:
+                break
+            recheck += extra
+            results = self._stage("recheck", recheck)
+            if results is None:
+                return
         for norm in ("layernorm", "powernorm"):
             self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
         self.picks[f"rmsnorm@{self.long}"] = self.picks[f"rmsnorm@{self.short}"]
