@@ -101,6 +101,7 @@ def test_export_is_a_record_that_resumes_the_study_elsewhere(tmp_path):
     tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out")])
     stale = tmp_path / "export" / "cells" / "a-run-since-removed"
     stale.mkdir(parents=True)
+    (tmp_path / "export" / "curves_ptb_8.png").write_bytes(b"a figure the outputs no longer have")
     tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out"), "--report_only",
                            "--export_dir", str(tmp_path / "export")])
     export = tmp_path / "export"
@@ -122,6 +123,16 @@ def test_export_is_a_record_that_resumes_the_study_elsewhere(tmp_path):
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "elsewhere").glob("cells/*/result.json")} == stamps
     for name in ("results.csv", "curves.csv", "picks.json"):
         assert (tmp_path / "elsewhere" / name).read_bytes() == (export / name).read_bytes(), name
+
+
+def test_a_budget_without_finals_loses_its_old_figure(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["smoke"], extensions=1, seeds=[1])
+    protocol = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
+    old = [tmp_path / f"curves_ptb_{updates}.png" for updates in protocol.sizes["budgets"]]
+    for path in old:
+        path.write_bytes(b"from finals a changed protocol no longer asks for")
+    tuned_comparison._plot(protocol, tmp_path)
+    assert not any(path.exists() for path in old)
 
 
 def test_export_into_the_output_folder_is_refused(tmp_path):

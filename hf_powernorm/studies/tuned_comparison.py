@@ -600,8 +600,12 @@ DIFFERENCE_FROM = 0.2
 def _plot(protocol: Protocol, output_dir: Path) -> None:
     """Validation over updates of the finals: per norm the mean over seeds and the seeds' range
     (left), and each norm's seeds minus LayerNorm's mean at the same update (right), where
-    differences of a fraction of a point are visible."""
+    differences of a fraction of a point are visible. A budget without finals has no figure (one
+    left by an earlier report, from finals that a later protocol change has not asked for, is removed)."""
     finals = _finished(protocol)
+    for updates in protocol.sizes["budgets"]:
+        if not any(r["updates"] == updates for r in finals):
+            (output_dir / f"curves_{protocol.task}_{updates}.png").unlink(missing_ok=True)
     if not finals:
         return
     import matplotlib
@@ -654,8 +658,12 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
     output folder, `cells/` resumes the study: the grid never reruns a run with a result, and the
     report reads the same curves from it."""
     export_dir.mkdir(parents=True, exist_ok=True)
-    for path in [output_dir / name for name in OUTPUT_FILES] + sorted(output_dir.glob("curves_*.png")):
+    figures = sorted(output_dir.glob("curves_*.png"))
+    for path in [output_dir / name for name in OUTPUT_FILES] + figures:
         shutil.copyfile(path, export_dir / path.name)
+    for path in export_dir.glob("curves_*.png"):
+        if path.name not in {figure.name for figure in figures}:
+            path.unlink()
     results = {result["cell"]: result for protocol in protocols for result in _finished_runs(protocol)}
     for cell, result in results.items():
         target = log_folder(export_dir, result)
