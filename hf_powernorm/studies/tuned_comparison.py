@@ -115,7 +115,7 @@ LOWER_IS_BETTER = {"ptb": True, "multi30k": False}
 # validation curve still climbed over those updates, which differs between the norms; STUDIES.md).
 HEADLINES = {"ptb": (("test", "perplexity", "best validated model"),),
              "multi30k": (("test", "bleu_averaged", "average of the last checkpoints, beam 5"),
-                          ("test", "bleu", "best validated checkpoint, beam 5 (not the paper's inference)"))}
+                          ("test", "bleu", "best validated checkpoint, beam 5; not the paper's inference"))}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
