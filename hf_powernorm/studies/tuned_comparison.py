@@ -339,6 +339,11 @@ def _win_checks(protocol: "Protocol", finals: list[dict[str, Any]]) -> list[Cell
     return checks
 
 
+def _score_label(split: str, metric: str, scored: str) -> str:
+    """A headline score as the summary's tables name it, e.g. `test bleu (best validated checkpoint, ...)`."""
+    return f"{split} {metric.partition('_')[0]} ({scored})"
+
+
 def _headline_keys(task: str) -> list[str]:
     return [f"{split}_{metric}" for split, metric, _ in HEADLINES[task]]
 
@@ -369,6 +374,21 @@ class Protocol:
         self.stages[name] = [(cell, done.get(cell.name)) for cell in cells]
         return None if len(done) < len(unique) else [done[cell.name] for cell in cells]
 
+    def _extended_stage(self, name: str, cells: list[Cell], rules) -> list[dict[str, Any]] | None:
+        """`_stage(name, cells)`, then for each `(rule, rounds)` in turn up to `rounds` times: the cells
+        `rule(self, results)` adds, run as part of the same stage, until it adds none."""
+        results = self._stage(name, cells)
+        for rule, rounds in rules:
+            for _ in range(rounds):
+                if results is None:
+                    return None
+                extra = rule(self, results)
+                if not extra:
+                    break
+                cells = cells + extra
+                results = self._stage(name, cells)
+        return results
+
     def cell(self, chosen: dict[str, Any], updates: int, seed: int = 1) -> Cell:
         return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed)
 
@@ -376,21 +396,13 @@ class Protocol:
         sizes, norms = self.sizes, NORMS
         grid = [self.cell(setting(norm, lr, warmup), self.short) for norm in norms
                 for lr in sizes["learning_rates"] for warmup in sizes["warmups"]]
-        results = self._stage("lr", grid)
-        if results is None:
-            return
         # The learning-rate edge, then the warmup edge (tasks of WARMUP_EDGE_TASKS: one longer warmup,
         # then up to two rates beyond).
-        for rule, rounds in ((_edge_extension, self.args.extensions),
-                             (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)):
-            for _ in range(rounds):
-                extra = rule(self, results)
-                if not extra:
-                    break
-                grid += extra
-                results = self._stage("lr", grid)
-                if results is None:
-                    return
+        results = self._extended_stage("lr", grid, (
+            (_edge_extension, self.args.extensions),
+            (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)))
+        if results is None:
+            return
         for norm in norms:
             self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
         pn = self.picks[f"powernorm@{self.short}"]
@@ -407,17 +419,10 @@ class Protocol:
         recheck = [self.cell({**self.picks[f"{norm}@{self.short}"],
                               "learning_rate": self.picks[f"{norm}@{self.short}"]["learning_rate"] * factor},
                              self.long) for norm in ("layernorm", "powernorm") for factor in sizes["recheck"]]
-        results = self._stage("recheck", recheck)
+        # the learning-rate edge, as in stage 1
+        results = self._extended_stage("recheck", recheck, ((_recheck_extension, self.args.extensions),))
         if results is None:
             return
-        for _ in range(self.args.extensions):  # the learning-rate edge, as in stage 1
-            extra = _recheck_extension(self, results)
-            if not extra:
-                break
-            recheck += extra
-            results = self._stage("recheck", recheck)
-            if results is None:
-                return
         for norm in ("layernorm", "powernorm"):
             self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
         self.picks[f"rmsnorm@{self.long}"] = self.picks[f"rmsnorm@{self.short}"]
@@ -503,7 +508,7 @@ def headline(protocols: list[Protocol]) -> list[str]:
         for updates in protocol.sizes["budgets"]:
             length = "short" if updates == protocol.short else "long"
             for split, metric, scored in HEADLINES[protocol.task]:
-                key, label = f"{split}_{metric}", f"{split} {metric.partition('_')[0]} ({scored})"
+                key, label = f"{split}_{metric}", _score_label(split, metric, scored)
                 if not any(_scores(results["final"], norm, updates, key) for norm in (*NORMS, "powernorm-all")):
                     continue
                 ln = _scores(results["final"], "layernorm", updates, key)
@@ -544,7 +549,7 @@ def per_seed(protocols: list[Protocol]) -> list[str]:
                     cells = [f"{scores[norm]:.2f}" if norm in scores else "-" for norm in _SEED_COLUMNS]
                     difference = (f"{scores['powernorm'] - scores['layernorm']:+.2f}"
                                   if "powernorm" in scores and "layernorm" in scores else "-")
-                    lines.append(f"| {protocol.task} | {updates} | {split} {metric.partition('_')[0]} ({scored}) | "
+                    lines.append(f"| {protocol.task} | {updates} | {_score_label(split, metric, scored)} | "
                                  f"{seed} | {' | '.join(cells)} | {difference} |")
     return lines
 
