@@ -224,6 +224,14 @@ def test_a_pn_win_is_checked_without_pns_own_tuning(tmp_path):
     checks = tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 25.0, "powernorm": 24.0},
                                                            {"layernorm": 25.0, "powernorm": 27.0}))
     assert [(c.options["norm"], c.options["seed"]) for c in checks] == [("powernorm", seed) for seed in (1, 2, 3)]
+    # A row is checked only once its finals and LayerNorm's are in at every seed: a verdict on two
+    # seeds may still turn. Rows still running do not hold back a row that is in.
+    won = finals(2000, {"layernorm": 25.0, "powernorm": 27.0})
+    assert tuned_comparison._win_checks(protocol, [r for r in won if (r["norm"], r["seed"]) != ("powernorm", 3)]) == []
+    assert tuned_comparison._win_checks(protocol, [r for r in won if (r["norm"], r["seed"]) != ("layernorm", 1)]) == []
+    running = finals(2000, {"powernorm-all": 30.0})[:2]  # PN in every layer: 2 seeds of 3, far ahead
+    checks = tuned_comparison._win_checks(protocol, won + running)
+    assert [(c.options["norm"], c.options["seed"]) for c in checks] == [("powernorm", seed) for seed in (1, 2, 3)]
 
 
 def test_the_multi30k_headline_scores_the_average_and_the_best_checkpoint(tmp_path):

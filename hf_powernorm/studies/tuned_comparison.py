@@ -41,7 +41,8 @@ Protocol, the same for every norm, chosen on validation only (best validation of
    PN row again at every seed with PN's own options back at stage 1's (alpha_fwd = alpha_bkw = 0.9, running
    denominator; its learning rate and warmup kept, which every norm had tuned alike), so that a
    win is shown not to rest on the tuning only PN had (rows of stage `final` in the CSV, with those
-   options; a line of their own in the headline).
+   options; a line of their own in the headline). A row's check is decided once its finals and
+   LayerNorm's are in at every seed, so `--report_only` shows it while other rows' finals run.
 Cells of one stage depend on the picks of the stages before; a run that two stages ask for (the
 pick's seed-1 run is also a final) runs once.
 
@@ -324,13 +325,16 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
 def _win_checks(protocol: "Protocol", finals: list[dict[str, Any]]) -> list[Cell]:
     """Stage 6's cells: for each budget and PN row (`powernorm`, `powernorm-all`) whose finals beat
     LayerNorm's by the verdict rule on any of the headline scores, the same setting with PN's own
-    options at stage 1's, at every seed (none where those are its options already: the finals stand)."""
-    checks = []
+    options at stage 1's, at every seed (none where those are its options already: the finals stand).
+    Only rows whose finals, and LayerNorm's, are in at every seed: their verdicts can no longer change,
+    so a row's check is decided while other rows' finals still run."""
+    checks, seeds = [], len(protocol.args.seeds)
     for updates in (protocol.short, protocol.long):
         for norm in ("powernorm", "powernorm-all"):
-            if not any(verdict(_scores(finals, "layernorm", updates, key), _scores(finals, norm, updates, key),
-                               LOWER_IS_BETTER[protocol.task]) == "PN better"
-                       for key in _headline_keys(protocol.task)):
+            scores = [(_scores(finals, "layernorm", updates, key), _scores(finals, norm, updates, key))
+                      for key in _headline_keys(protocol.task)]
+            if not any(len(ln) == len(pn) == seeds and verdict(ln, pn, LOWER_IS_BETTER[protocol.task]) == "PN better"
+                       for ln, pn in scores):
                 continue
             chosen = {**protocol.picks[f"powernorm@{updates}"], "norm": norm, "alpha_fwd": DEFAULT_ALPHA,
                       "alpha_bkw": DEFAULT_ALPHA, "denominator": DEFAULT_DENOMINATOR}
@@ -431,11 +435,11 @@ class Protocol:
         if self.task == "multi30k":  # PN in every layer, with PN's picks
             finals += [self.cell({**self.picks[f"powernorm@{updates}"], "norm": "powernorm-all"}, updates, seed)
                        for updates in (self.short, self.long) for seed in self.args.seeds]
-        results = self._stage("final", finals)
-        if results is not None:
-            checks = _win_checks(self, results)
-            if checks:
-                self._stage("check", checks)
+        self._stage("final", finals)
+        # Stage 6 for the rows whose finals are all in (all of them, unless reporting midway).
+        checks = _win_checks(self, [result for _, result in self.stages["final"] if result is not None])
+        if checks:
+            self._stage("check", checks)
 
 
 # -- outputs ------------------------------------------------------------------------------------
