@@ -437,7 +437,7 @@ class Protocol:
                        for updates in (self.short, self.long) for seed in self.args.seeds]
         self._stage("final", finals)
         # Stage 6 for the rows whose finals are all in (all of them, unless reporting midway).
-        checks = _win_checks(self, [result for _, result in self.stages["final"] if result is not None])
+        checks = _win_checks(self, _finished(self))
         if checks:
             self._stage("check", checks)
 
