@@ -283,8 +283,35 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", **options) -> 
         _set_submodule(model, name, new)
         report.replaced.append((name, type(old).__name__, type(new.norm).__name__))
     _install_hooks(model, context, encoder_prefix)
-    setattr(config, CONVERSION_CONFIG_KEY, {"norm_type": norm_type, "options": options, "modules": report.modules})
+    norms = {name: {"size": hidden_size, "source": source.kind, "options": {"eps": source.eps, **options}}
+             for name, source in sources.items()}
+    setattr(config, CONVERSION_CONFIG_KEY, {"norm_type": norm_type, "options": options, "modules": report.modules,
+                                            "norms": norms})
     _warn_position_mixing(model, config, norm_type, options)
+    from .modeling_converted import adopt
+
+    adopt(model)
+    return report
+
+
+def apply_conversion(model: nn.Module, conversion: dict) -> ConversionReport:
+    """PROVISIONAL: rebuild the recorded conversion on a freshly built model, without probing."""
+    config = _model_config(model)
+    norm_type = conversion["norm_type"]
+    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
+    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    report = ConversionReport(norm_type, conversion["options"])
+    for name, entry in conversion["norms"].items():
+        old = model.get_submodule(name)
+        norm = build_norm(norm_type, entry["size"], **entry["options"])
+        weight = getattr(old, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            norm.to(device=weight.device, dtype=weight.dtype)
+        new = MaskAwareNorm(norm, context, _role(name, encoder_prefix, context.encoder_decoder), name)
+        _set_submodule(model, name, new)
+        report.replaced.append((name, type(old).__name__, type(norm).__name__))
+    _install_hooks(model, context, encoder_prefix)
+    setattr(config, CONVERSION_CONFIG_KEY, conversion)
     return report
 
 
@@ -425,38 +452,97 @@ def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dic
 
 def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | None = None,
                    **config_kwargs) -> nn.Module:
-    """Load a model saved after `convert_norms`: build it from `config.json` (no weights), convert it
-    as recorded in `config.powernorm_conversion`, then load every weight and running buffer.
+    """Load a model saved after `convert_norms`, with every weight and running buffer.
 
     `path` is a local folder or a Hub repo id; `model_class` an Auto class (`AutoModelForCausalLM`)
     or a model class (`LlamaForCausalLM`); `dtype` casts the loaded model (running statistics stay
-    float32); the model is returned in eval mode, as `from_pretrained` returns it. Loading such
-    a folder with `model_class.from_pretrained` instead keeps the original norm classes: it reports the
-    norms' keys as missing and unexpected and starts the norms afresh, and their statistics are lost.
+    float32); the model is returned in eval mode, as `from_pretrained` returns it. The model is built
+    as `config.powernorm_conversion` records (its converted class, `modeling_converted.py`) and loaded
+    by Transformers' own `from_pretrained`, so checkpoint key renamings (GPT-NeoX's `embed_out`),
+    shards and tied weights are handled as for the original model; a key the converted model lacks
+    or does not fill raises. Folders saved before the record named each norm's size and source kind
+    load too: their norms are probed once on a model built from the config.
+    `AutoModel...from_pretrained(path, trust_remote_code=True)` loads the same model without this
+    package; without `trust_remote_code` it raises rather than load the unconverted model.
     """
-    from transformers import AutoConfig
+    from .modeling_converted import converted_class, original_class
 
     folder = _local_folder(path)
-    config = AutoConfig.from_pretrained(folder, **config_kwargs)
+    config = load_converted_config(folder, **config_kwargs)
     conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
     if not isinstance(conversion, dict) or "norm_type" not in conversion:
         raise ValueError(
             f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {model_class.__name__}.from_pretrained"
         )
-    delattr(config, CONVERSION_CONFIG_KEY)
-    # An Auto class picks the model class from the config; a model class is built directly.
-    model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class._from_config(config)
+    base = _model_class_for(original_class(model_class), config)
+    if "norms" not in conversion:
+        setattr(config, CONVERSION_CONFIG_KEY, _completed_record(base, config, conversion, path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
+        model, info = converted_class(base).from_pretrained(folder, config=config, output_loading_info=True)
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the converted model: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def load_converted_config(path: str | os.PathLike, **config_kwargs):
+    """The config of a converted folder as an instance of its converted config class, read with this
+    package's code (no `trust_remote_code` needed); a folder that was not converted gives its plain config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .modeling_converted import MODEL_TYPE_PREFIX, converted_class
+
+    folder = _local_folder(path)
+    with open(os.path.join(folder, "config.json")) as handle:
+        model_type = json.load(handle).get("model_type", "")
+    if not model_type.startswith(MODEL_TYPE_PREFIX):
+        return AutoConfig.from_pretrained(folder, **config_kwargs)
+    base_type = model_type.removeprefix(MODEL_TYPE_PREFIX)
+    if base_type not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: converted from model type {base_type!r}, which this Transformers "
+                         "version does not know")
+    return converted_class(CONFIG_MAPPING[base_type]).from_pretrained(folder, **config_kwargs)
+
+
+def _model_class_for(model_class, config) -> type:
+    """The Transformers model class that `model_class` (an Auto class or a model class) builds for `config`."""
+    from .modeling_converted import original_class
+
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is None:
+        return model_class
+    config_class = original_class(type(config))
+    if config_class not in mapping:
+        raise ValueError(f"{model_class.__name__} has no model for {config_class.__name__} "
+                         f"(model type {config_class.model_type!r})")
+    found = mapping[config_class]
+    if isinstance(found, (list, tuple)):
+        names = set(getattr(config, "architectures", None) or [])
+        found = next((cls for cls in found if cls.__name__ in names), found[0])
+    return found
+
+
+def _completed_record(base: type, config, conversion: dict, path) -> dict:
+    """A record from before per-norm entries: convert a model built from `config` as recorded (probing
+    its norms) and take the full record that conversion writes."""
+    import copy
+
+    plain = copy.deepcopy(config)
+    delattr(plain, CONVERSION_CONFIG_KEY)
+    model = base._from_config(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
         report = convert_norms(model, conversion["norm_type"], **conversion["options"])
     if report.modules != conversion["modules"]:
         raise ValueError(
             f"{path}: converting again replaced {report.modules}, the saved model had {conversion['modules']}"
         )
-    _load_state_dict(model, _read_state_dict(folder))
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
+    return getattr(model.config, CONVERSION_CONFIG_KEY)
 
 
 def _local_folder(path: str | os.PathLike) -> str:
@@ -467,35 +553,6 @@ def _local_folder(path: str | os.PathLike) -> str:
     return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"])
 
 
-def _read_state_dict(folder: str) -> dict[str, torch.Tensor]:
-    """`model.safetensors`, or every shard listed in `model.safetensors.index.json`."""
-    from safetensors.torch import load_file
-
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.exists(single):
-        return load_file(single)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        raise FileNotFoundError(f"{folder}: neither model.safetensors nor model.safetensors.index.json")
-    with open(index) as handle:
-        shards = sorted(set(json.load(handle)["weight_map"].values()))
-    return {k: v for shard in shards for k, v in load_file(os.path.join(folder, shard)).items()}
-
-
-def _load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load strictly, except for tied parameters that the checkpoint stores once."""
-    result = model.load_state_dict(state_dict, strict=False)
-    names_of = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names_of.setdefault(id(tensor), []).append(name)
-    loaded = set(state_dict)
-    tied = {n for names in names_of.values() if loaded & set(names) for n in names}
-    missing = sorted(set(result.missing_keys) - tied)
-    if missing or result.unexpected_keys:
-        raise ValueError(f"checkpoint does not match the converted model: missing {missing}, "
-                         f"unexpected {sorted(result.unexpected_keys)}")
-
-
 __all__ = [
     "ConversionReport",
     "MaskAwareNorm",
@@ -504,4 +561,5 @@ __all__ = [
     "find_norms",
     "is_norm_candidate",
     "load_converted",
+    "load_converted_config",
 ]

@@ -1,0 +1,187 @@
+"""Converted Transformers models as classes of their own, so that a saved converted model loads right anywhere.
+
+`convert_norms` gives the model it converts a class of this module, named as its own
+(`LlamaForCausalLM`) and deriving from it, and a config class of this module deriving from the
+model's config class. `save_pretrained` then writes, beside the weights and every running buffer:
+
+- this file and the files it imports (`converter.py`, `normalization.py`, ...), as Transformers
+  copies remote code;
+- an `auto_map` naming these classes, for `AutoConfig` and the model's own Auto class;
+- a `model_type` of its own (`powernorm_converted_llama`): Transformers knows no such type, so
+  `AutoModel...from_pretrained(folder)` without `trust_remote_code=True` raises instead of quietly
+  building the unconverted model and starting its norms afresh.
+
+With `trust_remote_code=True` the Auto classes build the converted class: its `__init__` builds the
+original model and converts it again from `config.powernorm_conversion` (`apply_conversion`: no probe,
+no calibration, valid on the meta device that `from_pretrained` builds on), then the weights and
+running buffers load into it, through Transformers' own loading (sharding, dtype, tied weights and
+the key renamings of `conversion_mapping`, such as GPT-NeoX's `embed_out` -> `lm_head`).
+
+The classes are made on first use and looked up by name through the module's `__getattr__`, which is
+how Transformers' remote-code loader and `pickle` find them: `LlamaForCausalLM` here is the converted
+`transformers.LlamaForCausalLM`. In memory the config keeps the original `model_type` (code keyed on
+it, such as PEFT's default target modules, still finds it); only the saved `config.json` carries the
+prefixed type, and loading strips the prefix again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from torch import nn
+
+from .converter import CONVERSION_CONFIG_KEY, apply_conversion
+
+MODEL_TYPE_PREFIX = "powernorm_converted_"
+
+_CLASSES: dict[str, type] = {}
+
+
+def converted_class(base: type) -> type:
+    """The converted class of a Transformers model or config class (made once, then cached)."""
+    made = _CLASSES.get(base.__name__)
+    if made is not None and made.__mro__[1] is base:
+        return made
+    if issubclass(base, transformers.PreTrainedModel):
+        made = _model_class(base)
+    elif issubclass(base, transformers.PretrainedConfig):
+        made = _config_class(base)
+    else:
+        raise TypeError(f"expected a Transformers model or config class, got {base!r}")
+    _CLASSES[base.__name__] = made
+    return made
+
+
+def is_converted_class(cls: type) -> bool:
+    return cls.__module__ == __name__ or getattr(cls, "_powernorm_converted", False)
+
+
+def __getattr__(name: str) -> type:
+    """`LlamaForCausalLM` / `LlamaConfig`: the converted class of Transformers' class of that name."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    base = getattr(transformers, name, None)
+    if not isinstance(base, type) or not issubclass(base, (transformers.PreTrainedModel, transformers.PretrainedConfig)):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: no Transformers model or config "
+                             "class has that name")
+    return converted_class(base)
+
+
+# ----------------------------------------------------------------------------------------------
+# The classes
+
+
+def _config_class(base: type) -> type:
+    """`base` with the saved `model_type` prefixed (so that only remote code loads it) and `auto_map` kept."""
+    base_type = base.model_type
+
+    def to_dict(self) -> dict[str, Any]:
+        output = base.to_dict(self)
+        output["model_type"] = MODEL_TYPE_PREFIX + base_type
+        return output
+
+    def get_config_dict(cls, *args, **kwargs):
+        config_dict, unused = base.get_config_dict.__func__(cls, *args, **kwargs)
+        if config_dict.get("model_type") == MODEL_TYPE_PREFIX + base_type:
+            config_dict = {**config_dict, "model_type": base_type}
+        return config_dict, unused
+
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": base.__name__,
+        "__doc__": f"`{base.__name__}` of a model whose norms `convert_norms` replaced.",
+        "to_dict": to_dict,
+        "get_config_dict": classmethod(get_config_dict),
+        "_auto_class": "AutoConfig",
+        "_powernorm_converted": True,
+    }
+    return type(base.__name__, (base,), namespace)
+
+
+def _model_class(base: type) -> type:
+    """`base` whose `__init__` converts the norms as `config.powernorm_conversion` records."""
+    config_class = converted_class(base.config_class) if isinstance(base.config_class, type) else None
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        if not is_converted_class(type(config)):
+            config.__class__ = converted_class(type(config))
+        base.__init__(self, config, *args, **kwargs)
+        conversion = getattr(self.config, CONVERSION_CONFIG_KEY, None)
+        if not isinstance(conversion, dict):
+            raise ValueError(f"{base.__name__} (converted) needs config.{CONVERSION_CONFIG_KEY}, the record that "
+                             f"convert_norms writes; got {conversion!r}")
+        apply_conversion(self, conversion)
+
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": base.__name__,
+        "__doc__": f"`{base.__name__}` with its norms replaced by `convert_norms` (`{__name__}`).",
+        "__init__": __init__,
+        "_auto_class": auto_class_name(base),
+        "_powernorm_converted": True,
+        # Transformers reads these off the defining module's source; the base class's module is the one.
+        "_can_set_attn_implementation_cached_value": base._can_set_attn_implementation(),
+    }
+    if config_class is not None:
+        namespace["config_class"] = config_class
+    made = type(base.__name__, (base,), namespace)
+    _register_key_mapping(made)
+    return made
+
+
+# The Auto classes a converted model is most often loaded through, most specific first.
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+                 "AutoModelForMaskedLM", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+                 "AutoModelForMultipleChoice", "AutoModelForPreTraining", "AutoModel")
+
+
+def auto_class_name(base: type) -> str:
+    """The Auto class whose mapping holds `base` (`AutoModelForCausalLM`), `AutoModel` where none does."""
+    model_type = getattr(base.config_class, "model_type", None)
+    for auto in _AUTO_CLASSES:
+        names = getattr(getattr(transformers, auto), "_model_mapping")._model_mapping
+        found = names.get(model_type)
+        if found == base.__name__ or (isinstance(found, (list, tuple)) and base.__name__ in found):
+            return auto
+    return "AutoModel"
+
+
+def _register_key_mapping(made: type) -> None:
+    """Transformers applies `conversion_mapping` (checkpoint key renamings, in on load and back on save) to
+    custom classes only when their name or model type was registered: register the original type's."""
+    try:
+        from transformers import conversion_mapping
+    except ImportError:
+        return
+    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
+    lookup = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+    registered = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)
+    if register is None or lookup is None or registered is None or made.__name__ in registered:
+        return
+    mapping = lookup(made.__name__) or lookup(getattr(made.config_class, "model_type", None))
+    if mapping:
+        register(made.__name__, mapping, overwrite=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Giving a converted model its class
+
+
+def adopt(model: nn.Module) -> None:
+    """Make `model` (converted in place) and its config instances of their converted classes."""
+    if not isinstance(model, transformers.PreTrainedModel):
+        return
+    config = model.config
+    if not is_converted_class(type(config)):
+        config.__class__ = converted_class(type(config))
+    if not is_converted_class(type(model)):
+        model.__class__ = converted_class(type(model))
+
+
+def original_class(cls: type) -> type:
+    """The Transformers class a converted class derives from (`cls` itself otherwise)."""
+    return cls.__mro__[1] if is_converted_class(cls) and cls.__module__ == __name__ else cls
+
+
+__all__ = ["MODEL_TYPE_PREFIX", "adopt", "auto_class_name", "converted_class", "is_converted_class", "original_class"]
