@@ -204,8 +204,11 @@ def render_conversion_card(
              f"`hf_powernorm.convert_norms` replaced by `{conversion['norm_type']}` (options "
              f"`{conversion['options']}`); `model.safetensors` holds their running statistics.", "",
              "## How to load it", "", "```python", f"from transformers import {auto}", "",
-             "from hf_powernorm import load_converted", "", f'model = load_converted("{repo_id}", {auto})', "```",
-             "", f"`{auto}.from_pretrained` alone would rebuild the original norms and drop the statistics.", "",
+             f'model = {auto}.from_pretrained("{repo_id}", trust_remote_code=True)', "```", "",
+             "The folder carries the code that rebuilds the converted norms (`modeling_converted.py` and the "
+             "files it imports) and a model type of its own, so loading without `trust_remote_code=True` "
+             "raises instead of building the original norms. With `hf_powernorm` installed, "
+             f'`hf_powernorm.load_converted("{repo_id}", {auto})` loads it with the installed code.', "",
              "## Training", "", "```bash", training_command or "(not recorded)", "```", "",
              "## Results", "", "| Metric | Value |", "|---|---|",
              *(f"| {k} | {v} |" for k, v in sorted((results or {}).items()))]

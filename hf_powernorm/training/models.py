@@ -108,12 +108,10 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     """A Transformers model (`--model_name_or_path`, an `auto_class` checkpoint such as BERT or
     GPT-2) with its per-token norms replaced by `--convert_norms`; a folder that was converted
     before is loaded with its running statistics and fine-tuned on."""
-    from transformers import AutoConfig
-
-    from ..converter import convert_norms, load_converted
+    from ..converter import convert_norms, load_converted, load_converted_config
 
     path = args.model_name_or_path
-    config = AutoConfig.from_pretrained(path)
+    config = load_converted_config(path)
     conversion = getattr(config, "powernorm_conversion", None)
     if conversion:
         if conversion["norm_type"] != args.convert_norms:
