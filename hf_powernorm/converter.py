@@ -307,6 +307,15 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     return report
 
 
+@dataclass
+class _Plan:
+    """How one norm converts: what it computes, its size, and the options of its new norm."""
+
+    source: SourceNorm
+    size: int
+    options: dict
+
+
 def _refuse_converted(model: nn.Module, config) -> None:
     if getattr(model, "_powernorm_mask_context", None) is not None:
         raise ValueError(f"{type(model).__name__} is already converted ({getattr(config, CONVERSION_CONFIG_KEY)})")
