@@ -8,6 +8,7 @@ and also give the group count of group scaling and GroupNorm. `PRESETS` holds th
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from transformers import PreTrainedConfig
@@ -18,6 +19,10 @@ POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 # Marks `powernorm_group_num` as "one group per attention head" until the config resolves it.
 GROUP_NUM_HEADS = "num_attention_heads"
+# The sites of a norm in a layer stack, as the per-site options of a norm name them
+# (`site_options`: `norm_alpha_init` -> `norm_alpha_init_attention`, ...): before self- and
+# cross-attention, before the feed-forward block, and the stack's final norm.
+NORM_SITES = ("attention", "ffn", "final")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # IWSLT14 De-En (Table 2): pre-norm, PN in the encoder, LN in the decoder, 8000 warmup updates.
@@ -89,6 +94,16 @@ class PowerNormTransformerConfig(PreTrainedConfig):
     The denominator: both tasks pick `"running"` (PTB 92.37 against `"batch"`'s 92.48 perplexity,
     Multi30k 26.22 against 25.79 BLEU), the default. `powernorm_warmup_steps=0` means "set it": the
     paper ties it to the learning-rate warmup, which the recipes do by default.
+
+    DyT and Derf (`normalization.DyT`, `Derf`) start their `alpha` at `norm_alpha_init_attention`
+    in front of attention, `norm_alpha_init_ffn` in front of the FFN and `norm_alpha_init_final` in
+    the final norm: 1.0 each, the authors' GPT-2 values (`zlab-princeton/Derf`, `language
+    model/model_derf.patch`), a model of our sizes; their LLaMA 2 values, for widths of 4096 and more,
+    are smaller and larger before attention (0.8 / 0.2 / 0.2 at 7B; see `DyT`).
+    `embed_scale_learnable` makes the token embeddings' scale (sqrt(hidden) with `scale_embedding`,
+    else 1) a learnable scalar starting there, as the authors' language models with DyT and Derf do;
+    `None` (the default) means: in a stack whose norms are DyT or Derf (their trait
+    `learnable_embed_scale`), fixed otherwise.
     """
 
     model_type = "powernorm_transformer"
@@ -122,6 +137,10 @@ class PowerNormTransformerConfig(PreTrainedConfig):
     powernorm_backward_denominator: str = "running"
     powernorm_sync_stats: bool = False
     norm_eps: float = 1e-5
+    norm_alpha_init_attention: float = 1.0
+    norm_alpha_init_ffn: float = 1.0
+    norm_alpha_init_final: float = 1.0
+    embed_scale_learnable: bool | None = None
     norms_folded: bool = False
     pad_token_id: int | None = 1
     bos_token_id: int | None = 0
@@ -164,6 +183,11 @@ class PowerNormTransformerConfig(PreTrainedConfig):
             self._check(name, _is_number(value) and 0.0 <= value <= 1.0, "a number in [0, 1]")
         for name in ("norm_eps", "init_std"):
             self._check(name, _is_number(getattr(self, name)) and getattr(self, name) > 0, "a positive number")
+        for name in (f"norm_alpha_init_{site}" for site in NORM_SITES):
+            value = getattr(self, name)
+            self._check(name, _is_number(value) and math.isfinite(value) and value > 0, "a finite positive number")
+        self._check("embed_scale_learnable", self.embed_scale_learnable is None
+                    or isinstance(self.embed_scale_learnable, bool), "None or a bool")
         self._check("activation_function", self.activation_function in ACTIVATIONS, f"one of {ACTIVATIONS}")
         self._check("position_embedding_type", self.position_embedding_type in POSITION_EMBEDDING_TYPES,
                     f"one of {POSITION_EMBEDDING_TYPES}")
@@ -193,15 +217,21 @@ class PowerNormTransformerConfig(PreTrainedConfig):
         if not ok:
             raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
-    def norm_kwargs(self, norm_type: str) -> dict[str, Any]:
-        """The options `build_norm(norm_type, hidden_size, **options)` takes from this config."""
+    def norm_kwargs(self, norm_type: str, site: str | None = None) -> dict[str, Any]:
+        """The options `build_norm(norm_type, hidden_size, **options)` takes from this config; at a
+        `site` of `NORM_SITES` also the norm's per-site options (DyT's `alpha_init`, ...)."""
         norm_type = normalize_norm_name(norm_type)
+        if site is not None and site not in NORM_SITES:
+            raise ValueError(f"site must be None or one of {NORM_SITES}, got {site!r}")
         options: dict[str, Any] = {"eps": self.norm_eps}
         fields = NORM_CLASSES[norm_type].config_options
         options.update({option: getattr(self, field) for option, field in fields.items()})
+        if site is not None:
+            prefixes = NORM_CLASSES[norm_type].site_options
+            options.update({option: getattr(self, f"{prefix}_{site}") for option, prefix in prefixes.items()})
         if norm_type == "groupnorm" and options["group_num"] is None:
             options["group_num"] = 1  # no group scaling is one group for GroupNorm, which needs a count
         return options
 
 
-__all__ = ["PRESETS", "PowerNormTransformerConfig"]
+__all__ = ["NORM_SITES", "PRESETS", "PowerNormTransformerConfig"]

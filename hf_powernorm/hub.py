@@ -17,7 +17,7 @@ from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, EvalResult, HfApi, ModelCard, ModelCardData
 
-from .configuration_powernorm import PowerNormTransformerConfig
+from .configuration_powernorm import NORM_SITES, PowerNormTransformerConfig
 from .converter import causal_norms, mixes_positions
 from .modeling_powernorm import AUTO_CLASSES
 from .normalization import NORM_CLASSES
@@ -78,6 +78,26 @@ def _norm_positions(config: PowerNormTransformerConfig, head: str) -> list[tuple
             else "self-attention, cross-attention, feed-forward, final"
         positions.append((f"decoder ({where})", config.decoder_norm_type))
     return positions
+
+
+def _norm_options(config: PowerNormTransformerConfig, positions: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+    """`_NORM_OPTIONS`, and the per-site options (DyT's and Derf's initial alpha) and the embedding
+    scale's where a norm of the model takes them."""
+    norms = [NORM_CLASSES[norm] for _, norm in positions]
+    prefixes = sorted({prefix for cls in norms for prefix in cls.site_options.values()})
+    names = [*_NORM_OPTIONS, *(f"{prefix}_{site}" for prefix in prefixes for site in NORM_SITES)]
+    options = [(name, getattr(config, name)) for name in names]
+    learnable = sorted({norm for _, norm in positions if NORM_CLASSES[norm].learnable_embed_scale})
+    if config.embed_scale_learnable is not None:
+        options.append(("embed_scale_learnable", config.embed_scale_learnable))
+    elif learnable:
+        options.append(("embed_scale_learnable", f"None (learnable in the {' and '.join(learnable)} stacks)"))
+    return options
+
+
+def _elementwise_norms(positions: list[tuple[str, str]]) -> list[str]:
+    """The model's norms with per-site options: the element-wise ones (DyT, Derf), without statistics."""
+    return sorted({norm for _, norm in positions if NORM_CLASSES[norm].site_options})
 
 
 def _causal_leak(config: PowerNormTransformerConfig) -> list[str]:
@@ -176,7 +196,8 @@ def render_model_card(
         usage=usage,
         with_tokenizer=with_tokenizer,
         norm_positions=_norm_positions(config, head),
-        norm_options=[(name, getattr(config, name)) for name in _NORM_OPTIONS],
+        norm_options=_norm_options(config, _norm_positions(config, head)),
+        elementwise_norms=", ".join(f"`{norm}`" for norm in _elementwise_norms(_norm_positions(config, head))),
         norms_folded=config.norms_folded,
         architecture=_architecture(model, config, head),
         causal_leak=", ".join(causal_leak),

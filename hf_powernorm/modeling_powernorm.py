@@ -74,13 +74,15 @@ class GroupScale(nn.Module):
         return f"group_num={self.group_num}"
 
 
-def build_position_norm(config: PowerNormTransformerConfig, norm_type: str, foldable_position: bool) -> nn.Module:
-    """The norm of one position; a `GroupScale` where `fold_norms()` has folded it away."""
+def build_position_norm(config: PowerNormTransformerConfig, norm_type: str, foldable_position: bool,
+                        site: str) -> nn.Module:
+    """The norm of one position at `site` (`NORM_SITES`: its per-site options, such as DyT's initial
+    alpha); a `GroupScale` where `fold_norms()` has folded it away."""
     if config.norms_folded and foldable_position and norm_type in FOLDABLE_NORMS:
         # What is left is the group scaling the config gives the norm (none where it sets no group_num).
         option = NORM_CLASSES[norm_type].config_options.get("group_num")
         return GroupScale(getattr(config, option) if option else None)
-    return build_norm(norm_type, config.hidden_size, **config.norm_kwargs(norm_type))
+    return build_norm(norm_type, config.hidden_size, **config.norm_kwargs(norm_type, site))
 
 
 def sinusoidal_embedding(position_ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,12 +186,23 @@ def apply_dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torc
 
 
 class PowerNormTransformerEmbeddings(nn.Module):
-    """Token embedding (scaled by sqrt(hidden) when `scale_embedding`) plus positions, then dropout."""
+    """Token embedding (scaled by sqrt(hidden) when `scale_embedding`) plus positions, then dropout.
 
-    def __init__(self, config: PowerNormTransformerConfig) -> None:
+    The scale is a learnable scalar, starting there, with `config.embed_scale_learnable` (by default
+    in a stack of `norm_type`, the stack's norm, when that norm's `learnable_embed_scale` trait says
+    so: DyT and Derf, whose output keeps no fixed scale, as their authors' language models do). It
+    scales the tokens only: the authors' GPT-2 scales tokens and learned positions together; ours
+    keeps the positions (sinusoidal ones included) at their own scale, as the fixed scale does."""
+
+    def __init__(self, config: PowerNormTransformerConfig, norm_type: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.embed_scale = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
+        self.embed_scale_init = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
+        learnable = config.embed_scale_learnable
+        if learnable is None:
+            learnable = NORM_CLASSES[norm_type].learnable_embed_scale
+        self.embed_scale = nn.Parameter(torch.full((1,), self.embed_scale_init)) if learnable \
+            else self.embed_scale_init
         self.position_embedding_type = config.position_embedding_type
         self.max_positions = config.max_position_embeddings
         if self.position_embedding_type == "learned":
@@ -340,9 +353,9 @@ class PowerNormTransformerEncoderLayer(PowerNormTransformerLayerBase):
         super().__init__(config)
         norm = config.encoder_norm_type
         self.self_attn = PowerNormTransformerAttention(config, layer_idx)
-        self.self_attn_norm = build_position_norm(config, norm, config.normalize_before)
+        self.self_attn_norm = build_position_norm(config, norm, config.normalize_before, "attention")
         self.ffn = PowerNormTransformerFeedForward(config)
-        self.ffn_norm = build_position_norm(config, norm, config.normalize_before)
+        self.ffn_norm = build_position_norm(config, norm, config.normalize_before, "ffn")
 
     def forward(
         self,
@@ -364,12 +377,12 @@ class PowerNormTransformerDecoderLayer(PowerNormTransformerLayerBase):
         super().__init__(config)
         norm = config.decoder_norm_type
         self.self_attn = PowerNormTransformerAttention(config, layer_idx, is_causal=True)
-        self.self_attn_norm = build_position_norm(config, norm, config.normalize_before)
+        self.self_attn_norm = build_position_norm(config, norm, config.normalize_before, "attention")
         if cross_attention:
             self.encoder_attn = PowerNormTransformerAttention(config, layer_idx, is_cross_attention=True)
-            self.cross_attn_norm = build_position_norm(config, norm, config.normalize_before)
+            self.cross_attn_norm = build_position_norm(config, norm, config.normalize_before, "attention")
         self.ffn = PowerNormTransformerFeedForward(config)
-        self.ffn_norm = build_position_norm(config, norm, config.normalize_before)
+        self.ffn_norm = build_position_norm(config, norm, config.normalize_before, "ffn")
 
     def forward(
         self,
@@ -431,17 +444,24 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, tuple(NORM_CLASSES.values())):
             self._init_norm(module)
+        elif isinstance(module, PowerNormTransformerEmbeddings) and isinstance(module.embed_scale, nn.Parameter):
+            init.constant_(module.embed_scale, module.embed_scale_init)
 
     @staticmethod
     def _init_norm(module: nn.Module) -> None:
         """weight 1, bias 0, and the initial running statistics (phi 1, nu 0, mean 0, var 1, windows 0,
-        counter 0)."""
+        counter 0); the learnable scalars of DyT and Derf at their initial values (`alpha_init`,
+        `shift_init`)."""
         for name, value in (("weight", 1), ("bias", 0), ("running_phi", 1), ("running_nu", 0),
                             ("running_mean", 0), ("running_var", 1), ("window_phi", 0), ("window_gz", 0),
                             ("num_batches_tracked", 0)):
             tensor = getattr(module, name, None)
             if tensor is not None:
                 (init.ones_ if value == 1 else init.zeros_)(tensor)
+        for name in ("alpha", "shift"):
+            tensor = getattr(module, name, None)
+            if isinstance(tensor, torch.Tensor):
+                init.constant_(tensor, getattr(module, f"{name}_init"))
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> PreTrainedModel | tuple[PreTrainedModel, dict]:
@@ -548,11 +568,11 @@ class PowerNormTransformerEncoder(PowerNormTransformerPreTrainedModel):
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
         super().__init__(config)
-        self.embeddings = PowerNormTransformerEmbeddings(config)
+        self.embeddings = PowerNormTransformerEmbeddings(config, config.encoder_norm_type)
         self.layers = nn.ModuleList(
             [PowerNormTransformerEncoderLayer(config, i) for i in range(config.encoder_layers)]
         )
-        self.final_norm = build_position_norm(config, config.encoder_norm_type, False) \
+        self.final_norm = build_position_norm(config, config.encoder_norm_type, False, "final") \
             if config.normalize_before else None
         self.post_init()
 
@@ -614,12 +634,12 @@ class PowerNormTransformerDecoder(PowerNormTransformerPreTrainedModel):
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
         super().__init__(config)
-        self.embeddings = PowerNormTransformerEmbeddings(config)
+        self.embeddings = PowerNormTransformerEmbeddings(config, config.decoder_norm_type)
         self.layers = nn.ModuleList(
             [PowerNormTransformerDecoderLayer(config, i, config.is_encoder_decoder)
              for i in range(config.decoder_layers)]
         )
-        self.final_norm = build_position_norm(config, config.decoder_norm_type, False) \
+        self.final_norm = build_position_norm(config, config.decoder_norm_type, False, "final") \
             if config.normalize_before else None
         self.post_init()
 

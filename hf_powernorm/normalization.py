@@ -7,7 +7,8 @@ statistic of the notes or of the reference code, an optional ramp from the batch
 denominator, approximate backward with the running gradient statistic `nu`). Its relatives are the
 paper's baselines (Table 1, Appendix B.3): `PowerNormV`, `MaskedBatchNorm`, `BatchRenorm` (Ioffe,
 2017), `MovingAverageBatchNorm` (Yan et al., 2020), `LayerNorm`, `RMSNorm`, `GroupNorm` and
-`Identity` ("none").
+`Identity` ("none"). `DyT` (Zhu et al., CVPR 2025) and `Derf` are the element-wise replacements
+published since: a learnable squashing function per element, no statistic.
 
 Interface shared by all: `Norm(hidden_size, eps=..., **options)` and
 `forward(hidden_states, attention_mask=None)` with hidden states `(batch, seq, hidden)` or
@@ -32,6 +33,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import math
 import os
 import re
 import warnings
@@ -354,6 +356,11 @@ class _Norm(nn.Module):
     foldable: bool = False
     # Constructor option -> the `PowerNormTransformerConfig` field that sets it (besides `eps`).
     config_options: dict[str, str] = {}
+    # Constructor option -> the prefix of the config fields that set it per site of the model
+    # (`<prefix>_attention`, `<prefix>_ffn`, `<prefix>_final`: before attention, before the FFN, last).
+    site_options: dict[str, str] = {}
+    # The model family makes its embedding scale a learnable scalar in a stack of these norms by default.
+    learnable_embed_scale: bool = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -1681,6 +1688,128 @@ class Identity(_Norm):
 
 
 # ----------------------------------------------------------------------------------------------
+# Element-wise replacements: no statistics at all
+
+
+def _check_finite_number(name: str, value: float, positive: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
+            positive and not value > 0):
+        raise ValueError(f"{name} must be a finite {'positive ' * positive}number, got {value!r}")
+
+
+class _ElementwiseNorm(_Norm):
+    """`weight * f(alpha * x + shift) + bias` per element, with learnable scalars `alpha` (and `shift`):
+    no statistic, nothing mixed across channels or positions. Arithmetic in float32 (float64 for
+    float64 inputs) whatever the input or parameter dtype, autocast included; output in the input's dtype."""
+
+    mixes_positions = False
+    has_running_stats = False
+    foldable = False
+    site_options = {"alpha_init": "norm_alpha_init"}
+    learnable_embed_scale = True
+    # `convert_norms(..., preserve_function=True)` cannot apply: no weight makes a squashing function
+    # compute what the LayerNorm / RMSNorm it replaces computed.
+    preserves_function = False
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_init: float = 0.5) -> None:
+        super().__init__(hidden_size, eps)  # `eps` is accepted for the shared interface and unused
+        _check_finite_number("alpha_init", alpha_init, positive=True)
+        self.alpha_init = float(alpha_init)
+        self.alpha = nn.Parameter(torch.full((1,), self.alpha_init))
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.alpha, self.alpha_init)
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def _squash(self, scaled: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _argument(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x * _cast(self.alpha, dtype)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+        dtype = _stat_dtype(hidden_states)
+        with _float32(hidden_states.device):
+            squashed = self._squash(self._argument(_cast(hidden_states, dtype), dtype))
+            out = torch.addcmul(_cast(self.bias, dtype), squashed, _cast(self.weight, dtype))
+        return _cast(out, hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, alpha_init={self.alpha_init}"
+
+
+class DyT(_ElementwiseNorm):
+    """Dynamic Tanh (Zhu, Chen, He, LeCun, Liu, "Transformers without Normalization", CVPR 2025):
+    `y = weight * tanh(alpha * x) + bias`, `alpha` a learnable scalar (shape `(1,)`), `weight` and
+    `bias` per channel.
+
+    As the authors' `DynamicTanh` (`jiachenzhu/DyT`, `dynamic_tanh.py`; the same class in
+    `zlab-princeton/Derf`, `ViT/dynamic_tanh.py`), with `alpha_init=0.5` their default there and in
+    their LayerNorm converter. Initial `alpha` per site in the authors' language models: LLaMA 2
+    (`jiachenzhu/DyT`, `other_tasks/LLaMA/`: its README's table, read by `fms_fsdp/models/llama.py`
+    as `attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`) takes 0.8 before
+    attention and 0.2 before the FFN and for the final norm at 7B (width 4096), 0.6 / 0.15 at 13B,
+    0.2 / 0.05 at 34B and 70B: larger before attention, smaller the wider the model. GPT-2 small
+    (width 768, `zlab-princeton/Derf`, `language model/model_derf.patch`) takes 1.0 at every site
+    (`attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`), the model family's
+    defaults (`norm_alpha_init_attention`, `_ffn`, `_final`), since our models (width 32-1024) are
+    of its size, not LLaMA's.
+
+    Where ours differs: `eps` is accepted (the registry's one interface) and unused, and
+    `alpha_init` must be positive; the padding mask is accepted and unused (nothing is shared
+    between tokens);
+    the arithmetic is float32 under autocast and for half-precision inputs and parameters, where the
+    authors' code computes in the input's dtype, so that a bf16 model's `alpha * x` does not lose
+    the precision LayerNorm's float32 statistics keep; `bias` always exists (the authors' GPT-2
+    patch also keeps it when the model has no other bias).
+    """
+
+    def _squash(self, scaled: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(scaled)
+
+
+class Derf(_ElementwiseNorm):
+    """Dynamic erf (`zlab-princeton/Derf`): `y = weight * erf(alpha * x + shift) + bias`, `alpha` and
+    `shift` learnable scalars (shape `(1,)`), `weight` and `bias` per channel.
+
+    As the authors' `Dynamic_erf` (`ViT/dynamic_erf.py`, and the GPT-2 one in `language
+    model/model_derf.patch`), with their defaults `alpha_init=0.5`, `shift_init=0.0`. Initial `alpha`
+    per site: the GPT-2 patch takes 1.0 before attention, before the FFN and for the final norm
+    (`attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`), with a learnable
+    scale on the embeddings initialised at sqrt(width): the model family's defaults for DyT and
+    Derf alike (`norm_alpha_init_attention`, `_ffn`, `_final`, `embed_scale_learnable`). `shift`
+    starts at 0 at every site there.
+
+    Where ours differs: `eps` and the padding mask are accepted (the registry's one interface) and
+    unused; the arithmetic is float32 under autocast and for half-precision inputs and parameters
+    (the authors' code computes in the input's dtype), as for `DyT`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_init: float = 0.5, shift_init: float = 0.0) -> None:
+        super().__init__(hidden_size, eps, alpha_init)
+        _check_finite_number("shift_init", shift_init)
+        self.shift_init = float(shift_init)
+        self.shift = nn.Parameter(torch.full((1,), self.shift_init))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.constant_(self.shift, self.shift_init)
+
+    def _argument(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.addcmul(_cast(self.shift, dtype), x, _cast(self.alpha, dtype))
+
+    def _squash(self, scaled: torch.Tensor) -> torch.Tensor:
+        return torch.erf(scaled)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shift_init={self.shift_init}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Registry
 
 NORM_CLASSES: dict[str, type[nn.Module]] = {
@@ -1693,6 +1822,8 @@ NORM_CLASSES: dict[str, type[nn.Module]] = {
     "rmsnorm": RMSNorm,
     "groupnorm": GroupNorm,
     "none": Identity,
+    "dyt": DyT,
+    "derf": Derf,
 }
 
 _ALIASES = {
@@ -1715,6 +1846,10 @@ _ALIASES = {
     "gn": "groupnorm",
     "none": "none",
     "identity": "none",
+    "dyt": "dyt",
+    "dynamictanh": "dyt",
+    "derf": "derf",
+    "dynamicerf": "derf",
 }
 
 
@@ -1743,6 +1878,8 @@ __all__ = [
     "NORM_CLASSES",
     "WARMUP_STATISTICS",
     "BatchRenorm",
+    "Derf",
+    "DyT",
     "GroupNorm",
     "Identity",
     "LayerNorm",

@@ -1,5 +1,6 @@
 """Each norm's traits (`mixes_positions`, `mixing_options`, `has_running_stats`, `foldable`,
-`config_options`) checked against what the norm does, and the lists derived from them.
+`config_options`, `site_options`, `learnable_embed_scale`) checked against what the norm does, and
+the lists derived from them.
 
 The model, the converter, the model card and the recipes read these traits through
 `NORM_CLASSES`; a norm whose trait lies would get a wrong card warning, a missing-statistics
@@ -13,7 +14,7 @@ import re
 import pytest
 import torch
 
-from hf_powernorm import NORM_CLASSES, PowerNormTransformerConfig, build_norm
+from hf_powernorm import NORM_CLASSES, PowerNormTransformerConfig, PowerNormTransformerForCausalLM, build_norm
 from hf_powernorm.converter import causal_norms, mixes_positions
 from hf_powernorm.modeling_powernorm import FOLDABLE_NORMS, RUNNING_BUFFERS
 from hf_powernorm.normalization import group_scale
@@ -91,6 +92,30 @@ def test_config_options_name_constructor_options_and_config_fields(name):
     for option, field in cls.config_options.items():
         assert option in accepted and hasattr(config, field), (option, field)
     build_norm(name, config.hidden_size, **config.norm_kwargs(name))
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_site_options_reach_the_norm_of_each_site(name):
+    """Each per-site option is a constructor option and names one config field per site, and the
+    model's norm at that site is built with that field's value."""
+    cls = NORM_CLASSES[name]
+    accepted = inspect.signature(cls.__init__).parameters
+    sites = {"attention": 0.7, "ffn": 0.4, "final": 0.2}
+    fields = {f"{prefix}_{site}": value for prefix in cls.site_options.values() for site, value in sites.items()}
+    config = PowerNormTransformerConfig.from_preset("tiny", decoder_norm_type=name, is_encoder_decoder=False, **fields)
+    decoder = PowerNormTransformerForCausalLM(config).model.decoder
+    for option, prefix in cls.site_options.items():
+        assert option in accepted, option
+        for site, norm in (("attention", decoder.layers[0].self_attn_norm), ("ffn", decoder.layers[0].ffn_norm),
+                           ("final", decoder.final_norm)):
+            assert getattr(norm, option) == getattr(config, f"{prefix}_{site}"), (option, site)
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_learnable_embed_scale_matches_the_model(name):
+    config = PowerNormTransformerConfig.from_preset("tiny", decoder_norm_type=name, is_encoder_decoder=False)
+    scale = PowerNormTransformerForCausalLM(config).model.decoder.embeddings.embed_scale
+    assert isinstance(scale, torch.nn.Parameter) is NORM_CLASSES[name].learnable_embed_scale
 
 
 def test_derived_lists_follow_the_traits():

@@ -63,6 +63,8 @@ LAYER_CASES = {
     "mabn": ("mabn", {}, True),
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
+    "dyt": ("dyt", {}, True),
+    "derf": ("derf", {}, True),
     "powernorm G=4, its two C calls alone (no module, no autograd)": ("pn_calls", {"group_num": GROUP_NUM}, True),
     "autograd.Function doing no arithmetic (module call, output and gradient allocation, autograd)": ("autograd", {}, True),
 }
@@ -74,6 +76,8 @@ EVAL_CASES = {
     "batchnorm (masked)": ("batchnorm", {}, True),
     "rmsnorm": ("rmsnorm", {}, True),
     "layernorm (registry)": ("layernorm", {}, True),
+    "dyt": ("dyt", {}, True),
+    "derf": ("derf", {}, True),
     "x.clone() (no norm: one read and one write)": ("copy", {}, True),
 }
 # Every norm of the registry but the identity, in the registry's order.

@@ -5,7 +5,8 @@ Groups: data (`--train_file`, `--max_train_samples`, `--preprocessing_num_worker
 `--overwrite_cache`, ...), tokenizer and model (`--model_name_or_path` to fine-tune or score an
 exported model or checkpoint, `--config_name`, `--tokenizer_name`, `--preset`, the norms), the
 options of Power Normalization (Algorithm 2: `alpha_fwd`, `alpha_bkw`, warmup, group scaling,
-backward denominator, synchronised statistics), training (`--max_tokens` or
+backward denominator, synchronised statistics), those of DyT and Derf (initial alpha per site, the
+learnable embedding scale), training (`--max_tokens` or
 `--per_device_train_batch_size`, `--lr_scheduler_type`, `--num_warmup_steps`, ...), evaluation and
 the Hub. `check_args` fails on bad values, naming them, before any data is read.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,16 @@ import huggingface_hub
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 
-from ..configuration_powernorm import PRESETS
+from ..configuration_powernorm import NORM_SITES, PRESETS
 from ..normalization import WARMUP_STATISTICS, normalize_norm_name
 from .optimization import SCHEDULER_TYPES
 
+# The config fields of DyT's and Derf's initial alpha per site and of the learnable embedding scale.
+ELEMENTWISE_NORM_OPTIONS = tuple(f"norm_alpha_init_{site}" for site in NORM_SITES) + ("embed_scale_learnable",)
+# The norm options a recipe passes to the config when given (the preset's otherwise).
 PN_OPTIONS = ("powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps", "powernorm_group_num",
-              "powernorm_backward_denominator", "powernorm_warmup_statistic", "powernorm_warmup_ramp_steps")
+              "powernorm_backward_denominator", "powernorm_warmup_statistic", "powernorm_warmup_ramp_steps",
+              *ELEMENTWISE_NORM_OPTIONS)
 # Options that count updates on the command line and training forward passes in the config.
 PN_UPDATE_COUNTS = ("powernorm_warmup_steps", "powernorm_warmup_ramp_steps")
 NORM_OPTIONS = ("norm_type", "encoder_norm_type", "decoder_norm_type")
@@ -46,6 +52,7 @@ def add_recipe_args(parser: argparse.ArgumentParser, **defaults: Any) -> argpars
     _add_data_args(parser)
     _add_model_args(parser)
     _add_powernorm_args(parser)
+    _add_elementwise_norm_args(parser)
     _add_training_args(parser)
     _add_evaluation_and_hub_args(parser)
     parser.set_defaults(**defaults)
@@ -111,6 +118,17 @@ def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
                        help="sum PN/BN statistics over processes; default: on with several processes. "
                             "With --no-sync_stats each process keeps its own. Either way they are "
                             "averaged over the processes before the model is evaluated or saved")
+
+
+def _add_elementwise_norm_args(parser: argparse.ArgumentParser) -> None:
+    norms = parser.add_argument_group("DyT and Derf (default: the config's values, the authors' GPT-2 ones)")
+    for site, where in zip(NORM_SITES, ("before self- and cross-attention", "before the feed-forward block",
+                                        "in the final norm of each stack")):
+        norms.add_argument(f"--norm_alpha_init_{site}", type=float, metavar="ALPHA",
+                           help=f"initial alpha of DyT/Derf {where}")
+    norms.add_argument("--embed_scale_learnable", action=argparse.BooleanOptionalAction, default=None,
+                       help="a learnable scalar scales the token embeddings, starting at sqrt(hidden); default: "
+                            "on in a stack of DyT or Derf norms, off otherwise")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -219,6 +237,10 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and value < 0:
             raise ValueError(f"--{option} must be at least 0; got {value}")
+    for option in ELEMENTWISE_NORM_OPTIONS[:-1]:
+        value = getattr(args, option)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{option} must be a finite positive number; got {value}")
 
 
 def check_batch_budget(args: argparse.Namespace) -> None:

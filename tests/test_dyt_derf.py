@@ -1,0 +1,379 @@
+"""DyT (Zhu et al., CVPR 2025) and Derf: each against a direct float64 implementation of its formula,
+their dtype behaviour and traits, the model family's per-site alphas and learnable embedding scale,
+the recipes' options, and `convert_norms` of a tiny Llama and GPT-2 to each, saved and reloaded."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+from torch.func import functional_call
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import hf_powernorm
+from hf_powernorm import (
+    NORM_CLASSES,
+    PowerNormTransformerConfig,
+    PowerNormTransformerForCausalLM,
+    PowerNormTransformerForConditionalGeneration,
+    build_norm,
+    normalize_norm_name,
+)
+from hf_powernorm.hub import render_model_card
+from hf_powernorm.normalization import Derf, DyT
+from hf_powernorm.training import add_recipe_args, check_args
+from hf_powernorm.training.models import powernorm_overrides
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCH, SEQ, HIDDEN, HEADS, VOCAB = 3, 7, 32, 4, 99
+NAMES = ["dyt", "derf"]
+SQUASH = {"dyt": torch.tanh, "derf": torch.erf}
+
+
+def reference(name: str, x, alpha, weight, bias, shift=None):
+    """The authors' formula written out: `weight * f(alpha * x + shift) + bias` (no shift for DyT)."""
+    argument = alpha * x if shift is None else alpha * x + shift
+    return weight * SQUASH[name](argument) + bias
+
+
+def random_norm(name: str, hidden: int = HIDDEN, seed: int = 0) -> torch.nn.Module:
+    """A norm whose every parameter is away from its initial value, so a swapped or ignored one shows."""
+    norm = build_norm(name, hidden, alpha_init=0.7)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in norm.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return norm
+
+
+def params_of(norm: torch.nn.Module, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    return {key: value.detach().to(dtype) for key, value in norm.named_parameters()}
+
+
+def inputs(dtype=torch.float32, seed: int = 1, scale: float = 3.0) -> torch.Tensor:
+    return (torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The classes against their formula
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_and_gradients_match_the_formula(name):
+    norm = random_norm(name)
+    x = inputs().requires_grad_(True)
+    out = norm(x)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    expected_params = {key: value.requires_grad_(True) for key, value in params_of(norm).items()}
+    x64 = x.detach().double().requires_grad_(True)
+    expected = reference(name, x64, **expected_params)
+    expected.backward(dy.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-6)
+    for key, parameter in norm.named_parameters():
+        torch.testing.assert_close(parameter.grad.double(), expected_params[key].grad, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_gradcheck_of_input_and_parameters(name):
+    norm = random_norm(name, hidden=5).double()
+    keys = [key for key, _ in norm.named_parameters()]
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    values = [value.detach().clone().requires_grad_(True) for _, value in norm.named_parameters()]
+
+    def fn(x, *values):
+        return functional_call(norm, dict(zip(keys, values)), (x,))
+
+    assert torch.autograd.gradcheck(fn, (x, *values))
+    assert torch.autograd.gradgradcheck(fn, (x, *values))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_initial_values_are_the_authors(name):
+    norm = build_norm(name, 64)
+    assert norm.alpha.shape == (1,) and norm.alpha.item() == 0.5  # the authors' alpha_init_value
+    assert torch.equal(norm.weight, torch.ones(64)) and torch.equal(norm.bias, torch.zeros(64))
+    if name == "derf":
+        assert norm.shift.shape == (1,) and norm.shift.item() == 0.0
+    x = inputs()[..., :1].expand(BATCH, SEQ, 64)
+    torch.testing.assert_close(norm(x), SQUASH[name](0.5 * x))
+    assert sorted(key for key, _ in norm.named_parameters()) == sorted(
+        ["alpha", "weight", "bias", *(["shift"] if name == "derf" else [])])
+    assert not list(norm.buffers())
+
+
+# ----------------------------------------------------------------------------------------------
+# Dtypes: float32 arithmetic whatever comes in
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_input_is_computed_in_float32(name):
+    norm = random_norm(name)
+    x = inputs(torch.bfloat16)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    in_float32 = reference(name, x.float(), **params_of(norm, torch.float32))
+    assert torch.equal(out, in_float32.to(torch.bfloat16))
+    # bf16 parameters too (a model cast with .to(bfloat16)): still float32 arithmetic on their values
+    norm_bf16 = random_norm(name).to(torch.bfloat16)
+    out = norm_bf16(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, reference(name, x.float(), **params_of(norm_bf16, torch.float32)).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_autocast_keeps_float32_arithmetic(name):
+    norm = random_norm(name)
+    x = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, norm(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiles_without_graph_breaks(name):
+    norm = random_norm(name)
+    x = inputs().requires_grad_(True)
+    explanation = torch._dynamo.explain(norm)(x, torch.ones(BATCH, SEQ))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry and traits
+
+
+def test_registry_names_and_build_norm():
+    assert NORM_CLASSES["dyt"] is DyT and NORM_CLASSES["derf"] is Derf
+    for spelling, name in (("DyT", "dyt"), ("dynamic_tanh", "dyt"), ("Dynamic-Tanh", "dyt"), ("Derf", "derf"),
+                           ("dynamic_erf", "derf")):
+        assert normalize_norm_name(spelling) == name
+    for name, cls in (("dyt", DyT), ("derf", Derf)):
+        norm = build_norm(name, 64, alpha_init=0.8)
+        assert type(norm) is cls and norm.weight.shape == (64,) and norm.alpha.item() == pytest.approx(0.8)
+    assert build_norm("derf", 64, shift_init=-0.25).shift.item() == -0.25
+    with pytest.raises(TypeError, match="shift_init"):
+        build_norm("dyt", 64, shift_init=0.1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("option, value", [("alpha_init", 0.0), ("alpha_init", -1.0), ("alpha_init", float("nan")),
+                                           ("alpha_init", "0.5"), ("alpha_init", True)])
+def test_bad_alpha_init_is_refused_by_name(name, option, value):
+    with pytest.raises(ValueError, match=f"alpha_init must be a finite positive number, got {value!r}"):
+        build_norm(name, 8, **{option: value})
+
+
+def test_bad_shift_init_is_refused_by_name():
+    with pytest.raises(ValueError, match="shift_init must be a finite number, got inf"):
+        build_norm("derf", 8, shift_init=math.inf)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_traits_say_what_the_norms_do(name):
+    cls = NORM_CLASSES[name]
+    assert (cls.mixes_positions, cls.mixing_options, cls.has_running_stats, cls.foldable) == (False, (), False, False)
+    assert cls.site_options == {"alpha_init": "norm_alpha_init"}
+    assert cls.learnable_embed_scale is True and cls.preserves_function is False
+    assert not hasattr(build_norm(name, 8), "affine_after_group_scale")
+    norm = random_norm(name).train()
+    x = inputs()
+    mask = torch.ones(BATCH, SEQ)
+    mask[1, 3:] = 0
+    batch_out = norm(x, mask)
+    assert torch.equal(batch_out[:1], norm(x[:1]))  # alone or in a batch, masked or not: the same
+    assert torch.equal(batch_out, norm(x))
+    # element-wise: changing one channel of one token changes that element only
+    changed = x.clone()
+    changed[2, 4, 5] += 1.0
+    differs = (norm(changed) != batch_out)
+    assert differs.sum() == 1 and differs[2, 4, 5]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model family
+
+
+def tiny(**fields) -> PowerNormTransformerConfig:
+    return PowerNormTransformerConfig.from_preset("tiny", **fields)
+
+
+def causal(norm: str, **fields) -> PowerNormTransformerForCausalLM:
+    torch.manual_seed(0)
+    return PowerNormTransformerForCausalLM(tiny(decoder_norm_type=norm, is_encoder_decoder=False, **fields))
+
+
+def token_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[2, 5:] = 0
+    ids[2, 5:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_per_site_alpha_reaches_each_norm(name):
+    sites = dict(norm_alpha_init_attention=0.9, norm_alpha_init_ffn=0.35, norm_alpha_init_final=0.15)
+    model = PowerNormTransformerForConditionalGeneration(tiny(encoder_norm_type=name, decoder_norm_type=name, **sites))
+    alphas = {key: value.item() for key, value in model.named_parameters() if key.endswith(".alpha")}
+    expected = {}
+    for stack, attention in (("encoder", ["self_attn_norm"]), ("decoder", ["self_attn_norm", "cross_attn_norm"])):
+        for layer in range(2):
+            for norm in attention:
+                expected[f"model.{stack}.layers.{layer}.{norm}.alpha"] = 0.9
+            expected[f"model.{stack}.layers.{layer}.ffn_norm.alpha"] = 0.35
+        expected[f"model.{stack}.final_norm.alpha"] = 0.15
+    assert alphas == pytest.approx(expected)
+    default = causal(name)
+    assert {value.item() for key, value in default.named_parameters() if key.endswith(".alpha")} == {1.0}
+
+
+def test_embedding_scale_is_learnable_in_dyt_and_derf_stacks_by_default():
+    model = PowerNormTransformerForConditionalGeneration(tiny(encoder_norm_type="derf", decoder_norm_type="layernorm"))
+    scale = model.model.encoder.embeddings.embed_scale
+    assert isinstance(scale, torch.nn.Parameter) and scale.item() == pytest.approx(math.sqrt(HIDDEN))
+    assert model.model.decoder.embeddings.embed_scale == math.sqrt(HIDDEN)  # a fixed float in the LN stack
+    off = causal("dyt", embed_scale_learnable=False).model.decoder.embeddings.embed_scale
+    assert off == math.sqrt(HIDDEN) and not isinstance(off, torch.Tensor)
+    on = causal("layernorm", embed_scale_learnable=True, scale_embedding=False).model.decoder.embeddings.embed_scale
+    assert isinstance(on, torch.nn.Parameter) and on.item() == 1.0
+
+
+def test_embedding_scale_multiplies_the_token_embeddings():
+    model = causal("dyt").eval()
+    ids, mask = token_batch()
+    embeddings = model.model.decoder.embeddings
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    with torch.no_grad():
+        before = embeddings(ids, None, positions)
+        embeddings.embed_scale.fill_(2.0)
+        after = embeddings(ids, None, positions)
+    tokens = embeddings.embed_tokens(ids)
+    torch.testing.assert_close(after - before, tokens * (2.0 - math.sqrt(HIDDEN)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("norm_alpha_init_ffn", 0.0), ("norm_alpha_init_attention", float("inf")),
+                                          ("norm_alpha_init_final", "1"), ("embed_scale_learnable", "yes")])
+def test_config_refuses_bad_values_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny(**{field: value})
+
+
+def test_norm_kwargs_per_site():
+    config = tiny(norm_alpha_init_attention=0.8, norm_alpha_init_ffn=0.2, norm_alpha_init_final=0.1)
+    assert config.norm_kwargs("dyt", "attention") == {"eps": config.norm_eps, "alpha_init": 0.8}
+    assert config.norm_kwargs("Derf", "final") == {"eps": config.norm_eps, "alpha_init": 0.1}
+    assert config.norm_kwargs("dyt") == {"eps": config.norm_eps}
+    assert config.norm_kwargs("layernorm", "ffn") == {"eps": config.norm_eps}
+    with pytest.raises(ValueError, match="site must be None or one of"):
+        config.norm_kwargs("dyt", "embedding")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_step_then_save_and_reload_is_equal(name, tmp_path):
+    model = causal(name, norm_alpha_init_attention=0.8, norm_alpha_init_ffn=0.3, norm_alpha_init_final=0.3).train()
+    ids, mask = token_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {key: value.detach().clone() for key, value in model.named_parameters()}
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    for key, parameter in model.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), key
+    optimizer.step()
+    moved = [key for key, value in model.named_parameters() if key.endswith((".alpha", ".shift", "embed_scale"))
+             and not torch.equal(value, before[key])]
+    assert "model.decoder.embeddings.embed_scale" in moved and "model.decoder.final_norm.alpha" in moved
+    assert len(moved) == 1 + 5 * (2 if name == "derf" else 1)  # the scale, alpha (and shift) of 5 norms
+    model.save_pretrained(tmp_path)
+    loaded = PowerNormTransformerForCausalLM.from_pretrained(tmp_path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    model.eval()
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits,
+                               model(input_ids=ids, attention_mask=mask).logits, atol=0, rtol=0)
+
+
+def test_model_card_lists_the_per_site_alphas():
+    card = str(render_model_card(causal("derf", norm_alpha_init_attention=0.6), repo_id="org/tiny"))
+    assert "| `norm_alpha_init_attention` | `0.6` |" in card and "| `norm_alpha_init_final` | `1.0` |" in card
+    assert "learnable in the derf stacks" in card and "zlab-princeton/Derf" in card
+    assert "norm_alpha_init" not in str(render_model_card(causal("layernorm"), repo_id="org/tiny"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Recipes
+
+
+def test_recipe_options_reach_the_config(tmp_path):
+    parser = add_recipe_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--norm_type", "DyT", "--norm_alpha_init_attention", "0.8", "--norm_alpha_init_ffn",
+                              "0.2", "--no-embed_scale_learnable", "--output_dir", str(tmp_path)])
+    check_args(args)
+    overrides = powernorm_overrides(args)
+    assert overrides == {"norm_alpha_init_attention": 0.8, "norm_alpha_init_ffn": 0.2, "embed_scale_learnable": False}
+    config = tiny(decoder_norm_type=args.norm_type, is_encoder_decoder=False, **overrides)
+    model = PowerNormTransformerForCausalLM(config)
+    assert model.model.decoder.layers[1].self_attn_norm.alpha.item() == pytest.approx(0.8)
+    assert model.model.decoder.final_norm.alpha.item() == 1.0
+    assert not isinstance(model.model.decoder.embeddings.embed_scale, torch.Tensor)
+    bad = parser.parse_args(["--norm_alpha_init_final", "-1", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--norm_alpha_init_final must be a finite positive number; got -1.0"):
+        check_args(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Converting a Transformers model
+
+
+def _gpt2():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=HEADS, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0))
+
+
+def _llama():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                        num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=37,
+                                        pad_token_id=0))
+
+
+SOURCES = {"gpt2": (_gpt2, 5), "llama": (_llama, 5)}  # model, number of norms (2 per layer + final)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_convert_train_save_and_load_converted(source, name, tmp_path):
+    build, count = SOURCES[source]
+    torch.manual_seed(0)
+    model = build()
+    with torch.no_grad():  # source weights and biases away from 1 and 0, so the copy shows
+        for key, value in model.named_parameters():
+            if "ln" in key or "norm" in key:
+                value.add_(torch.randn_like(value) * 0.1)
+    sources = {key: value.detach().clone() for key, value in model.named_parameters() if "ln" in key or "norm" in key}
+    report = hf_powernorm.convert_norms(model, name, alpha_init=0.6)
+    assert len(report.replaced) == count and {new for _, _, new in report.replaced} == {NORM_CLASSES[name].__name__}
+    norms = {key: module.norm for key, module in model.named_modules() if type(module).__name__ == "MaskAwareNorm"}
+    for key, norm in norms.items():
+        assert norm.alpha.item() == pytest.approx(0.6)
+        assert torch.equal(norm.weight, sources[f"{key}.weight"])
+        assert torch.equal(norm.bias, sources[f"{key}.bias"]) if f"{key}.bias" in sources \
+            else torch.equal(norm.bias, torch.zeros(HIDDEN))
+    ids, mask = token_batch()
+    ids[2, 5:] = 0
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert all(torch.isfinite(norm.alpha.grad).all() and norm.alpha.grad.abs().sum() > 0 for norm in norms.values())
+    optimizer.step()
+    model.save_pretrained(tmp_path)
+    loaded = hf_powernorm.load_converted(tmp_path, type(model))
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    model.eval()
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits,
+                               model(input_ids=ids, attention_mask=mask).logits, atol=0, rtol=0)
