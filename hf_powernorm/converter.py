@@ -198,7 +198,7 @@ def _vector(module: nn.Module, attribute: str, hidden_size: int, where: str) -> 
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(
             f"cannot convert {where}: its {attribute} has shape {shape}, expected ({hidden_size},) "
-            "(a per-token norm over the model's hidden size)"
+            "(a per-token norm over its last dimension)"
         )
     return value
 
@@ -224,13 +224,11 @@ def _probe_kind(module, weight, bias, eps, hidden_size) -> str | None:
                 None)
 
 
-def find_norms(model: nn.Module, hidden_size: int) -> dict[str, SourceNorm]:
-    """Every per-token norm of `model` by module path, read and checked by `read_source_norm`."""
-    return {
-        name: read_source_norm(module, name, hidden_size)
-        for name, module in model.named_modules()
-        if name and is_norm_candidate(module)
-    }
+def find_norms(model: nn.Module, hidden_size: int, modules=None) -> dict[str, SourceNorm]:
+    """The norms `convert_norms` would convert (`select_norms`) by module path, read and checked by
+    `read_source_norm`."""
+    selected, _ = select_norms(model, hidden_size, modules)
+    return {name: read_source_norm(model.get_submodule(name), name, size) for name, size in selected.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,53 +237,267 @@ def find_norms(model: nn.Module, hidden_size: int) -> dict[str, SourceNorm]:
 
 @dataclass
 class ConversionReport:
-    """What `convert_norms` replaced: `(module path, old class, new class)` per norm, and the options."""
+    """What a conversion did: `replaced` `(module path, old class, new class)` per converted norm,
+    `kept` `(module path, class, reason)` per norm left as it was, the options, whether it kept the
+    model's function, and `start_gap`: the largest absolute difference of the model's first output
+    (logits) between the source and the converted model on the first calibration batch (None
+    without calibration batches)."""
 
     norm_type: str
     options: dict
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
+    kept: list[tuple[str, str, str]] = field(default_factory=list)
+    preserve_function: bool = False
+    start_gap: float | None = None
 
     @property
     def modules(self) -> list[str]:
         return [name for name, _, _ in self.replaced]
 
     def __str__(self) -> str:
-        lines = [f"{len(self.replaced)} norms converted to {self.norm_type} {self.options}"]
+        preserving = ", keeping the function" if self.preserve_function else ""
+        lines = [f"{len(self.replaced)} norms converted to {self.norm_type} {self.options}{preserving}"]
         lines += [f"  {name}: {old} -> {new}" for name, old, new in self.replaced]
+        if self.start_gap is not None:
+            lines.append(f"largest output change on the first calibration batch: {self.start_gap:.3g}")
+        if self.kept:
+            lines.append(f"{len(self.kept)} norms kept")
+            lines += [f"  {name}: {cls} ({reason})" for name, cls, reason in self.kept]
         return "\n".join(lines)
 
 
-def convert_norms(model: nn.Module, norm_type: str = "powernorm", **options) -> ConversionReport:
-    """Replace every per-token norm of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
+def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=None, **options) -> ConversionReport:
+    """Replace the per-token norms of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
+
+    Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
+    the hidden size, not inside an attention block) and keeps QK-norms and per-head norms, listed in
+    `report.kept` with the reason; a string is a regular expression searched in each candidate
+    norm's module path, a callable `(name, module) -> bool` a predicate: either selects among every
+    candidate norm, QK-norms included where `norm_type` can be built over their size.
 
     Weights map where both norms have them (`weight`, `bias`; `1 + w` for RMS norms that scale by
     it), the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's
-    `num_attention_heads` for norms that take it. The new norms sit on the model's device and dtype
-    (running statistics stay float32) and receive the padding mask of each forward (module
-    docstring). The conversion is recorded in `model.config.powernorm_conversion`.
+    `num_attention_heads` for norms that take it (one group for a norm over another size). The new
+    norms sit on the model's device and dtype (running statistics stay float32), start with fresh
+    running statistics and step counters, and receive the padding mask of each forward (module
+    docstring). The conversion is recorded in `model.config.powernorm_conversion`, which
+    `apply_conversion` replays on a freshly built model.
     """
     config = _model_config(model)
-    if getattr(model, "_powernorm_mask_context", None) is not None:
-        raise ValueError(f"{type(model).__name__} is already converted ({getattr(config, CONVERSION_CONFIG_KEY)})")
+    _refuse_converted(model, config)
     norm_type = normalize_norm_name(norm_type)
+    explicit = set(options)
     options = _resolve_options(norm_type, options, config)
     hidden_size = _hidden_size(config)
-    sources = find_norms(model, hidden_size)
-    if not sources:
-        raise ValueError(f"{type(model).__name__} has no LayerNorm or RMSNorm to convert")
-    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
-    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
-    report = ConversionReport(norm_type, options)
-    for name, source in sources.items():
-        old = model.get_submodule(name)
-        role = _role(name, encoder_prefix, context.encoder_decoder)
-        new = MaskAwareNorm(_build_from_source(norm_type, source, hidden_size, options), context, role, name)
-        _set_submodule(model, name, new)
-        report.replaced.append((name, type(old).__name__, type(new.norm).__name__))
-    _install_hooks(model, context, encoder_prefix)
-    setattr(config, CONVERSION_CONFIG_KEY, {"norm_type": norm_type, "options": options, "modules": report.modules})
+    selected, kept = select_norms(model, hidden_size, modules)
+    plans, unbuildable = _plan(model, selected, norm_type, options, explicit, hidden_size)
+    if not plans:
+        raise ValueError(f"{type(model).__name__} has no LayerNorm or RMSNorm to convert"
+                         + (f"; kept: {kept + unbuildable}" if kept or unbuildable else ""))
+    record = _conversion_record(norm_type, options, plans)
+    report = apply_conversion(model, record)
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    report.kept = sorted(kept + unbuildable, key=lambda entry: order.get(entry[0], len(order)))
+    for name, plan in plans.items():
+        _copy_source(model.get_submodule(name).norm, plan.source)
     _warn_position_mixing(model, config, norm_type, options)
     return report
+
+
+@dataclass
+class _Plan:
+    """How one norm converts: what it computes, its size, and the options of its new norm."""
+
+    source: SourceNorm
+    size: int
+    options: dict
+
+
+def _refuse_converted(model: nn.Module, config) -> None:
+    if getattr(model, "_powernorm_mask_context", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already converted ({getattr(config, CONVERSION_CONFIG_KEY)})")
+
+
+def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict[str, int], list[tuple[str, str, str]]]:
+    """The candidate norms that convert, `{module path: size}`, and those kept, `[(path, class, reason)]`.
+
+    `modules=None`: a norm converts when it normalizes over `hidden_size` (its 1-D weight, bias or
+    `normalized_shape`) and is not a child of an attention block (a module whose class is named
+    `*Attention*` and holds `nn.Linear` projections, as OLMo2's `q_norm` over all heads is); a
+    string or a callable selects among every candidate (see `convert_norms`).
+    """
+    selector = _selector(modules)
+    selected, kept = {}, []
+    for name, module in model.named_modules():
+        if not name or not is_norm_candidate(module):
+            continue
+        size = norm_size(module)
+        if selector is not None:
+            if selector(name, module):
+                selected[name] = size if size is not None else hidden_size
+            else:
+                kept.append((name, type(module).__name__, f"not selected by modules={_selector_name(modules)}"))
+            continue
+        reason = _kept_by_default(model, name, size, hidden_size)
+        if reason is None:
+            selected[name] = hidden_size
+        else:
+            kept.append((name, type(module).__name__, reason))
+    return selected, kept
+
+
+def norm_size(module: nn.Module) -> int | None:
+    """The channels a norm normalizes over, read from shapes only (a `meta` module too), or None."""
+    for attribute in ("weight", "bias"):
+        value = getattr(module, attribute, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            return int(value.shape[0])
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
+        return shape[0]
+    return None
+
+
+def _selector(modules):
+    """`modules` as a predicate `(name, module) -> bool`, or None for the default rule."""
+    if modules is None:
+        return None
+    if isinstance(modules, str):
+        try:
+            pattern = re.compile(modules)
+        except re.error as error:
+            raise ValueError(f"modules={modules!r} is not a regular expression: {error}") from None
+        return lambda name, module: pattern.search(name) is not None
+    if callable(modules):
+        return lambda name, module: bool(modules(name, module))
+    raise TypeError(f"modules must be None, a regular expression string or a callable (name, module) -> bool, "
+                    f"got {type(modules).__name__}")
+
+
+def _selector_name(modules) -> str:
+    return repr(modules) if isinstance(modules, str) else getattr(modules, "__qualname__", repr(modules))
+
+
+def _kept_by_default(model: nn.Module, name: str, size: int | None, hidden_size: int) -> str | None:
+    """Why the default rule keeps a norm (off the residual stream), or None when it converts."""
+    if size is not None and size != hidden_size:
+        return f"normalizes {size} channels, not the hidden size {hidden_size}: a per-head or QK-norm"
+    parent = model.get_submodule(name.rpartition(".")[0])
+    if "Attention" in type(parent).__name__ and any(isinstance(m, nn.Linear) for m in parent.children()):
+        return f"inside {type(parent).__name__} beside its projections: a QK-norm"
+    return None
+
+
+def _plan(model: nn.Module, selected: dict[str, int], norm_type: str, options: dict, explicit: set,
+          hidden_size: int) -> tuple[dict[str, _Plan], list[tuple[str, str, str]]]:
+    """Read each selected norm and fix its new norm's options; a norm over another size that
+    `norm_type` cannot be built over is kept, with the reason."""
+    plans, kept = {}, []
+    for name, size in selected.items():
+        module = model.get_submodule(name)
+        source = read_source_norm(module, name, size)
+        module_options = {"eps": source.eps, **options}
+        if size != hidden_size and "group_num" in options and "group_num" not in explicit:
+            module_options["group_num"] = 1  # heads of the model are not groups of one head's channels
+        try:
+            with torch.device("meta"):
+                build_norm(norm_type, size, **module_options)
+        except ValueError as error:
+            if size == hidden_size:
+                raise
+            kept.append((name, type(module).__name__, f"{norm_type} cannot be built over {size} channels: {error}"))
+            continue
+        plans[name] = _Plan(source, size, module_options)
+    return plans, kept
+
+
+def _conversion_record(norm_type: str, options: dict, plans: dict[str, _Plan],
+                       preserve_function: bool = False) -> dict:
+    """`config.powernorm_conversion`: enough to rebuild the converted model without reading a weight."""
+    return {
+        "norm_type": norm_type,
+        "options": options,
+        "modules": list(plans),
+        "norms": {name: {"size": plan.size, "source": plan.source.kind, "options": plan.options}
+                  for name, plan in plans.items()},
+        "preserve_function": preserve_function,
+    }
+
+
+def apply_conversion(model: nn.Module, conversion: dict) -> ConversionReport:
+    """Replace exactly the norms recorded in `conversion` (a `config.powernorm_conversion`) by new
+    norms built from the record, install the mask hooks and set `config.powernorm_conversion`.
+
+    Reads no weight and runs no probe: the new norms hold their initial values, on the device and
+    dtype of the norms they replace, so it works on a model built on the `meta` device, and the
+    weights and running statistics are loaded afterwards. Each recorded module gets
+    `build_norm(norm_type, size, **options)` from its `norms` entry; a record without `norms` (written
+    before it existed) takes the size from the module's shapes and the epsilon from its attribute.
+    """
+    config = _model_config(model)
+    _refuse_converted(model, config)
+    record = _checked_record(conversion, model)
+    norm_type = record["norm_type"]
+    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
+    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    report = ConversionReport(norm_type, dict(record["options"]), preserve_function=record["preserve_function"])
+    for name in record["modules"]:
+        old, entry = model.get_submodule(name), record["norms"][name]
+        norm = _placed_like(build_norm(norm_type, entry["size"], **entry["options"]), old)
+        _set_submodule(model, name, MaskAwareNorm(norm, context, _role(name, encoder_prefix, context.encoder_decoder),
+                                                  name))
+        report.replaced.append((name, type(old).__name__, type(norm).__name__))
+    report.kept = [(name, type(module).__name__, "not in the recorded conversion")
+                   for name, module in model.named_modules() if name and is_norm_candidate(module)]
+    _install_hooks(model, context, encoder_prefix)
+    setattr(config, CONVERSION_CONFIG_KEY, record)
+    return report
+
+
+def _checked_record(conversion, model: nn.Module) -> dict:
+    """A copy of `conversion` with every key, checked against `model`; ValueError naming what is wrong."""
+    if not isinstance(conversion, dict) or not {"norm_type", "options", "modules"} <= set(conversion):
+        raise ValueError(f"a conversion record is a dict with keys 'norm_type', 'options', 'modules' (and 'norms', "
+                         f"'preserve_function'), got {conversion!r}")
+    record = json.loads(json.dumps(conversion))
+    record["norm_type"] = normalize_norm_name(record["norm_type"])
+    record.setdefault("preserve_function", False)
+    norms = record.setdefault("norms", {})
+    for name in record["modules"]:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"the conversion record names module {name!r}, which "
+                             f"{type(model).__name__} does not have") from None
+        if name not in norms:
+            norms[name] = _legacy_entry(module, name, record["options"])
+        elif not {"size", "options"} <= set(norms[name]):
+            raise ValueError(f"the conversion record's norms[{name!r}] needs 'size' and 'options', got {norms[name]!r}")
+    return record
+
+
+def _legacy_entry(module: nn.Module, name: str, options: dict) -> dict:
+    """The `norms` entry of a record written before it existed: size and epsilon from the module."""
+    size, eps = norm_size(module), _epsilon(module, getattr(module, "weight", None))
+    if size is None or eps is None:
+        raise ValueError(f"cannot read the size and epsilon of {name!r} ({type(module).__name__}) for a conversion "
+                         "record without 'norms'")
+    return {"size": size, "options": {"eps": eps, **options}}
+
+
+def _placed_like(norm: nn.Module, old: nn.Module) -> nn.Module:
+    """`norm` on the device and dtype of the norm it replaces (running statistics stay float32)."""
+    reference = next((t for t in (*old.parameters(), *old.buffers()) if t.is_floating_point()), None)
+    return norm if reference is None else norm.to(device=reference.device, dtype=reference.dtype)
+
+
+def _copy_source(norm: nn.Module, source: SourceNorm) -> None:
+    """The source's weight (`1 + w` for RMS norms that scale by it) and bias, where the new norm has them."""
+    with torch.no_grad():
+        if source.weight is not None and isinstance(getattr(norm, "weight", None), torch.Tensor):
+            norm.weight.copy_(source.weight + 1 if source.kind == "rmsnorm_offset" else source.weight)
+        if source.bias is not None and isinstance(getattr(norm, "bias", None), torch.Tensor):
+            norm.bias.copy_(source.bias)
 
 
 def _model_config(model: nn.Module):
@@ -320,20 +532,6 @@ def _resolve_options(norm_type: str, options: dict, config) -> dict:
             f"convert_norms options must be JSON values to be saved in the config, got {options!r}"
         ) from error
     return options
-
-
-def _build_from_source(norm_type: str, source: SourceNorm, hidden_size: int, options: dict) -> nn.Module:
-    """`build_norm` with the source's epsilon, weight and bias, on its device and dtype."""
-    norm = build_norm(norm_type, hidden_size, **{"eps": source.eps, **options})
-    reference = source.weight if source.weight is not None else source.bias
-    if reference is not None:
-        norm.to(device=reference.device, dtype=reference.dtype)
-    with torch.no_grad():
-        if source.weight is not None and isinstance(getattr(norm, "weight", None), torch.Tensor):
-            norm.weight.copy_(source.weight + 1 if source.kind == "rmsnorm_offset" else source.weight)
-        if source.bias is not None and isinstance(getattr(norm, "bias", None), torch.Tensor):
-            norm.bias.copy_(source.bias)
-    return norm
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -446,13 +644,7 @@ def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | No
     delattr(config, CONVERSION_CONFIG_KEY)
     # An Auto class picks the model class from the config; a model class is built directly.
     model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class._from_config(config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
-        report = convert_norms(model, conversion["norm_type"], **conversion["options"])
-    if report.modules != conversion["modules"]:
-        raise ValueError(
-            f"{path}: converting again replaced {report.modules}, the saved model had {conversion['modules']}"
-        )
+    apply_conversion(model, conversion)
     _load_state_dict(model, _read_state_dict(folder))
     if dtype is not None:
         model.to(dtype)
@@ -500,8 +692,10 @@ __all__ = [
     "ConversionReport",
     "MaskAwareNorm",
     "NormMaskContext",
+    "apply_conversion",
     "convert_norms",
     "find_norms",
     "is_norm_candidate",
     "load_converted",
+    "select_norms",
 ]

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 import hf_powernorm
-from hf_powernorm.converter import MaskAwareNorm, find_norms, is_norm_candidate
+from hf_powernorm.converter import MaskAwareNorm, apply_conversion, find_norms, is_norm_candidate
 
 VOCAB, HIDDEN, HEADS, BATCH, SEQ = 99, 32, 4, 3, 7
 LENGTHS, DECODER_LENGTHS = (7, 4, 2), (5, 3, 5)
@@ -154,8 +154,14 @@ def test_every_norm_replaced(name):
     assert not any(is_norm_candidate(m) for _, m in model.named_modules())
     assert all(type(norm).__name__ == "PowerNorm" and norm.group_num == HEADS
                for norm in converted_norms(model).values())
-    assert model.config.powernorm_conversion == {"norm_type": "powernorm", "options": {"group_num": HEADS},
-                                                 "modules": list(before)}
+    conversion = model.config.powernorm_conversion
+    assert {k: conversion[k] for k in ("norm_type", "options", "modules", "preserve_function")} == {
+        "norm_type": "powernorm", "options": {"group_num": HEADS}, "modules": list(before), "preserve_function": False}
+    assert list(conversion["norms"]) == list(before) and not report.kept
+    source_kind = "layernorm" if name in ("bert", "gpt2", "bart") else "rmsnorm"
+    for path, entry in conversion["norms"].items():
+        eps = model.get_submodule(path).norm.eps
+        assert entry == {"size": HIDDEN, "source": source_kind, "options": {"eps": eps, "group_num": HEADS}}
 
 
 @pytest.mark.parametrize("name,same_kind", [("bert", "layernorm"), ("gpt2", "layernorm"), ("llama", "rmsnorm"),
@@ -218,8 +224,9 @@ def test_a_norm_that_cannot_convert_is_named():
     with pytest.raises(ValueError, match=r"encoder\.layer\.1\.output\.LayerNorm.*_DoubledLayerNorm"):
         hf_powernorm.convert_norms(model)
     model = _bert()
-    model.pooler.LayerNorm = nn.LayerNorm(HIDDEN // 2)
-    with pytest.raises(ValueError, match=r"pooler\.LayerNorm.*shape \(16,\), expected \(32,\)"):
+    model.pooler.LayerNorm = nn.LayerNorm(HIDDEN)
+    model.pooler.LayerNorm.weight = nn.Parameter(torch.ones(HIDDEN, 2))
+    with pytest.raises(ValueError, match=r"pooler\.LayerNorm.*shape \(32, 2\), expected \(32,\)"):
         hf_powernorm.convert_norms(model)
 
 
@@ -395,6 +402,49 @@ def test_save_and_load_round_trip(name, tmp_path):
         assert torch.equal(loaded.state_dict()[key], value), key
     model.eval()
     torch.testing.assert_close(outputs(loaded, inputs), outputs(model, inputs), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_apply_conversion_replays_the_record_on_the_meta_device(name):
+    """The record alone rebuilds the converted modules: on `meta` (no value read), then with the
+    trained state loaded into a model built for real, the same outputs."""
+    model, report = build(name)
+    inputs = batch_inputs(name)
+    train_step(model, inputs, torch.optim.SGD(model.parameters(), lr=0.1))
+    record = json.loads(json.dumps(model.config.powernorm_conversion))
+    with torch.device("meta"):
+        fresh = MODELS[name]()
+    replayed = apply_conversion(fresh, record)
+    assert replayed.replaced == report.replaced and not replayed.kept
+    assert all(t.is_meta for norm in converted_norms(fresh).values() for t in norm.state_dict().values())
+    assert fresh.config.powernorm_conversion == record
+    torch.manual_seed(1)
+    real = MODELS[name]()
+    apply_conversion(real, record)
+    real.load_state_dict(model.state_dict())
+    model.eval(), real.eval()
+    torch.testing.assert_close(outputs(real, inputs), outputs(model, inputs), atol=0, rtol=0)
+
+
+def test_apply_conversion_refuses_a_bad_record():
+    model, _ = build("llama")
+    record = model.config.powernorm_conversion
+    with pytest.raises(ValueError, match="keys 'norm_type', 'options', 'modules'"):
+        apply_conversion(_llama(), {"norm_type": "powernorm"})
+    with pytest.raises(ValueError, match="module 'model.layers.9.input_layernorm'"):
+        apply_conversion(_llama(), {**record, "modules": ["model.layers.9.input_layernorm"]})
+    with pytest.raises(ValueError, match="already converted"):
+        apply_conversion(model, record)
+
+
+def test_a_record_without_norms_still_applies():
+    """Records written before `norms` existed take size and epsilon from the module."""
+    model, _ = build("gpt2")
+    record = {k: model.config.powernorm_conversion[k] for k in ("norm_type", "options", "modules")}
+    fresh = _gpt2()
+    apply_conversion(fresh, record)
+    assert {n: (m.hidden_size, m.eps) for n, m in converted_norms(fresh).items()} == {
+        n: (m.hidden_size, m.eps) for n, m in converted_norms(model).items()}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bart"])
