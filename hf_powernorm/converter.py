@@ -1,19 +1,24 @@
 """Power Normalization for any Transformers model: replace its per-token norms by registry norms.
 
-`convert_norms(model, norm_type, **options)` swaps every LayerNorm / RMSNorm of a Transformers
-model for a norm of `normalization.py` (PN by default, Shen et al., 2020, Algorithm 2), keeping the
+`convert_norms(model, norm_type, **options)` swaps the LayerNorm / RMSNorm layers of a Transformers
+model for norms of `normalization.py` (PN by default, Shen et al., 2020, Algorithm 2), keeping the
 affine weights, and makes the batch's padding mask reach the new norms: batch statistics are then
 taken over real tokens only (the masked statistics of `powernorm-notes.md`), which Transformers'
-own norm layers never need and never receive. `load_converted(path, auto_class)` rebuilds a saved
-converted model with its running statistics.
+own norm layers never need and never receive. `preserve_function=True` makes the converted model
+start from the source's function (`convert_norms`). The conversion is recorded in
+`config.powernorm_conversion`; `apply_conversion(model, record)` replays it on a freshly built model
+(no weight read, so on the `meta` device too) and `load_converted(path, auto_class)` rebuilds a
+saved converted model with its running statistics.
 
 Which modules are norms (found by structure, not by a list of classes): a module that is a
 `torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`
-or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). A norm converts when it has no submodules, a
-1-D `weight` (or none) and optional 1-D `bias` over the model's hidden size, an epsilon attribute
-(`eps`, `variance_epsilon` or `epsilon`), and when a probe on random inputs shows it computes
-`LN(x) * w + b`, `RMS(x) * w` or `RMS(x) * (1 + w)` over the last dimension; any other norm raises
-a `ValueError` naming it.
+or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). Which convert (`select_norms`): by default
+those over the model's hidden size outside attention blocks (the residual stream); QK-norms and
+per-head norms are kept and reported; `modules=` (a regular expression or a predicate) selects
+among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
+and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
+`epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `RMS(x) * w` or
+`RMS(x) * (1 + w)` over the last dimension; any other selected norm raises a `ValueError` naming it.
 
 How the mask reaches the norms: forward pre-hooks on the top model (and on the encoder of an
 encoder-decoder model, which `generate` calls on its own) push the call's `attention_mask` (and
@@ -21,7 +26,8 @@ encoder-decoder model, which `generate` calls on its own) push the call's `atten
 runs even on error pops it. Each new norm is wrapped in `MaskAwareNorm`, which reads the mask of
 its stack (encoder or decoder) and passes `attention_mask=` on. A call without a mask treats every
 token as real; with a KV cache the mask covers past and new positions, and the norms take its last
-`seq` columns, the new positions.
+`seq` columns, the new positions. A kernel patch that rebinds a converted norm's `forward` on the
+instance (Liger's, `kernels`' `kernelize`) is refused at the next forward (`check_unpatched`).
 """
 
 from __future__ import annotations

@@ -294,3 +294,51 @@ def test_a_patched_converted_norm_is_refused_by_name():
     norm.__dict__["forward"] = types.MethodType(liger_rms_norm_forward, norm)
     with pytest.raises(RuntimeError, match=r"'model.layers.1.input_layernorm' \(PowerNorm\).*liger_rms_norm_forward"):
         model(**inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipes' options
+
+
+def test_recipe_options_select_norms_and_keep_the_function(tmp_path):
+    """`--convert_modules`, `--preserve_function` and `--calibration_batches` reach `convert_norms`:
+    the selected norms convert, calibrated on the first training batches, and the logits stay."""
+    from accelerate import PartialState
+
+    from hf_powernorm.training.batching import PaddingCollator
+    from hf_powernorm.training.language_modeling import parse_args
+    from hf_powernorm.training.models import load_and_convert
+
+    PartialState(cpu=True)  # the recipes log through Accelerate
+    source = build("llama")
+    source.save_pretrained(tmp_path / "llama")
+    args = parse_args(["--model_name_or_path", str(tmp_path / "llama"), "--convert_norms", "PowerNorm",
+                       "--convert_modules", r"layers\.1\.", "--preserve_function", "--calibration_batches", "2",
+                       "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "out")])
+    generator = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": torch.randint(3, VOCAB, (SEQ,), generator=generator).tolist()} for _ in range(5)]
+
+    class Tokenizer:
+        def __len__(self):
+            return VOCAB
+
+    model = load_and_convert(args, tf.AutoModelForCausalLM, Tokenizer(), 1, calibration=(rows, PaddingCollator(0)))
+    conversion = model.config.powernorm_conversion
+    assert conversion["modules"] == ["model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm"]
+    assert conversion["preserve_function"] and conversion["options"]["warmup_steps"] == 0
+    norm = model.get_submodule("model.layers.1.input_layernorm").norm
+    assert not torch.equal(norm.running_phi, torch.ones_like(norm.running_phi))  # calibrated
+    inputs = batch("llama")
+    source.eval(), model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(model, inputs), logits(source, inputs), atol=1e-4, rtol=0)
+
+
+def test_recipe_conversion_options_need_convert_norms(tmp_path):
+    from hf_powernorm.training.language_modeling import parse_args
+
+    with pytest.raises(ValueError, match="--preserve_function shape --convert_norms: give --convert_norms too"):
+        parse_args(["--preserve_function", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--convert_modules '\(' is not a regular expression"):
+        parse_args(["--model_name_or_path", str(tmp_path), "--convert_norms", "powernorm", "--convert_modules", "(",
+                    "--output_dir", str(tmp_path)])
