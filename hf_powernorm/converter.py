@@ -1,19 +1,24 @@
 """Power Normalization for any Transformers model: replace its per-token norms by registry norms.
 
-`convert_norms(model, norm_type, **options)` swaps every LayerNorm / RMSNorm of a Transformers
-model for a norm of `normalization.py` (PN by default, Shen et al., 2020, Algorithm 2), keeping the
+`convert_norms(model, norm_type, **options)` swaps the LayerNorm / RMSNorm layers of a Transformers
+model for norms of `normalization.py` (PN by default, Shen et al., 2020, Algorithm 2), keeping the
 affine weights, and makes the batch's padding mask reach the new norms: batch statistics are then
 taken over real tokens only (the masked statistics of `powernorm-notes.md`), which Transformers'
-own norm layers never need and never receive. `load_converted(path, auto_class)` rebuilds a saved
-converted model with its running statistics.
+own norm layers never need and never receive. `preserve_function=True` makes the converted model
+start from the source's function (`convert_norms`). The conversion is recorded in
+`config.powernorm_conversion`; `apply_conversion(model, record)` replays it on a freshly built model
+(no weight read, so on the `meta` device too) and `load_converted(path, auto_class)` rebuilds a
+saved converted model with its running statistics.
 
 Which modules are norms (found by structure, not by a list of classes): a module that is a
 `torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`
-or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). A norm converts when it has no submodules, a
-1-D `weight` (or none) and optional 1-D `bias` over the model's hidden size, an epsilon attribute
-(`eps`, `variance_epsilon` or `epsilon`), and when a probe on random inputs shows it computes
-`LN(x) * w + b`, `RMS(x) * w` or `RMS(x) * (1 + w)` over the last dimension; any other norm raises
-a `ValueError` naming it.
+or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). Which convert (`select_norms`): by default
+those over the model's hidden size outside attention blocks (the residual stream); QK-norms and
+per-head norms are kept and reported; `modules=` (a regular expression or a predicate) selects
+among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
+and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
+`epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `RMS(x) * w` or
+`RMS(x) * (1 + w)` over the last dimension; any other selected norm raises a `ValueError` naming it.
 
 How the mask reaches the norms: forward pre-hooks on the top model (and on the encoder of an
 encoder-decoder model, which `generate` calls on its own) push the call's `attention_mask` (and
@@ -21,7 +26,8 @@ encoder-decoder model, which `generate` calls on its own) push the call's `atten
 runs even on error pops it. Each new norm is wrapped in `MaskAwareNorm`, which reads the mask of
 its stack (encoder or decoder) and passes `attention_mask=` on. A call without a mask treats every
 token as real; with a KV cache the mask covers past and new positions, and the norms take its last
-`seq` columns, the new positions.
+`seq` columns, the new positions. A kernel patch that rebinds a converted norm's `forward` on the
+instance (Liger's, `kernels`' `kernelize`) is refused at the next forward (`check_unpatched`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +50,14 @@ CONVERSION_CONFIG_KEY = "powernorm_conversion"
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
 NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
 ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
+# The targets `preserve_function=True` supports: options it fixes (`group_eps` is set per norm to the
+# source's epsilon) and the source kinds it can reproduce (PN: LayerNorm sources as closely as it can).
+PRESERVING = {
+    "powernorm": {"options": {"group_num": 1, "warmup_steps": 0, "warmup_ramp_steps": 0}, "group_eps": True,
+                  "sources": ("rmsnorm", "rmsnorm_offset", "layernorm")},
+    "rmsnorm": {"options": {}, "sources": ("rmsnorm", "rmsnorm_offset")},
+    "layernorm": {"options": {}, "sources": ("layernorm",)},
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,6 +72,7 @@ class NormMaskContext:
 
     def __init__(self, encoder_decoder: bool) -> None:
         self.encoder_decoder = encoder_decoder
+        self.norms: list[MaskAwareNorm] = []  # the norms it serves, checked for kernel patches
         self._stack: list[dict[str, torch.Tensor | None]] = []
         self._last: dict[str, torch.Tensor | None] = {}
 
@@ -85,7 +101,9 @@ class NormMaskContext:
         self._stack.append({**current, **masks})
 
     def top_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Take the call's masks: `attention_mask` (encoder / main) and `decoder_attention_mask`."""
+        """Take the call's masks: `attention_mask` (encoder / main) and `decoder_attention_mask`;
+        refuse a forward whose converted norms a kernel patch replaced (`check_unpatched`)."""
+        check_unpatched(self.norms)
         bound = _bound_arguments(module, args, kwargs)
         if self.encoder_decoder:
             self._push({ENCODER: bound.get("attention_mask"), DECODER: bound.get("decoder_attention_mask")})
@@ -99,6 +117,24 @@ class NormMaskContext:
     def pop_hook(self, module: nn.Module, args: tuple, output) -> None:
         if self._stack:
             self._last = self._stack.pop()
+
+
+def check_unpatched(norms: list[MaskAwareNorm]) -> None:
+    """RuntimeError when a converted norm's `forward` was replaced on the instance, as Liger's
+    `apply_liger_kernel_to_*(model=...)` and the `kernels` package's `kernelize` do to the norms they
+    patch: the model would run that kernel instead of the converted norm, silently."""
+    for wrapper in norms:
+        for module in (wrapper, wrapper._modules["norm"]):
+            patched = module.__dict__.get("forward")
+            if patched is not None:
+                function = getattr(patched, "__func__", patched)
+                origin = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+                raise RuntimeError(
+                    f"converted norm {wrapper._name!r} ({type(wrapper.norm).__name__}) had its forward replaced by "
+                    f"{origin}: a kernel patch (Liger's apply_liger_kernel_to_*, kernels' kernelize) applied after "
+                    "convert_norms would run that kernel instead of the converted norm. Apply such patches before "
+                    "converting, or keep the converted norms out of them."
+                )
 
 
 def _in_backward() -> bool:
@@ -123,6 +159,7 @@ class MaskAwareNorm(nn.Module):
         self.role = role
         self._context = context
         self._name = name
+        context.norms.append(self)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -133,6 +170,12 @@ class MaskAwareNorm(nn.Module):
         return getattr(self.norm, "bias", None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() > 3:
+            # A per-head norm (a QK-norm selected by `modules=`) on (batch, seq, heads, head_dim), or
+            # (batch, heads, seq, head_dim) in some families: which axis holds the positions is the
+            # model's own, so every position counts as real for its statistics.
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            return self.norm(flat).view(hidden_states.shape)
         mask = self._context.mask_for(self.role, hidden_states, self._name)
         return self.norm(hidden_states, attention_mask=mask)
 
@@ -266,7 +309,8 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=None, **options) -> ConversionReport:
+def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=None, preserve_function: bool = False,
+                  calibration_batches: Iterable[dict] | None = None, **options) -> ConversionReport:
     """Replace the per-token norms of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
 
     Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
@@ -282,24 +326,51 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     running statistics and step counters, and receive the padding mask of each forward (module
     docstring). The conversion is recorded in `model.config.powernorm_conversion`, which
     `apply_conversion` replays on a freshly built model.
+
+    `preserve_function=True` makes the converted model compute what the source computed before any
+    update, in eval and in the first training forward (`PRESERVING` lists the targets):
+    - RMSNorm sources (`RMS(x) * w`, Gemma's `RMS(x) * (1 + w)`) to PN: PN's group scaling over one
+      group (`group_num=1`) with the source's epsilon (`group_eps`) is that RMSNorm's `RMS(x)`;
+      `running_phi` is the masked per-channel mean of `GS(x)^2` over the `calibration_batches` (the
+      statistic PN itself would take, so its EMA starts where the fine-tune's batches are), and the
+      weight is `w * sqrt(running_phi + eps)`, which cancels PN's division by it; `warmup_steps=0`
+      and `warmup_ramp_steps=0` so that training divides by that running statistic from the first
+      step (a warmup would divide by the batch statistic, then switch). Exact, up to rounding.
+    - LayerNorm sources to PN, which does not centre: the same one-group scaling, then per channel
+      the least-squares affine map from `RMS(x)` to the source's `LN(x) * w + b` over the
+      calibration batches' real tokens (weight and bias, the weight again times
+      `sqrt(running_phi + eps)`): the closest PN's eval map comes to the source on that data.
+      Without calibration batches, `w` and `b` (exact where the tokens have zero mean).
+    - A source to a norm of its own kind (`rmsnorm`, `layernorm`): the weights map exactly.
+    Without `calibration_batches`, `running_phi` stays 1 (the function is kept all the same).
+    `calibration_batches` is an iterable of model-input dicts (`input_ids`, `attention_mask`, ...),
+    run in eval mode without gradients; `report.start_gap` is the largest change of the first
+    output (logits) on the first of them. Step counters start at zero either way.
     """
     config = _model_config(model)
     _refuse_converted(model, config)
     norm_type = normalize_norm_name(norm_type)
     explicit = set(options)
-    options = _resolve_options(norm_type, options, config)
+    options = _resolve_options(norm_type, options, config, preserve_function)
     hidden_size = _hidden_size(config)
     selected, kept = select_norms(model, hidden_size, modules)
-    plans, unbuildable = _plan(model, selected, norm_type, options, explicit, hidden_size)
+    plans, unbuildable = _plan(model, selected, norm_type, options, explicit, hidden_size, preserve_function)
     if not plans:
         raise ValueError(f"{type(model).__name__} has no LayerNorm or RMSNorm to convert"
                          + (f"; kept: {kept + unbuildable}" if kept or unbuildable else ""))
-    record = _conversion_record(norm_type, options, plans)
-    report = apply_conversion(model, record)
+    if preserve_function:
+        _check_preservable(norm_type, plans)
+    calibration = None if calibration_batches is None else _calibrate(model, plans, calibration_batches)
+    report = apply_conversion(model, _conversion_record(norm_type, options, plans, preserve_function))
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     report.kept = sorted(kept + unbuildable, key=lambda entry: order.get(entry[0], len(order)))
     for name, plan in plans.items():
-        _copy_source(model.get_submodule(name).norm, plan.source)
+        norm = model.get_submodule(name).norm
+        _copy_source(norm, plan.source)
+        if preserve_function and "running_phi" in norm._buffers:
+            _compensate(norm, plan.source, calibration.moments.get(name) if calibration else None)
+    if calibration is not None:
+        report.start_gap = _start_gap(model, calibration)
     _warn_position_mixing(model, config, norm_type, options)
     from .modeling_converted import adopt
 
@@ -392,7 +463,7 @@ def _kept_by_default(model: nn.Module, name: str, size: int | None, hidden_size:
 
 
 def _plan(model: nn.Module, selected: dict[str, int], norm_type: str, options: dict, explicit: set,
-          hidden_size: int) -> tuple[dict[str, _Plan], list[tuple[str, str, str]]]:
+          hidden_size: int, preserve_function: bool = False) -> tuple[dict[str, _Plan], list[tuple[str, str, str]]]:
     """Read each selected norm and fix its new norm's options; a norm over another size that
     `norm_type` cannot be built over is kept, with the reason."""
     plans, kept = {}, []
@@ -402,6 +473,8 @@ def _plan(model: nn.Module, selected: dict[str, int], norm_type: str, options: d
         module_options = {"eps": source.eps, **options}
         if size != hidden_size and "group_num" in options and "group_num" not in explicit:
             module_options["group_num"] = 1  # heads of the model are not groups of one head's channels
+        if preserve_function and PRESERVING[norm_type].get("group_eps"):
+            module_options["group_eps"] = source.eps  # one group's scaling is then the source's RMS(x)
         try:
             with torch.device("meta"):
                 build_norm(norm_type, size, **module_options)
@@ -503,6 +576,153 @@ def _copy_source(norm: nn.Module, source: SourceNorm) -> None:
             norm.bias.copy_(source.bias)
 
 
+def _preserving_options(norm_type: str, options: dict) -> dict:
+    """The options `preserve_function=True` fixes for `norm_type`; ValueError for a target it cannot
+    preserve with or an option given against them."""
+    if norm_type not in PRESERVING:
+        raise ValueError(f"preserve_function=True cannot keep the function with norm {norm_type!r}: it supports "
+                         f"{sorted(PRESERVING)}")
+    fixed = PRESERVING[norm_type]["options"]
+    for key, value in fixed.items():
+        if key in options and options[key] != value:
+            raise ValueError(f"preserve_function=True sets {key}={value!r} for {norm_type} (see convert_norms), "
+                             f"got {key}={options[key]!r}")
+    return fixed
+
+
+def _check_preservable(norm_type: str, plans: dict[str, _Plan]) -> None:
+    sources = PRESERVING[norm_type]["sources"]
+    for name, plan in plans.items():
+        if plan.source.kind not in sources:
+            raise ValueError(f"preserve_function=True cannot keep the function of norm {name!r} ({plan.source.kind}) "
+                             f"with {norm_type}: it reproduces {', '.join(sources)} sources")
+
+
+class _Moments:
+    """Per-channel sums over real tokens of one norm's calibration inputs: `z = RMS(x)` (group
+    scaling over one group with the source's epsilon) and the source's output `y`, float64."""
+
+    def __init__(self) -> None:
+        self.count = 0.0
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, z: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """`z`, `y`: `(tokens, C)`; `weights`: `(tokens,)` 0/1 or None (every token real)."""
+        w = torch.ones(z.shape[0], dtype=z.dtype, device=z.device) if weights is None else weights.to(z.dtype)
+        terms = {"z": z, "zz": z * z, "y": y, "zy": z * y}
+        for key, value in terms.items():
+            total = w @ value
+            self.sums[key] = total if key not in self.sums else self.sums[key] + total
+        self.count += float(w.sum())
+
+    def means(self) -> dict[str, torch.Tensor]:
+        return {key: value / self.count for key, value in self.sums.items()}
+
+
+@dataclass
+class _Calibration:
+    moments: dict[str, _Moments]
+    first_batch: dict
+    first_output: torch.Tensor
+
+
+@torch.no_grad()
+def _calibrate(model: nn.Module, plans: dict[str, _Plan], batches: Iterable[dict]) -> _Calibration:
+    """Run the source model in eval mode on `batches`, collecting each planned norm's `_Moments`
+    (masked with the batch's padding masks, as the converted norms will be)."""
+    config = _model_config(model)
+    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
+    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    moments = {name: _Moments() for name in plans}
+    handles = _hook_stacks(model, context, encoder_prefix)
+    for name, plan in plans.items():
+        role = _role(name, encoder_prefix, context.encoder_decoder)
+        hook = _CalibrationHook(moments[name], plan, context, role, name)
+        handles.append(model.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+    training, first = model.training, None
+    model.eval()
+    try:
+        for batch in batches:
+            batch = _model_inputs(model, batch)
+            output = _first_output(model(**batch))
+            if first is None:
+                first = (batch, output)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(training)
+    if first is None:
+        raise ValueError("calibration_batches is empty: expected at least one dict of model inputs")
+    return _Calibration(moments, *first)
+
+
+class _CalibrationHook:
+    """A forward hook adding one norm's input and output to its `_Moments`."""
+
+    def __init__(self, moments: _Moments, plan: _Plan, context: NormMaskContext, role: str, name: str) -> None:
+        self.moments, self.plan, self.context, self.role, self.name = moments, plan, context, role, name
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        hidden_states = args[0] if args else next(iter(kwargs.values()))
+        mask = self.context.mask_for(self.role, hidden_states, self.name)
+        size = self.plan.size
+        x = hidden_states.detach().reshape(-1, size).double()
+        z = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.plan.source.eps)
+        y = output.detach().reshape(-1, size).double()
+        self.moments.add(z, y, None if mask is None else (mask.reshape(-1) != 0))
+
+
+def _model_inputs(model: nn.Module, batch) -> dict:
+    if not isinstance(batch, dict):
+        raise TypeError(f"calibration_batches must yield dicts of model inputs (input_ids, attention_mask, ...), "
+                        f"got {type(batch).__name__}")
+    device = next(model.parameters()).device
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _first_output(output) -> torch.Tensor:
+    """The model's logits, else its last hidden state, detached float32."""
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value.detach().float()
+    return (output[0] if isinstance(output, (tuple, list)) else output).detach().float()
+
+
+@torch.no_grad()
+def _compensate(norm: nn.Module, source: SourceNorm, moments: _Moments | None) -> None:
+    """Set a running-statistics norm (PN, one group scaling with the source's epsilon) so that its
+    eval map and first training forward compute the source: `running_phi` from the calibration
+    (1 without), the weight times `sqrt(running_phi + eps)`; for a LayerNorm source the per-channel
+    least-squares fit of the source's output on `RMS(x)`."""
+    scale = norm.weight.detach().double().clone()  # the source's w (or 1 + w), copied already
+    shift = norm.bias.detach().double().clone()
+    if moments is not None and moments.count > 0:
+        means = moments.means()
+        norm.running_phi.copy_(means["zz"].float())
+        if source.kind == "layernorm":
+            variance = means["zz"] - means["z"].square()
+            slope = (means["zy"] - means["z"] * means["y"]) / variance.clamp_min(1e-12)
+            fitted = variance > 1e-12  # a channel constant over the calibration tokens keeps w
+            scale = torch.where(fitted, slope, scale)
+            shift = torch.where(fitted, means["y"] - slope * means["z"], shift)
+    compensation = torch.sqrt(norm.running_phi.double() + norm.eps)
+    norm.weight.copy_((scale * compensation).to(norm.weight.dtype))
+    norm.bias.copy_(shift.to(norm.bias.dtype))
+
+
+@torch.no_grad()
+def _start_gap(model: nn.Module, calibration: _Calibration) -> float:
+    """The largest absolute change of the first output on the first calibration batch (eval mode)."""
+    training = model.training
+    model.eval()
+    try:
+        output = _first_output(model(**calibration.first_batch))
+    finally:
+        model.train(training)
+    return float((output - calibration.first_output).abs().max())
+
+
 def _model_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
@@ -520,9 +740,12 @@ def _hidden_size(config) -> int:
     return hidden_size
 
 
-def _resolve_options(norm_type: str, options: dict, config) -> dict:
-    """The options as built: `group_num` from the config's heads where the norm takes one; JSON-able."""
+def _resolve_options(norm_type: str, options: dict, config, preserve_function: bool = False) -> dict:
+    """The options as built: those `preserve_function` fixes (`PRESERVING`), `group_num` from the
+    config's heads where the norm takes one; JSON-able."""
     options = dict(options)
+    if preserve_function:
+        options.update(_preserving_options(norm_type, options))
     accepted = inspect.signature(NORM_CLASSES[norm_type].__init__).parameters
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text_config, "num_attention_heads", None)
@@ -559,13 +782,20 @@ def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool) -> str:
 
 def _install_hooks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> None:
     """Pre-hooks push the call's masks, forward hooks (run on error too) pop them."""
+    _hook_stacks(model, context, encoder_prefix)
+    model._powernorm_mask_context = context
+
+
+def _hook_stacks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> list:
+    """Register the mask hooks of the top model (and encoder); returns their handles."""
     stacks = [(model, context.top_pre_hook)]
     if encoder_prefix is not None:
         stacks.append((model.get_submodule(encoder_prefix), context.encoder_pre_hook))
+    handles = []
     for module, pre_hook in stacks:
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        module.register_forward_hook(context.pop_hook, always_call=True)
-    model._powernorm_mask_context = context
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(context.pop_hook, always_call=True))
+    return handles
 
 
 # ----------------------------------------------------------------------------------------------

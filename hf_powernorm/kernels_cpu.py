@@ -1035,7 +1035,8 @@ MASK_KINDS = {torch.float32: 1, torch.int64: 2, torch.bool: 3, torch.uint8: 3}
 
 def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int | None, weight: torch.Tensor,
                     bias: torch.Tensor, running_phi: torch.Tensor, counter: torch.Tensor, eps: float,
-                    warmup_steps: int, ramp_steps: int, ema_rate: float, reference: bool, batch_backward: bool):
+                    warmup_steps: int, ramp_steps: int, ema_rate: float, reference: bool, batch_backward: bool,
+                    group_eps: float = GROUP_SCALE_EPS):
     """PowerNorm's training forward in one C call (`pn_rows` and `pn_statistics` together):
     `(status, y, stats, count)` with `stats` (3, C) = `(v, 1/s, 1/s_backward)`, updating
     `running_phi` and `counter` in place; `mask` is a contiguous `(tokens,)` tensor of a
@@ -1044,7 +1045,7 @@ def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int |
     y, stats, count = torch.empty_like(x), torch.empty(3, channels), ctypes.c_float()
     status = _library.pn_step_forward(
         x.data_ptr(), None if mask is None else mask.data_ptr(), 0 if mask is None else MASK_KINDS[mask.dtype],
-        tokens, channels, group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(),
+        tokens, channels, group_num or 0, group_eps, torch.get_num_threads(), weight.data_ptr(),
         bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, warmup_steps, ramp_steps, ema_rate,
         reference, batch_backward, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), stats.data_ptr(),
         ctypes.byref(count))
@@ -1053,14 +1054,14 @@ def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int |
 
 def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, group_num: int | None,
                      weight: torch.Tensor, running_nu: torch.Tensor, stats: torch.Tensor, count: float, usable: bool,
-                     rate: float):
+                     rate: float, group_eps: float = GROUP_SCALE_EPS):
     """PowerNorm's backward in one C call (`pn_backward` and `pn_gradient_statistics` together):
     `(status, dx, grads)` with `grads` (2, C) = `(dweight, dbias)`, updating `running_nu` in place."""
     tokens, channels = x.shape
     dx, grads = torch.empty_like(x), torch.empty(2, channels)
     status = _library.pn_step_backward(
         dy.data_ptr(), x.data_ptr(), None if mask is None else mask.data_ptr(),
-        0 if mask is None else MASK_KINDS[mask.dtype], tokens, channels, group_num or 0, GROUP_SCALE_EPS,
+        0 if mask is None else MASK_KINDS[mask.dtype], tokens, channels, group_num or 0, group_eps,
         torch.get_num_threads(), weight.data_ptr(), running_nu.data_ptr(), stats.data_ptr(), count, usable, rate,
         tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
     return status, dx, grads

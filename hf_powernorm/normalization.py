@@ -243,8 +243,9 @@ def _write_row_(table: torch.Tensor, index: torch.Tensor, row: torch.Tensor, kee
     table.index_copy_(0, index.view(1), torch.where(keep, row.to(table.dtype), current).unsqueeze(0))
 
 
-def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Tensor:
-    """Per token, divide each of `group_num` channel groups by its root mean square (+1e-5).
+def group_scale(hidden_states: torch.Tensor, group_num: int | None,
+                group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
+    """Per token, divide each of `group_num` channel groups by its root mean square (+`group_eps`, 1e-5).
 
     The parameter-free "layer-scale" step of the reference PN code; ordinary autograd, computed in
     float32, applied to padding too. `group_num=None` returns the input unchanged.
@@ -255,9 +256,9 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
     if channels % group_num != 0:
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
-        return norm_eval(hidden_states.contiguous(), group_num)
+        return norm_eval(hidden_states.contiguous(), group_num, group_eps=group_eps)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
-    scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
+    scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)
     return scaled.flatten(-2)
 
 
@@ -431,7 +432,8 @@ class _RunningStatsNorm(_Norm):
         mean, var, group_num = self._eval_statistics()
         if not _eval_map_usable(hidden_states, weight, bias, mean, var):
             return None
-        return _eval_map(hidden_states, group_num, weight, bias, mean, var, self.eps)
+        return _eval_map(hidden_states, group_num, weight, bias, mean, var, self.eps,
+                         self.__dict__.get("group_eps", GROUP_SCALE_EPS))
 
     def _c_step(self, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """A training step in the C kernels through `function` (an autograd function taking `x`, the
@@ -461,18 +463,20 @@ def _grouped(values: torch.Tensor, group_num: int | None) -> torch.Tensor:
     return values.unflatten(-1, (group_num or 1, -1))
 
 
-def _pn_group_scaled(xf: torch.Tensor, group_num: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _pn_group_scaled(xf: torch.Tensor, group_num: int | None,
+                     group_eps: float = GROUP_SCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`z0 = GS(x)` of float `(tokens, C)` and the per-token group scales `r` (tokens, G, 1)."""
     if group_num is None:
         return xf, None
     grouped = _grouped(xf, group_num)
-    r = torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
+    r = torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)
     return (grouped * r).flatten(-2), r
 
 
-def _pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None):
+def _pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,
+             group_eps: float = GROUP_SCALE_EPS):
     """`z0 = GS(x)`, `sum_V z0^2` per channel and the real-token count (pure tensor code)."""
-    z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num)
+    z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num, group_eps)
     return z0, _token_sum(z0.square(), token_weights), _token_count(z0, token_weights)
 
 
@@ -519,7 +523,8 @@ def _pn_output(z0: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> to
 
 
 def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, weight: torch.Tensor,
-                 nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None):
+                 nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None,
+                 group_eps: float = GROUP_SCALE_EPS):
     """Input gradient and batch sums of PN's approximate backward (pure tensor code).
 
     With `Z = z0 / s`, `g = weight * dY`: `dz0 = dY * a - (real) * c * z0`, `a = weight / s_b`,
@@ -528,7 +533,7 @@ def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor 
     `dx`, `sum_all(dY * z0)`, `sum_V(dY * z0)` and `sum_all(dY)`.
     """
     dtype = _stat_dtype(x)
-    z0, r = _pn_group_scaled(x.to(dtype), group_num)
+    z0, r = _pn_group_scaled(x.to(dtype), group_num, group_eps)
     dy = dy.to(dtype)
     dy_z0 = dy * z0
     sums = dy_z0.sum(0), _token_sum(dy_z0, token_weights), dy.sum(0)
@@ -542,18 +547,20 @@ def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor 
     return grad_x.flatten(-2), *sums
 
 
-def _pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, options):
+def _pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, options, group_eps=GROUP_SCALE_EPS):
     """A whole training forward as one pure function (what `_compiled` compiles): `(y, 1/s,
     1/s_backward, v, count, usable, non_finite, next_phi)`; the caller writes the buffers."""
-    z0, sum_sq, count = _pn_sums(x, token_weights, group_num)
+    z0, sum_sq, count = _pn_sums(x, token_weights, group_num, group_eps)
     v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(sum_sq, count, phi, step, options)
     return _pn_output(z0, weight * inv_s, bias).to(x.dtype), inv_s, inv_s_b, v, count, usable, non_finite, next_phi
 
 
-def _pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, group_num, rate):
+def _pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, group_num, rate,
+                       group_eps=GROUP_SCALE_EPS):
     """A whole backward as one pure function: `(dx, dweight, dbias, next_nu, non_finite)`, with
     `nu <- nu * (1 - rate * Gamma) + rate * Lambda` (eq. 13) where the step is usable and Lambda finite."""
-    grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, group_num)
+    grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, group_num,
+                                                         group_eps)
     lam = weight.to(inv_s.dtype) * inv_s * real_dy_z0 / count.clamp_min(1.0)
     has_tokens, finite = count > 0, _all_finite(lam)
     updated = nu * (1.0 - rate * (v * inv_s.square()).float()) + rate * lam.float()
@@ -582,7 +589,7 @@ class _PowerNormFunction(torch.autograd.Function):
             elif ctx.compiled:
                 y, stats = norm._compiled_forward(x, weight, bias, token_weights)
             else:
-                z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num)
+                z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num, norm.group_eps)
                 stats = norm._denominators(sum_sq, count)
                 y = _pn_output(z0, weight * stats[0], bias)
         ctx.save_for_backward(x, token_weights, weight)
@@ -601,7 +608,7 @@ class _PowerNormFunction(torch.autograd.Function):
         with _float32(grad_output.device):
             if ctx.fused:
                 grad_x, sums = pn_backward(grad_output.float().contiguous(), x, token_weights, norm.group_num,
-                                           weight, nu, inv_s, inv_s_b)
+                                           weight, nu, inv_s, inv_s_b, eps=norm.group_eps)
                 if not isinstance(count, torch.Tensor):  # the step's statistics were taken on the host
                     grad_weight, grad_bias = norm._host_gradient_statistics(sums, weight, v, inv_s, count, usable)
                     return (grad_x.to(ctx.input_dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype),
@@ -610,14 +617,14 @@ class _PowerNormFunction(torch.autograd.Function):
             elif ctx.compiled:
                 grad_x, grad_weight, grad_bias, next_nu, non_finite = _compiled(_pn_train_backward)(
                     grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, norm.group_num,
-                    1.0 - norm.alpha_bkw)
+                    1.0 - norm.alpha_bkw, norm.group_eps)
                 _warn_non_finite("PowerNorm", "gradient statistic", non_finite)
                 with torch.no_grad():
                     norm.running_nu.copy_(next_nu)
                 return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
             else:
                 grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(
-                    grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num)
+                    grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num, norm.group_eps)
             # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
             w = weight.to(inv_s.dtype)
             norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count, usable)
@@ -639,7 +646,8 @@ class _PowerNormStepFunction(torch.autograd.Function):
         x = x.contiguous()
         if _in_recomputation():
             stats, count, usable = norm._last_step
-            y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * stats[1], bias, statistics=False)
+            y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * stats[1], bias, statistics=False,
+                              eps=norm.group_eps)
         else:
             _warn_if_ddp_overwrites_statistics(norm)
             status, y, stats, count = norm._c_step_forward(x, mask, weight, bias)
@@ -768,11 +776,11 @@ def _pn_fused_forward(x, weight, bias, token_weights, norm):
     weight = weight.detach().float()
     if norm._divides_by_running_statistic():
         scale = weight * torch.rsqrt(norm.running_phi + norm.eps)  # phi before this step's update
-        y, sum_sq, count = pn_rows(x, token_weights, norm.group_num, scale, bias)
+        y, sum_sq, count = pn_rows(x, token_weights, norm.group_num, scale, bias, eps=norm.group_eps)
         return y, norm._denominators(sum_sq, count)
-    _, sum_sq, count = pn_rows(x, token_weights, norm.group_num)
+    _, sum_sq, count = pn_rows(x, token_weights, norm.group_num, eps=norm.group_eps)
     stats = norm._denominators(sum_sq, count)
-    y, _, _ = pn_rows(x, None, norm.group_num, weight * stats[0], bias, statistics=False)
+    y, _, _ = pn_rows(x, None, norm.group_num, weight * stats[0], bias, statistics=False, eps=norm.group_eps)
     return y, stats
 
 
@@ -807,6 +815,9 @@ class PowerNorm(_RunningStatsNorm):
 
     `sync_stats=True` sums the statistics over `process_group` (default: the world) under
     `torch.distributed`, so every rank holds the buffers of one process on the whole batch.
+    `group_eps` is group scaling's epsilon (1e-5, the reference's); with one group, GS is an RMSNorm
+    with that epsilon, which is how `convert_norms(..., preserve_function=True)` reproduces a source
+    RMSNorm exactly.
     """
 
     mixes_positions = True  # it divides by the batch statistic during warmup and the ramp only
@@ -839,8 +850,11 @@ class PowerNorm(_RunningStatsNorm):
         process_group=None,
         warmup_statistic: str = "reference",
         warmup_ramp_steps: int = 0,
+        group_eps: float = GROUP_SCALE_EPS,
     ) -> None:
         super().__init__(hidden_size, eps)
+        if not isinstance(group_eps, (int, float)) or isinstance(group_eps, bool) or not group_eps > 0:
+            raise ValueError(f"group_eps must be a positive number, got {group_eps!r}")
         _check_fraction("alpha_fwd", alpha_fwd)
         _check_fraction("alpha_bkw", alpha_bkw)
         _check_count("warmup_steps", warmup_steps)
@@ -858,6 +872,7 @@ class PowerNorm(_RunningStatsNorm):
         self.warmup_statistic = warmup_statistic
         self.warmup_ramp_steps = warmup_ramp_steps
         self.group_num = group_num
+        self.group_eps = float(group_eps)
         self.backward_denominator = backward_denominator
         self.sync_stats = bool(sync_stats)
         self.process_group = process_group
@@ -880,7 +895,7 @@ class PowerNorm(_RunningStatsNorm):
         scale, shift = self.affine_after_group_scale()
         dtype = _stat_dtype(flat)
         with _float32(flat.device):
-            z0 = group_scale(flat, self.group_num).to(dtype)
+            z0 = group_scale(flat, self.group_num, self.group_eps).to(dtype)
             out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)
         return out.view_as(hidden_states)
 
@@ -948,13 +963,13 @@ class PowerNorm(_RunningStatsNorm):
         return pn_step_forward(
             x, mask, self.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], self.eps,
             self.warmup_steps, self.warmup_ramp_steps, 1.0 - self.alpha_fwd, self.warmup_statistic == "reference",
-            self.backward_denominator == "batch")
+            self.backward_denominator == "batch", self.group_eps)
 
     def _c_step_backward(self, dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
                          stats: torch.Tensor, count: float, usable: bool):
         """`kernels_cpu.pn_step_backward` with this module's buffers and options: `(status, dx, grads)`."""
         return pn_step_backward(dy, x, mask, self.group_num, weight, self._buffers["running_nu"], stats, count, usable,
-                                1.0 - self.alpha_bkw)
+                                1.0 - self.alpha_bkw, self.group_eps)
 
     def _compiled_step_usable(self, x: torch.Tensor) -> bool:
         """Whether this step runs the compiled pure functions: compilation wanted for `x`, no process
@@ -968,7 +983,8 @@ class PowerNorm(_RunningStatsNorm):
         self._last_step = None
         _warn_if_ddp_overwrites_statistics(self)
         y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = _compiled(_pn_train_forward)(
-            x, token_weights, weight, bias, self.running_phi, self._next_step(), self.group_num, self._options())
+            x, token_weights, weight, bias, self.running_phi, self._next_step(), self.group_num, self._options(),
+            self.group_eps)
         _warn_non_finite(type(self).__name__, "batch statistic", non_finite)
         self._take_step(next_phi, usable)
         self._last_denominators = (inv_s, inv_s_b, v, count, usable)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="with --model_name_or_path a Transformers model folder (BERT, GPT-2, Llama, ...): "
                             "replace its LayerNorm/RMSNorm layers by this norm of the registry (e.g. powernorm; "
                             "PN options from the --powernorm_* flags) and fine-tune it")
+    model.add_argument("--convert_modules", metavar="REGEX",
+                       help="the norms --convert_norms replaces: a regular expression searched in each norm's "
+                            "module path (e.g. '^model\\.encoder\\.' for the encoder only, 'norm$' for QK-norms "
+                            "too); default: the norms over the residual stream (QK-norms kept)")
+    model.add_argument("--preserve_function", action=argparse.BooleanOptionalAction, default=False,
+                       help="--convert_norms starts from the model's function (convert_norms(preserve_function="
+                            "True): PN with one group scaling group, no warmup, a running statistic calibrated on "
+                            "--calibration_batches training batches and a weight that cancels it)")
+    model.add_argument("--calibration_batches", type=int, default=8, metavar="N",
+                       help="training batches that calibrate PN's running statistic under --preserve_function "
+                            "(0: none, the statistic starts at 1)")
 
 
 def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
@@ -258,10 +270,28 @@ def check_batch_budget(args: argparse.Namespace) -> None:
                              f"the longest example; raise --max_tokens or lower --{name}")
 
 
+def _check_conversion_options(args: argparse.Namespace) -> None:
+    """`--convert_modules`, `--preserve_function` and `--calibration_batches` shape `--convert_norms`."""
+    given = [f"--{name}" for name, unset in (("convert_modules", None), ("preserve_function", False))
+             if getattr(args, name, unset) != unset]
+    if given and getattr(args, "convert_norms", None) is None:
+        raise ValueError(f"{', '.join(given)} shape --convert_norms: give --convert_norms too")
+    if getattr(args, "convert_modules", None) is not None:
+        try:
+            re.compile(args.convert_modules)
+        except re.error as error:
+            raise ValueError(f"--convert_modules {args.convert_modules!r} is not a regular expression: {error}") \
+                from None
+    batches = getattr(args, "calibration_batches", 0)
+    if not isinstance(batches, int) or batches < 0:
+        raise ValueError(f"--calibration_batches must be a count >= 0, got {batches!r}")
+
+
 def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -> None:
     """`--model_name_or_path` brings its own architecture; building options would contradict it."""
     if args.preset is not None and args.config_name is not None:
         raise ValueError(f"give --preset {args.preset!r} or --config_name {args.config_name}, not both")
+    _check_conversion_options(args)
     if args.convert_norms is not None:
         try:
             args.convert_norms = normalize_norm_name(args.convert_norms)

@@ -90,24 +90,40 @@ def load_pretrained_model(args: argparse.Namespace, model_class: type, tokenizer
 
 def converter_options(args: argparse.Namespace, num_processes: int) -> dict[str, Any]:
     """PowerNorm's options for `convert_norms` from the `--powernorm_*` flags: warmup counted in
-    forward passes like the family's config (default: the learning-rate warmup), statistics
-    synchronised with several processes unless `--no-sync_stats`."""
+    forward passes like the family's config (default: the learning-rate warmup, or none under
+    `--preserve_function`, which starts on the running statistic), statistics synchronised with
+    several processes unless `--no-sync_stats`."""
     if args.convert_norms != "powernorm":
         return {}
     overrides = powernorm_overrides(args)
     fields = NORM_CLASSES["powernorm"].config_options
     options = {option: overrides[field] for option, field in fields.items() if field in overrides}
-    options["warmup_steps"] = overrides.get("powernorm_warmup_steps",
-                                            args.num_warmup_steps * args.gradient_accumulation_steps)
+    if not getattr(args, "preserve_function", False):
+        options["warmup_steps"] = overrides.get("powernorm_warmup_steps",
+                                                args.num_warmup_steps * args.gradient_accumulation_steps)
     options["sync_stats"] = num_processes > 1 if args.sync_stats is None else args.sync_stats
     return options
 
 
+def calibration_batches(args: argparse.Namespace, calibration: tuple[Any, Any] | None) -> list[dict] | None:
+    """The first `--calibration_batches` training batches for `--preserve_function`, collated as in
+    training (`--per_device_train_batch_size` examples, 8 under a token budget); None where there
+    are none to take."""
+    if not getattr(args, "preserve_function", False) or calibration is None or not args.calibration_batches:
+        return None
+    dataset, collate = calibration
+    size = args.per_device_train_batch_size or 8
+    rows = [dataset[i] for i in range(min(len(dataset), size * args.calibration_batches))]
+    return [collate(rows[i:i + size]) for i in range(0, len(rows), size)] or None
+
+
 def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any, num_processes: int,
-                     **fields: Any) -> torch.nn.Module:
+                     calibration: tuple[Any, Any] | None = None, **fields: Any) -> torch.nn.Module:
     """A Transformers model (`--model_name_or_path`, an `auto_class` checkpoint such as BERT or
-    GPT-2) with its per-token norms replaced by `--convert_norms`; a folder that was converted
-    before is loaded with its running statistics and fine-tuned on."""
+    GPT-2) with the norms `--convert_modules` selects replaced by `--convert_norms`, keeping its
+    function under `--preserve_function` (calibrated on `calibration`: the training split and its
+    collator); a folder that was converted before is loaded with its running statistics and
+    fine-tuned on."""
     from ..converter import convert_norms, load_converted, load_converted_config
 
     path = args.model_name_or_path
@@ -121,7 +137,10 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     else:
         task = {k: v for k, v in fields.items() if k in ("num_labels", "id2label", "label2id")}
         model = auto_class.from_pretrained(path, **task)
-        report = convert_norms(model, args.convert_norms, **converter_options(args, num_processes))
+        report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
+                               preserve_function=getattr(args, "preserve_function", False),
+                               calibration_batches=calibration_batches(args, calibration),
+                               **converter_options(args, num_processes))
         logger.info(f"converted the norms of {path}: {report}")
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
@@ -131,13 +150,13 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
 
 def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num_processes: int,
                 default_size: dict[str, Any], max_length: int, *, auto_class: type | None = None,
-                **fields: Any) -> torch.nn.Module:
+                calibration: tuple[Any, Any] | None = None, **fields: Any) -> torch.nn.Module:
     """`--model_name_or_path` converted (`--convert_norms`, with `auto_class`) or loaded, else a
     new `model_class` from `build_config`."""
     if getattr(args, "convert_norms", None):
         if auto_class is None:
             raise ValueError("--convert_norms is not offered by this script")
-        return load_and_convert(args, auto_class, tokenizer, num_processes, **fields)
+        return load_and_convert(args, auto_class, tokenizer, num_processes, calibration, **fields)
     if args.model_name_or_path:
         return load_pretrained_model(args, model_class, tokenizer, num_processes, max_length, **fields)
     return model_class(build_config(args, tokenizer, num_processes, default_size, max_length, **fields))

@@ -106,7 +106,9 @@ def run_task(task: Task, argv: list[str] | None = None) -> dict[str, Any]:
         args.model_name_or_path = resolve_model_path(args.model_name_or_path)
     data = task.load_data(accelerator)
     model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, task.default_size,
-                        task.max_length(), auto_class=task.auto_class, **task.model_fields())
+                        task.max_length(), auto_class=task.auto_class,
+                        calibration=(data["train"], task.train_collate()) if "train" in data else None,
+                        **task.model_fields())
     log_run_start(accelerator, args, model, f"{task.describe(data)}, vocabulary {len(task.tokenizer)}")
     evals = prepare_eval_loaders(accelerator, data, PaddingCollator(task.tokenizer.pad_token_id),
                                  args.eval_batch_size)
