@@ -318,8 +318,8 @@ def _world_size() -> int:
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    """What a comparison measures: every option but those of `RUNTIME_OPTIONS`."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in RUNTIME_OPTIONS}
+    """What a comparison measures: every option but those of `RUNTIME_OPTIONS` and those it does not take."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in RUNTIME_OPTIONS and k not in NOT_TAKEN}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
                          f"convert_norms knows (LayerNorm or RMSNorm layers): nothing to compare")
     positions = _positions(config)
     length = args.block_size if args.task == "causal-lm" else args.max_length
-    if positions is not None and length > positions:
+    if positions is not None and length is not None and length > positions:
         option = "--block_size" if args.task == "causal-lm" else "--max_length"
         raise ValueError(f"{option} {length} exceeds the {positions} positions of --model_name_or_path "
                          f"{args.model_name_or_path}; lower {option}")
@@ -456,7 +456,11 @@ def load_model_tokenizer(path: str):
     token, which the masks and the -100 labels leave out of every loss and statistic."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"the tokenizer of --model_name_or_path {path} cannot be loaded: "
+                         f"{str(error).strip().splitlines()[0]}") from None
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
@@ -929,7 +933,9 @@ def _verdict_lines(results, chosen, args: argparse.Namespace, facts: dict[str, A
                  *pair_flags(base, other)]
         spread = (statistics.stdev(base) + statistics.stdev(other)) if min(len(base), len(other)) > 1 else math.nan
         difference = statistics.fmean(other) - statistics.fmean(base) if base and other else math.nan
-        said = "flagged: no verdict" if flags else verdict(base, other, task.mode, (first, _short(norm, baseline)))
+        said = verdict(base, other, task.mode, (first, _short(norm, baseline)))
+        if flags and "no verdict" not in said:
+            said = "flagged: no verdict"
         lines.append(f"| {norm} | {difference:+.3f} | {spread:.3f} | {said} |")
         checks += [f"- {norm}: {flag}" for flag in flags]
     lines += ["", f"Rule: a norm is better than {first} only when the difference of the test means exceeds the "
@@ -1127,14 +1133,15 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.model_name_or_path is not None:
         args.model_name_or_path = resolve_model_path(args.model_name_or_path)
+        facts = model_facts(args)
         fit_lengths(args, load_model_tokenizer(args.model_name_or_path))
         check_batch_budget(args)
         resolve_label_names(args)
     check_output_folder(args)
     if args.model_name_or_path is None:
         args.model_name_or_path = embedded_model(Path(args.output_dir) / "model")
+        facts = model_facts(args)
         resolve_label_names(args)
-    facts = model_facts(args)
     if not args.report_only:
         tokenize_data(args, load_raw_data(args), load_model_tokenizer(args.model_name_or_path))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -1157,6 +1164,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     Interrupted (Ctrl-C), it writes the report of the runs finished so far and raises
     KeyboardInterrupt with a line that says so; the same command resumes."""
     args = parse_args(argv)
+    _quiet_libraries()
     if _world_size() > 1:
         from accelerate import PartialState
 
