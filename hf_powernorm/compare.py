@@ -1206,7 +1206,12 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, float], list[dict[str, Any
 
 
 def _interrupted(args: argparse.Namespace, facts: dict[str, Any]) -> str:
-    """The report of the runs finished so far, and the line that says where it is."""
+    """The report of the runs finished so far, and the line that says where it is (on a line of its
+    own: the interrupted progress bars are closed first)."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
     args.report_only = True
     try:
         chosen, results = _run(args)
