@@ -45,7 +45,7 @@ from .normalization import NORM_CLASSES, normalize_norm_name
 from .training.arguments import add_recipe_args, check_args, check_batch_budget
 from .training.corpora import SENTIMENT_LABELS
 from .studies.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
-from .studies.reports import better_of, mean_std, write_rows
+from .studies.reports import mean_std, write_rows
 
 SPLITS = ("validation", "test")
 SETTINGS_NAME = "compare.json"
@@ -80,6 +80,7 @@ HELP = {"train_file": "training data: .txt (causal-lm), .csv/.json/.jsonl (any t
 EMBEDDED_MODEL = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 80}
 EMBEDDED_BUDGET = {"max_train_steps": 60, "block_size": 64, "max_tokens": 256, "learning_rate": 2e-3}
 MAX_SEED = 2**32 - 1
+CONFIDENCE = 0.95  # of the paired interval a verdict is read from
 
 
 @dataclass(frozen=True)
@@ -820,16 +821,31 @@ def result_rows(results: Sequence[dict[str, Any]], chosen: dict[str, float]) -> 
     return rows
 
 
-def verdict(baseline: Sequence[float], other: Sequence[float], mode: str, names: tuple[str, str]) -> str:
-    """`"<other> better"` / `"<baseline> better"` when the difference of the means exceeds the sum
-    of the two sample standard deviations over the seeds, else `"tie"`; under two seeds a side,
-    `"one seed: no verdict"`."""
-    better = better_of(baseline, other, lower_is_better=mode == "min")
-    if better is None:
+def paired_differences(base_runs: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]],
+                       metric: str) -> list[float]:
+    """Test score of each seed run by both minus the baseline's (other - baseline), in seed order."""
+    base = {r["seed"]: r["scores"].get(f"test_{metric}") for r in base_runs}
+    other = {r["seed"]: r["scores"].get(f"test_{metric}") for r in runs}
+    return [other[seed] - base[seed] for seed in sorted(set(base) & set(other))
+            if base[seed] is not None and other[seed] is not None]
+
+
+def verdict(differences: Sequence[float], mode: str, names: tuple[str, str], adjusted_p: float | None = None,
+            confidence: float = CONFIDENCE) -> str:
+    """From the paired differences (other - baseline, one per seed): `"<other> better"` /
+    `"<baseline> better"` when their t interval excludes zero and the Holm-adjusted p-value
+    (`adjusted_p`, over every comparison made; the interval's own when None) is below
+    1 - `confidence`; else `"tie"`; under two paired seeds `"one seed: no verdict"`."""
+    from .training.statistics import paired_t_interval
+
+    if len(differences) < 2:
         return "one seed: no verdict"
-    if better == "tie":
+    interval = paired_t_interval(differences, confidence)
+    p_value = interval.p_value if adjusted_p is None else adjusted_p
+    if not interval.excludes_zero or p_value >= 1 - confidence:
         return "tie"
-    return f"{names[1] if better == 'other' else names[0]} better"
+    other_lower = interval.high < 0
+    return f"{names[1] if other_lower == (mode == 'min') else names[0]} better"
 
 
 def run_flags(runs: Sequence[dict[str, Any]], metric: str, mode: str, vocab_size: int | None) -> list[str]:
@@ -916,36 +932,44 @@ def _norm_row(norm: str, runs: list[dict[str, Any]], chosen: dict[str, float], m
 
 
 def _verdict_lines(results, chosen, args: argparse.Namespace, facts: dict[str, Any], baseline: str) -> list[str]:
-    task = TASKS[args.task]
-    metric = task.metric
-    first = _short(args.norms[0], baseline)
-    lines = ["", "## Verdict", "", f"| against {first} | difference of test means | seed spread | verdict |",
-             "|---|---:|---:|---|"]
+    """The verdict of each norm against the first from the paired test differences over the seeds
+    (a 95% t interval, Holm over the comparisons made), none where a check fails; then the checks."""
+    from .training.statistics import holm, paired_t_interval
+
+    task, first = TASKS[args.task], _short(args.norms[0], baseline)
     base_runs = _final(results, args.norms[0], chosen)
-    base = _test_scores(base_runs, metric)
-    base_flags = run_flags(base_runs, metric, task.mode, facts.get("vocab_size"))
+    pairs = {norm: paired_differences(base_runs, _final(results, norm, chosen), task.metric) for norm in args.norms[1:]}
+    intervals = {norm: paired_t_interval(d, CONFIDENCE) for norm, d in pairs.items() if len(d) > 1}
+    adjusted = dict(zip(intervals, holm([i.p_value for i in intervals.values()]))) if intervals else {}
+    lines = ["", "## Verdict", "", f"| against {first} | seeds paired | mean difference (norm - {first}) | "
+             f"95% interval | Holm p | verdict |", "|---|---:|---:|---|---:|---|"]
     checks = []
-    for norm in args.norms[1:]:
-        runs = _final(results, norm, chosen)
-        other = _test_scores(runs, metric)
-        flags = [*(f"{first}: {f}" for f in base_flags),
-                 *(f"{_short(norm, baseline)}: {f}" for f in run_flags(runs, metric, task.mode, facts.get("vocab_size"))),
-                 *pair_flags(base, other)]
-        spread = (statistics.stdev(base) + statistics.stdev(other)) if min(len(base), len(other)) > 1 else math.nan
-        difference = statistics.fmean(other) - statistics.fmean(base) if base and other else math.nan
-        said = verdict(base, other, task.mode, (first, _short(norm, baseline)))
+    for norm, differences in pairs.items():
+        flags = _comparison_flags(base_runs, _final(results, norm, chosen), args, facts, (first, _short(norm, baseline)))
+        said = verdict(differences, task.mode, (first, _short(norm, baseline)), adjusted.get(norm))
         if flags and "no verdict" not in said:
             said = "flagged: no verdict"
-        lines.append(f"| {norm} | {difference:+.3f} | {spread:.3f} | {said} |")
+        interval = intervals.get(norm)
+        shown = (f"{interval.mean:+.3f} | [{interval.low:+.3f}, {interval.high:+.3f}] | {adjusted[norm]:.3f}"
+                 if interval else f"{statistics.fmean(differences) if differences else math.nan:+.3f} | - | -")
+        lines.append(f"| {norm} | {len(differences)} | {shown} | {said} |")
         checks += [f"- {norm}: {flag}" for flag in flags]
-    lines += ["", f"Rule: a norm is better than {first} only when the difference of the test means exceeds the "
-                  f"seed spread, the sum of the two standard deviations over the seeds; otherwise it is a tie. With "
-                  f"one seed there is no spread and no verdict. A comparison whose runs fail a check below gets no "
-                  f"verdict."]
-    lines += ["", "## Checks", ""] + (checks or ["Every check passed: no degenerate or identical scores, every "
-                                                 "best model before the last update, every model better than "
-                                                 "before fine-tuning."])
-    return lines
+    lines += ["", f"Rule: each seed's test {task.metric} of a norm minus {first}'s at the same seed; a norm is "
+                  f"better or worse than {first} only when the 95% t interval of these differences excludes zero "
+                  f"and the p-value, Holm-adjusted over the {len(pairs)} comparison(s), is below 0.05; otherwise it "
+                  f"is a tie. Under two paired seeds there is no interval and no verdict, and a comparison whose "
+                  f"runs fail a check below gets none."]
+    return lines + ["", "## Checks", ""] + (checks or ["Every check passed: no degenerate or identical scores, "
+                                                       "every best model before the last update, every model "
+                                                       "better than before fine-tuning."])
+
+
+def _comparison_flags(base_runs, runs, args: argparse.Namespace, facts: dict[str, Any],
+                      names: tuple[str, str]) -> list[str]:
+    task, vocab_size = TASKS[args.task], facts.get("vocab_size")
+    return [*(f"{names[0]}: {f}" for f in run_flags(base_runs, task.metric, task.mode, vocab_size)),
+            *(f"{names[1]}: {f}" for f in run_flags(runs, task.metric, task.mode, vocab_size)),
+            *pair_flags(_test_scores(base_runs, task.metric), _test_scores(runs, task.metric))]
 
 
 def _sample_lines(results, chosen, args: argparse.Namespace, baseline: str) -> list[str]:

@@ -146,10 +146,13 @@ def test_embedded_default_writes_report_csv_and_plot_and_resumes(tmp_path, monke
 
 
 def test_one_seed_gives_no_verdict_and_the_rule_is_stated():
-    assert compare.verdict([1.0], [2.0], "min", ("LN", "PN")) == "one seed: no verdict"
-    assert compare.verdict([10.0, 10.2], [9.0, 9.2], "min", ("LN", "PN")) == "PN better"
-    assert compare.verdict([10.0, 10.2], [9.0, 9.2], "max", ("LN", "PN")) == "LN better"
-    assert compare.verdict([10.0, 11.0], [10.5, 11.5], "min", ("LN", "PN")) == "tie"
+    # Paired differences (other - baseline) over the seeds.
+    assert compare.verdict([1.0], "min", ("LN", "PN")) == "one seed: no verdict"
+    assert compare.verdict([-1.0, -1.1, -0.9], "min", ("LN", "PN")) == "PN better"
+    assert compare.verdict([-1.0, -1.1, -0.9], "max", ("LN", "PN")) == "LN better"
+    assert compare.verdict([0.5, -0.3, 0.1], "min", ("LN", "PN")) == "tie"
+    # Holm's adjustment over several comparisons can take a verdict back.
+    assert compare.verdict([-1.0, -1.1, -0.9], "min", ("LN", "PN"), adjusted_p=0.2) == "tie"
 
 
 # --------------------------------------------------------------------------------------------

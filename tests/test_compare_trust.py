@@ -241,20 +241,32 @@ def _result(norm, seed, test, *, start=50.0, validation=None, best_step=1, steps
             "best_step": best_step, "train_steps": steps, "seconds": 90.0}
 
 
-def _report(results, tmp_path, norm_counts=None):
-    args = compare.parse_args(["--seeds", "1", "2", "--output_dir", str(tmp_path)])
+def _report(results, tmp_path, norms=("layernorm", "powernorm")):
+    args = compare.parse_args(["--seeds", "1", "2", "--norms", *norms, "--output_dir", str(tmp_path)])
     args.model_name_or_path = str(tmp_path)
-    facts = {"norm_counts": norm_counts or {"LlamaRMSNorm": 5}, "vocab_size": 99}
-    return compare.report_text(results, {"layernorm": 1e-3, "powernorm": 1e-3}, args, facts)
+    facts = {"norm_counts": {"LlamaRMSNorm": 5}, "vocab_size": 99}
+    return compare.report_text(results, dict.fromkeys(norms, 1e-3), args, facts)
 
 
 def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
     report = _report([_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2),
                       _result("powernorm", 1, 18.0), _result("powernorm", 2, 18.1)], tmp_path)
     assert "| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | 50.000 ± 0.000 |" in report
-    assert "| powernorm | -2.050 | 0.212 | PN better |" in report and "Every check passed" in report
+    assert "| powernorm | 2 | -2.050 | [-2.685, -1.415] | 0.016 | PN better |" in report
+    assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s)" in report
     assert "| 1.5 |" in report  # minutes per run
     assert "LN better" not in report and "against LlamaRMSNorm" in report
+
+
+def test_holm_over_the_comparisons_made_can_take_a_verdict_back(tmp_path):
+    base = [_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2)]
+    powernorm = [_result("powernorm", 1, 18.0), _result("powernorm", 2, 18.0)]  # differences -2.0, -2.2
+    alone = _report(base + powernorm, tmp_path)
+    assert "| powernorm | 2 | -2.100 |" in alone and "| PN better |" in alone
+    rmsnorm = [_result("rmsnorm", 1, 19.0), _result("rmsnorm", 2, 18.7)]  # differences -1.0, -1.5
+    both = _report(base + powernorm + rmsnorm, tmp_path, ("layernorm", "powernorm", "rmsnorm"))
+    assert "PN better" not in both and both.count("| tie |") == 2
+    assert "Holm-adjusted over the 2 comparison(s)" in both
 
 
 @pytest.mark.parametrize("case, flag", [
