@@ -2,23 +2,29 @@
 
 For each norm of `--norms` and each seed of `--seeds`, the model of `--model_name_or_path` (a Hub id
 or a folder) has its norms converted by `convert_norms` (`layernorm`: the model's own norms,
-unchanged), is fine-tuned by the training library's `fit` at equal settings (with `--tune_lr`, each
-norm's learning rate is chosen on validation from `--lr_grid`, with the first seed), and is scored
-on validation and test. The runs form a resumable grid (`studies/grid.py`): a finished run is
-never redone, `--jobs N` runs N at once on CPU, and under `accelerate launch` every run uses all
-the processes. Writes into `--output_dir`:
+unchanged, named by their class in the report; a model loaded from weights is converted keeping its
+function unless `--no_preserve_function`; `--convert_modules` selects the norms), is fine-tuned by
+the training library's `fit` at equal settings (with `--tune_lr`, each norm's learning rate is
+chosen on validation from `--lr_grid`, with the first seed), and is scored on validation before
+and after fine-tuning and on test. The runs form a resumable grid (`studies/grid.py`): a finished
+run is not redone unless its fingerprint (model, tokenizer and data files, settings) changed,
+`--jobs N` runs N at once on CPU, and under `accelerate launch` every run uses all the processes.
+Writes into `--output_dir`:
 
-- `results.csv`: one row per run and evaluated split;
-- `report.md`: mean ± standard deviation over the seeds per norm, the verdict of each norm against
-  the first (PN better / LN better only when the difference of the test means exceeds the sum of
-  the two seed standard deviations, else tie; one seed gives no verdict), and the settings;
-- `validation_curves.png`: validation score against updates, the mean over seeds with the range
-  of the seeds as a band.
+- `results.csv`: one row per run and evaluated split, with its time;
+- `report.md`: mean ± standard deviation over the seeds per norm, the checks that withhold a
+  verdict (degenerate or identical scores, a best model at the last update, no better than before
+  fine-tuning), the verdict of each norm against the first from the paired test differences over
+  the seeds (a 95% t interval, Holm over the comparisons), seq2seq sample outputs, the settings;
+- `validation_curves.png`: training loss and validation score against updates (log axis for
+  losses and perplexity), the mean over seeds with markers and the seeds' range as a band;
+- with `--save_models`, `models/<norm>`: each norm's best model (and `--push_to_hub` uploads it).
 
-Data comes as the recipes take it: `--dataset_name` (a Hub id, or a local folder / files through
-`datasets.load_dataset`) or `--train_file/--validation_file/--test_file`, tokenized by cached
-`Dataset.map` passes. Without a model and data, a tiny GPT-2 trains on the embedded English corpus
-(about a minute on 2 CPU cores).
+Bad input stops with one line before any work; Ctrl-C writes the report of the runs finished so
+far, and the same command resumes. Data comes as the recipes take it: `--dataset_name` (a Hub id, a
+local folder of files or of `save_to_disk`) or `--train_file/--validation_file/--test_file`, with
+`--text_column` etc. naming other columns, tokenized by cached `Dataset.map` passes. Without a
+model and data, a tiny GPT-2 trains on the embedded English corpus (about a minute on 2 CPU cores).
 
     hf-powernorm compare --model_name_or_path gpt2 --task causal-lm --dataset_name wikitext \\
         --dataset_config_name wikitext-2-raw-v1 --norms layernorm powernorm --seeds 1 2 3 \\
@@ -945,8 +951,9 @@ def _verdict_lines(results, chosen, args: argparse.Namespace, facts: dict[str, A
              f"95% interval | Holm p | verdict |", "|---|---:|---:|---|---:|---|"]
     checks = []
     for norm, differences in pairs.items():
-        flags = _comparison_flags(base_runs, _final(results, norm, chosen), args, facts, (first, _short(norm, baseline)))
-        said = verdict(differences, task.mode, (first, _short(norm, baseline)), adjusted.get(norm))
+        names = (first, _short(norm, baseline))
+        flags = _comparison_flags(base_runs, _final(results, norm, chosen), args, facts, names)
+        said = verdict(differences, task.mode, names, adjusted.get(norm))
         if flags and "no verdict" not in said:
             said = "flagged: no verdict"
         interval = intervals.get(norm)
@@ -1026,7 +1033,8 @@ def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4.0))
     for norm in args.norms:
-        curves = [run_curves(Path(args.output_dir) / "cells" / r["cell"] / "run") for r in _final(results, norm, chosen)]
+        folders = [Path(args.output_dir) / "cells" / r["cell"] / "run" for r in _final(results, norm, chosen)]
+        curves = [run_curves(folder) for folder in folders]
         label = baseline if norm == BASELINE else norm
         for axis, index in zip(axes, (0, 1)):
             _plot_mean_and_band(axis, [c[index] for c in curves], f"{label} ({len(curves)} seeds)")

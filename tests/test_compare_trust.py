@@ -148,7 +148,8 @@ def binary_bert(tmp_path_factory):
     with open(folder / "train.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["review", "stars"])
-        writer.writerows((text, int(label == 2)) for text, label in zip(corpus["train"]["text"], corpus["train"]["label"]))
+        train = corpus["train"]
+        writer.writerows((text, int(label == 2)) for text, label in zip(train["text"], train["label"]))
     tokenizer = _tokenizer(corpus["train"]["text"])
     torch.manual_seed(0)
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
