@@ -132,7 +132,7 @@ def test_embedded_default_writes_report_csv_and_plot_and_resumes(tmp_path, monke
     assert all(float(r["perplexity"]) > 1 for r in _rows(output))
     report = (output / "report.md").read_text(encoding="utf-8")
     assert "the embedded toy corpus" in report and "5 LayerNorm" in report
-    assert "| powernorm |" in report and "seed spread" in report
+    assert "| powernorm | 2 |" in report and "95% interval" in report
     # Two updates: each best model is at the last update, so the checks withhold the verdict.
     assert "| flagged: no verdict |" in report and "best model at the last update" in report
     assert (output / "validation_curves.png").stat().st_size > 1000
