@@ -368,3 +368,42 @@ def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_pa
     repos = compare.push_models({"powernorm": kept}, args)
     assert repos == ["me/gpt2-powernorm"] and "model.safetensors" in uploaded[0][1]
     assert "tokenizer.json" in uploaded[0][1]
+
+
+def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    results = [_result(norm, seed, 20.0) for norm in ("layernorm", "powernorm") for seed in (1, 2)]
+    for r in results:
+        folder = tmp_path / "cells" / r["cell"] / "run"
+        folder.mkdir(parents=True)
+        records = [{"step": s, "loss": 6.0 / s} for s in (1, 2, 3, 4)] + [{"step": s, "validation": 700.0 / s}
+                                                                           for s in (2, 4)]
+        (folder / "training_log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    drawn = {}
+
+    def record(figure, path, **kwargs):
+        drawn.update(axes=[(a.get_ylabel(), a.get_yscale(), [line.get_marker() for line in a.get_lines()],
+                            [line.get_label() for line in a.get_lines()]) for a in figure.axes])
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    args = compare.parse_args(["--seeds", "1", "2", "--output_dir", str(tmp_path)])
+    compare.plot_curves(results, {"layernorm": 1e-3, "powernorm": 1e-3}, args, tmp_path / "c.png",
+                        "LayerNorm (the model's own)")
+    (loss, loss_scale, loss_markers, labels), (metric, metric_scale, metric_markers, _) = drawn["axes"]
+    assert (loss, loss_scale, metric, metric_scale) == ("training loss", "log", "validation perplexity", "log")
+    assert set(loss_markers) == set(metric_markers) == {"o"}
+    assert labels == ["LayerNorm (the model's own) (2 seeds)", "powernorm (2 seeds)"]
+
+
+def test_runs_write_no_nested_library_progress_bars(gpt2_case, tmp_path):
+    import datasets
+    import transformers
+
+    model, task, data = gpt2_case
+    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "layernorm",
+                  *TINY, "--output_dir", str(tmp_path / "o")])
+    assert not transformers.utils.logging.is_progress_bar_enabled()
+    assert not datasets.is_progress_bar_enabled()
+    transformers.utils.logging.enable_progress_bar()
+    datasets.enable_progress_bars()
