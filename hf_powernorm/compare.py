@@ -906,11 +906,12 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
     lines = [f"# Does PN help {_model_description(args)}?", "",
              f"Task `{args.task}`, {_data_description(args)}; the model's norms: "
              + ", ".join(f"{count} {name}" for name, count in facts["norm_counts"].items())
-             + f" (`{BASELINE}`: {baseline}, unchanged). Each norm fine-tuned for {args.max_train_steps or 'all'} "
-               f"updates at equal settings, scored by the model of its best validation; {metric}, {better} is "
-               f"better, mean ± standard deviation over the seeds. Converted "
-             + ("keeping the pretrained function (preserve_function)." if args.preserve_function
-                else "without keeping the pretrained function."), "",
+             + f" (`{BASELINE}` in `--norms`: these, unchanged). Each norm fine-tuned for "
+               f"{args.max_train_steps or 'all'} updates at equal settings, scored by the model of its best "
+               f"validation; {metric}, {better} is better, mean ± standard deviation over the seeds. "
+             + ("Converted keeping the pretrained function (preserve_function)." if args.preserve_function
+                else "Converted without preserve_function (a randomly initialised model, or "
+                     "--no_preserve_function)."), "",
              f"| norm | learning rate | seeds | validation {metric} before fine-tuning | validation {metric} | "
              f"test {metric} | test per seed | minutes per run |", "|---|---:|---|---:|---:|---:|---|---:|"]
     for norm in args.norms:

@@ -51,6 +51,9 @@ def test_bad_inputs_are_one_line_and_exit_2_before_any_work(gpt2_case, capsys, t
     binary = tmp_path / "train.txt"
     binary.write_bytes(bytes(range(256)) * 4)
     _one_line_error([*base, "--train_file", str(binary), "--block_size", "16"], capsys, "is not a text file")
+    binary.write_bytes(bytes(range(128, 256)) * 8)  # no NUL byte, but not UTF-8 text
+    _one_line_error([*base, "--train_file", str(binary), "--block_size", "16"], capsys,
+                    f"could not read the data {binary}: UnicodeDecodeError")
     _one_line_error([*base, *data, "--preset", "tiny"], capsys, "unrecognized arguments: --preset tiny")
     _one_line_error([*base, *data, "--push_to_hub"], capsys, "add --save_models")
     _one_line_error([*base, *data, "--label_column", "y"], capsys, "--label_column is for --task classification")
