@@ -24,7 +24,8 @@ Bad input stops with one line before any work; Ctrl-C writes the report of the r
 far, and the same command resumes. Data comes as the recipes take it: `--dataset_name` (a Hub id, a
 local folder of files or of `save_to_disk`) or `--train_file/--validation_file/--test_file`, with
 `--text_column` etc. naming other columns, tokenized by cached `Dataset.map` passes. Without a
-model and data, a tiny GPT-2 trains on the embedded English corpus (about a minute on 2 CPU cores).
+model and data, a tiny GPT-2 trains on the embedded English corpus (under two minutes on 2 CPU
+cores).
 
     hf-powernorm compare --model_name_or_path gpt2 --task causal-lm --dataset_name wikitext \\
         --dataset_config_name wikitext-2-raw-v1 --norms layernorm powernorm --seeds 1 2 3 \\
@@ -750,6 +751,7 @@ def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, Any
     from .training.checkpoints import write_json_atomically
 
     state = PartialState()
+    state.wait_for_everyone()  # the main process has set aside the runs to redo
     todo = [] if args.report_only else [cell for cell in cells if cell_result(args.output_dir, cell) is None]
     state.wait_for_everyone()  # every process has read which cells are finished
     for cell in tqdm(todo, desc="Comparison", disable=not state.is_main_process):
