@@ -172,7 +172,7 @@ def _add_comparison_args(group: argparse._ArgumentGroup) -> None:
                             "allow, at most 1024 and --max_tokens")
     group.add_argument("--max_length", type=int,
                        help="classification and seq2seq: truncate sequences to this many tokens; default: 128, "
-                            "or fewer if the model has fewer positions")
+                            "or fewer if the model's positions or --max_tokens allow fewer")
     group.add_argument("--source_lang", default="de", help="seq2seq: the source language of 'translation'")
     group.add_argument("--target_lang", default="en", help="seq2seq: the target language of 'translation'")
     group.add_argument("--label_names",
@@ -421,8 +421,8 @@ def _positions(config) -> int | None:
 
 def fit_lengths(args: argparse.Namespace, tokenizer) -> None:
     """`--block_size` (causal-lm) and `--max_length` when not given: what the model's positions and
-    the tokenizer allow (as Transformers' `run_clm` does), at most 1024 tokens a block (and
-    `--max_tokens`) or 128 a sequence."""
+    the tokenizer allow (as Transformers' `run_clm` does), at most 1024 tokens a block or 128 a
+    sequence, and `--max_tokens`."""
     from transformers import AutoConfig
 
     limits = [_positions(AutoConfig.from_pretrained(args.model_name_or_path)),
@@ -431,7 +431,7 @@ def fit_lengths(args: argparse.Namespace, tokenizer) -> None:
     if args.task == "causal-lm" and args.block_size is None:
         args.block_size = min(allowed or 1024, 1024, args.max_tokens)
     if args.task != "causal-lm" and args.max_length is None:
-        args.max_length = min(allowed or 128, 128)
+        args.max_length = min(allowed or 128, 128, args.max_tokens)
 
 
 def baseline_name(norm_counts: dict[str, int]) -> str:
@@ -681,7 +681,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     collate = PaddingCollator(tokenizer.pad_token_id, decoder_attention_mask=args.task == "seq2seq")
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
     score = _scorer(args, accelerator, tokenizer, fields.get("num_labels", 0))
-    start = score(model, evals["validation"])  # right after conversion: the starting handicap
+    start = score(model.to(accelerator.device), evals["validation"])  # right after conversion: the starting handicap
     columns = ("input_ids", "labels") if args.task == "seq2seq" else ("input_ids",)
     model, summary = fit(args, accelerator, model, data["train"], collate, model_loss, tokenizer=tokenizer,
                          mode=task.mode, validate=lambda m: score(m, evals["validation"])[task.metric],
