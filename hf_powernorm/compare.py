@@ -681,7 +681,9 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     collate = PaddingCollator(tokenizer.pad_token_id, decoder_attention_mask=args.task == "seq2seq")
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
     score = _scorer(args, accelerator, tokenizer, fields.get("num_labels", 0))
-    start = score(model.to(accelerator.device), evals["validation"])  # right after conversion: the starting handicap
+    model.to(accelerator.device)
+    start = score(model, evals["validation"])  # right after conversion: the starting handicap
+    start.setdefault("loss", validation_loss(accelerator, model, evals["validation"]))
     columns = ("input_ids", "labels") if args.task == "seq2seq" else ("input_ids",)
     model, summary = fit(args, accelerator, model, data["train"], collate, model_loss, tokenizer=tokenizer,
                          mode=task.mode, validate=lambda m: score(m, evals["validation"])[task.metric],
@@ -695,6 +697,24 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     return {**summary, "scores": _numbers(scores), "start": _numbers(start), "samples": samples,
             "seconds": round(time.perf_counter() - started, 1), "fingerprint": _saved(folder)["fingerprint"]}
+
+
+def validation_loss(accelerator, model, loader) -> float:
+    """The model's own loss over `loader`, averaged over examples (every process's batches)."""
+    import torch
+
+    from .training.losses import model_loss
+
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in loader:
+            count = batch["input_ids"].shape[0]
+            pair = torch.stack([model_loss(model, batch).double() * count,
+                                torch.tensor(count, dtype=torch.float64, device=batch["input_ids"].device)])
+            total += accelerator.gather_for_metrics(pair[None]).sum(0).cpu()
+    model.train()
+    return float(total[0] / total[1])
 
 
 def _numbers(scores: dict[str, Any]) -> dict[str, float]:
@@ -914,8 +934,9 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
              + ("Converted keeping the pretrained function (preserve_function)." if args.preserve_function
                 else "Converted without preserve_function (a randomly initialised model, or "
                      "--no_preserve_function)."), "",
-             f"| norm | learning rate | seeds | validation {metric} before fine-tuning | validation {metric} | "
-             f"test {metric} | test per seed | minutes per run |", "|---|---:|---|---:|---:|---:|---|---:|"]
+             f"| norm | learning rate | seeds | validation loss before fine-tuning | validation {metric} before "
+             f"fine-tuning | validation {metric} | test {metric} | test per seed | minutes per run |",
+             "|---|---:|---|---:|---:|---:|---:|---|---:|"]
     for norm in args.norms:
         lines.append(_norm_row(norm, _final(results, norm, chosen), chosen, metric, baseline))
     lines += _verdict_lines(results, chosen, args, facts, baseline)
@@ -929,13 +950,15 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
 def _norm_row(norm: str, runs: list[dict[str, Any]], chosen: dict[str, float], metric: str, baseline: str) -> str:
     name = baseline if norm == BASELINE else norm
     if not runs:
-        return f"| {name} | - | - | - | - | - | - | - |"
+        return f"| {name} | - | - | - | - | - | - | - | - |"
+    loss = [r.get("start", {}).get("loss") for r in runs]
     start = [r.get("start", {}).get(metric) for r in runs]
     validated = [r["scores"].get(f"validation_{metric}") for r in runs]
     tested = [r["scores"].get(f"test_{metric}") for r in runs]
     minutes = [r["seconds"] / 60 for r in runs if r.get("seconds") is not None]
     per_seed = ", ".join(f"{v:.3f}" for v in tested if v is not None)
-    return (f"| {name} | {chosen[norm]:g} | {', '.join(str(r['seed']) for r in runs)} | {mean_std(start, 3)} | "
+    return (f"| {name} | {chosen[norm]:g} | {', '.join(str(r['seed']) for r in runs)} | {mean_std(loss, 3)} | "
+            f"{mean_std(start, 3)} | "
             f"{mean_std(validated, 3)} | {mean_std(tested, 3)} | {per_seed} | "
             f"{f'{statistics.fmean(minutes):.1f}' if minutes else '-'} |")
 

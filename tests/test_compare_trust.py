@@ -5,6 +5,7 @@ models, and the defaults that fit the model."""
 
 import csv
 import json
+import math
 
 import pytest
 
@@ -175,6 +176,9 @@ def test_binary_bert_with_0_1_labels_and_named_columns_runs(binary_bert, tmp_pat
     assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
     saved = json.loads((out / "compare.json").read_text())["args"]
     assert saved["label_names"] == ["LABEL_0", "LABEL_1"]  # the model's own two classes: its head kept
+    start = json.loads((out / "cells" / "powernorm-lr0.0005-seed1" / "result.json").read_text())["start"]
+    assert start["loss"] > 0 and 0 <= start["accuracy"] <= 1  # the starting point the report shows
+    assert "| validation loss before fine-tuning |" in (out / "report.md").read_text(encoding="utf-8")
 
 
 def test_class_names_come_from_the_model_and_the_data():
@@ -228,7 +232,7 @@ def test_summarisation_columns_and_sample_outputs(tmp_path):
     report = (out / "report.md").read_text(encoding="utf-8")
     assert "## Sample outputs" in report and "### BartLayerNorm" not in report
     result = json.loads((out / "cells" / "powernorm-lr0.0005-seed1" / "result.json").read_text())
-    assert len(result["samples"]) == 3
+    assert len(result["samples"]) == 3 and result["start"]["loss"] > 0  # the model's own loss before training
     documents = {r["document"] for r in rows}
     assert all(s["source"] in documents and isinstance(s["output"], str) for s in result["samples"])
     assert report.count("- source: ") == 6  # three per norm
@@ -241,7 +245,8 @@ def test_summarisation_columns_and_sample_outputs(tmp_path):
 def _result(norm, seed, test, *, start=50.0, validation=None, best_step=1, steps=4):
     validation = test if validation is None else validation
     return {"cell": f"{norm}-lr0.001-seed{seed}", "norm": norm, "seed": seed, "learning_rate": 1e-3,
-            "scores": {"validation_perplexity": validation, "test_perplexity": test}, "start": {"perplexity": start},
+            "scores": {"validation_perplexity": validation, "test_perplexity": test},
+            "start": {"perplexity": start, "loss": math.log(start)},
             "best_step": best_step, "train_steps": steps, "seconds": 90.0}
 
 
@@ -255,7 +260,7 @@ def _report(results, tmp_path, norms=("layernorm", "powernorm")):
 def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
     report = _report([_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2),
                       _result("powernorm", 1, 18.0), _result("powernorm", 2, 18.1)], tmp_path)
-    assert "| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | 50.000 ± 0.000 |" in report
+    assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {math.log(50):.3f} ± 0.000 | 50.000 ± 0.000 |" in report
     assert "| powernorm | 2 | -2.050 | [-2.685, -1.415] | 0.016 | PN better |" in report
     assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s)" in report
     assert "| 1.5 |" in report  # minutes per run
