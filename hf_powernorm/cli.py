@@ -14,12 +14,16 @@ COMMANDS = {"compare": "hf_powernorm.compare", "studies": "hf_powernorm.studies.
 
 
 def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str]) -> None:
-    """`entry(argv)`, a bad input (ValueError, FileNotFoundError) shown as one line and exit status 2."""
+    """`entry(argv)`, a bad input (ValueError, FileNotFoundError) shown as one line and exit status 2,
+    Ctrl-C as one line (what the command saved, from the interrupt's message) and exit status 130."""
     try:
         entry(argv)
     except (ValueError, FileNotFoundError) as error:
         print(f"hf-powernorm {name}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as interrupt:
+        print(f"hf-powernorm {name}: interrupted" + (f": {interrupt}" if str(interrupt) else ""), file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

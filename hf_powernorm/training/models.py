@@ -135,7 +135,9 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
                              f"not --convert_norms {args.convert_norms!r}")
         model = load_converted(path, auto_class)
     else:
-        task = {k: v for k, v in fields.items() if k in ("num_labels", "id2label", "label2id")}
+        # A classification head of another size than the data's classes is rebuilt.
+        task = {k: v for k, v in fields.items()
+                if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
         model = auto_class.from_pretrained(path, **task)
         report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
                                preserve_function=getattr(args, "preserve_function", False),

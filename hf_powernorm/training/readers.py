@@ -46,7 +46,11 @@ def hf_offline() -> bool:
 
 def load_hub_dataset(name: str, config: str | None = None) -> DatasetDict:
     """`datasets.load_dataset(name, config)`, failing clearly when the Hub cannot be reached. In
-    offline mode a dataset that `datasets` has cached still loads."""
+    offline mode a dataset that `datasets` has cached still loads. A folder written by
+    `save_to_disk` loads with `load_from_disk` (a single `Dataset` as the train split)."""
+    if is_saved_dataset(name):
+        saved = datasets.load_from_disk(name)
+        return saved if isinstance(saved, DatasetDict) else DatasetDict({"train": saved})
     advice = ("pass local files with --train_file/--validation_file/--test_file, or leave out "
               "--dataset_name to use the embedded default corpus")
     try:
@@ -57,6 +61,26 @@ def load_hub_dataset(name: str, config: str | None = None) -> DatasetDict:
                                f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and it is not in the datasets cache; "
                                f"{advice}") from error
         raise RuntimeError(f"could not download --dataset_name {name!r} ({error}); {advice}") from error
+
+
+def is_saved_dataset(path: str | Path) -> bool:
+    """Whether `path` is a folder of `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    path = Path(path)
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def rename_columns(part: Dataset, columns: dict[str, str] | None, origin: str) -> Dataset:
+    """`part` with the columns the user named (`{reader's name: user's name}`, e.g. `{"text": "body"}`)
+    renamed to the names the readers read; a named column that is missing is a ValueError."""
+    for standard, given in (columns or {}).items():
+        if given is None or given == standard:
+            continue
+        if given not in part.column_names:
+            raise ValueError(f"{origin} has no column {given!r} (--{standard}_column); found {part.column_names}")
+        if standard in part.column_names:
+            part = part.remove_columns(standard)
+        part = part.rename_column(given, standard)
+    return part
 
 
 def _check_file(path: str | Path, what: str = "data file") -> Path:
@@ -141,26 +165,31 @@ def _translation_languages(dataset: Dataset) -> list[str]:
 
 
 def load_translation_dataset(source_lang: str, target_lang: str, *, dataset_name: str | None = None,
-                             dataset_config: str | None = None,
-                             data_files: dict[str, str] | None = None) -> DatasetDict:
+                             dataset_config: str | None = None, data_files: dict[str, str] | None = None,
+                             columns: dict[str, str] | None = None) -> DatasetDict:
     """Translation pairs as a `DatasetDict` with a `translation` column `{lang: text}`.
 
     `data_files` maps splits to either JSON-lines files (`{"translation": {"de": ..., "en": ...}}`)
     or path prefixes of aligned plain-text files (`data/train` -> `data/train.de`, `data/train.en`).
     With neither `dataset_name` nor `data_files`, the embedded synthetic corpus is returned.
+    `columns` (`{"source": name, "target": name}`) reads pairs from two text columns instead (e.g.
+    summarisation's `document` and `summary`; CSV files too), as `source_lang` and `target_lang`.
     """
     if dataset_name:
         dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
     elif data_files:
         dataset, origin = DatasetDict(), "the translation files"
         for split, path in data_files.items():
-            if str(path).endswith(_JSON_SUFFIXES):
-                part = datasets.load_dataset("json", data_files=str(_check_file(path)), split="train")
+            if str(path).endswith(_JSON_SUFFIXES) or (columns and str(path).endswith(".csv")):
+                part = read_table(str(path))
             else:
                 part = _translation_from_prefix(str(path), source_lang, target_lang, split)
             dataset[split] = part
     else:
         dataset, origin = synthetic_translation_corpus(source_lang, target_lang), "the embedded corpus"
+    if columns:
+        dataset = DatasetDict({split: _pairs_from_columns(part, columns, (source_lang, target_lang), origin)
+                               for split, part in dataset.items()})
     _check_splits(dataset, origin)
     for split, part in dataset.items():
         languages = _translation_languages(part)
@@ -170,12 +199,23 @@ def load_translation_dataset(source_lang: str, target_lang: str, *, dataset_name
     return dataset
 
 
+def _pairs_from_columns(part: Dataset, columns: dict[str, str], languages: tuple[str, str], origin: str) -> Dataset:
+    """A `translation` column `{source_lang: source, target_lang: target}` from two text columns."""
+    part = rename_columns(part, columns, origin)
+
+    def pairs(batch: dict[str, list]) -> dict[str, list]:
+        return {"translation": [dict(zip(languages, pair)) for pair in zip(batch["source"], batch["target"])]}
+
+    return part.map(pairs, batched=True, remove_columns=part.column_names, desc="Pairing columns")
+
+
 def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
-                    data_files: dict[str, str] | None = None) -> DatasetDict:
+                    data_files: dict[str, str] | None = None, columns: dict[str, str] | None = None) -> DatasetDict:
     """Language-modelling text as a `DatasetDict` with one `text` column (one line per row).
 
     Local files are plain text (`.txt`, `.raw`, `.tokens`, ...) or JSON lines with a `text` field.
-    Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`.
+    Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`; `columns`
+    (`{"text": name}`) names another column.
     """
     if dataset_name:
         dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
@@ -186,7 +226,8 @@ def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | No
             dataset[split] = datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
     else:
         dataset, origin = synthetic_lm_corpus(), "the embedded corpus"
-    dataset = DatasetDict({s: _rename_text_column(d, origin) for s, d in dataset.items()})
+    dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin)
+                           for s, d in dataset.items()})
     return _check_splits(DatasetDict({s: d.select_columns(["text"]) for s, d in dataset.items()}), origin)
 
 
@@ -233,11 +274,15 @@ def read_phrasebank(path: str | Path, label_names: Sequence[str] = SENTIMENT_LAB
     return Dataset.from_generator(_phrasebank_rows, features=_labelled_features(label_names), gen_kwargs=kwargs)
 
 
-def _read_labelled_table(path: str, label_names: Sequence[str]) -> Dataset:
-    """CSV or JSON lines with a `text` (or `sentence`) column and a `label` column."""
+def read_table(path: str) -> Dataset:
+    """A CSV or JSON-lines file as one `Dataset`."""
     builder = "json" if path.endswith(_JSON_SUFFIXES) else "csv"
-    table = datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
-    table = _rename_text_column(table, path)
+    return datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
+
+
+def _read_labelled_table(path: str, label_names: Sequence[str], columns: dict[str, str] | None = None) -> Dataset:
+    """CSV or JSON lines with a `text` (or `sentence`) column and a `label` column (or those of `columns`)."""
+    table = _rename_text_column(rename_columns(read_table(path), columns, path), path)
     if "label" not in table.column_names:
         raise ValueError(f"{path} needs a 'label' column; found {table.column_names}")
 
@@ -269,21 +314,22 @@ def split_train(dataset: DatasetDict, validation_fraction: float = 0.1, test_fra
 def load_classification_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
                                 data_files: dict[str, str] | None = None,
                                 label_names: Sequence[str] = SENTIMENT_LABELS,
-                                seed: int = 0) -> DatasetDict:
+                                seed: int = 0, columns: dict[str, str] | None = None) -> DatasetDict:
     """Sentence classification as a `DatasetDict` with `text` and a `ClassLabel` `label` column.
 
     Local files: `.csv`, `.json`/`.jsonl` (columns text or sentence, and label), or `.txt` in the
-    Financial PhraseBank `sentence@label` format. Missing validation/test splits are carved out of
-    train (10% each, seeded).
+    Financial PhraseBank `sentence@label` format; `columns` (`{"text": name, "label": name}`) names
+    other columns. Missing validation/test splits are carved out of train (10% each, seeded).
     """
     if dataset_name:
         dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
-        dataset = DatasetDict({s: _rename_text_column(d, origin) for s, d in dataset.items()})
+        dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin)
+                               for s, d in dataset.items()})
     elif data_files:
         dataset, origin = DatasetDict(), "the classification files"
         for split, path in data_files.items():
             is_table = str(path).endswith(_JSON_SUFFIXES + (".csv",))
-            dataset[split] = (_read_labelled_table(str(path), label_names) if is_table
+            dataset[split] = (_read_labelled_table(str(path), label_names, columns) if is_table
                               else read_phrasebank(path, label_names))
     else:
         dataset, origin = synthetic_classification_corpus(), "the embedded corpus"

@@ -1,0 +1,417 @@
+"""`hf-powernorm compare` on inputs nobody in the project made: bad inputs as one line and exit
+status 2 before any work, labels and columns from the data, single `Dataset` folders, inputs that
+change between runs, Ctrl-C, the checks that withhold a verdict, the baseline's name, the kept
+models, and the defaults that fit the model."""
+
+import csv
+import json
+import math
+
+import pytest
+
+from hf_powernorm import cli, compare
+from test_compare import TINY, _rows, _tokenizer, bert_case, gpt2_case  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    """The console script's exit status and its stderr."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["compare", *argv])
+    return stopped.value.code, capsys.readouterr().err
+
+
+def _one_line_error(argv, capsys, match: str) -> None:
+    code, err = _cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("hf-powernorm compare: error: ") and match in err, err
+
+
+# --------------------------------------------------------------------------------------------
+# Help and bad input
+# --------------------------------------------------------------------------------------------
+
+def test_help_lists_only_the_options_compare_takes_each_with_help():
+    parser = compare.build_parser()
+    options = {o for action in parser._actions for o in action.option_strings}
+    assert not {f"--{name}" for name in compare.NOT_TAKEN if name != "push_to_hub"} & options
+    assert {"--text_column", "--label_column", "--source_column", "--target_column", "--save_models",
+            "--push_to_hub", "--convert_modules", "--no_preserve_function"} <= options
+    silent = [action.dest for action in parser._actions if not action.help]
+    assert silent == []
+    text = parser.format_help()
+    assert "--seeds [SEEDS ...]" in text and "default: [1, 2, 3]" in text.replace("\n", " ").replace("  ", "")
+
+
+def test_bad_inputs_are_one_line_and_exit_2_before_any_work(gpt2_case, capsys, tmp_path):
+    model, task, data = gpt2_case
+    out = tmp_path / "out"
+    base = ["--model_name_or_path", model, "--task", task, "--output_dir", str(out)]
+    _one_line_error([*base, *data, "--seeds", "-1"], capsys, "--seeds -1: a seed must be between 0 and")
+    binary = tmp_path / "train.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    _one_line_error([*base, "--train_file", str(binary), "--block_size", "16"], capsys, "is not a text file")
+    binary.write_bytes(bytes(range(128, 256)) * 8)  # no NUL byte, but not UTF-8 text
+    _one_line_error([*base, "--train_file", str(binary), "--block_size", "16"], capsys,
+                    f"could not read the data {binary}: UnicodeDecodeError")
+    _one_line_error([*base, *data, "--preset", "tiny"], capsys, "unrecognized arguments: --preset tiny")
+    _one_line_error([*base, *data, "--push_to_hub"], capsys, "add --save_models")
+    _one_line_error([*base, *data, "--label_column", "y"], capsys, "--label_column is for --task classification")
+    _one_line_error([*base, *data, "--convert_modules", "layers.("], capsys, "is not a regular expression")
+    _one_line_error([*base, "--dataset_name", "nobody/no-such-dataset", "--block_size", "16"], capsys,
+                    "needs the Hugging Face Hub, but offline mode is on")
+    assert not out.exists()  # nothing written before the error
+
+
+def test_bert_is_refused_for_causal_lm(bert_case, capsys, tmp_path):
+    model, _, _ = bert_case
+    _one_line_error(["--model_name_or_path", model, "--task", "causal-lm", "--output_dir", str(tmp_path / "o")],
+                    capsys, "--task causal-lm needs a causal language model")
+
+
+def test_ctrl_c_writes_the_partial_report_and_the_rerun_resumes(gpt2_case, capsys, tmp_path, monkeypatch):
+    model, task, data = gpt2_case
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", "--norms", "layernorm",
+            *TINY, "--output_dir", str(out)]
+    real = compare.run_cell
+
+    def interrupted_at_seed_2(cell, folder):
+        if cell.options["seed"] == 2:
+            raise KeyboardInterrupt
+        return real(cell, folder)
+
+    monkeypatch.setattr(compare, "run_cell", interrupted_at_seed_2)
+    code, err = _cli(argv, capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 130 and last.startswith("hf-powernorm compare: interrupted: 1 runs had finished")
+    assert "rerun the same command to resume" in last and "Traceback" not in err
+    assert {r["seed"] for r in _rows(out)} == {"1"}
+    trained = []
+    monkeypatch.setattr(compare, "run_cell", lambda cell, folder: trained.append(cell.name) or real(cell, folder))
+    compare.main(argv)
+    assert trained == ["layernorm-lr0.0005-seed2"]
+    assert "1 of 2 runs finished, 1 to run" in capsys.readouterr().err
+    assert {r["seed"] for r in _rows(out)} == {"1", "2"}
+
+
+# --------------------------------------------------------------------------------------------
+# Fingerprints: a changed input is not silently reused
+# --------------------------------------------------------------------------------------------
+
+def test_a_changed_model_folder_redoes_its_runs_and_says_so(gpt2_case, capsys, tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    source, task, data = gpt2_case
+    model = tmp_path / "model"
+    shutil.copytree(source, model)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(model), "--task", task, *data, "--seeds", "1", "--norms", "layernorm",
+            *TINY, "--output_dir", str(out)]
+    compare.main(argv)
+    first = json.loads((out / "cells" / "layernorm-lr0.0005-seed1" / "result.json").read_text())
+    trained = []
+    real = compare.run_cell
+    monkeypatch.setattr(compare, "run_cell", lambda cell, folder: trained.append(cell.name) or real(cell, folder))
+    capsys.readouterr()
+    compare.main(argv)  # nothing changed: resumed, and it says so
+    assert trained == [] and "1 of 1 runs finished, 0 to run" in capsys.readouterr().err
+    fixed = GPT2LMHeadModel.from_pretrained(model)
+    with torch.no_grad():
+        fixed.transformer.wte.weight.mul_(0.5)
+    fixed.save_pretrained(model)  # the model was fixed in its folder
+    compare.main(argv)
+    err = capsys.readouterr().err
+    assert trained == ["layernorm-lr0.0005-seed1"]
+    assert "layernorm-lr0.0005-seed1: the model changed since it ran; running it again" in err
+    again = json.loads((out / "cells" / "layernorm-lr0.0005-seed1" / "result.json").read_text())
+    assert again["fingerprint"]["model"] != first["fingerprint"]["model"]
+    assert again["fingerprint"]["data"] == first["fingerprint"]["data"]
+    assert again["scores"] != first["scores"]
+
+
+# --------------------------------------------------------------------------------------------
+# Labels, columns, data folders
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def binary_bert(tmp_path_factory):
+    """A two-class BERT (the config's default LABEL_0/LABEL_1) and a CSV of 0/1 labels whose columns
+    are named `review` and `stars`."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_powernorm.training import synthetic_classification_corpus
+
+    folder = tmp_path_factory.mktemp("binary-bert")
+    corpus = synthetic_classification_corpus({"train": 60, "validation": 12, "test": 12})
+    with open(folder / "train.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["review", "stars"])
+        train = corpus["train"]
+        writer.writerows((text, int(label == 2)) for text, label in zip(train["text"], train["label"]))
+    tokenizer = _tokenizer(corpus["train"]["text"])
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=64, num_labels=2,
+                        pad_token_id=tokenizer.pad_token_id)
+    BertForSequenceClassification(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return str(folder / "model"), str(folder / "train.csv")
+
+
+def test_binary_bert_with_0_1_labels_and_named_columns_runs(binary_bert, tmp_path):
+    model, train = binary_bert
+    out = tmp_path / "out"
+    compare.main(["--model_name_or_path", model, "--task", "classification", "--train_file", train,
+                  "--text_column", "review", "--label_column", "stars", "--seeds", "1", *TINY,
+                  "--output_dir", str(out)])
+    rows = _rows(out)
+    assert {(r["norm"], r["split"]) for r in rows} == {(n, s) for n in ("layernorm", "powernorm")
+                                                      for s in ("validation", "test")}
+    assert all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+    saved = json.loads((out / "compare.json").read_text())["args"]
+    assert saved["label_names"] == ["LABEL_0", "LABEL_1"]  # the model's own two classes: its head kept
+    start = json.loads((out / "cells" / "powernorm-lr0.0005-seed1" / "result.json").read_text())["start"]
+    assert start["loss"] > 0 and 0 <= start["accuracy"] <= 1  # the starting point the report shows
+    assert "| validation loss before fine-tuning |" in (out / "report.md").read_text(encoding="utf-8")
+
+
+def test_class_names_come_from_the_model_and_the_data():
+    names = compare.names_for_labels
+    assert names([0, 1], ["LABEL_0", "LABEL_1"]) == ["LABEL_0", "LABEL_1"]
+    assert names([0, 1, 2], ["LABEL_0", "LABEL_1"]) == ["0", "1", "2"]  # another head size: rebuilt
+    assert names(["pos", "neg"], ["neg", "pos"]) == ["neg", "pos"]
+    assert names(["positive", "negative"], ["positive", "negative", "neutral"]) == ["positive", "negative", "neutral"]
+    assert names(["b", "a"], ["LABEL_0", "LABEL_1"]) == ["a", "b"]
+    assert names(("x", "y", "z"), ["LABEL_0"]) == ["x", "y", "z"]  # a ClassLabel's names
+    with pytest.raises(ValueError, match="indices from 0; the data has -1"):
+        names([-1, 0], ["LABEL_0"])
+
+
+def test_a_single_dataset_folder_with_another_text_column_loads(gpt2_case, tmp_path):
+    from datasets import Dataset
+
+    from hf_powernorm.training import synthetic_lm_corpus
+
+    model, task, _ = gpt2_case
+    Dataset.from_dict({"body": synthetic_lm_corpus({"train": 40})["train"]["text"]}).save_to_disk(tmp_path / "ds")
+    args = compare.parse_args(["--model_name_or_path", model, "--task", task, "--dataset_name", str(tmp_path / "ds"),
+                               "--text_column", "body", "--block_size", "16", "--output_dir", str(tmp_path / "o")])
+    raw = compare.load_raw_data(args)
+    assert set(raw) == {"train", "validation", "test"} and raw["train"].column_names == ["text"]
+    assert len(raw["train"]) + len(raw["validation"]) + len(raw["test"]) == 40
+
+
+def test_summarisation_columns_and_sample_outputs(tmp_path):
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from hf_powernorm.training import synthetic_translation_corpus
+
+    pairs = synthetic_translation_corpus()["train"].select(range(48))["translation"]
+    rows = [{"document": p["de"], "summary": p["en"]} for p in pairs]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tokenizer = _tokenizer([t for r in rows for t in r.values()])
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                        decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
+    BartForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    compare.main(["--model_name_or_path", str(tmp_path / "model"), "--task", "seq2seq", "--train_file",
+                  str(tmp_path / "train.jsonl"), "--source_column", "document", "--target_column", "summary",
+                  "--max_length", "12", "--max_tokens", "128", "--seeds", "1", *TINY, "--output_dir", str(out)])
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Sample outputs" in report and "### BartLayerNorm" not in report
+    result = json.loads((out / "cells" / "powernorm-lr0.0005-seed1" / "result.json").read_text())
+    assert len(result["samples"]) == 3 and result["start"]["loss"] > 0  # the model's own loss before training
+    documents = {r["document"] for r in rows}
+    assert all(s["source"] in documents and isinstance(s["output"], str) for s in result["samples"])
+    assert report.count("- source: ") == 6  # three per norm
+
+
+# --------------------------------------------------------------------------------------------
+# The report: checks before a verdict, the baseline's name, run times
+# --------------------------------------------------------------------------------------------
+
+def _result(norm, seed, test, *, start=50.0, validation=None, best_step=1, steps=4):
+    validation = test if validation is None else validation
+    return {"cell": f"{norm}-lr0.001-seed{seed}", "norm": norm, "seed": seed, "learning_rate": 1e-3,
+            "scores": {"validation_perplexity": validation, "test_perplexity": test},
+            "start": {"perplexity": start, "loss": math.log(start)},
+            "best_step": best_step, "train_steps": steps, "seconds": 90.0}
+
+
+def _report(results, tmp_path, norms=("layernorm", "powernorm")):
+    args = compare.parse_args(["--seeds", "1", "2", "--norms", *norms, "--output_dir", str(tmp_path)])
+    args.model_name_or_path = str(tmp_path)
+    facts = {"norm_counts": {"LlamaRMSNorm": 5}, "vocab_size": 99}
+    return compare.report_text(results, dict.fromkeys(norms, 1e-3), args, facts)
+
+
+def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
+    report = _report([_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2),
+                      _result("powernorm", 1, 18.0), _result("powernorm", 2, 18.1)], tmp_path)
+    assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {math.log(50):.3f} ± 0.000 | 50.000 ± 0.000 |" in report
+    assert "| powernorm | 2 | -2.050 | [-2.685, -1.415] | 0.016 | PN better |" in report
+    assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s)" in report
+    assert "| 1.5 |" in report  # minutes per run
+    assert "LN better" not in report and "against LlamaRMSNorm" in report
+
+
+def test_holm_over_the_comparisons_made_can_take_a_verdict_back(tmp_path):
+    base = [_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2)]
+    powernorm = [_result("powernorm", 1, 18.0), _result("powernorm", 2, 18.0)]  # differences -2.0, -2.2
+    alone = _report(base + powernorm, tmp_path)
+    assert "| powernorm | 2 | -2.100 |" in alone and "| PN better |" in alone
+    rmsnorm = [_result("rmsnorm", 1, 19.0), _result("rmsnorm", 2, 18.7)]  # differences -1.0, -1.5
+    both = _report(base + powernorm + rmsnorm, tmp_path, ("layernorm", "powernorm", "rmsnorm"))
+    assert "PN better" not in both and both.count("| tie |") == 2
+    assert "Holm-adjusted over the 2 comparison(s)" in both
+
+
+@pytest.mark.parametrize("case, flag", [
+    ("identical", "identical to the baseline's in every seed"),
+    ("barely trained", "perplexity above half the vocabulary (99)"),
+    ("best at the last update", "best model at the last update (seed 1, 2)"),
+    ("no better than its start", "no better than before fine-tuning (seed 1, 2)"),
+])
+def test_a_flagged_comparison_gets_no_verdict(case, flag, tmp_path):
+    base = [_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2)]
+    other = {"identical": [_result("powernorm", 1, 20.0), _result("powernorm", 2, 20.2)],
+             "barely trained": [_result("powernorm", 1, 60.0, start=90.0), _result("powernorm", 2, 61.0, start=90.0)],
+             "best at the last update": [_result("powernorm", s, 10.0, best_step=4) for s in (1, 2)],
+             "no better than its start": [_result("powernorm", s, 10.0, start=9.0) for s in (1, 2)]}[case]
+    report = _report(base + other, tmp_path)
+    assert "| flagged: no verdict |" in report and flag in report
+    assert "PN better" not in report and "Every check passed" not in report
+
+
+def test_bleu_zero_everywhere_is_flagged():
+    runs = [{"seed": s, "scores": {"test_bleu": 0.0, "validation_bleu": 0.0}, "start": {"bleu": 0.0}} for s in (1, 2)]
+    assert any("BLEU 0 in every run" in flag for flag in compare.run_flags(runs, "bleu", "max", 99))
+
+
+def test_the_baseline_of_a_llama_is_named_by_its_rmsnorm(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_powernorm.training import synthetic_lm_corpus
+
+    tokenizer = _tokenizer(synthetic_lm_corpus({"train": 40})["train"]["text"])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    args = compare.parse_args(["--model_name_or_path", str(tmp_path / "llama"), "--max_tokens", "512",
+                               "--output_dir", str(tmp_path / "o")])
+    facts = compare.model_facts(args)
+    assert facts["norm_counts"] == {"LlamaRMSNorm": 5} and facts["vocab_size"] == len(tokenizer)
+    assert compare.baseline_name(facts["norm_counts"]) == "LlamaRMSNorm (the model's own)"
+    compare.fit_lengths(args, compare.load_model_tokenizer(args.model_name_or_path))
+    assert args.block_size == 48  # what the model's positions allow, not an error
+
+
+# --------------------------------------------------------------------------------------------
+# Defaults that fit a pretrained model, and the kept models
+# --------------------------------------------------------------------------------------------
+
+def test_pretrained_models_convert_keeping_their_function_by_default(gpt2_case, tmp_path):
+    model, task, data = gpt2_case
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--output_dir", str(tmp_path / "o")]
+    assert compare.parse_args(argv).preserve_function is True
+    assert compare.parse_args([*argv, "--no_preserve_function"]).preserve_function is False
+    assert compare.parse_args(["--output_dir", str(tmp_path / "e")]).preserve_function is False  # random init
+    args = compare.parse_args([*argv, "--convert_modules", r"\.h\.1\."])
+    compare.prepare(args)
+    cell = compare.make_cells(args, {"powernorm": [1e-3]}, [1])[0]
+    run = compare.run_args(cell, tmp_path / "o" / "cells" / cell.name)
+    assert (run.convert_norms, run.convert_modules, run.preserve_function) == ("powernorm", r"\.h\.1\.", True)
+    assert run.push_to_hub is False
+
+
+def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_powernorm import PowerNorm, load_converted
+
+    model, task, data = gpt2_case
+    out = tmp_path / "out"
+    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", *TINY,
+                  "--save_models", "--output_dir", str(out)])
+    kept = out / "models" / "powernorm"
+    run = json.loads((kept / "comparison_run.json").read_text())
+    results = {r: json.loads((out / "cells" / f"powernorm-lr0.0005-seed{r}" / "result.json").read_text())
+               for r in (1, 2)}
+    assert run["best_validation"] == min(r["best_validation"] for r in results.values())
+    converted = load_converted(kept, AutoModelForCausalLM)
+    assert any(isinstance(m, PowerNorm) for m in converted.modules())
+    assert AutoTokenizer.from_pretrained(kept).pad_token_id is not None
+    baseline = AutoModelForCausalLM.from_pretrained(out / "models" / "layernorm")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    assert torch.isfinite(baseline(ids).logits).all() and torch.isfinite(converted.eval()(ids).logits).all()
+
+    uploaded = []
+
+    class Api:
+        def create_repo(self, repo_id, private, exist_ok):
+            return type("Repo", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, commit_message):
+            uploaded.append((repo_id, sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())))
+
+    monkeypatch.setattr("huggingface_hub.HfApi", Api)
+    args = compare.parse_args(["--output_dir", str(out), "--save_models", "--hub_model_id", "me/gpt2"])
+    repos = compare.push_models({"powernorm": kept}, args)
+    assert repos == ["me/gpt2-powernorm"] and "model.safetensors" in uploaded[0][1]
+    assert "tokenizer.json" in uploaded[0][1]
+
+
+def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    results = [_result(norm, seed, 20.0) for norm in ("layernorm", "powernorm") for seed in (1, 2)]
+    for r in results:
+        folder = tmp_path / "cells" / r["cell"] / "run"
+        folder.mkdir(parents=True)
+        records = [{"step": s, "loss": 6.0 / s} for s in (1, 2, 3, 4)] + [{"step": s, "validation": 700.0 / s}
+                                                                           for s in (2, 4)]
+        (folder / "training_log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    drawn = {}
+
+    def record(figure, path, **kwargs):
+        drawn.update(axes=[(a.get_ylabel(), a.get_yscale(), [line.get_marker() for line in a.get_lines()],
+                            [line.get_label() for line in a.get_lines()]) for a in figure.axes])
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    args = compare.parse_args(["--seeds", "1", "2", "--output_dir", str(tmp_path)])
+    compare.plot_curves(results, {"layernorm": 1e-3, "powernorm": 1e-3}, args, tmp_path / "c.png",
+                        "LayerNorm (the model's own)")
+    (loss, loss_scale, loss_markers, labels), (metric, metric_scale, metric_markers, _) = drawn["axes"]
+    assert (loss, loss_scale, metric, metric_scale) == ("training loss", "log", "validation perplexity", "log")
+    assert set(loss_markers) == set(metric_markers) == {"o"}
+    assert labels == ["LayerNorm (the model's own) (2 seeds)", "powernorm (2 seeds)"]
+
+
+def test_runs_write_no_nested_library_progress_bars(gpt2_case, tmp_path):
+    import datasets
+    import transformers
+
+    model, task, data = gpt2_case
+    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "layernorm",
+                  *TINY, "--output_dir", str(tmp_path / "o")])
+    assert not transformers.utils.logging.is_progress_bar_enabled()
+    assert not datasets.is_progress_bar_enabled()
+    transformers.utils.logging.enable_progress_bar()
+    datasets.enable_progress_bars()
