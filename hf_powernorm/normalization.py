@@ -1809,10 +1809,11 @@ class DyT(_ElementwiseNorm):
     as `attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`) takes 0.8 before
     attention and 0.2 before the FFN and for the final norm at 7B (width 4096), 0.6 / 0.15 at 13B,
     0.2 / 0.05 at 34B and 70B: larger before attention, smaller the wider the model. GPT-2 small
-    (width 768, `zlab-princeton/Derf`, `language model/model_derf.patch`) takes 1.0 at every site
-    (`attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`), the model family's
+    (width 768, `zlab-princeton/Derf`, `language model/model_derf.patch` and `train_derf.patch`)
+    defaults to 1.0 at every site (`attn_alpha_init_value`, `ffn_alpha_init_value`,
+    `dec_alpha_init_value`; its README leaves the values to the command line): the model family's
     defaults (`norm_alpha_init_attention`, `_ffn`, `_final`), since our models (width 32-1024) are
-    of its size, not LLaMA's.
+    of GPT-2's size, not LLaMA's.
 
     Where ours differs: `eps` is accepted (the registry's one interface) and unused, and
     `alpha_init` must be positive; the padding mask is accepted and unused (nothing is shared
@@ -1832,7 +1833,7 @@ class Derf(_ElementwiseNorm):
 
     As the authors' `Dynamic_erf` (`ViT/dynamic_erf.py`, and the GPT-2 one in `language
     model/model_derf.patch`), with their defaults `alpha_init=0.5`, `shift_init=0.0`. Initial `alpha`
-    per site: the GPT-2 patch takes 1.0 before attention, before the FFN and for the final norm
+    per site: the GPT-2 patches default to 1.0 before attention, before the FFN and for the final norm
     (`attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`), with a learnable
     scale on the embeddings initialised at sqrt(width): the model family's defaults for DyT and
     Derf alike (`norm_alpha_init_attention`, `_ffn`, `_final`, `embed_scale_learnable`). `shift`
