@@ -97,8 +97,8 @@ class PowerNormTransformerConfig(PreTrainedConfig):
 
     DyT and Derf (`normalization.DyT`, `Derf`) start their `alpha` at `norm_alpha_init_attention`
     in front of attention, `norm_alpha_init_ffn` in front of the FFN and `norm_alpha_init_final` in
-    the final norm: 1.0 each, the authors' GPT-2 values (`zlab-princeton/Derf`, `language
-    model/model_derf.patch`), a model of our sizes; their LLaMA 2 values, for widths of 4096 and more,
+    the final norm: 1.0 each, the defaults of the authors' GPT-2 patches (`zlab-princeton/Derf`,
+    `language model/`), a model of our sizes; their LLaMA 2 values, for widths of 4096 and more,
     are smaller and larger before attention (0.8 / 0.2 / 0.2 at 7B; see `DyT`).
     `embed_scale_learnable` makes the token embeddings' scale (sqrt(hidden) with `scale_embedding`,
     else 1) a learnable scalar starting there, as the authors' language models with DyT and Derf do;

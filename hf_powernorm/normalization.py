@@ -1713,6 +1713,63 @@ def _check_finite_number(name: str, value: float, positive: bool = False) -> Non
         raise ValueError(f"{name} must be a finite {'positive ' * positive}number, got {value!r}")
 
 
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)  # erf'(z) = 2 / sqrt(pi) * exp(-z^2)
+
+
+def _elementwise_formula(x, alpha, shift, weight, bias, function: str) -> torch.Tensor:
+    """`weight * f(alpha * x + shift) + bias` in plain torch ops (`shift` None: no shift)."""
+    z = x * alpha if shift is None else torch.addcmul(shift, x, alpha)
+    return torch.addcmul(bias, torch.tanh(z) if function == "tanh" else torch.erf(z), weight)
+
+
+class _ElementwiseNormFunction(torch.autograd.Function):
+    """`y = weight * f(z) + bias`, `z = alpha * x (+ shift)`, f = tanh or erf, with the backward
+    written out in a few passes over the tokens. With `g = dy * f'(z)`: `dx = g * weight * alpha`,
+    `dalpha = sum(g * weight * x)`, `dshift = sum(g * weight)`, `dweight = sum_tokens(dy * f(z))`,
+    `dbias = sum_tokens(dy)`. tanh is computed as `2 * sigmoid(2z) - 1`, the same function, because
+    torch's CPU tanh takes about three times its sigmoid's time; from the saved `p = sigmoid(2z)`,
+    `tanh'(z) = 4 * p * (1 - p)`. erf saves `erf(z)` and recomputes `z` from `x` for
+    `erf'(z) = 2 / sqrt(pi) * exp(-z^2)`."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, shift, weight, bias, function):
+        if function == "tanh":
+            saved = torch.sigmoid_(x * (2.0 * alpha))
+            out = torch.addcmul(bias - weight, saved, 2.0 * weight)  # weight * (2p - 1) + bias
+        else:
+            saved = torch.erf_(x * alpha if shift is None else torch.addcmul(shift, x, alpha))
+            out = torch.addcmul(bias, saved, weight)
+        ctx.save_for_backward(x, saved, alpha, shift, weight, bias)
+        ctx.function = function
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, saved, alpha, shift, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
+            inputs = [t for t in (x, alpha, shift, weight, bias) if t is not None]
+            with torch.enable_grad():
+                y = _elementwise_formula(x, alpha, shift, weight, bias, ctx.function)
+                grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True, allow_unused=True))
+            return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None)
+        channels = x.shape[-1]
+        dy = grad_output.reshape(-1, channels)
+        s, xf = saved.reshape(-1, channels), x.reshape(-1, channels)  # (tokens, hidden)
+        dy_s = dy * s
+        grad_bias = dy.sum(0)
+        if ctx.function == "tanh":
+            grad_weight = 2.0 * dy_s.sum(0) - grad_bias  # sum(dy * (2p - 1))
+            v, scale = torch.addcmul(dy_s, dy_s, s, value=-1.0), 4.0 * weight  # dy * p * (1 - p)
+        else:
+            grad_weight = dy_s.sum(0)
+            z = xf * alpha if shift is None else torch.addcmul(shift, xf, alpha)
+            v, scale = dy * torch.exp_(z.square_().neg_()), weight * _TWO_OVER_SQRT_PI
+        grad_alpha = torch.dot((v * xf).sum(0), scale).reshape(alpha.shape)
+        grad_shift = None if shift is None else torch.dot(v.sum(0), scale).reshape(shift.shape)
+        grad_x = (v * (scale * alpha)).view_as(x) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_alpha, grad_shift, grad_weight, grad_bias, None
+
+
 class _ElementwiseNorm(_Norm):
     """`weight * f(alpha * x + shift) + bias` per element, with learnable scalars `alpha` (and `shift`):
     no statistic, nothing mixed across channels or positions. Arithmetic in float32 (float64 for
@@ -1727,6 +1784,8 @@ class _ElementwiseNorm(_Norm):
     # compute what the LayerNorm / RMSNorm it replaces computed.
     preserves_function = False
 
+    _squash = ""  # the squashing function: "tanh" or "erf"
+
     def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_init: float = 0.5) -> None:
         super().__init__(hidden_size, eps)  # `eps` is accepted for the shared interface and unused
         _check_finite_number("alpha_init", alpha_init, positive=True)
@@ -1740,18 +1799,14 @@ class _ElementwiseNorm(_Norm):
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
-    def _squash(self, scaled: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _argument(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return x * _cast(self.alpha, dtype)
-
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         dtype = _stat_dtype(hidden_states)
+        shift = getattr(self, "shift", None)
         with _float32(hidden_states.device):
-            squashed = self._squash(self._argument(_cast(hidden_states, dtype), dtype))
-            out = torch.addcmul(_cast(self.bias, dtype), squashed, _cast(self.weight, dtype))
+            out = _ElementwiseNormFunction.apply(
+                _cast(hidden_states, dtype), _cast(self.alpha, dtype), None if shift is None else _cast(shift, dtype),
+                _cast(self.weight, dtype), _cast(self.bias, dtype), self._squash)
         return _cast(out, hidden_states.dtype)
 
     def extra_repr(self) -> str:
@@ -1770,22 +1825,22 @@ class DyT(_ElementwiseNorm):
     as `attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`) takes 0.8 before
     attention and 0.2 before the FFN and for the final norm at 7B (width 4096), 0.6 / 0.15 at 13B,
     0.2 / 0.05 at 34B and 70B: larger before attention, smaller the wider the model. GPT-2 small
-    (width 768, `zlab-princeton/Derf`, `language model/model_derf.patch`) takes 1.0 at every site
-    (`attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`), the model family's
+    (width 768, `zlab-princeton/Derf`, `language model/model_derf.patch` and `train_derf.patch`)
+    defaults to 1.0 at every site (`attn_alpha_init_value`, `ffn_alpha_init_value`,
+    `dec_alpha_init_value`; its README leaves the values to the command line): the model family's
     defaults (`norm_alpha_init_attention`, `_ffn`, `_final`), since our models (width 32-1024) are
-    of its size, not LLaMA's.
+    of GPT-2's size, not LLaMA's.
 
     Where ours differs: `eps` is accepted (the registry's one interface) and unused, and
     `alpha_init` must be positive; the padding mask is accepted and unused (nothing is shared
-    between tokens);
-    the arithmetic is float32 under autocast and for half-precision inputs and parameters, where the
-    authors' code computes in the input's dtype, so that a bf16 model's `alpha * x` does not lose
-    the precision LayerNorm's float32 statistics keep; `bias` always exists (the authors' GPT-2
-    patch also keeps it when the model has no other bias).
+    between tokens); the arithmetic is float32 under autocast and for half-precision inputs and
+    parameters, where the authors' code computes in the input's dtype, so that a bf16 model's
+    `alpha * x` does not lose the precision LayerNorm's float32 statistics keep; `bias` always
+    exists (the authors' GPT-2 patch also keeps it when the model has no other bias); the backward
+    is written out (`_ElementwiseNormFunction`), the same gradient in fewer passes than autograd's.
     """
 
-    def _squash(self, scaled: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(scaled)
+    _squash = "tanh"
 
 
 class Derf(_ElementwiseNorm):
@@ -1794,7 +1849,7 @@ class Derf(_ElementwiseNorm):
 
     As the authors' `Dynamic_erf` (`ViT/dynamic_erf.py`, and the GPT-2 one in `language
     model/model_derf.patch`), with their defaults `alpha_init=0.5`, `shift_init=0.0`. Initial `alpha`
-    per site: the GPT-2 patch takes 1.0 before attention, before the FFN and for the final norm
+    per site: the GPT-2 patches default to 1.0 before attention, before the FFN and for the final norm
     (`attn_alpha_init_value`, `ffn_alpha_init_value`, `dec_alpha_init_value`), with a learnable
     scale on the embeddings initialised at sqrt(width): the model family's defaults for DyT and
     Derf alike (`norm_alpha_init_attention`, `_ffn`, `_final`, `embed_scale_learnable`). `shift`
@@ -1802,8 +1857,10 @@ class Derf(_ElementwiseNorm):
 
     Where ours differs: `eps` and the padding mask are accepted (the registry's one interface) and
     unused; the arithmetic is float32 under autocast and for half-precision inputs and parameters
-    (the authors' code computes in the input's dtype), as for `DyT`.
+    (the authors' code computes in the input's dtype), and the backward is written out, as for `DyT`.
     """
+
+    _squash = "erf"
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_init: float = 0.5, shift_init: float = 0.0) -> None:
         super().__init__(hidden_size, eps, alpha_init)
@@ -1814,12 +1871,6 @@ class Derf(_ElementwiseNorm):
     def reset_parameters(self) -> None:
         super().reset_parameters()
         nn.init.constant_(self.shift, self.shift_init)
-
-    def _argument(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.addcmul(_cast(self.shift, dtype), x, _cast(self.alpha, dtype))
-
-    def _squash(self, scaled: torch.Tensor) -> torch.Tensor:
-        return torch.erf(scaled)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shift_init={self.shift_init}"

@@ -133,7 +133,7 @@ def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_elementwise_norm_args(parser: argparse.ArgumentParser) -> None:
-    norms = parser.add_argument_group("DyT and Derf (default: the config's values, the authors' GPT-2 ones)")
+    norms = parser.add_argument_group("DyT and Derf (default: the preset's values)")
     for site, where in zip(NORM_SITES, ("before self- and cross-attention", "before the feed-forward block",
                                         "in the final norm of each stack")):
         norms.add_argument(f"--norm_alpha_init_{site}", type=float, metavar="ALPHA",
