@@ -345,7 +345,8 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     Without `calibration_batches`, `running_phi` stays 1 (the function is kept all the same).
     `calibration_batches` is an iterable of model-input dicts (`input_ids`, `attention_mask`, ...),
     run in eval mode without gradients; `report.start_gap` is the largest change of the first
-    output (logits) on the first of them. Step counters start at zero either way.
+    output (logits) on the first of them. Without `preserve_function` the batches only measure that
+    gap (a plain conversion's handicap). Step counters start at zero either way.
     """
     config = _model_config(model)
     _refuse_converted(model, config)

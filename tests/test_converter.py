@@ -230,6 +230,18 @@ def test_a_norm_that_cannot_convert_is_named():
         hf_powernorm.convert_norms(model)
 
 
+def test_a_norm_over_another_size_is_kept_and_reported():
+    model = _bert()
+    model.pooler.LayerNorm = nn.LayerNorm(HIDDEN // 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        report = hf_powernorm.convert_norms(model)
+    assert report.kept == [("pooler.LayerNorm", "LayerNorm", "normalizes 16 channels, not the hidden size 32: "
+                                                             "a per-head or QK-norm")]
+    assert type(model.pooler.LayerNorm) is nn.LayerNorm and "pooler.LayerNorm" not in report.modules
+    assert "1 norms kept" in str(report) and "pooler.LayerNorm: LayerNorm (normalizes 16" in str(report)
+
+
 def test_bad_arguments_raise():
     model, _ = build("bert")
     with pytest.raises(ValueError, match="already converted"):

@@ -184,6 +184,11 @@ def test_preserve_function_without_calibration_keeps_the_function():
     assert report.start_gap is None
     with torch.no_grad():
         torch.testing.assert_close(logits(model, inputs), expected, atol=1e-4, rtol=0)
+    plain = build("gemma3")
+    report = convert(plain, calibration_batches=[batch("gemma3", 2)])  # measures the gap only
+    assert not report.preserve_function and report.start_gap > 1e-3
+    assert all(torch.equal(m.norm.running_phi, torch.ones_like(m.norm.running_phi))
+               for m in plain.modules() if isinstance(m, MaskAwareNorm))
 
 
 def test_preserve_function_refuses_what_it_cannot_keep():
