@@ -3,6 +3,8 @@
 from .normalization import (
     NORM_CLASSES,
     BatchRenorm,
+    Derf,
+    DyT,
     GroupNorm,
     Identity,
     LayerNorm,
@@ -17,7 +19,7 @@ from .normalization import (
 )
 from .instrumentation import NormStatisticsRecorder, read_norm_statistics
 from .integrations import peft_modules_to_save
-from .converter import ConversionReport, convert_norms, load_converted
+from .converter import ConversionReport, apply_conversion, convert_norms, load_converted, load_converted_config
 from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
 from .modeling_powernorm import (
     AUTO_CLASSES,
@@ -55,6 +57,8 @@ __all__ = [
     "PowerNormTransformerPreTrainedModel",
     "BatchRenorm",
     "ConversionReport",
+    "Derf",
+    "DyT",
     "GroupNorm",
     "Identity",
     "LayerNorm",
@@ -64,10 +68,12 @@ __all__ = [
     "PowerNorm",
     "PowerNormV",
     "RMSNorm",
+    "apply_conversion",
     "build_norm",
     "convert_norms",
     "group_scale",
     "load_converted",
+    "load_converted_config",
     "normalize_norm_name",
     "peft_modules_to_save",
     "read_norm_statistics",
