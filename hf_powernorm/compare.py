@@ -754,29 +754,31 @@ def make_cells(args: argparse.Namespace, learning_rates: dict[str, list[float]],
 
 
 def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """`run_grid` in one process (or `--jobs` processes); under `accelerate launch` every process
-    runs every cell together, the main process clearing its folder and writing its result. A
-    finished run whose inputs changed since is run again, and what is left to run is said first."""
+    """The unfinished runs of `cells`, one after the other in this process (under `accelerate
+    launch` every process runs every cell together, the main process clearing its folder and
+    writing its result), or with `--jobs N` by `run_grid` in N processes at once. A finished run
+    whose inputs changed since is run again, and what is left to run is said first; each run
+    shows one progress bar, announced by a line."""
     if not args.report_only and (_world_size() == 1 or int(os.environ.get("RANK", "0")) == 0):
         redo_changed_runs(cells, args)
         finished = sum(cell_result(args.output_dir, cell) is not None for cell in cells)
         print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
-    if _world_size() == 1:
+    if args.jobs > 1 or args.report_only:
         return run_grid(cells, run_cell, args.output_dir, jobs=args.jobs, desc="Comparison",
                         report_only=args.report_only)
     from accelerate import PartialState
     from accelerate.state import AcceleratorState
-    from tqdm.auto import tqdm
 
     from .training.checkpoints import write_json_atomically
 
-    state = PartialState()
+    state = PartialState(cpu=args.cpu)
     state.wait_for_everyone()  # the main process has set aside the runs to redo
-    todo = [] if args.report_only else [cell for cell in cells if cell_result(args.output_dir, cell) is None]
+    todo = [cell for cell in cells if cell_result(args.output_dir, cell) is None]
     state.wait_for_everyone()  # every process has read which cells are finished
-    for cell in tqdm(todo, desc="Comparison", disable=not state.is_main_process):
+    for number, cell in enumerate(todo, start=1):
         folder = Path(args.output_dir) / "cells" / cell.name
         if state.is_main_process:
+            print(f"run {number} of {len(todo)}: {cell.name}", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)  # what a killed attempt left behind
             folder.mkdir(parents=True)
         state.wait_for_everyone()

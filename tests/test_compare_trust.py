@@ -404,13 +404,16 @@ def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(
     assert labels == ["LayerNorm (the model's own) (2 seeds)", "powernorm (2 seeds)"]
 
 
-def test_runs_write_no_nested_library_progress_bars(gpt2_case, tmp_path):
+def test_runs_write_one_progress_bar_each_not_nested_ones(gpt2_case, tmp_path, capsys):
     import datasets
     import transformers
 
     model, task, data = gpt2_case
-    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "layernorm",
+    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", "--norms", "layernorm",
                   *TINY, "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert "run 1 of 2: layernorm-lr0.0005-seed1" in err and "run 2 of 2: layernorm-lr0.0005-seed2" in err
+    assert "Comparison" not in err and "\x1b[A" not in err  # no grid bar above the run's, no cursor-up
     assert not transformers.utils.logging.is_progress_bar_enabled()
     assert not datasets.is_progress_bar_enabled()
     transformers.utils.logging.enable_progress_bar()
