@@ -261,7 +261,11 @@ def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
     report = _report([_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2),
                       _result("powernorm", 1, 18.0), _result("powernorm", 2, 18.1)], tmp_path)
     assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {math.log(50):.3f} ± 0.000 | 50.000 ± 0.000 |" in report
-    assert "| powernorm | 2 | -2.050 | [-2.685, -1.415] | 0.016 | PN better |" in report
+    # Two pairs: t with one degree of freedom is the Cauchy distribution, whose quantile is a tangent.
+    mean, error = -2.05, 0.1 / math.sqrt(2) / math.sqrt(2)  # differences -2.0 and -2.1
+    half, p_value = math.tan(math.pi * 0.475) * error, 1 - 2 / math.pi * math.atan(abs(mean) / error)
+    assert (f"| powernorm | 2 | {mean:+.3f} | [{mean - half:+.3f}, {mean + half:+.3f}] | {p_value:.3f} | PN better |"
+            in report)
     assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s)" in report
     assert "| 1.5 |" in report  # minutes per run
     assert "LN better" not in report and "against LlamaRMSNorm" in report
