@@ -422,3 +422,14 @@ def test_runs_write_one_progress_bar_each_not_nested_ones(gpt2_case, tmp_path, c
     assert not datasets.is_progress_bar_enabled()
     transformers.utils.logging.enable_progress_bar()
     datasets.enable_progress_bars()
+
+
+def test_a_message_over_several_lines_is_printed_as_one(capsys):
+    def entry(argv):
+        raise ValueError("the data cannot be read:\n  line 2 of the library's message\n")
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.run_command("compare", entry, [])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err == "hf-powernorm compare: error: the data cannot be read: line 2 of the library's message\n"
