@@ -489,10 +489,9 @@ def load_raw_data(args: argparse.Namespace):
         cause = error
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
-        what = args.dataset_name or args.train_file
-        reason = str(error) if isinstance(error, RuntimeError) and "--dataset_name" in str(error) else \
-            f"{type(cause).__name__}: {cause}"
-        raise ValueError(f"could not read the data {what}: {reason}") from None
+        # The readers' own message (e.g. an offline Hub id), else the error deep inside `datasets`.
+        reason = str(error) if isinstance(error, RuntimeError) else f"{type(cause).__name__}: {cause}"
+        raise ValueError(f"could not read the data {args.dataset_name or args.train_file}: {reason}") from None
     if "train" not in raw:
         raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
     from .training.readers import limit_splits
@@ -530,10 +529,10 @@ def _read_splits(args: argparse.Namespace):
 def resolve_label_names(args: argparse.Namespace) -> None:
     """classification: `args.label_names` (class names in the order of label ids) when not given:
     the embedded corpus's three classes; else the data's labels matched to the model's `id2label`."""
-    if args.task != "classification" or args.label_names is not None:
-        if args.label_names is not None:
-            args.label_names = [name.strip() for name in args.label_names.split(",")] \
-                if isinstance(args.label_names, str) else args.label_names
+    if args.task != "classification" or isinstance(args.label_names, list):
+        return
+    if isinstance(args.label_names, str):  # as given on the command line
+        args.label_names = [name.strip() for name in args.label_names.split(",")]
         return
     if args.train_file is None and args.dataset_name is None:
         args.label_names = list(SENTIMENT_LABELS)

@@ -3,6 +3,7 @@ status 2 before any work, labels and columns from the data, single `Dataset` fol
 change between runs, Ctrl-C, the checks that withhold a verdict, the baseline's name, the kept
 models, and the defaults that fit the model."""
 
+import argparse
 import csv
 import json
 import math
@@ -191,6 +192,12 @@ def test_class_names_come_from_the_model_and_the_data():
     assert names(("x", "y", "z"), ["LABEL_0"]) == ["x", "y", "z"]  # a ClassLabel's names
     with pytest.raises(ValueError, match="indices from 0; the data has -1"):
         names([-1, 0], ["LABEL_0"])
+    given = argparse.Namespace(task="classification", label_names="neg, pos")
+    compare.resolve_label_names(given)
+    assert given.label_names == ["neg", "pos"]  # --label_names wins
+    embedded = argparse.Namespace(task="classification", label_names=None, train_file=None, dataset_name=None)
+    compare.resolve_label_names(embedded)
+    assert embedded.label_names == ["negative", "neutral", "positive"]  # the embedded corpus's classes
 
 
 def test_a_single_dataset_folder_with_another_text_column_loads(gpt2_case, tmp_path):
