@@ -35,6 +35,7 @@ cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,7 +44,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -481,10 +482,22 @@ def load_raw_data(args: argparse.Namespace):
     """The task's splits from `--dataset_name` or the data files (the embedded corpus without
     either), validation and test carved out of train when missing (seed 0: the same for every
     run), checked to hold the task's columns. Data that cannot be read is a ValueError naming it."""
+    with reading_data(args):
+        raw = _read_splits(args)
+    if "train" not in raw:
+        raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
+    from .training.readers import limit_splits
+
+    return limit_splits(raw, args.max_train_samples, args.max_eval_samples)
+
+
+@contextlib.contextmanager
+def reading_data(args: argparse.Namespace) -> Iterator[None]:
+    """Data that cannot be read (not text, an offline Hub id) as a ValueError naming it and why."""
     import datasets
 
     try:
-        raw = _read_splits(args)
+        yield
     except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError, RuntimeError) as error:
         cause = error
         while cause.__cause__ is not None or cause.__context__ is not None:
@@ -492,11 +505,6 @@ def load_raw_data(args: argparse.Namespace):
         # The readers' own message (e.g. an offline Hub id), else the error deep inside `datasets`.
         reason = str(error) if isinstance(error, RuntimeError) else f"{type(cause).__name__}: {cause}"
         raise ValueError(f"could not read the data {args.dataset_name or args.train_file}: {reason}") from None
-    if "train" not in raw:
-        raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
-    from .training.readers import limit_splits
-
-    return limit_splits(raw, args.max_train_samples, args.max_eval_samples)
 
 
 def _read_splits(args: argparse.Namespace):
@@ -541,7 +549,8 @@ def resolve_label_names(args: argparse.Namespace) -> None:
 
     config = AutoConfig.from_pretrained(args.model_name_or_path)
     model_names = [str(config.id2label[i]) for i in range(config.num_labels)]
-    args.label_names = names_for_labels(data_labels(args), model_names)
+    with reading_data(args):
+        args.label_names = names_for_labels(data_labels(args), model_names)
 
 
 def names_for_labels(labels: list[Any] | tuple[str, ...], model_names: list[str]) -> list[str]:

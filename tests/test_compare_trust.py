@@ -65,8 +65,12 @@ def test_bad_inputs_are_one_line_and_exit_2_before_any_work(gpt2_case, capsys, t
     assert not out.exists()  # nothing written before the error
 
 
-def test_bert_is_refused_for_causal_lm(bert_case, capsys, tmp_path):
+def test_bert_is_refused_for_causal_lm_and_a_binary_csv_is_one_line(bert_case, capsys, tmp_path):
     model, _, _ = bert_case
+    binary = tmp_path / "train.csv"
+    binary.write_bytes(b"text,label\n" + bytes(range(128, 256)) * 8 + b",1\n")
+    _one_line_error(["--model_name_or_path", model, "--task", "classification", "--train_file", str(binary),
+                     "--output_dir", str(tmp_path / "c")], capsys, f"could not read the data {binary}: ")
     _one_line_error(["--model_name_or_path", model, "--task", "causal-lm", "--output_dir", str(tmp_path / "o")],
                     capsys, "--task causal-lm needs a causal language model")
 
@@ -267,7 +271,8 @@ def _report(results, tmp_path, norms=("layernorm", "powernorm")):
 def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
     report = _report([_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2),
                       _result("powernorm", 1, 18.0), _result("powernorm", 2, 18.1)], tmp_path)
-    assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {math.log(50):.3f} ± 0.000 | 50.000 ± 0.000 |" in report
+    start = f"{math.log(50):.3f} ± 0.000 | 50.000 ± 0.000"  # loss and perplexity before fine-tuning
+    assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {start} |" in report
     # Two pairs: t with one degree of freedom is the Cauchy distribution, whose quantile is a tangent.
     mean, error = -2.05, 0.1 / math.sqrt(2) / math.sqrt(2)  # differences -2.0 and -2.1
     half, p_value = math.tan(math.pi * 0.475) * error, 1 - 2 / math.pi * math.atan(abs(mean) / error)
