@@ -220,7 +220,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          f"default (a tiny GPT-2, --task causal-lm) builds its own model")
     _check_columns(args)
     _fill_defaults(args, parser)
+    # The recipes' checks hold --convert_modules to a --convert_norms, which compare sets per run.
+    modules, args.convert_modules = args.convert_modules, None
     check_args(args, norm_options=())
+    args.convert_modules = modules
+    # A model loaded from weights starts where its pretraining left it: so should every norm.
+    args.preserve_function = not (args.embedded_default or args.no_preserve_function)
     _check_text_files(args)
     check_batch_budget(args)
     return args
@@ -284,8 +289,7 @@ def _check_text_files(args: argparse.Namespace) -> None:
 
 def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """The embedded default's budget, the other tasks' options left out (neither shown in the
-    settings nor checked), PN's warmup, the validation interval, the learning-rate grid and
-    whether conversions keep the pretrained function."""
+    settings nor checked), PN's warmup, the validation interval and the learning-rate grid."""
     if args.embedded_default:
         for name, value in EMBEDDED_BUDGET.items():
             if getattr(args, name) in (None, parser.get_default(name)):
@@ -302,8 +306,6 @@ def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         args.eval_steps = max(1, args.max_train_steps // 8)  # else after each epoch
     if args.tune_lr and not args.lr_grid:
         args.lr_grid = [args.learning_rate / 3, args.learning_rate, args.learning_rate * 3]
-    # A model loaded from weights starts where its pretraining left it: so should every norm.
-    args.preserve_function = not (args.embedded_default or args.no_preserve_function)
 
 
 def check_norms(names: Sequence[str]) -> list[str]:
@@ -603,9 +605,10 @@ def tokenize_data(args: argparse.Namespace, raw, tokenizer):
                                 args.max_length, **options)
 
 
-def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int):
+def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int, calibration=None):
     """The model of `--model_name_or_path`, its norms converted to `args.convert_norms` (with the
-    `--powernorm_*` options), or as it is when that is None (the baseline)."""
+    `--powernorm_*` options, `--convert_modules`, and `preserve_function` calibrated on
+    `calibration`: the training split and its collator), or as it is when that is None (the baseline)."""
     import transformers
 
     from .training.models import load_and_convert
@@ -613,7 +616,7 @@ def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_
     auto_class = getattr(transformers, TASKS[args.task].auto_class)
     if args.convert_norms is None:
         return auto_class.from_pretrained(args.model_name_or_path, **fields).train()
-    return load_and_convert(args, auto_class, tokenizer, num_processes, **fields)
+    return load_and_convert(args, auto_class, tokenizer, num_processes, calibration=calibration, **fields)
 
 
 def _scorer(args: argparse.Namespace, accelerator, tokenizer, num_labels: int):
@@ -685,8 +688,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
         raw = load_raw_data(args)
         data = tokenize_data(args, raw, tokenizer)
     fields = _task_fields(args)
-    model = load_model(args, tokenizer, fields, accelerator.num_processes)
     collate = PaddingCollator(tokenizer.pad_token_id, decoder_attention_mask=args.task == "seq2seq")
+    model = load_model(args, tokenizer, fields, accelerator.num_processes, calibration=(data["train"], collate))
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
     score = _scorer(args, accelerator, tokenizer, fields.get("num_labels", 0))
     model.to(accelerator.device)
