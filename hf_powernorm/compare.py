@@ -226,6 +226,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.convert_modules = modules
     # A model loaded from weights starts where its pretraining left it: so should every norm.
     args.preserve_function = not (args.embedded_default or args.no_preserve_function)
+    args.not_preserved = {}  # the norms it cannot keep the function with, and why (`check_preserving`)
     _check_text_files(args)
     check_batch_budget(args)
     return args
@@ -395,8 +396,7 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
         raise ValueError(f"--task {args.task} does not fit --model_name_or_path {args.model_name_or_path} "
                          f"(model_type {config.model_type!r} has no {auto_class.__name__}); tasks that fit it: "
                          f"{fitting or 'none'}")
-    with torch.device("cpu"):
-        model = auto_class.from_config(config)
+    model = _model_from_config(args)
     if args.task == "causal-lm" and not is_causal(model, config):
         raise ValueError(f"--task causal-lm needs a causal language model; --model_name_or_path "
                          f"{args.model_name_or_path} ({config.model_type}) attends both ways and would see the "
@@ -416,6 +416,39 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
         cls = type(model.get_submodule(name)).__name__
         counts[cls] = counts.get(cls, 0) + 1
     return counts
+
+
+def _model_from_config(args: argparse.Namespace):
+    """The model of `--model_name_or_path` for `--task` with random weights, on CPU."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    with torch.device("cpu"):
+        return getattr(transformers, TASKS[args.task].auto_class).from_config(
+            AutoConfig.from_pretrained(args.model_name_or_path))
+
+
+def check_preserving(args: argparse.Namespace) -> dict[str, str]:
+    """With `preserve_function`, each converted norm of `--norms` tried on the model built from its
+    config, with its runs' conversion options: returns the norms it cannot keep the function with
+    and why (their runs convert without it, and the report says so). Nothing is tried without."""
+    from .converter import convert_norms
+    from .training.models import converter_options
+
+    if not args.preserve_function:
+        return {}
+    refused = {}
+    for norm in args.norms:
+        if norm == BASELINE:
+            continue
+        trial = argparse.Namespace(**{**vars(args), "convert_norms": norm})
+        try:
+            convert_norms(_model_from_config(args), norm, modules=args.convert_modules, preserve_function=True,
+                          **converter_options(trial, 1))
+        except (ValueError, TypeError) as error:  # a target, source or option it cannot keep the function with
+            refused[norm] = " ".join(str(error).split())
+    return refused
 
 
 def _positions(config) -> int | None:
@@ -638,6 +671,8 @@ def run_args(cell: Cell, folder: Path) -> argparse.Namespace:
     norm = cell.options["norm"]
     return argparse.Namespace(**{**saved, "seed": cell.options["seed"], "learning_rate": cell.options["learning_rate"],
                                  "convert_norms": None if norm == BASELINE else norm,
+                                 "preserve_function": saved["preserve_function"]
+                                 and norm not in saved.get("not_preserved", {}),
                                  "output_dir": str(folder / "run"), "overwrite_output_dir": False,
                                  "push_to_hub": False})
 
@@ -944,9 +979,7 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
              + f" (`{BASELINE}` in `--norms`: these, unchanged). Each norm fine-tuned for "
                f"{args.max_train_steps or 'all'} updates at equal settings, scored by the model of its best "
                f"validation; {metric}, {better} is better, mean ± standard deviation over the seeds. "
-             + ("Converted keeping the pretrained function (preserve_function)." if args.preserve_function
-                else "Converted without preserve_function (a randomly initialised model, or "
-                     "--no_preserve_function)."), "",
+             + _conversion_sentence(args), "",
              f"| norm | learning rate | seeds | validation loss before fine-tuning | validation {metric} before "
              f"fine-tuning | validation {metric} | test {metric} | test per seed | minutes per run |",
              "|---|---:|---|---:|---:|---:|---:|---|---:|"]
@@ -958,6 +991,14 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
     lines += ["", "## Settings", "", "```json",
               json.dumps({k: v for k, v in settings_of(args).items() if v not in (None, False)}, indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _conversion_sentence(args: argparse.Namespace) -> str:
+    if not args.preserve_function:
+        return "Converted without preserve_function (a randomly initialised model, or --no_preserve_function)."
+    refused = getattr(args, "not_preserved", {})
+    return "Converted keeping the pretrained function (preserve_function)" + (
+        "; without it for " + "; ".join(f"{norm} ({why})" for norm, why in refused.items()) if refused else "") + "."
 
 
 def _norm_row(norm: str, runs: list[dict[str, Any]], chosen: dict[str, float], metric: str, baseline: str) -> str:
@@ -1205,6 +1246,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     if args.model_name_or_path is not None:
         args.model_name_or_path = resolve_model_path(args.model_name_or_path)
         facts = model_facts(args)
+        args.not_preserved = check_preserving(args)
         fit_lengths(args, load_model_tokenizer(args.model_name_or_path))
         check_batch_budget(args)
         resolve_label_names(args)

@@ -352,8 +352,33 @@ def test_pretrained_models_convert_keeping_their_function_by_default(gpt2_case, 
     compare.prepare(args)
     cell = compare.make_cells(args, {"powernorm": [1e-3]}, [1])[0]
     run = compare.run_args(cell, tmp_path / "o" / "cells" / cell.name)
-    assert (run.convert_norms, run.convert_modules, run.preserve_function) == ("powernorm", r"\.h\.1\.", True)
-    assert run.push_to_hub is False
+    assert (run.convert_norms, run.convert_modules, run.push_to_hub) == ("powernorm", r"\.h\.1\.", False)
+    # Kept for each norm the converter can keep the function with; the others say why not.
+    assert run.preserve_function is ("powernorm" not in args.not_preserved)
+    assert run.preserve_function or args.not_preserved["powernorm"]
+
+
+def test_a_norm_that_cannot_keep_the_function_runs_without_it_and_says_why(gpt2_case, tmp_path, monkeypatch):
+    import hf_powernorm.converter
+
+    model, task, data = gpt2_case
+    real = hf_powernorm.converter.convert_norms
+
+    def convert(model, norm_type, *, preserve_function=False, **options):
+        if preserve_function and norm_type == "rmsnorm":
+            raise ValueError("preserve_function=True cannot keep the function of a LayerNorm with rmsnorm")
+        return real(model, norm_type, **{k: v for k, v in options.items() if v is not None})
+
+    monkeypatch.setattr(hf_powernorm.converter, "convert_norms", convert)
+    args = compare.parse_args(["--model_name_or_path", model, "--task", task, *data, "--norms", "layernorm",
+                               "powernorm", "rmsnorm", "--output_dir", str(tmp_path / "o")])
+    compare.prepare(args)
+    assert args.not_preserved == {"rmsnorm": "preserve_function=True cannot keep the function of a LayerNorm "
+                                             "with rmsnorm"}
+    runs = {cell.options["norm"]: compare.run_args(cell, tmp_path / "o" / "cells" / cell.name)
+            for cell in compare.make_cells(args, dict.fromkeys(args.norms, [1e-3]), [1])}
+    assert (runs["powernorm"].preserve_function, runs["rmsnorm"].preserve_function) == (True, False)
+    assert "without it for rmsnorm (preserve_function=True cannot keep" in compare._conversion_sentence(args)
 
 
 def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_path, monkeypatch):
