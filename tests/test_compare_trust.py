@@ -470,3 +470,22 @@ def test_a_message_over_several_lines_is_printed_as_one(capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert err == "hf-powernorm compare: error: the data cannot be read: line 2 of the library's message\n"
+
+
+def test_a_saved_dataset_dict_with_integer_labels_trains_a_binary_bert(binary_bert, tmp_path):
+    from datasets import DatasetDict
+
+    from hf_powernorm.training.readers import read_table
+
+    model, train = binary_bert
+    table = read_table(train)
+    DatasetDict({"train": table.select(range(40)), "validation": table.select(range(40, 50)),
+                 "test": table.select(range(50, 60))}).save_to_disk(tmp_path / "stars")
+    args = compare.parse_args(["--model_name_or_path", model, "--task", "classification", "--dataset_name",
+                               str(tmp_path / "stars"), "--text_column", "review", "--label_column", "stars",
+                               "--max_tokens", "256", "--output_dir", str(tmp_path / "o")])
+    compare.prepare(args)
+    raw = compare.load_raw_data(args)
+    assert args.label_names == ["LABEL_0", "LABEL_1"] and set(raw) == {"train", "validation", "test"}
+    assert raw["train"].features["label"].names == ["LABEL_0", "LABEL_1"]
+    assert raw["test"]["label"] == table.select(range(50, 60))["stars"]  # indices kept as the data has them
