@@ -19,7 +19,8 @@ def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Seque
     try:
         entry(argv)
     except (ValueError, FileNotFoundError) as error:
-        print(f"hf-powernorm {name}: error: {error}", file=sys.stderr)
+        one_line = " ".join(str(error).split())  # a library's message may span lines
+        print(f"hf-powernorm {name}: error: {one_line}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt as interrupt:
         print(f"hf-powernorm {name}: interrupted" + (f": {interrupt}" if str(interrupt) else ""), file=sys.stderr)

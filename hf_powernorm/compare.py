@@ -35,6 +35,7 @@ cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,7 +44,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          f"default (a tiny GPT-2, --task causal-lm) builds its own model")
     _check_columns(args)
     _fill_defaults(args, parser)
+    # The recipes' checks hold --convert_modules to a --convert_norms, which compare sets per run.
+    modules, args.convert_modules = args.convert_modules, None
     check_args(args, norm_options=())
+    args.convert_modules = modules
+    # A model loaded from weights starts where its pretraining left it: so should every norm.
+    args.preserve_function = not (args.embedded_default or args.no_preserve_function)
+    args.not_preserved = {}  # the norms it cannot keep the function with, and why (`check_preserving`)
     _check_text_files(args)
     check_batch_budget(args)
     return args
@@ -283,8 +290,7 @@ def _check_text_files(args: argparse.Namespace) -> None:
 
 def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """The embedded default's budget, the other tasks' options left out (neither shown in the
-    settings nor checked), PN's warmup, the validation interval, the learning-rate grid and
-    whether conversions keep the pretrained function."""
+    settings nor checked), PN's warmup, the validation interval and the learning-rate grid."""
     if args.embedded_default:
         for name, value in EMBEDDED_BUDGET.items():
             if getattr(args, name) in (None, parser.get_default(name)):
@@ -301,8 +307,6 @@ def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         args.eval_steps = max(1, args.max_train_steps // 8)  # else after each epoch
     if args.tune_lr and not args.lr_grid:
         args.lr_grid = [args.learning_rate / 3, args.learning_rate, args.learning_rate * 3]
-    # A model loaded from weights starts where its pretraining left it: so should every norm.
-    args.preserve_function = not (args.embedded_default or args.no_preserve_function)
 
 
 def check_norms(names: Sequence[str]) -> list[str]:
@@ -392,8 +396,7 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
         raise ValueError(f"--task {args.task} does not fit --model_name_or_path {args.model_name_or_path} "
                          f"(model_type {config.model_type!r} has no {auto_class.__name__}); tasks that fit it: "
                          f"{fitting or 'none'}")
-    with torch.device("cpu"):
-        model = auto_class.from_config(config)
+    model = _model_from_config(args)
     if args.task == "causal-lm" and not is_causal(model, config):
         raise ValueError(f"--task causal-lm needs a causal language model; --model_name_or_path "
                          f"{args.model_name_or_path} ({config.model_type}) attends both ways and would see the "
@@ -413,6 +416,39 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
         cls = type(model.get_submodule(name)).__name__
         counts[cls] = counts.get(cls, 0) + 1
     return counts
+
+
+def _model_from_config(args: argparse.Namespace):
+    """The model of `--model_name_or_path` for `--task` with random weights, on CPU."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    with torch.device("cpu"):
+        return getattr(transformers, TASKS[args.task].auto_class).from_config(
+            AutoConfig.from_pretrained(args.model_name_or_path))
+
+
+def check_preserving(args: argparse.Namespace) -> dict[str, str]:
+    """With `preserve_function`, each converted norm of `--norms` tried on the model built from its
+    config, with its runs' conversion options: returns the norms it cannot keep the function with
+    and why (their runs convert without it, and the report says so). Nothing is tried without."""
+    from .converter import convert_norms
+    from .training.models import converter_options
+
+    if not args.preserve_function:
+        return {}
+    refused = {}
+    for norm in args.norms:
+        if norm == BASELINE:
+            continue
+        trial = argparse.Namespace(**{**vars(args), "convert_norms": norm})
+        try:
+            convert_norms(_model_from_config(args), norm, modules=args.convert_modules, preserve_function=True,
+                          **converter_options(trial, 1))
+        except (ValueError, TypeError) as error:  # a target, source or option it cannot keep the function with
+            refused[norm] = " ".join(str(error).split())
+    return refused
 
 
 def _positions(config) -> int | None:
@@ -481,23 +517,29 @@ def load_raw_data(args: argparse.Namespace):
     """The task's splits from `--dataset_name` or the data files (the embedded corpus without
     either), validation and test carved out of train when missing (seed 0: the same for every
     run), checked to hold the task's columns. Data that cannot be read is a ValueError naming it."""
-    import datasets
-
-    try:
+    with reading_data(args):
         raw = _read_splits(args)
-    except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError, RuntimeError) as error:
-        cause = error
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            cause = cause.__cause__ or cause.__context__
-        what = args.dataset_name or args.train_file
-        reason = str(error) if isinstance(error, RuntimeError) and "--dataset_name" in str(error) else \
-            f"{type(cause).__name__}: {cause}"
-        raise ValueError(f"could not read the data {what}: {reason}") from None
     if "train" not in raw:
         raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
     from .training.readers import limit_splits
 
     return limit_splits(raw, args.max_train_samples, args.max_eval_samples)
+
+
+@contextlib.contextmanager
+def reading_data(args: argparse.Namespace) -> Iterator[None]:
+    """Data that cannot be read (not text, an offline Hub id) as a ValueError naming it and why."""
+    import datasets
+
+    try:
+        yield
+    except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError, RuntimeError) as error:
+        cause = error
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        # The readers' own message (e.g. an offline Hub id), else the error deep inside `datasets`.
+        reason = str(error) if isinstance(error, RuntimeError) else f"{type(cause).__name__}: {cause}"
+        raise ValueError(f"could not read the data {args.dataset_name or args.train_file}: {reason}") from None
 
 
 def _read_splits(args: argparse.Namespace):
@@ -530,10 +572,10 @@ def _read_splits(args: argparse.Namespace):
 def resolve_label_names(args: argparse.Namespace) -> None:
     """classification: `args.label_names` (class names in the order of label ids) when not given:
     the embedded corpus's three classes; else the data's labels matched to the model's `id2label`."""
-    if args.task != "classification" or args.label_names is not None:
-        if args.label_names is not None:
-            args.label_names = [name.strip() for name in args.label_names.split(",")] \
-                if isinstance(args.label_names, str) else args.label_names
+    if args.task != "classification" or isinstance(args.label_names, list):
+        return
+    if isinstance(args.label_names, str):  # as given on the command line
+        args.label_names = [name.strip() for name in args.label_names.split(",")]
         return
     if args.train_file is None and args.dataset_name is None:
         args.label_names = list(SENTIMENT_LABELS)
@@ -542,7 +584,8 @@ def resolve_label_names(args: argparse.Namespace) -> None:
 
     config = AutoConfig.from_pretrained(args.model_name_or_path)
     model_names = [str(config.id2label[i]) for i in range(config.num_labels)]
-    args.label_names = names_for_labels(data_labels(args), model_names)
+    with reading_data(args):
+        args.label_names = names_for_labels(data_labels(args), model_names)
 
 
 def names_for_labels(labels: list[Any] | tuple[str, ...], model_names: list[str]) -> list[str]:
@@ -595,9 +638,10 @@ def tokenize_data(args: argparse.Namespace, raw, tokenizer):
                                 args.max_length, **options)
 
 
-def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int):
+def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int, calibration=None):
     """The model of `--model_name_or_path`, its norms converted to `args.convert_norms` (with the
-    `--powernorm_*` options), or as it is when that is None (the baseline)."""
+    `--powernorm_*` options, `--convert_modules`, and `preserve_function` calibrated on
+    `calibration`: the training split and its collator), or as it is when that is None (the baseline)."""
     import transformers
 
     from .training.models import load_and_convert
@@ -605,7 +649,7 @@ def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_
     auto_class = getattr(transformers, TASKS[args.task].auto_class)
     if args.convert_norms is None:
         return auto_class.from_pretrained(args.model_name_or_path, **fields).train()
-    return load_and_convert(args, auto_class, tokenizer, num_processes, **fields)
+    return load_and_convert(args, auto_class, tokenizer, num_processes, calibration=calibration, **fields)
 
 
 def _scorer(args: argparse.Namespace, accelerator, tokenizer, num_labels: int):
@@ -627,6 +671,8 @@ def run_args(cell: Cell, folder: Path) -> argparse.Namespace:
     norm = cell.options["norm"]
     return argparse.Namespace(**{**saved, "seed": cell.options["seed"], "learning_rate": cell.options["learning_rate"],
                                  "convert_norms": None if norm == BASELINE else norm,
+                                 "preserve_function": saved["preserve_function"]
+                                 and norm not in saved.get("not_preserved", {}),
                                  "output_dir": str(folder / "run"), "overwrite_output_dir": False,
                                  "push_to_hub": False})
 
@@ -677,8 +723,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
         raw = load_raw_data(args)
         data = tokenize_data(args, raw, tokenizer)
     fields = _task_fields(args)
-    model = load_model(args, tokenizer, fields, accelerator.num_processes)
     collate = PaddingCollator(tokenizer.pad_token_id, decoder_attention_mask=args.task == "seq2seq")
+    model = load_model(args, tokenizer, fields, accelerator.num_processes, calibration=(data["train"], collate))
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
     score = _scorer(args, accelerator, tokenizer, fields.get("num_labels", 0))
     model.to(accelerator.device)
@@ -754,29 +800,31 @@ def make_cells(args: argparse.Namespace, learning_rates: dict[str, list[float]],
 
 
 def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """`run_grid` in one process (or `--jobs` processes); under `accelerate launch` every process
-    runs every cell together, the main process clearing its folder and writing its result. A
-    finished run whose inputs changed since is run again, and what is left to run is said first."""
+    """The unfinished runs of `cells`, one after the other in this process (under `accelerate
+    launch` every process runs every cell together, the main process clearing its folder and
+    writing its result), or with `--jobs N` by `run_grid` in N processes at once. A finished run
+    whose inputs changed since is run again, and what is left to run is said first; each run
+    shows one progress bar, announced by a line."""
     if not args.report_only and (_world_size() == 1 or int(os.environ.get("RANK", "0")) == 0):
         redo_changed_runs(cells, args)
         finished = sum(cell_result(args.output_dir, cell) is not None for cell in cells)
         print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
-    if _world_size() == 1:
+    if args.jobs > 1 or args.report_only:
         return run_grid(cells, run_cell, args.output_dir, jobs=args.jobs, desc="Comparison",
                         report_only=args.report_only)
     from accelerate import PartialState
     from accelerate.state import AcceleratorState
-    from tqdm.auto import tqdm
 
     from .training.checkpoints import write_json_atomically
 
-    state = PartialState()
+    state = PartialState(cpu=args.cpu)
     state.wait_for_everyone()  # the main process has set aside the runs to redo
-    todo = [] if args.report_only else [cell for cell in cells if cell_result(args.output_dir, cell) is None]
+    todo = [cell for cell in cells if cell_result(args.output_dir, cell) is None]
     state.wait_for_everyone()  # every process has read which cells are finished
-    for cell in tqdm(todo, desc="Comparison", disable=not state.is_main_process):
+    for number, cell in enumerate(todo, start=1):
         folder = Path(args.output_dir) / "cells" / cell.name
         if state.is_main_process:
+            print(f"run {number} of {len(todo)}: {cell.name}", file=sys.stderr)
             shutil.rmtree(folder, ignore_errors=True)  # what a killed attempt left behind
             folder.mkdir(parents=True)
         state.wait_for_everyone()
@@ -931,9 +979,7 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
              + f" (`{BASELINE}` in `--norms`: these, unchanged). Each norm fine-tuned for "
                f"{args.max_train_steps or 'all'} updates at equal settings, scored by the model of its best "
                f"validation; {metric}, {better} is better, mean ± standard deviation over the seeds. "
-             + ("Converted keeping the pretrained function (preserve_function)." if args.preserve_function
-                else "Converted without preserve_function (a randomly initialised model, or "
-                     "--no_preserve_function)."), "",
+             + _conversion_sentence(args), "",
              f"| norm | learning rate | seeds | validation loss before fine-tuning | validation {metric} before "
              f"fine-tuning | validation {metric} | test {metric} | test per seed | minutes per run |",
              "|---|---:|---|---:|---:|---:|---:|---|---:|"]
@@ -945,6 +991,14 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
     lines += ["", "## Settings", "", "```json",
               json.dumps({k: v for k, v in settings_of(args).items() if v not in (None, False)}, indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _conversion_sentence(args: argparse.Namespace) -> str:
+    if not args.preserve_function:
+        return "Converted without preserve_function (a randomly initialised model, or --no_preserve_function)."
+    refused = getattr(args, "not_preserved", {})
+    return "Converted keeping the pretrained function (preserve_function)" + (
+        "; without it for " + "; ".join(f"{norm} ({why})" for norm, why in refused.items()) if refused else "") + "."
 
 
 def _norm_row(norm: str, runs: list[dict[str, Any]], chosen: dict[str, float], metric: str, baseline: str) -> str:
@@ -1192,6 +1246,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     if args.model_name_or_path is not None:
         args.model_name_or_path = resolve_model_path(args.model_name_or_path)
         facts = model_facts(args)
+        args.not_preserved = check_preserving(args)
         fit_lengths(args, load_model_tokenizer(args.model_name_or_path))
         check_batch_budget(args)
         resolve_label_names(args)

@@ -3,6 +3,7 @@ status 2 before any work, labels and columns from the data, single `Dataset` fol
 change between runs, Ctrl-C, the checks that withhold a verdict, the baseline's name, the kept
 models, and the defaults that fit the model."""
 
+import argparse
 import csv
 import json
 import math
@@ -64,8 +65,12 @@ def test_bad_inputs_are_one_line_and_exit_2_before_any_work(gpt2_case, capsys, t
     assert not out.exists()  # nothing written before the error
 
 
-def test_bert_is_refused_for_causal_lm(bert_case, capsys, tmp_path):
+def test_bert_is_refused_for_causal_lm_and_a_binary_csv_is_one_line(bert_case, capsys, tmp_path):
     model, _, _ = bert_case
+    binary = tmp_path / "train.csv"
+    binary.write_bytes(b"text,label\n" + bytes(range(128, 256)) * 8 + b",1\n")
+    _one_line_error(["--model_name_or_path", model, "--task", "classification", "--train_file", str(binary),
+                     "--output_dir", str(tmp_path / "c")], capsys, f"could not read the data {binary}: ")
     _one_line_error(["--model_name_or_path", model, "--task", "causal-lm", "--output_dir", str(tmp_path / "o")],
                     capsys, "--task causal-lm needs a causal language model")
 
@@ -191,6 +196,12 @@ def test_class_names_come_from_the_model_and_the_data():
     assert names(("x", "y", "z"), ["LABEL_0"]) == ["x", "y", "z"]  # a ClassLabel's names
     with pytest.raises(ValueError, match="indices from 0; the data has -1"):
         names([-1, 0], ["LABEL_0"])
+    given = argparse.Namespace(task="classification", label_names="neg, pos")
+    compare.resolve_label_names(given)
+    assert given.label_names == ["neg", "pos"]  # --label_names wins
+    embedded = argparse.Namespace(task="classification", label_names=None, train_file=None, dataset_name=None)
+    compare.resolve_label_names(embedded)
+    assert embedded.label_names == ["negative", "neutral", "positive"]  # the embedded corpus's classes
 
 
 def test_a_single_dataset_folder_with_another_text_column_loads(gpt2_case, tmp_path):
@@ -260,8 +271,13 @@ def _report(results, tmp_path, norms=("layernorm", "powernorm")):
 def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
     report = _report([_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2),
                       _result("powernorm", 1, 18.0), _result("powernorm", 2, 18.1)], tmp_path)
-    assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {math.log(50):.3f} ± 0.000 | 50.000 ± 0.000 |" in report
-    assert "| powernorm | 2 | -2.050 | [-2.685, -1.415] | 0.016 | PN better |" in report
+    start = f"{math.log(50):.3f} ± 0.000 | 50.000 ± 0.000"  # loss and perplexity before fine-tuning
+    assert f"| LlamaRMSNorm (the model's own) | 0.001 | 1, 2 | {start} |" in report
+    # Two pairs: t with one degree of freedom is the Cauchy distribution, whose quantile is a tangent.
+    mean, error = -2.05, 0.1 / math.sqrt(2) / math.sqrt(2)  # differences -2.0 and -2.1
+    half, p_value = math.tan(math.pi * 0.475) * error, 1 - 2 / math.pi * math.atan(abs(mean) / error)
+    assert (f"| powernorm | 2 | {mean:+.3f} | [{mean - half:+.3f}, {mean + half:+.3f}] | {p_value:.3f} | PN better |"
+            in report)
     assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s)" in report
     assert "| 1.5 |" in report  # minutes per run
     assert "LN better" not in report and "against LlamaRMSNorm" in report
@@ -336,8 +352,33 @@ def test_pretrained_models_convert_keeping_their_function_by_default(gpt2_case, 
     compare.prepare(args)
     cell = compare.make_cells(args, {"powernorm": [1e-3]}, [1])[0]
     run = compare.run_args(cell, tmp_path / "o" / "cells" / cell.name)
-    assert (run.convert_norms, run.convert_modules, run.preserve_function) == ("powernorm", r"\.h\.1\.", True)
-    assert run.push_to_hub is False
+    assert (run.convert_norms, run.convert_modules, run.push_to_hub) == ("powernorm", r"\.h\.1\.", False)
+    # Kept for each norm the converter can keep the function with; the others say why not.
+    assert run.preserve_function is ("powernorm" not in args.not_preserved)
+    assert run.preserve_function or args.not_preserved["powernorm"]
+
+
+def test_a_norm_that_cannot_keep_the_function_runs_without_it_and_says_why(gpt2_case, tmp_path, monkeypatch):
+    import hf_powernorm.converter
+
+    model, task, data = gpt2_case
+    real = hf_powernorm.converter.convert_norms
+
+    def convert(model, norm_type, *, preserve_function=False, **options):
+        if preserve_function and norm_type == "rmsnorm":
+            raise ValueError("preserve_function=True cannot keep the function of a LayerNorm with rmsnorm")
+        return real(model, norm_type, **{k: v for k, v in options.items() if v is not None})
+
+    monkeypatch.setattr(hf_powernorm.converter, "convert_norms", convert)
+    args = compare.parse_args(["--model_name_or_path", model, "--task", task, *data, "--norms", "layernorm",
+                               "powernorm", "rmsnorm", "--output_dir", str(tmp_path / "o")])
+    compare.prepare(args)
+    assert args.not_preserved == {"rmsnorm": "preserve_function=True cannot keep the function of a LayerNorm "
+                                             "with rmsnorm"}
+    runs = {cell.options["norm"]: compare.run_args(cell, tmp_path / "o" / "cells" / cell.name)
+            for cell in compare.make_cells(args, dict.fromkeys(args.norms, [1e-3]), [1])}
+    assert (runs["powernorm"].preserve_function, runs["rmsnorm"].preserve_function) == (True, False)
+    assert "without it for rmsnorm (preserve_function=True cannot keep" in compare._conversion_sentence(args)
 
 
 def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_path, monkeypatch):
@@ -404,14 +445,47 @@ def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(
     assert labels == ["LayerNorm (the model's own) (2 seeds)", "powernorm (2 seeds)"]
 
 
-def test_runs_write_no_nested_library_progress_bars(gpt2_case, tmp_path):
+def test_runs_write_one_progress_bar_each_not_nested_ones(gpt2_case, tmp_path, capsys):
     import datasets
     import transformers
 
     model, task, data = gpt2_case
-    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "layernorm",
+    compare.main(["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", "--norms", "layernorm",
                   *TINY, "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert "run 1 of 2: layernorm-lr0.0005-seed1" in err and "run 2 of 2: layernorm-lr0.0005-seed2" in err
+    assert "Comparison" not in err and "\x1b[A" not in err  # no grid bar above the run's, no cursor-up
     assert not transformers.utils.logging.is_progress_bar_enabled()
     assert not datasets.is_progress_bar_enabled()
     transformers.utils.logging.enable_progress_bar()
     datasets.enable_progress_bars()
+
+
+def test_a_message_over_several_lines_is_printed_as_one(capsys):
+    def entry(argv):
+        raise ValueError("the data cannot be read:\n  line 2 of the library's message\n")
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.run_command("compare", entry, [])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err == "hf-powernorm compare: error: the data cannot be read: line 2 of the library's message\n"
+
+
+def test_a_saved_dataset_dict_with_integer_labels_trains_a_binary_bert(binary_bert, tmp_path):
+    from datasets import DatasetDict
+
+    from hf_powernorm.training.readers import read_table
+
+    model, train = binary_bert
+    table = read_table(train)
+    DatasetDict({"train": table.select(range(40)), "validation": table.select(range(40, 50)),
+                 "test": table.select(range(50, 60))}).save_to_disk(tmp_path / "stars")
+    args = compare.parse_args(["--model_name_or_path", model, "--task", "classification", "--dataset_name",
+                               str(tmp_path / "stars"), "--text_column", "review", "--label_column", "stars",
+                               "--max_tokens", "256", "--output_dir", str(tmp_path / "o")])
+    compare.prepare(args)
+    raw = compare.load_raw_data(args)
+    assert args.label_names == ["LABEL_0", "LABEL_1"] and set(raw) == {"train", "validation", "test"}
+    assert raw["train"].features["label"].names == ["LABEL_0", "LABEL_1"]
+    assert raw["test"]["label"] == table.select(range(50, 60))["stars"]  # indices kept as the data has them

@@ -285,12 +285,16 @@ def _read_labelled_table(path: str, label_names: Sequence[str], columns: dict[st
     table = _rename_text_column(rename_columns(read_table(path), columns, path), path)
     if "label" not in table.column_names:
         raise ValueError(f"{path} needs a 'label' column; found {table.column_names}")
+    return _labels_to_ids(table.select_columns(["text", "label"]), label_names, path)
+
+
+def _labels_to_ids(table: Dataset, label_names: Sequence[str], where: str) -> Dataset:
+    """`table`'s labels (names or indices) as a `ClassLabel` of `label_names`."""
 
     def to_ids(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        return {"label": [label_to_id(v, label_names, f"{path} row {i + 1}")
+        return {"label": [label_to_id(v, label_names, f"{where} row {i + 1}")
                           for v, i in zip(batch["label"], indices)]}
 
-    table = table.select_columns(["text", "label"])
     return table.map(to_ids, batched=True, with_indices=True, features=_labelled_features(label_names),
                      desc="Reading labels")
 
@@ -325,6 +329,10 @@ def load_classification_dataset(*, dataset_name: str | None = None, dataset_conf
         dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
         dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin)
                                for s, d in dataset.items()})
+        # Labels stored as plain names or indices (not a ClassLabel) are encoded as local files' are.
+        dataset = DatasetDict({s: _labels_to_ids(d.select_columns(["text", "label"]), label_names, f"{origin} {s}")
+                               if "label" in d.column_names and not isinstance(d.features["label"], ClassLabel)
+                               else d for s, d in dataset.items()})
     elif data_files:
         dataset, origin = DatasetDict(), "the classification files"
         for split, path in data_files.items():
