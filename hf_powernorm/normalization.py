@@ -58,6 +58,10 @@ from .kernels_cpu import (
     pnv_step_backward,
     pnv_step_forward,
 )
+from .kernels_triton import AVAILABLE as TRITON_AVAILABLE
+from .kernels_triton import pn_step_backward as triton_step_backward
+from .kernels_triton import pn_step_forward as triton_step_forward
+from .kernels_triton import usable as triton_usable
 
 GROUP_SCALE_EPS = 1e-5
 BACKWARD_DENOMINATORS = ("running", "batch")
@@ -716,6 +720,11 @@ def _pn_step_backward_op(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor |
                                                  1.0 - alpha_bkw)
         _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
         return grad_x.to(x.dtype), grads
+    return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw)
+
+
+def _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
+    """The backward operator in the pure tensor functions (compiled where `_compile_wanted`)."""
     v, inv_s, inv_s_b = stats.unbind(0)
     count, usable = info[0], info[1] != 0
     backward = _compiled(_pn_train_backward) if _compile_wanted(x) else _pn_train_backward
@@ -731,6 +740,28 @@ def _pn_step_backward_op(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor |
 @_pn_step_backward_op.register_fake
 def _(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
     return x.new_empty(x.shape), weight.new_empty((2, weight.shape[0]))
+
+
+def _triton_step_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *buffers: torch.Tensor) -> bool:
+    return _KERNEL_BACKEND[0] == "auto" and triton_usable(x, weight, bias, *buffers)
+
+
+if TRITON_AVAILABLE:
+    @_pn_step_forward_op.register_kernel("cuda")
+    def _(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps, alpha_fwd, reference,
+          batch_backward):
+        if _triton_step_usable(x, weight, bias, running_phi) and counter.dtype == torch.int64:
+            return triton_step_forward(x.contiguous(), mask, weight, bias, running_phi, counter, group_num, eps,
+                                       warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward, GROUP_SCALE_EPS)
+        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num,
+                                      _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward))
+
+    @_pn_step_backward_op.register_kernel("cuda")
+    def _(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
+        if _triton_step_usable(x, weight, weight, running_nu, stats):
+            return triton_step_backward(dy, x.contiguous(), mask, weight, running_nu, stats, info, group_num, alpha_bkw,
+                                        GROUP_SCALE_EPS)
+        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw)
 
 
 class _PowerNormStepFunction(torch.autograd.Function):
