@@ -26,8 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the kernel tests itself")
 def test_kernels_through_the_interpreter_in_a_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
-                          "-k", "not fresh_process", __file__], env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
+               "-k", "not fresh_process", __file__]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and " failed" not in run.stdout and " skipped" not in run.stdout, run.stdout
 
