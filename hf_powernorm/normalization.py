@@ -259,9 +259,9 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None) -> torch.Ten
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
         return norm_eval(hidden_states.contiguous(), group_num)
+    # RMSNorm without a weight over each group: torch's fused kernel where it has one (CUDA)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
-    scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + GROUP_SCALE_EPS)
-    return scaled.flatten(-2)
+    return F.rms_norm(grouped, (channels // group_num,), None, GROUP_SCALE_EPS).flatten(-2)
 
 
 KERNEL_BACKENDS = ("auto", "torch", "compile")

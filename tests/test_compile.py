@@ -253,6 +253,7 @@ def _graph_ops(gm) -> list[str]:
 
 
 def test_powernorm_training_step_is_one_operator_node_per_direction_in_a_compiled_graph():
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = {}
@@ -260,7 +261,7 @@ def test_powernorm_training_step_is_one_operator_node_per_direction_in_a_compile
     def capture(name):
         def compiler(gm, example_inputs):
             graphs[name] = _graph_ops(gm)
-            return gm.forward
+            return make_boxed_func(gm.forward)
         return compiler
 
     norm = _norm("powernorm")

@@ -70,8 +70,9 @@ def _machine() -> str:
     import triton
 
     name = torch.cuda.get_device_name(0)
+    now = datetime.datetime.now(datetime.timezone.utc)
     return (f"{name}; Python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"transformers {transformers.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+            f"transformers {transformers.__version__}; {now:%Y-%m-%d %H:%M} UTC")
 
 
 def run_step(name: str, command: list[str], limit: int, out: Path) -> tuple[int | str, float, str]:
