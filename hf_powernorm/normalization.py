@@ -635,29 +635,25 @@ class _PowerNormFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
 
 
-# PN's training step as two operators of the `hf_powernorm` namespace (`torch.library.custom_op`), one
-# per direction, so that `torch.compile` sees one node each (no guard of ours inside) and eager code
-# one dispatched call each. The buffer updates happen inside them, declared as mutated arguments:
-# `pn_step_forward` writes `running_phi` and the step counter, `pn_step_backward` writes `running_nu`.
-# Implementations: the C kernels for CPU float32 (`kernels_cpu`), the Triton kernels for CUDA
-# (`kernels_triton`, where Triton is installed), and the pure tensor functions above elsewhere
-# (`torch.compile`d where `HF_POWERNORM_COMPILE` asks). `torch.library` refuses an autograd formula on
-# an operator that mutates its arguments, so `_PowerNormStepFunction` links the two.
+# PN's training step as two operators of the `hf_powernorm` namespace (`torch.library`), one per
+# direction, so that `torch.compile` sees one node each (no guard of ours inside) and eager code one
+# dispatched call each. The buffer updates happen inside them, declared as mutated arguments in
+# the schemas: `pn_step_forward` writes `running_phi` and the step counter, `pn_step_backward`
+# writes `running_nu`. Kernels: the C kernels for CPU float32 (`kernels_cpu`), the Triton kernels
+# for CUDA (`kernels_triton`, where Triton is installed), the pure tensor functions above elsewhere
+# (`torch.compile`d where `HF_POWERNORM_COMPILE` asks); fake kernels for tracing. Registered with
+# `Library.impl` rather than `custom_op`, whose Python wrappers cost more than a small step (about
+# 0.4 ms a call), and which refuses an autograd formula on an operator that mutates its arguments:
+# `_PowerNormStepFunction` links the two.
 # Returned statistics: `stats` (3, C) = `(v, 1/s, 1/s_backward)` and `info` (3,) = `(real-token
 # count, usable, non-finite)` in the statistics' dtype; `group_num` 0 is no group scaling.
-
-
-def _custom_op(name: str, mutates_args: tuple[str, ...]):
-    """`torch.library.custom_op` of `hf_powernorm::name`, or the operator already defined under that
-    name (this file imported twice: the package and a checkpoint's copy of it), whose
-    implementations the later import then replaces with its own."""
-    def register(fn):
-        existing = torch._library.custom_ops.OPDEFS.get(f"hf_powernorm::{name}")
-        if existing is not None:
-            existing.register_kernel(None)(fn)
-            return existing
-        return torch.library.custom_op(f"hf_powernorm::{name}", mutates_args=mutates_args)(fn)
-    return register
+PN_STEP_SCHEMAS = {
+    "pn_step_forward": "pn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_phi, "
+                       "Tensor(b!) counter, int group_num, float eps, int warmup_steps, int ramp_steps, "
+                       "float alpha_fwd, bool reference, bool batch_backward) -> (Tensor, Tensor, Tensor)",
+    "pn_step_backward": "pn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor(a!) running_nu, "
+                        "Tensor stats, Tensor info, int group_num, float alpha_bkw) -> (Tensor, Tensor)",
+}
 
 
 def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward) -> tuple:
@@ -666,30 +662,16 @@ def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backw
             "batch" if batch_backward else "running")
 
 
-@_custom_op("pn_step_forward", mutates_args=("running_phi", "counter"))
-def _pn_step_forward_op(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                        running_phi: torch.Tensor, counter: torch.Tensor, group_num: int, eps: float,
-                        warmup_steps: int, ramp_steps: int, alpha_fwd: float, reference: bool,
-                        batch_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PN's training forward of `x` (tokens, C): `(y, stats, info)`, `running_phi` and `counter` updated."""
-    if _c_step_usable(x, (weight, bias, running_phi), counter):
-        status, y, stats, count = pn_step_forward(
-            x.contiguous(), _kernel_mask(mask), group_num, weight, bias, running_phi, counter, eps, warmup_steps,
-            ramp_steps, 1.0 - alpha_fwd, reference, batch_backward)
-        _warn_non_finite("PowerNorm", "batch statistic", status < 0)
-        return y, stats, torch.tensor([count, float(status == 1), float(status < 0)])
-    return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num,
-                                  _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward))
-
-
 def _c_step_usable(x: torch.Tensor, vectors: tuple[torch.Tensor, ...], counter: torch.Tensor | None = None) -> bool:
     """The C step: CPU float32 `x` with the kernels, contiguous float32 vectors, an int64 counter."""
     return (_fused_kernels_usable(x) and all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors)
             and (counter is None or counter.dtype == torch.int64))
 
 
-def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, options):
+def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                           alpha_fwd, reference, batch_backward):
     """The forward operator in the pure tensor functions (compiled where `_compile_wanted`)."""
+    options = _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward)
     forward = _compiled(_pn_train_forward) if _compile_wanted(x) else _pn_train_forward
     with _float32(x.device):
         y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = forward(
@@ -700,31 +682,38 @@ def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_nu
     return y, torch.stack([v, inv_s, inv_s_b]), torch.stack([count, usable, non_finite]).to(v.dtype)
 
 
-@_pn_step_forward_op.register_fake
-def _(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps, alpha_fwd, reference,
-      batch_backward):
+def _pn_step_forward_cpu(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                         alpha_fwd, reference, batch_backward):
+    """The forward operator on the CPU: one C call (`kernels_cpu.pn_step_forward`) where it applies."""
+    if not _c_step_usable(x, (weight, bias, running_phi), counter):
+        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
+                                      ramp_steps, alpha_fwd, reference, batch_backward)
+    status, y, stats, count = pn_step_forward(
+        x.contiguous(), _kernel_mask(mask), group_num, weight, bias, running_phi, counter, eps, warmup_steps,
+        ramp_steps, 1.0 - alpha_fwd, reference, batch_backward)
+    _warn_non_finite("PowerNorm", "batch statistic", status < 0)
+    return y, stats, torch.tensor([count, float(status == 1), float(status < 0)])
+
+
+def _pn_step_forward_cuda(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                          alpha_fwd, reference, batch_backward):
+    """The forward operator on CUDA: the Triton kernels where they apply."""
+    if not (_triton_step_usable(x, weight, bias, running_phi) and counter.dtype == torch.int64):
+        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
+                                      ramp_steps, alpha_fwd, reference, batch_backward)
+    return triton_step_forward(x.contiguous(), mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
+                               ramp_steps, alpha_fwd, reference, batch_backward, GROUP_SCALE_EPS)
+
+
+def _pn_step_forward_fake(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                          alpha_fwd, reference, batch_backward):
     dtype = _stat_dtype(x)
     return x.new_empty(x.shape), x.new_empty((3, x.shape[1]), dtype=dtype), x.new_empty((3,), dtype=dtype)
 
 
-@_custom_op("pn_step_backward", mutates_args=("running_nu",))
-def _pn_step_backward_op(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
-                         running_nu: torch.Tensor, stats: torch.Tensor, info: torch.Tensor, group_num: int,
-                         alpha_bkw: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PN's approximate backward (eqs. 11-13): `(dx, grads)`, `grads` (2, C) = `(dweight, dbias)` in
-    the weight's dtype, `running_nu` updated."""
-    if _c_step_usable(x, (weight, running_nu, stats)):
-        count, usable, _ = info.tolist()
-        status, grad_x, grads = pn_step_backward(dy.float().contiguous(), x.contiguous(), _kernel_mask(mask),
-                                                 group_num, weight, running_nu, stats, count, usable == 1.0,
-                                                 1.0 - alpha_bkw)
-        _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
-        return grad_x.to(x.dtype), grads
-    return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw)
-
-
 def _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
-    """The backward operator in the pure tensor functions (compiled where `_compile_wanted`)."""
+    """The backward operator in the pure tensor functions (compiled where `_compile_wanted`): `(dx,
+    grads)`, `grads` (2, C) = `(dweight, dbias)` in the weight's dtype."""
     v, inv_s, inv_s_b = stats.unbind(0)
     count, usable = info[0], info[1] != 0
     backward = _compiled(_pn_train_backward) if _compile_wanted(x) else _pn_train_backward
@@ -737,8 +726,26 @@ def _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_
     return grad_x.to(x.dtype), torch.stack([grad_weight, grad_bias.to(grad_weight.dtype)])
 
 
-@_pn_step_backward_op.register_fake
-def _(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
+def _pn_step_backward_cpu(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
+    """The backward operator on the CPU: one C call (`kernels_cpu.pn_step_backward`) where it applies."""
+    if not _c_step_usable(x, (weight, running_nu, stats)):
+        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw)
+    count, usable, _ = info.tolist()
+    status, grad_x, grads = pn_step_backward(dy.float().contiguous(), x.contiguous(), _kernel_mask(mask), group_num,
+                                             weight, running_nu, stats, count, usable == 1.0, 1.0 - alpha_bkw)
+    _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
+    return grad_x, grads
+
+
+def _pn_step_backward_cuda(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
+    """The backward operator on CUDA: the Triton kernels where they apply."""
+    if not _triton_step_usable(x, weight, weight, running_nu, stats):
+        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw)
+    return triton_step_backward(dy, x.contiguous(), mask, weight, running_nu, stats, info, group_num, alpha_bkw,
+                                GROUP_SCALE_EPS)
+
+
+def _pn_step_backward_fake(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
     return x.new_empty(x.shape), weight.new_empty((2, weight.shape[0]))
 
 
@@ -746,22 +753,24 @@ def _triton_step_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return _KERNEL_BACKEND[0] == "auto" and triton_usable(x, weight, bias, *buffers)
 
 
-if TRITON_AVAILABLE:
-    @_pn_step_forward_op.register_kernel("cuda")
-    def _(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps, alpha_fwd, reference,
-          batch_backward):
-        if _triton_step_usable(x, weight, bias, running_phi) and counter.dtype == torch.int64:
-            return triton_step_forward(x.contiguous(), mask, weight, bias, running_phi, counter, group_num, eps,
-                                       warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward, GROUP_SCALE_EPS)
-        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num,
-                                      _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward))
+def _register_pn_step_operators() -> torch.library.Library | None:
+    """Define `hf_powernorm::pn_step_forward` and `pn_step_backward` with their kernels; None when
+    they are defined already (this file imported twice: the package and a checkpoint's copy of it)."""
+    if hasattr(torch.ops.hf_powernorm, "pn_step_forward"):
+        return None
+    library = torch.library.Library("hf_powernorm", "FRAGMENT")
+    for name, schema in PN_STEP_SCHEMAS.items():
+        library.define(schema)
+        kernels = globals()
+        library.impl(name, kernels[f"_{name}_torch"], "CompositeExplicitAutograd")
+        library.impl(name, kernels[f"_{name}_cpu"], "CPU")
+        if TRITON_AVAILABLE:
+            library.impl(name, kernels[f"_{name}_cuda"], "CUDA")
+        torch.library.register_fake(f"hf_powernorm::{name}", kernels[f"_{name}_fake"], lib=library)
+    return library
 
-    @_pn_step_backward_op.register_kernel("cuda")
-    def _(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw):
-        if _triton_step_usable(x, weight, weight, running_nu, stats):
-            return triton_step_backward(dy, x.contiguous(), mask, weight, running_nu, stats, info, group_num, alpha_bkw,
-                                        GROUP_SCALE_EPS)
-        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw)
+
+_PN_STEP_LIBRARY = _register_pn_step_operators()  # kept: the registrations live as long as it does
 
 
 class _PowerNormStepFunction(torch.autograd.Function):

@@ -99,13 +99,13 @@ def test_triton_step_matches_the_operators_torch_ops_at_odd_shapes(kernels, toke
     """Several tiles and programs (300 tokens), one token, group widths that are not powers of two."""
     from hf_powernorm import normalization
 
-    options = normalization._pn_options(1e-5, 1, 0, 0.9, True, False)
+    options = (1e-5, 1, 0, 0.9, True, False)  # eps, warmup, ramp, alpha_fwd, reference, batch backward
     ours, theirs = _Buffers(hidden), _Buffers(hidden)
     for step in range(3):
         x, mask, dy = _batch(40 + step, tokens, hidden, padded=tokens > 4)
         y, dx, grads, stats, info = _triton_step(kernels, ours, x, mask, dy, groups, 1, 0, "reference", "running")
         want = normalization._pn_step_forward_torch(x, mask, theirs.weight, theirs.bias, theirs.phi, theirs.counter,
-                                                    groups or 0, options)
+                                                    groups or 0, *options)
         want_dx, want_grads = normalization._pn_step_backward_torch(dy, x, mask, theirs.weight, theirs.nu, want[1],
                                                                     want[2], groups or 0, 0.9)
         for got, expected in ((y, want[0]), (stats, want[1]), (info, want[2]), (dx, want_dx), (grads, want_grads),
