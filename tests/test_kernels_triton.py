@@ -11,7 +11,6 @@ test runs this file in a fresh process that is.
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -155,6 +154,4 @@ def test_kernels_are_only_offered_what_they_take(kernels):
     assert not kernels.usable(x.double(), weight, weight, phi)  # float64: the torch ops (gradcheck)
     assert not kernels.usable(x, weight, weight, phi.bfloat16())  # buffers cast away from float32
     assert not kernels.usable(x.reshape(1, 5, HIDDEN), weight, weight, phi)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert kernels.AVAILABLE
+    assert kernels.AVAILABLE
