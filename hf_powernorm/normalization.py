@@ -23,8 +23,9 @@ PN's warmup switch and the step counters are decided on the device with `torch.w
 costs nothing, reads one (a non-finite warning's flag, the C kernels' step counter).
 On CPU float32 inputs the training steps of PN, PN-V, BN, BRN, MABN and RMSNorm, and every eval-mode
 norm's affine map, run in the C kernels of `kernels_cpu.py` (each batch-statistic norm's step in two C calls, forward
-and backward, its statistics and buffer updates included); on CUDA PN's step runs as two `torch.compile`d pure tensor functions;
-elsewhere everything runs in torch ops.
+and backward, its statistics and buffer updates included). PN's step is two operators, `hf_powernorm::pn_step_forward`
+and `pn_step_backward` (`torch.library`): the C kernels on the CPU, the Triton kernels of `kernels_triton.py` on
+CUDA, the torch ops elsewhere. `kernel_backend()` switches the kernels off for a block.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ from .kernels_cpu import (
     pnv_step_backward,
     pnv_step_forward,
 )
+from .kernels_triton import AVAILABLE as TRITON_AVAILABLE
+from .kernels_triton import pn_step_backward as triton_step_backward
+from .kernels_triton import pn_step_forward as triton_step_forward
+from .kernels_triton import usable as triton_usable
 
 GROUP_SCALE_EPS = 1e-5
 BACKWARD_DENOMINATORS = ("running", "batch")
@@ -257,14 +262,33 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None,
         raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
         return norm_eval(hidden_states.contiguous(), group_num, group_eps=group_eps)
+    # RMSNorm without a weight over each group: torch's fused kernel where it has one (CUDA)
     grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
-    scaled = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)
-    return scaled.flatten(-2)
+    return F.rms_norm(grouped, (channels // group_num,), None, group_eps).flatten(-2)
+
+
+KERNEL_BACKENDS = ("auto", "torch", "compile")
+_KERNEL_BACKEND = ["auto"]
+
+
+@contextlib.contextmanager
+def kernel_backend(name: str):
+    """Run the norms on one backend within the block: `"auto"` (the default: the C kernels for CPU
+    float32 inputs, the Triton kernels for CUDA, the torch ops elsewhere), `"torch"` (the torch ops
+    everywhere: what runs without a C compiler or Triton) or `"compile"` (the torch ops, PN's step
+    as `torch.compile`d pure tensor functions)."""
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {name!r}")
+    previous, _KERNEL_BACKEND[0] = _KERNEL_BACKEND[0], name
+    try:
+        yield
+    finally:
+        _KERNEL_BACKEND[0] = previous
 
 
 def _fused_kernels_usable(x: torch.Tensor) -> bool:
     """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
-    return not torch.compiler.is_compiling() and kernels_usable(x)
+    return _KERNEL_BACKEND[0] == "auto" and not torch.compiler.is_compiling() and kernels_usable(x)
 
 
 # PN's training step as two pure tensor functions compiled by `torch.compile` (inductor: Triton
@@ -277,9 +301,10 @@ _COMPILED: dict = {}
 
 def _compile_wanted(x: torch.Tensor) -> bool:
     setting = os.environ.get("HF_POWERNORM_COMPILE", "auto")
-    if setting == "0" or torch.compiler.is_compiling() or x.dtype == torch.float64:
+    backend = _KERNEL_BACKEND[0]
+    if setting == "0" or backend == "torch" or torch.compiler.is_compiling() or x.dtype == torch.float64:
         return False
-    if setting == "1":
+    if setting == "1" or backend == "compile":
         return True
     return x.device.type == "cuda" and _triton_installed()
 
@@ -572,22 +597,21 @@ def _pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, coun
 class _PowerNormFunction(torch.autograd.Function):
     """Group scaling, PN forward and the approximate backward of eqs. (11)-(13).
 
-    Saves the input `x` only: `z0 = GS(x)` is recomputed in the backward, which needs one batch
-    reduction, `sum(dY * z0)` (`Gamma = mean_V(Z^2) = v / s^2` is known from the forward). On CPU
-    float32 inputs the work runs in the fused kernels of `kernels_cpu.py`; elsewhere, and in a graph
-    being compiled, in the pure tensor functions above.
+    PN's step where the operators below do not serve: statistics summed over a process group
+    (`sync_stats`), running buffers cast away from float32. Saves the input `x` only: `z0 = GS(x)`
+    is recomputed in the backward, which needs one batch reduction, `sum(dY * z0)` (`Gamma =
+    mean_V(Z^2) = v / s^2` is known from the forward). On CPU float32 inputs the work runs in the
+    fused kernels of `kernels_cpu.py`; elsewhere, and in a graph being compiled, in the pure tensor
+    functions above.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, token_weights, norm):
         ctx.fused = _fused_kernels_usable(x)
         with _float32(x.device):
-            ctx.compiled = not ctx.fused and norm._compiled_step_usable(x)
             if ctx.fused:
                 x = x.contiguous()
                 y, stats = _pn_fused_forward(x, weight, bias, token_weights, norm)
-            elif ctx.compiled:
-                y, stats = norm._compiled_forward(x, weight, bias, token_weights)
             else:
                 z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num, norm.group_eps)
                 stats = norm._denominators(sum_sq, count)
@@ -614,14 +638,6 @@ class _PowerNormFunction(torch.autograd.Function):
                     return (grad_x.to(ctx.input_dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype),
                             None, None)
                 sum_dy_z0, real_dy_z0, sum_dy = sums.float()
-            elif ctx.compiled:
-                grad_x, grad_weight, grad_bias, next_nu, non_finite = _compiled(_pn_train_backward)(
-                    grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, norm.group_num,
-                    1.0 - norm.alpha_bkw, norm.group_eps)
-                _warn_non_finite("PowerNorm", "gradient statistic", non_finite)
-                with torch.no_grad():
-                    norm.running_nu.copy_(next_nu)
-                return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
             else:
                 grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(
                     grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num, norm.group_eps)
@@ -633,41 +649,192 @@ class _PowerNormFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
 
 
+# PN's training step as two operators of the `hf_powernorm` namespace (`torch.library`), one per
+# direction, so that `torch.compile` sees one node each (no guard of ours inside) and eager code one
+# dispatched call each. The buffer updates happen inside them, declared as mutated arguments in
+# the schemas: `pn_step_forward` writes `running_phi` and the step counter, `pn_step_backward`
+# writes `running_nu`. Kernels: the C kernels for CPU float32 (`kernels_cpu`), the Triton kernels
+# for CUDA (`kernels_triton`, where Triton is installed), the pure tensor functions above elsewhere
+# (`torch.compile`d where `HF_POWERNORM_COMPILE` asks); fake kernels for tracing. Registered with
+# `Library.impl` rather than `custom_op`, whose Python wrappers cost more than a small step (about
+# 0.4 ms a call), and which refuses an autograd formula on an operator that mutates its arguments:
+# `_PowerNormStepFunction` links the two.
+# Returned statistics: `stats` (3, C) = `(v, 1/s, 1/s_backward)` and `info` (3,) = `(real-token
+# count, usable, non-finite)` in the statistics' dtype; `group_num` 0 is no group scaling.
+PN_STEP_SCHEMAS = {
+    "pn_step_forward": "pn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_phi, "
+                       "Tensor(b!) counter, int group_num, float eps, int warmup_steps, int ramp_steps, "
+                       "float alpha_fwd, bool reference, bool batch_backward, float group_eps) -> (Tensor, Tensor, Tensor)",
+    "pn_step_backward": "pn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor(a!) running_nu, "
+                        "Tensor stats, Tensor info, int group_num, float alpha_bkw, float group_eps) -> (Tensor, Tensor)",
+}
+
+
+def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward) -> tuple:
+    """The operator's scalar arguments as `_pn_denominators`' options."""
+    return (eps, warmup_steps, ramp_steps, alpha_fwd, "reference" if reference else "cumulative",
+            "batch" if batch_backward else "running")
+
+
+def _c_step_usable(x: torch.Tensor, vectors: tuple[torch.Tensor, ...], counter: torch.Tensor | None = None) -> bool:
+    """The C step: CPU float32 `x` with the kernels, contiguous float32 vectors, an int64 counter."""
+    return (_fused_kernels_usable(x) and all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors)
+            and (counter is None or counter.dtype == torch.int64))
+
+
+def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                           alpha_fwd, reference, batch_backward, group_eps):
+    """The forward operator in the pure tensor functions (compiled where `_compile_wanted`)."""
+    options = _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward)
+    forward = _compiled(_pn_train_forward) if _compile_wanted(x) else _pn_train_forward
+    with _float32(x.device):
+        y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = forward(
+            x, _mask_weights(mask, _stat_dtype(x)), weight, bias, running_phi, counter + 1, group_num or None, options,
+            group_eps)
+    _warn_non_finite("PowerNorm", "batch statistic", non_finite)
+    running_phi.copy_(next_phi)
+    counter.add_(usable.to(counter.dtype))
+    return y, torch.stack([v, inv_s, inv_s_b]), torch.stack([count, usable, non_finite]).to(v.dtype)
+
+
+def _pn_step_forward_cpu(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                         alpha_fwd, reference, batch_backward, group_eps):
+    """The forward operator on the CPU: one C call (`kernels_cpu.pn_step_forward`) where it applies."""
+    if not _c_step_usable(x, (weight, bias, running_phi), counter):
+        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
+                                      ramp_steps, alpha_fwd, reference, batch_backward, group_eps)
+    status, y, stats, count = pn_step_forward(
+        x.contiguous(), _kernel_mask(mask), group_num, weight, bias, running_phi, counter, eps, warmup_steps,
+        ramp_steps, 1.0 - alpha_fwd, reference, batch_backward, group_eps)
+    _warn_non_finite("PowerNorm", "batch statistic", status < 0)
+    return y, stats, torch.tensor([count, float(status == 1), float(status < 0)])
+
+
+def _pn_step_forward_cuda(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                          alpha_fwd, reference, batch_backward, group_eps):
+    """The forward operator on CUDA: the Triton kernels where they apply."""
+    if not (_triton_step_usable(x, weight, bias, running_phi) and counter.dtype == torch.int64):
+        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
+                                      ramp_steps, alpha_fwd, reference, batch_backward, group_eps)
+    return triton_step_forward(x.contiguous(), mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
+                               ramp_steps, alpha_fwd, reference, batch_backward, group_eps)
+
+
+def _pn_step_forward_fake(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
+                          alpha_fwd, reference, batch_backward, group_eps):
+    dtype = _stat_dtype(x)
+    return x.new_empty(x.shape), x.new_empty((3, x.shape[1]), dtype=dtype), x.new_empty((3,), dtype=dtype)
+
+
+def _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
+    """The backward operator in the pure tensor functions (compiled where `_compile_wanted`): `(dx,
+    grads)`, `grads` (2, C) = `(dweight, dbias)` in the weight's dtype."""
+    v, inv_s, inv_s_b = stats.unbind(0)
+    count, usable = info[0], info[1] != 0
+    backward = _compiled(_pn_train_backward) if _compile_wanted(x) else _pn_train_backward
+    with _float32(x.device):
+        grad_x, grad_weight, grad_bias, next_nu, non_finite = backward(
+            dy, x, _mask_weights(mask, _stat_dtype(x)), weight, running_nu, inv_s, inv_s_b, v, count, usable,
+            group_num or None, 1.0 - alpha_bkw, group_eps)
+    _warn_non_finite("PowerNorm", "gradient statistic", non_finite)
+    running_nu.copy_(next_nu)
+    return grad_x.to(x.dtype), torch.stack([grad_weight, grad_bias.to(grad_weight.dtype)])
+
+
+def _pn_step_backward_cpu(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
+    """The backward operator on the CPU: one C call (`kernels_cpu.pn_step_backward`) where it applies."""
+    if not _c_step_usable(x, (weight, running_nu, stats)):
+        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw,
+                                       group_eps)
+    count, usable, _ = info.tolist()
+    status, grad_x, grads = pn_step_backward(dy.float().contiguous(), x.contiguous(), _kernel_mask(mask), group_num,
+                                             weight, running_nu, stats, count, usable == 1.0, 1.0 - alpha_bkw,
+                                             group_eps)
+    _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
+    return grad_x, grads
+
+
+def _pn_step_backward_cuda(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
+    """The backward operator on CUDA: the Triton kernels where they apply."""
+    if not _triton_step_usable(x, weight, weight, running_nu, stats):
+        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw,
+                                       group_eps)
+    return triton_step_backward(dy, x.contiguous(), mask, weight, running_nu, stats, info, group_num, alpha_bkw,
+                                group_eps)
+
+
+def _pn_step_backward_fake(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
+    return x.new_empty(x.shape), weight.new_empty((2, weight.shape[0]))
+
+
+def _triton_step_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *buffers: torch.Tensor) -> bool:
+    return _KERNEL_BACKEND[0] == "auto" and triton_usable(x, weight, bias, *buffers)
+
+
+def _register_pn_step_operators() -> torch.library.Library | None:
+    """Define `hf_powernorm::pn_step_forward` and `pn_step_backward` with their kernels; None when
+    they are defined already (this file imported twice: the package and a checkpoint's copy of it)."""
+    if hasattr(torch.ops.hf_powernorm, "pn_step_forward"):
+        return None
+    library = torch.library.Library("hf_powernorm", "FRAGMENT")
+    for name, schema in PN_STEP_SCHEMAS.items():
+        library.define(schema)
+        kernels = globals()
+        library.impl(name, kernels[f"_{name}_torch"], "CompositeExplicitAutograd")
+        library.impl(name, kernels[f"_{name}_cpu"], "CPU")
+        if TRITON_AVAILABLE:
+            library.impl(name, kernels[f"_{name}_cuda"], "CUDA")
+        torch.library.register_fake(f"hf_powernorm::{name}", kernels[f"_{name}_fake"], lib=library)
+    return library
+
+
+_PN_STEP_LIBRARY = _register_pn_step_operators()  # kept: the registrations live as long as it does
+
+
 class _PowerNormStepFunction(torch.autograd.Function):
-    """PN's training step in two C calls, `kernels_cpu.pn_step_forward` and `pn_step_backward`: the
-    arithmetic of `_PowerNormFunction`'s C path (the same passes, `pn_statistics` and
-    `pn_gradient_statistics`) with the buffer updates, the parameter gradients and the reading of
-    the attention mask in C too, so that a step costs its passes over the batch and little else.
-    For eager CPU float32 steps (`PowerNorm._step_in_c`); a checkpointing recomputation reuses its
-    step's statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
+    """PN's training step through the two operators above, which take the statistics and update the
+    buffers (`PowerNorm._in_one_operator` says when). A checkpointing recomputation reuses its step's
+    statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
-        x = x.contiguous()
         if _in_recomputation():
-            stats, count, usable = norm._last_step
-            y, _, _ = pn_rows(x, None, norm.group_num, weight.detach() * stats[1], bias, statistics=False,
-                              eps=norm.group_eps)
+            stats, info = norm._last_step
+            y = _pn_output_pass(x, weight, bias, stats[1], norm.group_num, norm.group_eps)
         else:
             _warn_if_ddp_overwrites_statistics(norm)
-            status, y, stats, count = norm._c_step_forward(x, mask, weight, bias)
-            _warn_non_finite("PowerNorm", "batch statistic", status < 0)
-            usable = status == 1
-            # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
-            norm.__dict__.update(_last_step=(stats, count, usable), _last_denominators=None)
-        ctx.save_for_backward(x, mask, weight)
-        ctx.step = (norm, stats, count, usable)
+            buffers = norm._buffers
+            y, stats, info = torch.ops.hf_powernorm.pn_step_forward(
+                x, mask, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.group_num or 0,
+                norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd,
+                norm.warmup_statistic == "reference", norm.backward_denominator == "batch", norm.group_eps)
+            if not torch.compiler.is_compiling():  # for a recomputation; plain attributes (cheaper)
+                norm.__dict__.update(_last_step=(stats, info), _last_denominators=None)
+        ctx.save_for_backward(x, mask, weight, stats, info)
+        ctx.norm = norm
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("PowerNorm")
-        x, mask, weight = ctx.saved_tensors
-        norm, stats, count, usable = ctx.step
-        status, grad_x, grads = norm._c_step_backward(grad_output.float().contiguous(), x, mask, weight, stats, count,
-                                                      usable)
-        _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
-        return grad_x, grads[0], grads[1], None, None
+        x, mask, weight, stats, info = ctx.saved_tensors
+        norm = ctx.norm
+        grad_x, grads = torch.ops.hf_powernorm.pn_step_backward(
+            grad_output, x, mask, weight, norm._buffers["running_nu"], stats, info, norm.group_num or 0,
+            norm.alpha_bkw, norm.group_eps)
+        return grad_x, grads[0], _cast(grads[1], norm.bias.dtype), None, None
+
+
+def _pn_output_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, inv_s: torch.Tensor,
+                    group_num: int | None, group_eps: float) -> torch.Tensor:
+    """`y = weight * GS(x) / s + bias` with a known `1/s` (one C pass where the kernels apply)."""
+    scale = weight.detach().to(inv_s.dtype) * inv_s
+    if _fused_kernels_usable(x) and inv_s.dtype == torch.float32:
+        y, _, _ = pn_rows(x.contiguous(), None, group_num, scale, bias, statistics=False, eps=group_eps)
+        return y
+    with _float32(x.device):
+        z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num, group_eps)
+        return _pn_output(z0, scale, bias.detach()).to(x.dtype)
 
 
 def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -884,8 +1051,8 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self._step_in_c(hidden_states):
-            return self._c_step(_PowerNormStepFunction, hidden_states, attention_mask)
+        if self.training and self._in_one_operator(hidden_states):
+            return self._operator_step(hidden_states, attention_mask)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
         if self.training:
             return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
@@ -942,20 +1109,26 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = (inv_s, inv_s_b, v, count, usable)
         return self._last_denominators
 
-    def _step_in_c(self, x: torch.Tensor) -> bool:
-        """Whether this training step runs in `_PowerNormStepFunction`: eager CPU float32 input with the
-        C kernels, float32 contiguous parameters and buffers, no process group to sum over, not a
-        checkpointing recomputation (which reuses its step's statistics through `_denominators`)."""
-        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
+    def _in_one_operator(self, x: torch.Tensor) -> bool:
+        """Whether this training step runs in the `hf_powernorm::pn_step_*` operators: a tensor input,
+        float32 running statistics, an int64 counter, no process group to sum over, and in a
+        checkpointing recomputation only if the step itself did (which reuses its statistics)."""
+        if not isinstance(x, torch.Tensor) or _sync_enabled(self.sync_stats, self.process_group):
             return False
-        if _in_recomputation():  # as the step itself, if it was one
+        if _in_recomputation():
             return self._last_step is not None
-        if _sync_enabled(self.sync_stats, self.process_group):
-            return False
-        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"],
-                   self._buffers["running_nu"])
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
-            self._buffers["num_batches_tracked"].dtype == torch.int64)
+        buffers = self._buffers
+        return (buffers["running_phi"].dtype == torch.float32 and buffers["running_nu"].dtype == torch.float32
+                and buffers["num_batches_tracked"].dtype == torch.int64)
+
+    def _operator_step(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """A training step through `_PowerNormStepFunction`, the mask as `(tokens,)` on the input's
+        device: no view node where the input is already `(tokens, hidden)`."""
+        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
+        mask = None if attention_mask is None else attention_mask.reshape(-1).to(flat.device)
+        parameters = self._parameters
+        y = _PowerNormStepFunction.apply(flat.contiguous(), parameters["weight"], parameters["bias"], mask, self)
+        return y if flat is hidden_states else y.view_as(hidden_states)
 
     def _c_step_forward(self, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor):
         """`kernels_cpu.pn_step_forward` with this module's buffers and options: `(status, y, stats, count)`."""
@@ -970,25 +1143,6 @@ class PowerNorm(_RunningStatsNorm):
         """`kernels_cpu.pn_step_backward` with this module's buffers and options: `(status, dx, grads)`."""
         return pn_step_backward(dy, x, mask, self.group_num, weight, self._buffers["running_nu"], stats, count, usable,
                                 1.0 - self.alpha_bkw, self.group_eps)
-
-    def _compiled_step_usable(self, x: torch.Tensor) -> bool:
-        """Whether this step runs the compiled pure functions: compilation wanted for `x`, no process
-        group to sum over, float32 buffers, not a recomputation (which reuses its step's statistics)."""
-        return (_compile_wanted(x) and not _sync_enabled(self.sync_stats, self.process_group)
-                and not (_in_recomputation() and (self._last_denominators is not None or self._last_step is not None))
-                and self.running_phi.dtype == torch.float32 and self.running_nu.dtype == torch.float32)
-
-    def _compiled_forward(self, x, weight, bias, token_weights):
-        """The training forward in `_compiled(_pn_train_forward)`; writes the buffers it returns."""
-        self._last_step = None
-        _warn_if_ddp_overwrites_statistics(self)
-        y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = _compiled(_pn_train_forward)(
-            x, token_weights, weight, bias, self.running_phi, self._next_step(), self.group_num, self._options(),
-            self.group_eps)
-        _warn_non_finite(type(self).__name__, "batch statistic", non_finite)
-        self._take_step(next_phi, usable)
-        self._last_denominators = (inv_s, inv_s_b, v, count, usable)
-        return y, self._last_denominators
 
     def _statistics_on_host(self, sum_sq: torch.Tensor) -> bool:
         """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32

@@ -225,3 +225,114 @@ def _train_warning_visible(norm, batches):
         trace.append({"y": y.detach(), "x.grad": x.grad, **{f"{k}.grad": p.grad for k, p in norm.named_parameters()},
                       **{k: b.clone() for k, b in norm.named_buffers()}})
     return trace
+
+
+# ----------------------------------------------------------------------------------------------
+# PN's step as two operators: one node per direction in a graph, one dispatched call eagerly
+
+
+def _pn_op_args(dtype=torch.float32, masked=True):
+    """Arguments of `hf_powernorm::pn_step_forward` for a fresh PN with group scaling (warmup over)."""
+    norm = _norm("powernorm").to(dtype)
+    x, mask, dy = _steps()[0]
+    x = x.reshape(-1, HIDDEN).to(dtype)
+    mask = mask.reshape(-1) if masked else None
+    buffers = (norm.running_phi, norm.num_batches_tracked)
+    return norm, x, mask, dy.reshape(-1, HIDDEN).to(dtype), (x, mask, norm.weight.detach(), norm.bias.detach(),
+                                                              *buffers, 4, norm.eps, 0, 0, 0.9, True, False,
+                                                              norm.group_eps)
+
+
+def _graph_ops(gm) -> list[str]:
+    """The operators a graph calls, the mutating ones through their functionalized wrapper."""
+    ops = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            target = node.args[0] if "auto_functionalized" in str(node.target) else node.target
+            ops.append(str(getattr(target, "overloadpacket", target)))
+    return ops
+
+
+def test_powernorm_training_step_is_one_operator_node_per_direction_in_a_compiled_graph():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = _graph_ops(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    norm = _norm("powernorm")
+    x, mask, dy = _steps()[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, backend=aot_autograd(fw_compiler=capture("forward"),
+                                                        bw_compiler=capture("backward")), fullgraph=True)
+    compiled(x.requires_grad_(True), mask).backward(dy)
+    assert graphs["forward"].count("hf_powernorm.pn_step_forward") == 1, graphs["forward"]
+    assert graphs["backward"].count("hf_powernorm.pn_step_backward") == 1, graphs["backward"]
+    arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
+    assert not arithmetic & set(graphs["forward"] + graphs["backward"]), graphs
+    assert int(norm.num_batches_tracked) == 1 and bool((norm.running_nu != 0).any())
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_powernorm_eager_step_is_one_operator_call_per_direction(dtype):
+    norm = _norm("powernorm").to(dtype)
+    x, mask, dy = (t.to(dtype) if t.is_floating_point() else t for t in _steps()[0])
+    x.requires_grad_(True)
+    with _OpLog() as forward:
+        y = norm(x, mask)
+    with _OpLog() as backward:
+        y.backward(dy)
+    assert forward.ops.count("hf_powernorm.pn_step_forward") == 1
+    assert backward.ops.count("hf_powernorm.pn_step_backward") == 1
+    assert not any(op.startswith("hf_powernorm") for op in forward.ops if op != "hf_powernorm.pn_step_forward")
+    # nothing of PN's arithmetic outside the operators: reshapes, and autograd's accumulation only
+    arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
+    assert not arithmetic & set(forward.ops + backward.ops), (forward.ops, backward.ops)
+    assert int(norm.num_batches_tracked) == 1 and bool((norm.running_nu != 0).any())
+
+
+@pytest.mark.parametrize("dtype, masked", [(torch.float32, True), (torch.float32, False), (torch.float64, True),
+                                           (torch.bfloat16, True)])
+def test_powernorm_operators_pass_opcheck(dtype, masked):
+    """Schema (mutated buffers declared), fake implementations and dispatch, on the C kernels
+    (float32) and the torch ops (float64, bfloat16)."""
+    norm, x, mask, dy, args = _pn_op_args(dtype, masked)
+    torch.library.opcheck(torch.ops.hf_powernorm.pn_step_forward.default, args)
+    y, stats, info = torch.ops.hf_powernorm.pn_step_forward(*args)
+    assert y.dtype == dtype and stats.shape == (3, HIDDEN) and info.shape == (3,)
+    backward_args = (dy, x, mask, norm.weight.detach(), norm.running_nu, stats, info, 4, 0.9, norm.group_eps)
+    torch.library.opcheck(torch.ops.hf_powernorm.pn_step_backward.default, backward_args)
+
+
+def test_kernel_backend_switches_the_c_kernels_off_within_its_block(monkeypatch):
+    from hf_powernorm import normalization
+
+    calls = []
+    original = normalization.pn_step_forward
+    monkeypatch.setattr(normalization, "pn_step_forward", lambda *a: calls.append(1) or original(*a))
+    traces = []
+    for backend in ("auto", "torch"):
+        norm = _norm("powernorm")
+        with normalization.kernel_backend(backend):
+            traces.append(_train(norm, norm, _steps()))
+        assert len(calls) == len(_steps())  # every step of "auto" in C, none of "torch"
+    assert normalization._KERNEL_BACKEND == ["auto"]
+    _assert_same_traces(traces[1], traces[0])
+    with pytest.raises(ValueError, match="kernel backend must be one of .*'cuda'"):
+        with normalization.kernel_backend("cuda"):
+            pass

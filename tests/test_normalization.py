@@ -338,6 +338,21 @@ def test_gradcheck_group_scale():
     assert torch.autograd.gradcheck(lambda t: group_scale(t, GROUPS), (x,))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_group_scale_matches_the_reference_on_every_path(backend, dtype):
+    """The C pass (float32 inference) and torch's `rms_norm` per group (the rest), in float32."""
+    from hf_powernorm.normalization import kernel_backend
+
+    x = torch.randn(2, 7, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 3
+    want = _reference_group_scale(x.reshape(-1, HIDDEN), GROUPS).reshape(x.shape)
+    with kernel_backend(backend), torch.no_grad():
+        got = group_scale(x.to(dtype), GROUPS)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6  # the input's rounding only
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("groups", [1, GROUPS])
 def test_gradcheck_powernorm_where_exact(groups):
     # With a frozen running statistic (alpha_fwd=1, no warmup) and nu frozen at 0 (alpha_bkw=1),

@@ -132,22 +132,13 @@ def interleaved(candidate: Callable, baseline: Callable, repeats: int, warmup: i
 
 @contextlib.contextmanager
 def c_kernels(enabled: bool | str):
-    """Switch the C kernels off for a block: the torch ops (`False`, the path without a C compiler)
-    or PN's `torch.compile`d pure functions (`"compile"`, the path of CUDA devices)."""
+    """Switch the C kernels off for a block (`normalization.kernel_backend`): the torch ops (`False`,
+    the path without a C compiler) or PN's `torch.compile`d pure functions (`"compile"`)."""
     if enabled is True:  # nothing to switch: no cost charged to the candidate's time
         yield
         return
-    original, setting = normalization.kernels_usable, os.environ.get("HF_POWERNORM_COMPILE")
-    normalization.kernels_usable = lambda x: False
-    os.environ["HF_POWERNORM_COMPILE"] = "1" if enabled == "compile" else "0"
-    try:
+    with normalization.kernel_backend("compile" if enabled == "compile" else "torch"):
         yield
-    finally:
-        normalization.kernels_usable = original
-        if setting is None:
-            os.environ.pop("HF_POWERNORM_COMPILE", None)
-        else:
-            os.environ["HF_POWERNORM_COMPILE"] = setting
 
 
 def _threads(count: int):
@@ -547,16 +538,16 @@ def _compile_seconds(device: str) -> str:
     """PN's compiled pure functions (what CUDA runs), first call, in a fresh process and inductor cache."""
     code = (
         "import time, torch, hf_powernorm.normalization as n\n"
-        "n.kernels_usable = lambda x: False\n"
         f"x = torch.randn(4096, 512, device='{device}', requires_grad=True)\n"
         "mask = torch.ones(4096, dtype=torch.long, device=x.device); mask[::10] = 0\n"
         "norm = n.PowerNorm(512, group_num=4).to(x.device)\n"
-        "s = time.perf_counter(); norm(x, mask).sum().backward()\n"
+        "with n.kernel_backend('compile'):\n"
+        "    s = time.perf_counter(); norm(x, mask).sum().backward()\n"
         "torch.cuda.synchronize() if x.is_cuda else None\n"
         "print(time.perf_counter() - s)\n"
     )
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "HF_POWERNORM_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": cache}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     lines = out.stdout.strip().splitlines()
     return f"{float(lines[-1]):.1f}" if lines else f"failed: {out.stderr[-300:]}"

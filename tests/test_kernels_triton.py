@@ -1,0 +1,158 @@
+"""PN's Triton kernels (`kernels_triton.py`, the CUDA implementation of the `hf_powernorm::pn_step_*`
+operators) run through Triton's interpreter (`TRITON_INTERPRET=1`) on CPU tensors, against the
+float64 reference of `test_normalization.py` and the operators' torch ops, at small odd shapes;
+skipped where Triton is not installed.
+
+Triton reads `TRITON_INTERPRET` when it is imported (its own library functions are built then), and
+the package imports it with `normalization.py`: so, unless this process was started with it, one
+test runs this file in a fresh process that is.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+HIDDEN, GROUPS = 12, 4
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the kernel tests itself")
+def test_kernels_through_the_interpreter_in_a_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
+               "-k", "not fresh_process", __file__]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout and " skipped" not in run.stdout, run.stdout
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not INTERPRETED:
+        pytest.skip("run through the interpreter by test_kernels_through_the_interpreter_in_a_fresh_process")
+    import hf_powernorm.kernels_triton as module
+
+    return module
+
+
+def _batch(seed: int, tokens: int = 13, hidden: int = HIDDEN, dtype=torch.float32, padded: bool = True):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, hidden, generator=gen, dtype=torch.float64) * 2 + 0.5)
+    dy = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    mask = torch.ones(tokens, dtype=torch.long)
+    if padded:
+        mask[tokens - 4:] = 0
+    return x.to(dtype), mask if padded else None, dy.to(dtype)
+
+
+class _Buffers:
+    def __init__(self, hidden: int):
+        self.phi, self.nu = torch.ones(hidden), torch.zeros(hidden)
+        self.counter = torch.zeros((), dtype=torch.long)
+        self.weight = torch.linspace(0.5, 1.5, hidden)
+        self.bias = torch.linspace(-0.2, 0.3, hidden)
+
+
+def _triton_step(kernels, buffers, x, mask, dy, groups, warmup, ramp, statistic, denominator):
+    y, stats, info = kernels.pn_step_forward(x, mask, buffers.weight.to(x.dtype), buffers.bias.to(x.dtype),
+                                             buffers.phi, buffers.counter, groups or 0, 1e-5, warmup, ramp, 0.9,
+                                             statistic == "reference", denominator == "batch", 1e-5)
+    dx, grads = kernels.pn_step_backward(dy, x, mask, buffers.weight.to(x.dtype), buffers.nu, stats, info,
+                                         groups or 0, 0.9, 1e-5)
+    return y, dx, grads.float(), stats, info
+
+
+@pytest.mark.parametrize("statistic, ramp, denominator, groups, padded", [
+    ("cumulative", 0, "running", None, True), ("reference", 2, "batch", GROUPS, True),
+    ("reference", 0, "running", GROUPS, False), ("cumulative", 2, "batch", None, False)])
+def test_triton_step_matches_the_float64_reference_across_warmup(kernels, statistic, ramp, denominator, groups,
+                                                                 padded):
+    from test_normalization import ReferencePN
+
+    buffers = _Buffers(HIDDEN)
+    reference = ReferencePN(HIDDEN, warmup=2, groups=groups, denominator=denominator, statistic=statistic, ramp=ramp)
+    gamma, beta = buffers.weight.double(), buffers.bias.double()
+    for step in range(6):  # warmup, ramp (if any), running statistic
+        x, mask, dy = _batch(step, padded=padded)
+        y, dx, grads, _, info = _triton_step(kernels, buffers, x, mask, dy, groups, 2, ramp, statistic, denominator)
+        real = torch.ones(x.shape[0], dtype=torch.bool) if mask is None else mask.bool()
+        want_y, want_dx, want_dgamma, want_dbeta = reference.step(x.double(), real, dy.double(), gamma, beta)
+        close = dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(y.double(), want_y, **close, msg=f"step {step}: y")
+        torch.testing.assert_close(dx.double(), want_dx, **close, msg=f"step {step}: dx")
+        torch.testing.assert_close(grads[0].double(), want_dgamma, **close)
+        torch.testing.assert_close(grads[1].double(), want_dbeta, **close)
+        torch.testing.assert_close(buffers.phi.double(), reference.phi, **close)
+        torch.testing.assert_close(buffers.nu.double(), reference.nu, **close)
+        assert int(buffers.counter) == step + 1 and info.tolist() == [float(real.sum()), 1.0, 0.0]
+
+
+@pytest.mark.parametrize("tokens, hidden, groups", [(1, 12, 4), (37, 32, 4), (300, 20, None), (7, 96, 3)])
+def test_triton_step_matches_the_operators_torch_ops_at_odd_shapes(kernels, tokens, hidden, groups):
+    """Several tiles and programs (300 tokens), one token, group widths that are not powers of two."""
+    from hf_powernorm import normalization
+
+    options = (1e-5, 1, 0, 0.9, True, False, 1e-5)  # eps, warmup, ramp, alpha_fwd, reference, batch backward,
+    # group_eps
+    ours, theirs = _Buffers(hidden), _Buffers(hidden)
+    for step in range(3):
+        x, mask, dy = _batch(40 + step, tokens, hidden, padded=tokens > 4)
+        y, dx, grads, stats, info = _triton_step(kernels, ours, x, mask, dy, groups, 1, 0, "reference", "running")
+        want = normalization._pn_step_forward_torch(x, mask, theirs.weight, theirs.bias, theirs.phi, theirs.counter,
+                                                    groups or 0, *options)
+        want_dx, want_grads = normalization._pn_step_backward_torch(dy, x, mask, theirs.weight, theirs.nu, want[1],
+                                                                    want[2], groups or 0, 0.9, 1e-5)
+        for got, expected in ((y, want[0]), (stats, want[1]), (info, want[2]), (dx, want_dx), (grads, want_grads),
+                              (ours.phi, theirs.phi), (ours.nu, theirs.nu), (ours.counter, theirs.counter)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_step_keeps_float32_statistics_under_half_precision(kernels, dtype):
+    """Half-precision `x`, `dy` and parameters: output and gradients in that dtype, statistics and
+    buffers float32 and equal (to the rounding of the input) to a float32 step on the same values."""
+    low, full = _Buffers(HIDDEN), _Buffers(HIDDEN)
+    for step in range(3):
+        x, mask, dy = _batch(60 + step, dtype=dtype)
+        y, dx, grads, stats, _ = _triton_step(kernels, low, x, mask, dy, GROUPS, 1, 0, "reference", "running")
+        want_y, want_dx, _, want_stats, _ = _triton_step(kernels, full, x.float(), mask, dy.float(), GROUPS, 1, 0,
+                                                         "reference", "running")
+        assert y.dtype == dx.dtype == dtype and stats.dtype == low.phi.dtype == low.nu.dtype == torch.float32
+        torch.testing.assert_close(stats, want_stats, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y.float(), want_y.to(dtype).float(), rtol=0.02, atol=0.02)
+        torch.testing.assert_close(dx.float(), want_dx.to(dtype).float(), rtol=0.02, atol=0.02)
+        torch.testing.assert_close(low.nu, full.nu, rtol=1e-2, atol=1e-3)  # the weight is rounded to dtype
+
+
+def test_triton_step_guards_a_batch_without_real_tokens_and_a_non_finite_one(kernels):
+    buffers = _Buffers(HIDDEN)
+    x, mask, dy = _batch(80)
+    _triton_step(kernels, buffers, x, mask, dy, GROUPS, 0, 0, "reference", "running")
+    before = (buffers.phi.clone(), buffers.nu.clone(), int(buffers.counter))
+    nan_x = x.clone()
+    nan_x[0, 1] = float("nan")
+    for bad_x, bad_mask, flags in ((x, torch.zeros_like(mask), [0.0, 0.0, 0.0]), (nan_x, mask, [9.0, 0.0, 1.0])):
+        y, _, _, stats, info = _triton_step(kernels, buffers, bad_x, bad_mask, dy, GROUPS, 0, 0, "reference",
+                                            "running")
+        assert info.tolist() == flags
+        assert torch.equal(buffers.phi, before[0]) and torch.equal(buffers.nu, before[1])
+        assert int(buffers.counter) == before[2]
+        torch.testing.assert_close(stats[1], torch.rsqrt(before[0] + 1e-5))  # the running denominator
+        assert torch.isfinite(y[1:]).all()
+
+
+def test_kernels_are_only_offered_what_they_take(kernels):
+    x, weight = torch.randn(5, HIDDEN), torch.ones(HIDDEN)
+    phi = torch.ones(HIDDEN)
+    assert kernels.usable(x, weight, weight, phi)
+    assert kernels.usable(x.bfloat16(), weight.bfloat16(), weight, phi)
+    assert not kernels.usable(x.double(), weight, weight, phi)  # float64: the torch ops (gradcheck)
+    assert not kernels.usable(x, weight, weight, phi.bfloat16())  # buffers cast away from float32
+    assert not kernels.usable(x.reshape(1, 5, HIDDEN), weight, weight, phi)
+    assert kernels.AVAILABLE
