@@ -649,9 +649,46 @@ class _PowerNormFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
 
 
+class _PowerNormCStepFunction(torch.autograd.Function):
+    """PN's eager CPU float32 training step in two direct C calls, `kernels_cpu.pn_step_forward` and
+    `pn_step_backward` (`PowerNorm._step_in_c` says when): the kernels of the operators' CPU
+    implementation without the operators' dispatch and wrapping, which cost more than a small step
+    (about 0.1 ms, 1.3x the whole step at (64, 32)); compiled graphs and CUDA take the operators.
+    A checkpointing recomputation reuses its step's statistics and updates nothing (the output pass
+    alone, the same bits). Saves `x`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mask, norm):
+        x = x.contiguous()
+        if _in_recomputation():
+            stats, count, usable = norm._last_step
+            y = _pn_output_pass(x, weight, bias, stats[1], norm.group_num, norm.group_eps)
+        else:
+            _warn_if_ddp_overwrites_statistics(norm)
+            status, y, stats, count = norm._c_step_forward(x, mask, weight, bias)
+            _warn_non_finite("PowerNorm", "batch statistic", status < 0)
+            usable = status == 1
+            # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
+            norm.__dict__.update(_last_step=(stats, count, usable), _last_denominators=None)
+        ctx.save_for_backward(x, mask, weight)
+        ctx.step = (norm, stats, count, usable)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        _refuse_double_backward("PowerNorm")
+        x, mask, weight = ctx.saved_tensors
+        norm, stats, count, usable = ctx.step
+        status, grad_x, grads = norm._c_step_backward(grad_output.float().contiguous(), x, mask, weight, stats, count,
+                                                      usable)
+        _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
+        return grad_x, grads[0], grads[1], None, None
+
+
 # PN's training step as two operators of the `hf_powernorm` namespace (`torch.library`), one per
 # direction, so that `torch.compile` sees one node each (no guard of ours inside) and eager code one
-# dispatched call each. The buffer updates happen inside them, declared as mutated arguments in
+# dispatched call each (eager CPU float32 steps call the same C kernels directly instead:
+# `_PowerNormCStepFunction`). The buffer updates happen inside them, declared as mutated arguments in
 # the schemas: `pn_step_forward` writes `running_phi` and the step counter, `pn_step_backward`
 # writes `running_nu`. Kernels: the C kernels for CPU float32 (`kernels_cpu`), the Triton kernels
 # for CUDA (`kernels_triton`, where Triton is installed), the pure tensor functions above elsewhere
@@ -793,7 +830,8 @@ _PN_STEP_LIBRARY = _register_pn_step_operators()  # kept: the registrations live
 
 class _PowerNormStepFunction(torch.autograd.Function):
     """PN's training step through the two operators above, which take the statistics and update the
-    buffers (`PowerNorm._in_one_operator` says when). A checkpointing recomputation reuses its step's
+    buffers (`PowerNorm._in_one_operator` says when: compiled graphs, CUDA, and eager steps the C
+    kernels do not take). A checkpointing recomputation reuses its step's
     statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
 
     @staticmethod
@@ -1051,6 +1089,8 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self._step_in_c(hidden_states):
+            return self._c_step(_PowerNormCStepFunction, hidden_states, attention_mask)
         if self.training and self._in_one_operator(hidden_states):
             return self._operator_step(hidden_states, attention_mask)
         flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
@@ -1086,7 +1126,7 @@ class PowerNorm(_RunningStatsNorm):
         host, so no step waits for the device or breaks a compiled graph. A checkpointing
         recomputation reuses the step's statistics and updates nothing.
         """
-        if _in_recomputation() and self._last_step is not None:  # the step ran in `_PowerNormStepFunction`
+        if _in_recomputation() and self._last_step is not None:  # the step ran in `_PowerNormCStepFunction`
             stats, count, usable = self._last_step
             return stats[1], stats[2], stats[0], count, usable
         if _in_recomputation() and self._last_denominators is not None:
@@ -1109,6 +1149,22 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = (inv_s, inv_s_b, v, count, usable)
         return self._last_denominators
 
+    def _step_in_c(self, x: torch.Tensor) -> bool:
+        """Whether this training step runs in `_PowerNormCStepFunction`: eager (not compiling) CPU
+        float32 input with the C kernels, float32 contiguous parameters and buffers, an int64 counter,
+        no process group to sum over, and in a checkpointing recomputation only if the step itself
+        ran there (its `_last_step` is `(stats, count, usable)`; the operators' is `(stats, info)`)."""
+        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
+            return False
+        if _in_recomputation():
+            return self._last_step is not None and len(self._last_step) == 3
+        if _sync_enabled(self.sync_stats, self.process_group):
+            return False
+        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"],
+                   self._buffers["running_nu"])
+        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
+            self._buffers["num_batches_tracked"].dtype == torch.int64)
+
     def _in_one_operator(self, x: torch.Tensor) -> bool:
         """Whether this training step runs in the `hf_powernorm::pn_step_*` operators: a tensor input,
         float32 running statistics, an int64 counter, no process group to sum over, and in a
@@ -1116,7 +1172,7 @@ class PowerNorm(_RunningStatsNorm):
         if not isinstance(x, torch.Tensor) or _sync_enabled(self.sync_stats, self.process_group):
             return False
         if _in_recomputation():
-            return self._last_step is not None
+            return self._last_step is not None and len(self._last_step) == 2
         buffers = self._buffers
         return (buffers["running_phi"].dtype == torch.float32 and buffers["running_nu"].dtype == torch.float32
                 and buffers["num_batches_tracked"].dtype == torch.int64)

@@ -288,8 +288,14 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_powernorm_eager_step_is_one_operator_call_per_direction(dtype):
+def _eager_step_ops(dtype, monkeypatch):
+    """The dispatched operators of one eager PN step (forward, backward) and the direct C calls."""
+    from hf_powernorm import normalization
+
+    calls = []
+    for name in ("pn_step_forward", "pn_step_backward"):
+        original = getattr(normalization, name)
+        monkeypatch.setattr(normalization, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     norm = _norm("powernorm").to(dtype)
     x, mask, dy = (t.to(dtype) if t.is_floating_point() else t for t in _steps()[0])
     x.requires_grad_(True)
@@ -297,13 +303,26 @@ def test_powernorm_eager_step_is_one_operator_call_per_direction(dtype):
         y = norm(x, mask)
     with _OpLog() as backward:
         y.backward(dy)
-    assert forward.ops.count("hf_powernorm.pn_step_forward") == 1
-    assert backward.ops.count("hf_powernorm.pn_step_backward") == 1
-    assert not any(op.startswith("hf_powernorm") for op in forward.ops if op != "hf_powernorm.pn_step_forward")
-    # nothing of PN's arithmetic outside the operators: reshapes, and autograd's accumulation only
+    assert int(norm.num_batches_tracked) == 1 and bool((norm.running_nu != 0).any())
+    # nothing of PN's arithmetic outside the operators or C calls: reshapes and autograd's accumulation
     arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
     assert not arithmetic & set(forward.ops + backward.ops), (forward.ops, backward.ops)
-    assert int(norm.num_batches_tracked) == 1 and bool((norm.running_nu != 0).any())
+    return forward.ops, backward.ops, calls
+
+
+def test_powernorm_eager_cpu_float32_step_calls_the_c_kernels_directly(monkeypatch):
+    """Eager CPU float32: one direct C call per direction, no operator (the operators' dispatch and
+    wrapping cost more than a small step there); graphs and CUDA take the operators."""
+    forward, backward, calls = _eager_step_ops(torch.float32, monkeypatch)
+    assert calls == ["pn_step_forward", "pn_step_backward"]
+    assert not any(op.startswith("hf_powernorm") for op in forward + backward), (forward, backward)
+
+
+def test_powernorm_eager_step_the_c_kernels_do_not_take_is_one_operator_call_per_direction(monkeypatch):
+    forward, backward, calls = _eager_step_ops(torch.float64, monkeypatch)
+    assert forward.count("hf_powernorm.pn_step_forward") == 1 and backward.count("hf_powernorm.pn_step_backward") == 1
+    assert not any(op.startswith("hf_powernorm") for op in forward if op != "hf_powernorm.pn_step_forward")
+    assert calls == []
 
 
 @pytest.mark.parametrize("dtype, masked", [(torch.float32, True), (torch.float32, False), (torch.float64, True),

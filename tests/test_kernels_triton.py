@@ -59,12 +59,12 @@ class _Buffers:
         self.bias = torch.linspace(-0.2, 0.3, hidden)
 
 
-def _triton_step(kernels, buffers, x, mask, dy, groups, warmup, ramp, statistic, denominator):
+def _triton_step(kernels, buffers, x, mask, dy, groups, warmup, ramp, statistic, denominator, group_eps=1e-5):
     y, stats, info = kernels.pn_step_forward(x, mask, buffers.weight.to(x.dtype), buffers.bias.to(x.dtype),
                                              buffers.phi, buffers.counter, groups or 0, 1e-5, warmup, ramp, 0.9,
-                                             statistic == "reference", denominator == "batch", 1e-5)
+                                             statistic == "reference", denominator == "batch", group_eps)
     dx, grads = kernels.pn_step_backward(dy, x, mask, buffers.weight.to(x.dtype), buffers.nu, stats, info,
-                                         groups or 0, 0.9, 1e-5)
+                                         groups or 0, 0.9, group_eps)
     return y, dx, grads.float(), stats, info
 
 
@@ -91,6 +91,29 @@ def test_triton_step_matches_the_float64_reference_across_warmup(kernels, statis
         torch.testing.assert_close(buffers.phi.double(), reference.phi, **close)
         torch.testing.assert_close(buffers.nu.double(), reference.nu, **close)
         assert int(buffers.counter) == step + 1 and info.tolist() == [float(real.sum()), 1.0, 0.0]
+
+
+@pytest.mark.parametrize("groups", [1, GROUPS])
+def test_triton_step_honours_group_eps(kernels, groups):
+    """Group scaling's epsilon of a converted RMSNorm (1e-6) on inputs small enough that it matters:
+    the float64 reference at that epsilon, not at the default."""
+    from test_normalization import ReferencePN
+
+    buffers = _Buffers(HIDDEN)
+    reference, default = (ReferencePN(HIDDEN, warmup=1, groups=groups, statistic="reference", group_eps=eps)
+                          for eps in (1e-6, 1e-5))
+    for step in range(3):
+        x, mask, dy = _batch(90 + step)
+        x = x * 3e-3
+        y, dx, grads, _, _ = _triton_step(kernels, buffers, x, mask, dy, groups, 1, 0, "reference", "running", 1e-6)
+        args = (x.double(), mask.bool(), dy.double(), buffers.weight.double(), buffers.bias.double())
+        want, at_default = reference.step(*args), default.step(*args)
+        for got, expected in zip((y, dx, grads[0], grads[1]), want):
+            atol = 1e-6 * max(1.0, float(expected.abs().max()))  # float32 rounding, to each figure's scale
+            torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=atol)
+        torch.testing.assert_close(buffers.phi.double(), reference.phi, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(buffers.nu.double(), reference.nu, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(dx.double(), at_default[1], rtol=1e-2)  # the epsilon moves the step
 
 
 @pytest.mark.parametrize("tokens, hidden, groups", [(1, 12, 4), (37, 32, 4), (300, 20, None), (7, 96, 3)])

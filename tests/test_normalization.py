@@ -57,11 +57,11 @@ def _batch(seed: int, batch: int = 3, seq: int = 5, hidden: int = HIDDEN, dtype=
 # Independent float64 reference of PN (powernorm-notes.md, "PN, training step t")
 
 
-def _reference_group_scale(x: torch.Tensor, groups: int | None) -> torch.Tensor:
+def _reference_group_scale(x: torch.Tensor, groups: int | None, eps: float = 1e-5) -> torch.Tensor:
     if groups is None:
         return x
     parts = x.reshape(x.shape[0], groups, -1)
-    rms = torch.sqrt((parts**2).mean(dim=2, keepdim=True) + 1e-5)
+    rms = torch.sqrt((parts**2).mean(dim=2, keepdim=True) + eps)
     return (parts / rms).reshape(x.shape)
 
 
@@ -70,8 +70,9 @@ class ReferencePN:
     EMA alone after. `ramp=K` blends the second moments over the K steps after warmup."""
 
     def __init__(self, hidden, eps=1e-5, alpha_fwd=0.9, alpha_bkw=0.9, warmup=0, groups=1, denominator="running",
-                 statistic="cumulative", ramp=0):
+                 statistic="cumulative", ramp=0, group_eps=1e-5):
         self.eps, self.a_f, self.a_b, self.warmup = eps, alpha_fwd, alpha_bkw, warmup
+        self.group_eps = group_eps
         self.groups, self.denominator, self.statistic, self.ramp = groups, denominator, statistic, ramp
         self.phi = torch.ones(hidden, dtype=torch.float64)
         self.nu = torch.zeros(hidden, dtype=torch.float64)
@@ -80,7 +81,7 @@ class ReferencePN:
     def step(self, x, real, dy, gamma, beta):
         """One training step on tokens `x` (N, C); `real` (N,) bool. Returns y, dx, dgamma, dbeta."""
         x = x.detach().clone().requires_grad_(True)
-        z0 = _reference_group_scale(x, self.groups)
+        z0 = _reference_group_scale(x, self.groups, self.group_eps)
         v = (z0.detach()[real] ** 2).mean(dim=0)
         self.t += 1
         t, W, K = self.t, self.warmup, self.ramp
@@ -126,6 +127,63 @@ def _training_step(norm, x, mask, dy):
         y = norm(x, mask)
         y.backward(dy)
     return y
+
+
+def _operator_step(norm, x, mask, dy):
+    """One step of `norm` through the `hf_powernorm::pn_step_*` operators called directly (the C
+    kernels for float32, the torch ops for float64): `(y, dx, dweight, dbias)`."""
+    flat, flat_dy, mask = x.reshape(-1, HIDDEN), dy.reshape(-1, HIDDEN), mask.reshape(-1)
+    weight, bias = norm.weight.detach(), norm.bias.detach()
+    y, stats, info = torch.ops.hf_powernorm.pn_step_forward(
+        flat, mask, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.group_num or 0, norm.eps,
+        norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd, norm.warmup_statistic == "reference",
+        norm.backward_denominator == "batch", norm.group_eps)
+    dx, grads = torch.ops.hf_powernorm.pn_step_backward(flat_dy, flat, mask, weight, norm.running_nu, stats, info,
+                                                        norm.group_num or 0, norm.alpha_bkw, norm.group_eps)
+    return y, dx, grads[0], grads[1]
+
+
+def _module_step(norm, x, mask, dy):
+    y = _training_step(norm, x, mask, dy)
+    return y.reshape(-1, HIDDEN), x.grad.reshape(-1, HIDDEN), norm.weight.grad, norm.bias.grad
+
+
+@pytest.mark.parametrize("path, dtype", [("operators", torch.float32), ("operators", torch.float64),
+                                         ("module", torch.float32), ("module, torch ops", torch.float32)])
+@pytest.mark.parametrize("groups", [1, GROUPS])
+def test_powernorm_group_eps_reaches_every_path_of_the_step(path, dtype, groups):
+    """A PN with `group_eps=1e-6` (a converted RMSNorm's) takes the same training step as the float64
+    reference at that epsilon: outputs, input and parameter gradients, running buffers, through the
+    operators (C kernels, torch ops) and the module (its direct C calls, the operators' torch ops).
+    Inputs small enough that group scaling's epsilon moves every figure past the tolerance."""
+    from hf_powernorm.normalization import kernel_backend
+
+    norm = PowerNorm(HIDDEN, warmup_steps=1, group_num=groups, group_eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
+        norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
+    ref, default_ref = (ReferencePN(HIDDEN, warmup=1, groups=groups, statistic="reference", group_eps=e)
+                        for e in (1e-6, 1e-5))
+    step = _operator_step if path == "operators" else _module_step
+    for t in range(3):  # warmup (the batch statistic), then the running statistic
+        x, mask, dy = _batch(t)
+        x = x * 3e-3
+        with kernel_backend("torch" if path.endswith("torch ops") else "auto"):
+            got = step(norm, x.to(dtype), mask, dy.to(dtype))
+        real, gamma, beta = mask.reshape(-1).bool(), norm.weight.detach().double(), norm.bias.detach().double()
+        flat, flat_dy = x.reshape(-1, HIDDEN), dy.reshape(-1, HIDDEN)
+        want = ref.step(flat, real, flat_dy, gamma, beta)
+        default = default_ref.step(flat, real, flat_dy, gamma, beta)
+        tol = dict(rtol=1e-4, atol=1e-5)
+        for name, g, w in zip(("y", "dx", "dweight", "dbias"), got, want):  # float32 rounding, to each's scale
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6 * max(1.0, float(w.abs().max())),
+                                       msg=lambda m, n=name: f"step {t}, {n}: {m}")
+        torch.testing.assert_close(norm.running_phi.double(), ref.phi, **tol)
+        torch.testing.assert_close(norm.running_nu.double(), ref.nu, **tol)
+        assert int(norm.num_batches_tracked) == t + 1
+        # the epsilon matters here: the default's step is out of tolerance
+        assert not torch.allclose(got[1].double(), default[1], rtol=1e-2)
+        assert not torch.allclose(norm.running_nu.double(), default_ref.nu, **tol) or t == 0
 
 
 @pytest.mark.parametrize("statistic, ramp", WARMUP_VARIANTS)

@@ -11,9 +11,9 @@ For each norm and shape this prints one markdown table:
   synchronised only before and after), median over the batches: where it is close to `step`, the
   step is host-bound and a faster kernel would not show;
 - `device ops`: kernels and copies the device runs per step (`torch.profiler`, CUDA only).
-Norms: `F.layer_norm`, the registry's LayerNorm module, PN on its path for the device (its
-`hf_powernorm::pn_step_*` operators: CUDA, the Triton kernels; CPU, the C kernels), PN in torch ops
-(`kernel_backend("torch")`), masked BatchNorm.
+Norms: `F.layer_norm`, the registry's LayerNorm module, PN on its path for the device (CUDA: its
+`hf_powernorm::pn_step_*` operators on the Triton kernels; eager CPU: direct calls of the C
+kernels), PN in torch ops (`kernel_backend("torch")`), masked BatchNorm.
 """
 
 from __future__ import annotations
