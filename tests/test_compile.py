@@ -228,7 +228,8 @@ def _train_warning_visible(norm, batches):
 
 
 # ----------------------------------------------------------------------------------------------
-# PN's step as two operators: one node per direction in a graph, one dispatched call eagerly
+# PN's step as two operators: one node per direction in a graph, one dispatched call eagerly where
+# the C kernels do not take the step (eager CPU float32 calls them directly)
 
 
 def _pn_op_args(dtype=torch.float32, masked=True):
