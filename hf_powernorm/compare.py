@@ -518,7 +518,7 @@ def verdict(baseline: Sequence[float], other: Sequence[float], mode: str, names:
     """`"<other> better"` / `"<baseline> better"` when the difference of the means exceeds the sum
     of the two sample standard deviations over the seeds, else `"tie"`; under two seeds a side,
     `"one seed: no verdict"`."""
-    better = better_of(baseline, other, lower_is_better=mode == "min")
+    better = better_of(baseline, other, lower_is_better=mode == "min", min_seeds=2)
     if better is None:
         return "one seed: no verdict"
     if better == "tie":
