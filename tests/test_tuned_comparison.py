@@ -1,4 +1,4 @@
-"""The tuned comparison at smoke size: every stage of the protocol on both tasks, the picks made on
+"""The tuned comparison at smoke size: every stage of the protocol on its three tasks, the picks made on
 validation only, the CSV's columns, resuming and reporting."""
 
 import csv
