@@ -35,6 +35,7 @@ def smoke(tmp_path_factory):
     return argv, output, protocols
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_stage_picks_on_validation_and_resumes(smoke):
     argv, tmp_path, protocols = smoke
     sizes = tuned_comparison.SIZES["smoke"]
@@ -124,6 +125,7 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(smoke):
     assert read_rows(tmp_path / "results.csv") == rows
 
 
+@pytest.mark.slow
 def test_tuning_runs_never_score_test(smoke):
     """The blind protocol: a tuning run's result, log and files hold no test score; finals alone
     score test, on the whole split, and run after every pick is fixed."""
@@ -153,6 +155,31 @@ def test_tuning_runs_never_score_test(smoke):
     assert {(row["task"], row["examples"]) for row in test_rows if row["task"] in whole} == {
         (t, str(n)) for t, n in whole.items()}
     assert {row["examples"] for row in rows if row["task"] == "multi30k" and row["stage"] == "tune"} == {str(smoke)}
+
+
+@pytest.mark.parametrize("task", ["ptb", "multi30k"])
+def test_a_tuning_run_reads_no_test_split_and_a_final_scores_the_whole_one(task, tmp_path):
+    """The blind rule on one run of each kind: a tuning run gets no test split, so its result and log
+    hold no test score and it writes no test translations; a final scores the whole test split."""
+    args = tuned_comparison.parse_args(["--smoke", "--tasks", task, "--output_dir", str(tmp_path)])
+    protocol = tuned_comparison.Protocol(task, args, tuned_comparison._inputs(task, args, tmp_path), tmp_path)
+    chosen = tuned_comparison.setting("powernorm", protocol.sizes["learning_rates"][0], protocol.sizes["warmups"][0])
+    tuning, final = protocol.cell(chosen, protocol.short), protocol.cell(chosen, protocol.short, 2, final=True)
+    assert "test" not in tuned_comparison._scored_files(tuning.options)
+    assert tuned_comparison._scored_files(final.options) == protocol.inputs["files"]
+    tuned, scored = tuned_comparison.run_grid([tuning, final], tuned_comparison.run_cell, tmp_path)
+    folder = tmp_path / "cells" / tuning.name
+    assert not [key for key in tuned if key.startswith("test")]
+    assert not list(folder.rglob("generated_predictions.txt"))
+    assert not [line for line in next(folder.rglob("training_log.jsonl")).read_text().splitlines()
+                if any(key.startswith("test") for key in json.loads(line))]
+    assert [split for split, _, _ in tuned_comparison._evaluations(tuned)] == ["validation"] * len(
+        tuned_comparison._evaluations(tuned))
+    assert "test_bleu_averaged" in scored if task == "multi30k" else "test_perplexity" in scored
+    lines = [line for line in open(protocol.inputs["files"]["test"], encoding="utf-8") if line.strip()]
+    assert tuned_comparison._examples(scored, "test") == len(lines)
+    limit = protocol.sizes.get("max_eval_samples")
+    assert tuned_comparison._examples(tuned, "validation") == (limit or tuned_comparison._examples(scored, "validation"))
 
 
 def test_a_tuning_run_of_the_first_protocol_shows_no_test_row():
