@@ -678,19 +678,19 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
                                  result["seed"], step, value])
     picks = {protocol.task: protocol.picks for protocol in protocols}
     (output_dir / PICKS_JSON).write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({'smoke sizes' if args.smoke else 'PTB, Multi30k, tinyshakespeare'})",
-             "", "Headline scores (finals only; whole test splits): test perplexity per BPE token of the best validated "
+    corpora = "smoke sizes" if args.smoke else "PTB, Multi30k, tinyshakespeare"
+    lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({corpora})", "",
+             "Headline scores (finals only; whole test splits): test perplexity per BPE token of the best validated "
              "model (PTB; tinyshakespeare with PTB's picks unchanged); Multi30k test BLEU of the average of the last "
              "checkpoints (beam 5; the paper's inference) and of the best validated checkpoint (beam 5). Each arm "
              "against LayerNorm over the seeds both have: the mean of the per-seed differences with its 95% t "
-             f"interval, Holm's adjustment over the {{count}} comparisons below; an arm is better or worse when the "
-             f"adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under {MIN_PAIRS} paired seeds, "
-             "no verdict.", "", *headline(protocols), "",
+             f"interval, Holm's adjustment over the {len(comparisons(protocols))} comparisons below; an arm is better "
+             f"or worse when the adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under "
+             f"{MIN_PAIRS} paired seeds, no verdict.", "", *headline(protocols), "",
              "Per seed (the finals):", "", *per_seed(protocols), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
              f"Picks (validation only): `{PICKS_JSON}`."]
-    text = "\n".join(lines).replace("{count}", str(len(comparisons(protocols))))
-    (output_dir / SUMMARY_MD).write_text(text + "\n", encoding="utf-8")
+    (output_dir / SUMMARY_MD).write_text("\n".join(lines) + "\n", encoding="utf-8")
     for protocol in protocols:
         _plot(protocol, output_dir)
 
