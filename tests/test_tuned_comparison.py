@@ -256,6 +256,10 @@ def test_export_into_the_output_folder_is_refused(tmp_path):
     ([], "--data_dir"),
     (["--smoke", "--seeds", "2", "3"], "must include 1"),
     (["--data_dir", "/nonexistent", "--tasks", "multi30k"], "no Multi30k files"),
+    (["--smoke", "--tasks", "tinyshakespeare"], "add ptb to --tasks"),
+    (["--data_dir", "/nonexistent", "--tasks", "ptb", "tinyshakespeare"], "--transfer_data_dir"),
+    (["--data_dir", "/nonexistent", "--tasks", "ptb", "tinyshakespeare", "--transfer_data_dir", "/nonexistent"],
+     "no .*train.txt"),
 ])
 def test_bad_options_are_refused_before_any_run(argv, message, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -108,7 +108,7 @@ SIZES = {
                      "num_beams": 2, "checkpointing_steps": 1, "averaged": 2, "inner_dropout": 0.1},
     },
 }
-for _sizes in SIZES.values():
+for _sizes in SIZES.values():  # the transfer corpus trains as PTB does: PTB's picks at PTB's sizes
     _sizes["tinyshakespeare"] = _sizes["ptb"]
 LOWER_IS_BETTER = {"ptb": True, "multi30k": False, "tinyshakespeare": True}
 # The headline scores of a final run, `(split, metric, what is scored)`, the first the paper's: test
