@@ -81,20 +81,10 @@ class PowerNormTransformerConfig(PreTrainedConfig):
     How PN's defaults were chosen: `powernorm_alpha_fwd = powernorm_alpha_bkw = 0.9` and
     `powernorm_backward_denominator="running"` are the authors' defaults and the paper's eqs. 11-13,
     as `PowerNorm`'s own (one default for the model family, the norm and `convert_norms`). The tuned
-    comparison (`recipes/studies/tuned_comparison.py`, STUDIES.md) tuned them on validation, seed 1,
-    at 1,500 PTB / 2,000 Multi30k updates, under the rule to change a default that both tasks find
-    better. Its picks: `alpha_bkw=1.0` on both tasks at every `alpha_fwd` (PTB by 0.90-1.65
-    validation perplexity over 0.9, Multi30k by 0.25-1.74 BLEU; 0.95 and 0.99 no better than 0.9).
-    That meets the rule, which was amended after the picks rather than followed (STUDIES.md says
-    so): the default stays 0.9, since 1.0 keeps `running_nu` at 0, so the backward no longer
-    corrects for the running statistic - not the paper's backward pass, which this package's PN
-    implements by default; pass `powernorm_alpha_bkw=1.0` for the tuned choice
-    (the comparison's finals run with it). `alpha_fwd`: PTB picks 0.99, Multi30k 0.95, within 0.12
-    perplexity and 0.67 BLEU of 0.9 at `alpha_bkw=1.0` (one seed): unresolved, 0.9 stays.
-    The denominator: both tasks pick `"running"` (PTB 92.37 against `"batch"`'s 92.48 perplexity,
-    Multi30k 26.22 against 25.79 BLEU), the default. `powernorm_warmup_steps=0` means "set it": the
-    paper ties it to the learning-rate warmup, which the recipes do by default.
-
+    comparison's picks, and why these defaults stayed, are in STUDIES.md. `alpha_bkw=1.0` keeps
+    `running_nu` at 0, so the backward no longer corrects for the running statistic - not the
+    paper's backward pass; pass `powernorm_alpha_bkw=1.0` for it. `powernorm_warmup_steps=0` means
+    "set it": the paper ties it to the learning-rate warmup, which the recipes do by default.
     DyT and Derf (`normalization.DyT`, `Derf`) start their `alpha` at `norm_alpha_init_attention`
     in front of attention, `norm_alpha_init_ffn` in front of the FFN and `norm_alpha_init_final` in
     the final norm: 1.0 each, the defaults of the authors' GPT-2 patches (`zlab-princeton/Derf`,

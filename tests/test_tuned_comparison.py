@@ -1,13 +1,16 @@
-"""The tuned comparison at smoke size: every stage of the protocol on both tasks, the picks made on
+"""The tuned comparison at smoke size: every stage of the protocol on its three tasks, the picks made on
 validation only, the CSV's columns, resuming and reporting."""
 
 import csv
 import json
 import shutil
 
+import math
+
 import pytest
 
-from hf_powernorm.studies import tuned_comparison
+from hf_powernorm.studies import reports, tuned_comparison
+from hf_powernorm.training import statistics
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
 
@@ -17,15 +20,28 @@ def read_rows(path):
         return list(csv.DictReader(handle))
 
 
-def test_smoke_runs_every_stage_picks_on_validation_and_resumes(tmp_path):
-    argv = ["--smoke", "--seeds", "1", "2", "--output_dir", str(tmp_path)]
+SMOKE = ["--smoke", "--seeds", "1", "2", "--long_seeds", "1", "2", "3"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The whole study at smoke size, once for the tests that read it: (argv, output folder, protocols)."""
+    from accelerate.state import AcceleratorState
+
+    output = tmp_path_factory.mktemp("smoke")
+    argv = [*SMOKE, "--output_dir", str(output)]
     protocols = tuned_comparison.main(argv)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return argv, output, protocols
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_stage_picks_on_validation_and_resumes(smoke):
+    argv, tmp_path, protocols = smoke
     sizes = tuned_comparison.SIZES["smoke"]
-    for protocol in protocols:
-        finals = [r for _, r in protocol.stages["final"]]
-        checks = tuned_comparison._win_checks(protocol, finals)  # only where a PN row won
-        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"] + (["check"] if checks else [])
-        assert [cell.name for cell, _ in protocol.stages.get("check", [])] == [cell.name for cell in checks]
+    assert [protocol.task for protocol in protocols] == ["ptb", "multi30k", "tinyshakespeare"]
+    for protocol in protocols[:2]:
+        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"]
         assert all(result is not None for cells in protocol.stages.values() for _, result in cells)
         task_sizes = sizes[protocol.task]
         base = 3 * len(task_sizes["learning_rates"]) * len(task_sizes["warmups"])
@@ -51,29 +67,56 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(tmp_path):
         assert {r["denominator"] for r in denominators} == {"running", "batch"}
         assert protocol.picks[f"powernorm@{protocol.short}"] == tuned_comparison._chosen(
             (min if lower else max)(denominators, key=lambda r: r["best_validation"]))
+        # Every arm is re-checked at the long budget, PN at the authors' alphas included.
+        rechecked = [r for _, r in protocol.stages["recheck"]]
+        assert {r["norm"] for r in rechecked} == set(tuned_comparison.RECHECKED)
+        assert {r["updates"] for r in rechecked} == {protocol.long}
+        authors = [r for r in rechecked if r["norm"] == tuned_comparison.AUTHORS]
+        assert {(r["alpha_fwd"], r["alpha_bkw"], r["denominator"]) for r in authors} == {(0.9, 0.9, "running")}
+        for norm in tuned_comparison.RECHECKED:
+            best = (min if lower else max)([r for r in rechecked if r["norm"] == norm],
+                                           key=lambda r: r["best_validation"])
+            assert protocol.picks[f"{norm}@{protocol.long}"] == tuned_comparison._chosen(best)
         finals = [r for _, r in protocol.stages["final"]]
-        norms = {"layernorm", "powernorm", "rmsnorm"} | ({"powernorm-all"} if protocol.task == "multi30k" else set())
-        assert {(r["norm"], r["updates"], r["seed"]) for r in finals} == {
-            (n, u, s) for n in norms for u in task_sizes["budgets"] for s in (1, 2)}
+        arms = set(tuned_comparison.RECHECKED)
+        expected = ({(n, protocol.short, s) for n in arms for s in (1, 2)}
+                    | {(n, protocol.long, s) for n in arms | {tuned_comparison.ALPHA_ARM} for s in (1, 2, 3)})
+        if protocol.task == "multi30k":
+            expected |= {(tuned_comparison.EVERY_LAYER, u, s) for u in task_sizes["budgets"] for s in (1, 2)}
+        assert {(r["norm"], r["updates"], r["seed"]) for r in finals} == expected
+        alpha_arm = [r for r in finals if r["norm"] == tuned_comparison.ALPHA_ARM]
+        assert {(r["alpha_fwd"], r["alpha_bkw"], r["learning_rate"], r["warmup"]) for r in alpha_arm} == {
+            (0.9, 1.0, protocol.picks[f"powernorm@{protocol.long}"]["learning_rate"],
+             protocol.picks[f"powernorm@{protocol.long}"]["warmup"])}
         # PN's warmup is the learning-rate warmup of its run.
-        for _, result in protocol.stages["final"]:
+        for result in finals:
             if result["norm"].startswith("powernorm"):
                 config = json.loads(next((tmp_path / "cells" / result["cell"]).rglob("config.json")).read_text())
                 assert config["powernorm_warmup_steps"] == result["warmup"]
+    # The transfer task: PTB's picks, unchanged, on the second corpus, test scored once.
+    ptb, _, transfer = protocols
+    assert list(transfer.stages) == ["final"]
+    assert {(r["norm"], r["updates"], r["seed"], r["learning_rate"], r["warmup"], r["alpha_fwd"], r["alpha_bkw"])
+            for _, r in transfer.stages["final"]} == {
+        (n, u, s, ptb.picks[f"{n}@{u}"]["learning_rate"], ptb.picks[f"{n}@{u}"]["warmup"],
+         ptb.picks[f"{n}@{u}"]["alpha_fwd"], ptb.picks[f"{n}@{u}"]["alpha_bkw"])
+        for n in tuned_comparison.NORMS for u in sizes["ptb"]["budgets"] for s in (1, 2)}
     rows = read_rows(tmp_path / "results.csv")
     assert tuple(rows[0]) == tuned_comparison.COLUMNS
     assert {row["stage"] for row in rows} == {"tune", "final"}
-    assert {row["task"] for row in rows} == {"ptb", "multi30k"}
+    assert {row["task"] for row in rows} == {"ptb", "multi30k", "tinyshakespeare"}
+    assert {row["task"] for row in rows if row["split"] == "test"} == {"ptb", "multi30k", "tinyshakespeare"}
     assert all(row["dropout"] == "0.3" and row["label_smoothing"] == "0.1" for row in rows)
-    pn = [row for row in rows if row["norm"] == "powernorm"]
+    pn = [row for row in rows if row["norm"].startswith("powernorm")]
     assert all(row["alpha_fwd"] and row["alpha_bkw"] and row["denominator"] for row in pn)
     assert all(not row["alpha_fwd"] for row in rows if row["norm"] == "layernorm")
     assert any(row["metric"] == "bleu_averaged" and row["split"] == "test" for row in rows)
     summary = (tmp_path / "summary.md").read_text()
-    assert "| ptb |" in summary and "| multi30k |" in summary and "verdict" in summary
+    assert "| ptb |" in summary and "| multi30k |" in summary and "| tinyshakespeare |" in summary
+    assert "95% CI" in summary and "Holm" in summary
     assert (tmp_path / "curves_ptb_4.png").is_file() and (tmp_path / "curves_multi30k_4.png").is_file()
     picks = json.loads((tmp_path / "picks.json").read_text())
-    assert set(picks) == {"ptb", "multi30k"}
+    assert set(picks) == {"ptb", "multi30k", "tinyshakespeare"}
 
     # Nothing reruns: each finished cell's result file is left as it was.
     stamps = {path: path.stat().st_mtime_ns for path in tmp_path.glob("cells/*/result.json")}
@@ -82,8 +125,77 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(tmp_path):
     assert read_rows(tmp_path / "results.csv") == rows
 
 
+@pytest.mark.slow
+def test_tuning_runs_never_score_test(smoke):
+    """The blind protocol: a tuning run's result, log and files hold no test score; finals alone
+    score test, on the whole split, and run after every pick is fixed."""
+    _, tmp_path, [ptb, multi30k, _] = smoke
+    for protocol in (ptb, multi30k):
+        tuning = [r for stage, cells in protocol.stages.items() if stage != "final" for _, r in cells]
+        finals = [r for _, r in protocol.stages["final"]]
+        assert tuning and finals
+        for result in tuning:
+            assert not result["final"] and not [key for key in result if key.startswith("test")], result["cell"]
+            folder = tmp_path / "cells" / result["cell"]
+            assert not list(folder.rglob("generated_predictions.txt"))
+            log = next(folder.rglob("training_log.jsonl")).read_text().splitlines()
+            assert log and not [line for line in log if any(k.startswith("test") for k in json.loads(line))]
+        assert all(r["final"] and r["cell"].endswith("-final") and r["max_eval_samples"] is None for r in finals)
+        assert all(any(key.startswith("test_") for key in r) for r in finals)
+        # Each final's cell is a run of its own: no tuning run doubles as a final.
+        assert not {r["cell"] for r in finals} & {r["cell"] for r in tuning}
+    rows = read_rows(tmp_path / "results.csv")
+    assert not [row for row in rows if row["stage"] == "tune" and row["split"] == "test"]
+    test_rows = [row for row in rows if row["split"] == "test"]
+    assert test_rows and all(row["stage"] == "final" for row in test_rows)
+    # Examples: the whole test split for a final; tuning validation of Multi30k on its first sentences.
+    smoke = tuned_comparison.SIZES["smoke"]["multi30k"]["max_eval_samples"]
+    whole = {task: len([line for line in open(files["test"], encoding="utf-8") if line.strip()])
+             for task, files in (("ptb", ptb.inputs["files"]), ("multi30k", multi30k.inputs["files"]))}
+    assert {(row["task"], row["examples"]) for row in test_rows if row["task"] in whole} == {
+        (t, str(n)) for t, n in whole.items()}
+    assert {row["examples"] for row in rows if row["task"] == "multi30k" and row["stage"] == "tune"} == {str(smoke)}
+
+
+@pytest.mark.parametrize("task", ["ptb", "multi30k"])
+def test_a_tuning_run_reads_no_test_split_and_a_final_scores_the_whole_one(task, tmp_path):
+    """The blind rule on one run of each kind: a tuning run gets no test split, so its result and log
+    hold no test score and it writes no test translations; a final scores the whole test split."""
+    args = tuned_comparison.parse_args(["--smoke", "--tasks", task, "--output_dir", str(tmp_path)])
+    protocol = tuned_comparison.Protocol(task, args, tuned_comparison._inputs(task, args, tmp_path), tmp_path)
+    chosen = tuned_comparison.setting("powernorm", protocol.sizes["learning_rates"][0], protocol.sizes["warmups"][0])
+    tuning, final = protocol.cell(chosen, protocol.short), protocol.cell(chosen, protocol.short, 2, final=True)
+    assert "test" not in tuned_comparison._scored_files(tuning.options)
+    assert tuned_comparison._scored_files(final.options) == protocol.inputs["files"]
+    tuned, scored = tuned_comparison.run_grid([tuning, final], tuned_comparison.run_cell, tmp_path)
+    folder = tmp_path / "cells" / tuning.name
+    assert not [key for key in tuned if key.startswith("test")]
+    assert not list(folder.rglob("generated_predictions.txt"))
+    assert not [line for line in next(folder.rglob("training_log.jsonl")).read_text().splitlines()
+                if any(key.startswith("test") for key in json.loads(line))]
+    assert [split for split, _, _ in tuned_comparison._evaluations(tuned)] == ["validation"] * len(
+        tuned_comparison._evaluations(tuned))
+    assert "test_bleu_averaged" in scored if task == "multi30k" else "test_perplexity" in scored
+    lines = [line for line in open(protocol.inputs["files"]["test"], encoding="utf-8") if line.strip()]
+    assert tuned_comparison._examples(scored, "test") == len(lines)
+    limit = protocol.sizes.get("max_eval_samples")
+    whole = tuned_comparison._examples(scored, "validation")
+    assert tuned_comparison._examples(tuned, "validation") == (limit or whole) and (not limit or limit < whole)
+
+
+def test_a_tuning_run_of_the_first_protocol_shows_no_test_row():
+    """Runs of the first protocol scored test while tuning: the report drops those scores."""
+    result = {"cell": "c", "final": False, "best_validation": 30.0, "validation_bleu": 30.0, "test_bleu": 29.0,
+              "sizes": {"max_eval_samples": 500}}
+    assert [split for split, _, _ in tuned_comparison._evaluations(result)] == ["validation", "validation"]
+    del result["final"]  # the first protocol's results do not say
+    assert [split for split, _, _ in tuned_comparison._evaluations(result)] == ["validation", "validation"]
+    assert ("test", "bleu", 29.0) in tuned_comparison._evaluations({**result, "final": True})
+
+
 def test_report_only_stops_at_the_first_unfinished_stage(tmp_path):
-    tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--output_dir", str(tmp_path)])
+    tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--long_seeds", "1", "--output_dir",
+                           str(tmp_path)])
     # Remove one alpha-stage run: the later stages cannot be chosen, and report_only runs nothing.
     [protocol] = tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--output_dir", str(tmp_path),
                                          "--report_only"])
@@ -97,7 +209,7 @@ def test_report_only_stops_at_the_first_unfinished_stage(tmp_path):
 
 
 def test_export_is_a_record_that_resumes_the_study_elsewhere(tmp_path):
-    argv = ["--smoke", "--tasks", "ptb", "--seeds", "1"]
+    argv = ["--smoke", "--tasks", "ptb", "--seeds", "1", "--long_seeds", "1"]
     tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out")])
     stale = tmp_path / "export" / "cells" / "a-run-since-removed"
     stale.mkdir(parents=True)
@@ -144,18 +256,45 @@ def test_export_into_the_output_folder_is_refused(tmp_path):
     ([], "--data_dir"),
     (["--smoke", "--seeds", "2", "3"], "must include 1"),
     (["--data_dir", "/nonexistent", "--tasks", "multi30k"], "no Multi30k files"),
+    (["--smoke", "--tasks", "tinyshakespeare"], "add ptb to --tasks"),
+    (["--data_dir", "/nonexistent", "--tasks", "ptb", "tinyshakespeare"], "--transfer_data_dir"),
+    (["--data_dir", "/nonexistent", "--tasks", "ptb", "tinyshakespeare", "--transfer_data_dir", "/nonexistent"],
+     "no .*train.txt"),
 ])
 def test_bad_options_are_refused_before_any_run(argv, message, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         tuned_comparison.parse_args([*argv, "--output_dir", str(tmp_path)])
 
 
-def test_verdict_needs_a_difference_beyond_the_seed_spread():
-    verdict = tuned_comparison.verdict
-    assert verdict([100.0, 101.0, 102.0], [95.0, 96.0, 97.0], lower_is_better=True) == "PN better"
-    assert verdict([100.0, 101.0, 102.0], [99.0, 101.0, 103.0], lower_is_better=True).startswith("tie")
-    assert verdict([30.0, 31.0, 32.0], [26.0, 27.0, 28.0], lower_is_better=False) == "LN better"
-    assert verdict([30.0], [26.0, 27.0], lower_is_better=False).startswith("fewer than 2 seeds")
+def test_paired_verdicts_known_interval_and_holm():
+    # PN minus LN per seed: 1, 2, 3 (mean 2, t interval 2 -/+ 4.3027 / sqrt 3, p = 1 - sqrt(12 / 14));
+    # a second comparison at -0.4, -0.7, -0.2, -0.5, -0.6 (5 seeds) and a third at 2 seeds.
+    ln = {1: 30.0, 2: 31.0, 3: 32.0, 4: 30.5, 5: 31.5}
+    first = {1: 31.0, 2: 33.0, 3: 35.0}
+    second = {seed: ln[seed] + d for seed, d in zip(range(1, 6), (-0.4, -0.7, -0.2, -0.5, -0.6))}
+    verdicts = reports.paired_verdicts([(ln, first, False), (ln, second, False), (ln, {1: 40.0, 2: 41.0}, False)])
+    one, two, three = verdicts
+    assert one.differences == pytest.approx({1: 1.0, 2: 2.0, 3: 3.0})
+    half = 4.302652730 / math.sqrt(3)
+    assert (one.interval.low, one.interval.high) == pytest.approx((2 - half, 2 + half), abs=1e-8)
+    p_one = 1 - math.sqrt(12 / 14)
+    p_two = statistics.paired_t_interval([-0.4, -0.7, -0.2, -0.5, -0.6]).p_value
+    assert p_two < 0.01 < p_one
+    # Holm over the two comparisons with an interval: the smaller p times 2, the larger times 1.
+    assert two.adjusted_p == pytest.approx(2 * p_two) and one.adjusted_p == pytest.approx(max(p_one, 2 * p_two))
+    assert two.better == "baseline" and one.better == "neither"
+    assert three.interval is None and three.better is None and three.adjusted_p is None
+    assert reports.paired_cell(one) == "+2.00 [-0.48, +4.48]" and reports.paired_cell(three) == "-"
+    # Lower is better: the same differences make the other side the better one.
+    assert reports.paired_verdicts([(ln, second, True)])[0].better == "other"
+
+
+def test_better_of_needs_three_seeds_a_side():
+    assert reports.better_of([30.0, 31.0], [26.0, 27.0], lower_is_better=False) is None
+    assert reports.better_of([30.0, 31.0, 32.0], [26.0, 27.0, 28.0], lower_is_better=False) == "baseline"
+    assert reports.better_of([30.0, 31.0], [26.0, 27.0], lower_is_better=False, min_seeds=2) == "baseline"
+    with pytest.raises(ValueError, match="min_seeds"):
+        reports.better_of([1.0], [2.0], lower_is_better=True, min_seeds=1)
 
 
 def test_warmup_edge_rule_extends_the_warmup_then_the_rates_at_it(tmp_path):
@@ -197,72 +336,82 @@ def test_warmup_edge_rule_extends_the_warmup_then_the_rates_at_it(tmp_path):
     assert tuned_comparison.WARMUP_EDGE_TASKS == ("multi30k",)
 
 
-def test_a_pn_win_is_checked_without_pns_own_tuning(tmp_path):
+def test_the_headline_compares_every_arm_with_layernorm_paired_by_seed(tmp_path):
     args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3])
     protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
-    tuned = tuned_comparison.setting("powernorm", 3e-3, 1200, 0.99, 1.0, "batch")
-    protocol.picks = {"powernorm@2000": tuned, "powernorm@4000": {**tuned, "alpha_fwd": 0.9, "alpha_bkw": 0.9,
-                                                                   "denominator": "running"}}
-
-    def finals(updates, averaged, best=None):  # test BLEU of the averaged and of the best checkpoint
-        best = best or averaged
-        return [{"norm": norm, "updates": updates, "seed": seed, "test_bleu_averaged": averaged[norm] + seed / 10,
-                 "test_bleu": best[norm] + seed / 10} for norm in averaged for seed in (1, 2, 3)]
-
-    # At 2,000 updates PN beats LayerNorm beyond the seed spread and PN in every layer ties; at 4,000
-    # PN wins too, but its pick there has stage 1's options already: nothing to check.
-    results = finals(2000, {"layernorm": 25.0, "powernorm": 27.0, "powernorm-all": 25.1}) + finals(
-        4000, {"layernorm": 25.0, "powernorm": 28.0})
-    checks = tuned_comparison._win_checks(protocol, results)
-    assert [(c.options["norm"], c.options["updates"], c.options["seed"], c.options["learning_rate"],
-             c.options["warmup"], c.options["alpha_fwd"], c.options["alpha_bkw"], c.options["denominator"])
-            for c in checks] == [("powernorm", 2000, seed, 3e-3, 1200, 0.9, 0.9, "running") for seed in (1, 2, 3)]
-    # LayerNorm ahead, or a tie: no check.
-    assert tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 27.0, "powernorm": 25.0})) == []
-    assert tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 25.0, "powernorm": 25.05})) == []
-    # A win on either headline score is checked: here on the best checkpoint's only.
-    checks = tuned_comparison._win_checks(protocol, finals(2000, {"layernorm": 25.0, "powernorm": 24.0},
-                                                           {"layernorm": 25.0, "powernorm": 27.0}))
-    assert [(c.options["norm"], c.options["seed"]) for c in checks] == [("powernorm", seed) for seed in (1, 2, 3)]
-    # A row is checked only once its finals and LayerNorm's are in at every seed: a verdict on two
-    # seeds may still turn. Rows still running do not hold back a row that is in.
-    won = finals(2000, {"layernorm": 25.0, "powernorm": 27.0})
-    assert tuned_comparison._win_checks(protocol, [r for r in won if (r["norm"], r["seed"]) != ("powernorm", 3)]) == []
-    assert tuned_comparison._win_checks(protocol, [r for r in won if (r["norm"], r["seed"]) != ("layernorm", 1)]) == []
-    running = finals(2000, {"powernorm-all": 30.0})[:2]  # PN in every layer: 2 seeds of 3, far ahead
-    checks = tuned_comparison._win_checks(protocol, won + running)
-    assert [(c.options["norm"], c.options["seed"]) for c in checks] == [("powernorm", seed) for seed in (1, 2, 3)]
-
-
-def test_the_multi30k_headline_scores_the_average_and_the_best_checkpoint(tmp_path):
-    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3])
-    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
-    results = [{"norm": norm, "updates": 2000, "seed": seed, "test_bleu_averaged": averaged + seed / 10,
+    results = [{"norm": norm, "updates": 2000, "seed": seed, "test_bleu_averaged": averaged + seed / 10 + noise,
                 "test_bleu": best + seed / 10}
                for norm, averaged, best in (("layernorm", 25.0, 28.0), ("powernorm", 21.0, 28.1),
-                                            ("rmsnorm", 24.0, 27.0)) for seed in (1, 2, 3)]
+                                            ("rmsnorm", 24.0, 27.0))
+               for seed, noise in ((1, 0.0), (2, 0.1), (3, -0.05))]
+    results += [{"norm": "powernorm-all", "updates": 2000, "seed": seed, "test_bleu_averaged": 26.0,
+                 "test_bleu": 29.0} for seed in (1, 2)]
     protocol.stages["final"] = [(None, result) for result in results]
-    lines = tuned_comparison.headline([protocol])
-    assert len(lines) == 4  # the header, its rule and one row per score (no 4,000-update finals)
-    averaged, best = (line.split(" | ") for line in lines[2:])
-    assert "average of the last checkpoints" in averaged[3] and averaged[4:7] == [
-        "25.20 ± 0.10 (3 seeds)", "21.20 ± 0.10 (3 seeds)", "24.20 ± 0.10 (3 seeds)"]
-    assert averaged[7:] == ["-4.00", "LN better |"]
-    assert "best validated checkpoint" in best[3] and best[7:] == ["+0.10", "tie (within seed spread) |"]
-    # PN in every layer and stage 6's checks: a row each under each score, against the same LayerNorm.
-    more = [{"norm": norm, "updates": 2000, "seed": seed, "test_bleu_averaged": 26.0 + seed / 10,
-             "test_bleu": 29.0 + seed / 10} for norm in ("powernorm-all", "powernorm") for seed in (1, 2, 3)]
-    protocol.stages["final"] += [(None, result) for result in more[:3]]
-    protocol.stages["check"] = [(None, result) for result in more[3:]]
     rows = [line.split(" | ") for line in tuned_comparison.headline([protocol])[2:]]
-    assert [(row[2].startswith("as above"), row[4], row[7], row[8]) for row in rows] == [
-        (False, "25.20 ± 0.10 (3 seeds)", "-4.00", "LN better |"),
-        (True, "25.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
-        (True, "25.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
-        (False, "28.20 ± 0.10 (3 seeds)", "+0.10", "tie (within seed spread) |"),
-        (True, "28.20 ± 0.10 (3 seeds)", "+1.00", "PN better |"),
-        (True, "28.20 ± 0.10 (3 seeds)", "+1.00", "PN better |")]
-    assert "every layer" in rows[1][2] and "stage 1's options" in rows[2][2] and rows[1][6] == "-"
+    # Per score: PN, PN in every layer, RMSNorm (arms without finals have no row).
+    assert [(row[2].split(" (")[0], row[3]) for row in rows] == [
+        (score, name) for score in ("test bleu", "test bleu")
+        for name in ("PN (its picks)", "PN in every layer", "RMSNorm")]
+    pn_averaged, every_layer, rms_averaged, pn_best, _, rms_best = rows
+    assert pn_averaged[4:7] == ["25.22 ± 0.10 (3 seeds)", "21.22 ± 0.10 (3 seeds)", "3"]
+    # Every PN seed is 4.00 below LayerNorm's: the interval is that one value, and LayerNorm better.
+    assert pn_averaged[7] == "-4.00 [-4.00, -4.00]" and pn_averaged[9] == "LayerNorm better |"
+    assert every_layer[6:] == ["2", "-", "-", "no verdict (fewer than 3 paired seeds) |"]
+    assert pn_best[7] == "+0.10 [+0.10, +0.10]" and pn_best[9] == "PN (its picks) better |"
+    verdicts = [c["verdict"] for c in tuned_comparison.comparisons([protocol])]
+    p_values = [v.interval.p_value for v in verdicts if v.interval is not None]
+    assert [v.adjusted_p for v in verdicts if v.interval is not None] == pytest.approx(statistics.holm(p_values))
+    assert float(rms_averaged[8]) == pytest.approx(verdicts[2].adjusted_p, abs=5e-4)
+    assert rms_best[4] == "28.20 ± 0.10 (3 seeds)"
+
+
+def test_every_arm_is_rechecked_alike_and_pns_warmup_edge_extended(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2)
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    protocol.picks = {"layernorm@2000": tuned_comparison.setting("layernorm", 6e-3, 600),
+                      "rmsnorm@2000": tuned_comparison.setting("rmsnorm", 1.2e-2, 600),
+                      "powernorm@2000": tuned_comparison.setting("powernorm", 3e-3, 1200, 0.95, 1.0),
+                      "powernorm-authors@2000": tuned_comparison.setting("powernorm-authors", 3e-3, 1200)}
+    # Stage 1 as it ran: every norm at 200 and 600, and at 1,200 by the warmup rule.
+    stage_one = [{"norm": norm, "warmup": warmup} for norm in tuned_comparison.NORMS for warmup in (200, 600, 1200)]
+    cells = tuned_comparison._recheck_cells(protocol, stage_one)
+    assert sorted((c.options["norm"], c.options["learning_rate"], c.options["warmup"]) for c in cells) == sorted(
+        [("layernorm", rate, 600) for rate in (3e-3, 6e-3, 1.2e-2)]
+        + [("rmsnorm", rate, 600) for rate in (6e-3, 1.2e-2, 2.4e-2)]
+        + [(norm, rate, warmup) for norm in ("powernorm", "powernorm-authors") for warmup in (1200, 2400)
+           for rate in (1.5e-3, 3e-3, 6e-3)])
+    assert all(c.options["updates"] == 4000 and not c.options["final"] and c.options["max_eval_samples"] == 500
+               for c in cells)
+    authors = [c.options for c in cells if c.options["norm"] == "powernorm-authors"]
+    assert {(o["alpha_fwd"], o["alpha_bkw"], o["denominator"]) for o in authors} == {(0.9, 0.9, "running")}
+    # The first protocol's re-check runs keep their names (and results): only the new ones run.
+    assert "multi30k-powernorm-lr0.006-w1200-a0.95-1-running-u4000-seed1" in {c.name for c in cells}
+    # PTB has no warmup rule: the rates at the pick's warmup only, for every arm.
+    ptb = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
+    ptb.picks = {f"{norm}@1500": tuned_comparison.setting(norm, 8e-3, 150) for norm in tuned_comparison.RECHECKED}
+    cells = tuned_comparison._recheck_cells(ptb, [{"norm": n, "warmup": w} for n in tuned_comparison.NORMS
+                                                  for w in (150, 500)])
+    assert len(cells) == 3 * len(tuned_comparison.RECHECKED) and {c.options["warmup"] for c in cells} == {150}
+
+
+def test_finals_are_runs_of_their_own_on_the_whole_splits(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3],
+                                               long_seeds=[1, 2, 3, 4, 5])
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    for norm in tuned_comparison.RECHECKED:
+        for updates in (2000, 4000):
+            protocol.picks[f"{norm}@{updates}"] = tuned_comparison.setting(norm, 6e-3, 600)
+    protocol.picks["powernorm-fwd0.9@4000"] = tuned_comparison.setting("powernorm-fwd0.9", 6e-3, 600, 0.9, 1.0)
+    cells = protocol.final_cells()
+    counts = {}
+    for cell in cells:
+        key = (cell.options["norm"], cell.options["updates"])
+        counts[key] = counts.get(key, 0) + 1
+        assert cell.name.endswith("-final") and cell.options["final"] and cell.options["max_eval_samples"] is None
+    assert counts == {**{(n, 2000): 3 for n in tuned_comparison.RECHECKED},
+                      **{(n, 4000): 5 for n in tuned_comparison.RECHECKED},
+                      ("powernorm-fwd0.9", 4000): 5, ("powernorm-all", 2000): 3, ("powernorm-all", 4000): 3}
+    assert len({cell.name for cell in cells}) == len(cells)
 
 
 def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):
@@ -273,8 +422,9 @@ def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):
                                                           ("rmsnorm", 1, 84.0), ("layernorm", 2, 86.0),
                                                           ("powernorm", 2, 85.5))]
     rows = [line.split(" | ") for line in tuned_comparison.per_seed([protocol])[2:]]
-    assert [row[3:] for row in rows] == [["1", "84.50", "85.25", "84.00", "-", "+0.75 |"],
-                                         ["2", "86.00", "85.50", "-", "-", "-0.50 |"]]
+    # LayerNorm, PN, PN (authors' alphas), PN (fwd 0.9), PN in every layer, RMSNorm, PN minus LN.
+    assert [row[3:] for row in rows] == [["1", "84.50", "85.25", "-", "-", "-", "84.00", "+0.75 |"],
+                                         ["2", "86.00", "85.50", "-", "-", "-", "-", "-0.50 |"]]
     assert all(row[1] == "1500" and "test perplexity" in row[2] for row in rows)
 
 

@@ -1,14 +1,18 @@
-"""The studies' report helpers: `mean ± std` cells for the summary tables, the seeds a table
-covers, and CSV tables of result rows."""
+"""The studies' report helpers: `mean ± std` cells for the summary tables, paired verdicts against a
+baseline (per-seed differences, their t interval, Holm's adjustment over the comparisons a report
+makes; `hf_powernorm.training.statistics`), the seeds a table covers, and CSV tables of result rows."""
 
 from __future__ import annotations
 
 import csv
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..training.statistics import PairedInterval, holm, paired_t_interval
 
 
 def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool = False) -> str:
@@ -25,16 +29,69 @@ def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool 
     return f"{statistics.fmean(present):{spec}} ± {spread:{std_spec}}"
 
 
-def better_of(baseline: Sequence[float], other: Sequence[float], lower_is_better: bool) -> str | None:
+def better_of(baseline: Sequence[float], other: Sequence[float], lower_is_better: bool,
+              min_seeds: int = 3) -> str | None:
     """Which side's mean over seeds is better beyond the seed spread: `"baseline"` or `"other"` when
     the means differ by more than the two sample standard deviations added together, `"tie"`
-    otherwise (a non-finite difference included); None with fewer than two seeds on a side."""
-    if min(len(baseline), len(other)) < 2:
+    otherwise (a non-finite difference included); None with fewer than `min_seeds` seeds on a side."""
+    if min_seeds < 2:
+        raise ValueError(f"min_seeds must be at least 2 (a spread needs two seeds), got {min_seeds}")
+    if min(len(baseline), len(other)) < min_seeds:
         return None
     difference = statistics.fmean(other) - statistics.fmean(baseline)
     if not math.isfinite(difference) or abs(difference) <= statistics.stdev(baseline) + statistics.stdev(other):
         return "tie"
     return "other" if (difference < 0) == lower_is_better else "baseline"
+
+
+# The paired rule's defaults: pairs needed for a verdict, and the family-wise error rate.
+MIN_PAIRS, SIGNIFICANCE = 3, 0.05
+
+
+@dataclass(frozen=True)
+class PairedVerdict:
+    """One comparison against the baseline: `differences` (seed -> other minus baseline, over the
+    seeds both have), their t `interval` (None under the pairs needed), the Holm-adjusted p-value
+    and `better`: `"other"`, `"baseline"`, `"neither"` (no difference shown), or None (too few pairs)."""
+
+    differences: dict[int, float]
+    interval: PairedInterval | None
+    adjusted_p: float | None
+    better: str | None
+
+
+def paired_verdicts(comparisons: Sequence[tuple[Mapping[int, float], Mapping[int, float], bool]], *,
+                    min_pairs: int = MIN_PAIRS, confidence: float = 1 - SIGNIFICANCE) -> list[PairedVerdict]:
+    """Each `(baseline by seed, other by seed, lower_is_better)`: the differences at the seeds both
+    have; with at least `min_pairs`, their mean's t interval at `confidence`; Holm's adjustment over
+    every comparison that has one; a side is better when the adjusted p-value is below 1 - `confidence`
+    (so its interval excludes zero), else `"neither"`. The verdicts come back in the order given."""
+    if min_pairs < 2:
+        raise ValueError(f"min_pairs must be at least 2 (a t interval needs two pairs), got {min_pairs}")
+    differences = [{seed: other[seed] - baseline[seed] for seed in sorted(baseline) if seed in other}
+                   for baseline, other, _ in comparisons]
+    intervals = [paired_t_interval(list(d.values()), confidence) if len(d) >= min_pairs else None
+                 for d in differences]
+    adjusted = iter(holm([interval.p_value for interval in intervals if interval is not None]))
+    verdicts = []
+    for (_, _, lower_is_better), diffs, interval in zip(comparisons, differences, intervals):
+        if interval is None:
+            verdicts.append(PairedVerdict(diffs, None, None, None))
+            continue
+        p_value = next(adjusted)
+        better = "neither"
+        if p_value < 1 - confidence:
+            better = "other" if (interval.mean < 0) == lower_is_better else "baseline"
+        verdicts.append(PairedVerdict(diffs, interval, p_value, better))
+    return verdicts
+
+
+def paired_cell(verdict: PairedVerdict, digits: int = 2) -> str:
+    """`mean [low, high]` of a comparison's paired differences, signed; `-` without an interval."""
+    if verdict.interval is None:
+        return "-"
+    interval = verdict.interval
+    return f"{interval.mean:+.{digits}f} [{interval.low:+.{digits}f}, {interval.high:+.{digits}f}]"
 
 
 def seeds_of(results: Sequence[dict[str, Any]]) -> list[int]:

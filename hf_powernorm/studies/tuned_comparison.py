@@ -1,91 +1,91 @@
-"""LayerNorm, PN and RMSNorm, each tuned alike, in the paper's regime: PTB and Multi30k.
+"""LayerNorm, PN and RMSNorm, each tuned alike, in the paper's regime: PTB and Multi30k, and PTB's
+picks carried unchanged to a second language-modelling corpus (tinyshakespeare).
 
-The question this study answers: at a fair setting - the paper's training regime as far as a CPU
-allows, and the same tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm
-without centering) is the control for PN's other difference, dropping the mean.
+The question: at a fair setting - the paper's training regime as far as a CPU allows, and the same
+tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm without centering) is the
+control for PN's other difference, dropping the mean. STUDIES.md holds the results, the reasons for
+each rule and when each was written.
 
 Regime (Shen et al., 2020, Appendix B, where the CPU allows it): residual dropout 0.3 (attention
-and activation dropout 0.1), label
-smoothing 0.1 (the LM included), Adam with the inverse-square-root schedule after a linear warmup,
-PN's warmup equal to the learning-rate warmup, 2,048 tokens per update in one batch (PN's
-statistics see the whole update: no accumulated micro-batches), gradient clipping 0.25 and weight
-decay 0.01 (LM). Multi30k: PN in the 6 - here 2 - encoder layers and LayerNorm in the decoder
-(the paper's translation models), plus PN in every layer (`powernorm-all`, the tuned PN setting
-reused, not tuned again); test BLEU of the average of the last 5 checkpoints (one every 200
-updates), beam 5, length penalty 1.0, and of the best validated checkpoint, both in the headline
-(at these budgets the average lags a curve still climbing; STUDIES.md). Not the paper's: the
-models are small (PTB: width 128, 2 layers; Multi30k: width 64, 2+2 layers), the budgets short
-(PTB 1,500 and 4,500 updates; Multi30k 2,000 and 4,000), the warmups shorter than its 4,000.
+and activation dropout 0.1), label smoothing 0.1 (the LM included), Adam with the inverse-square-root
+schedule after a linear warmup, PN's warmup equal to the learning-rate warmup, 2,048 tokens per
+update in one batch, gradient clipping 0.25 and weight decay 0.01 (LM). Multi30k: PN in the
+encoder and LayerNorm in the decoder (the paper's translation models), plus PN in every layer
+(`powernorm-all`, PN's picks reused); test BLEU of the average of the last 5 checkpoints (one every
+200 updates), beam 5, length penalty 1.0, and of the best validated checkpoint.
 
-Protocol, the same for every norm, chosen on validation only (best validation of a run):
-1. `lr`: peak learning rate x warmup (3 x 2) for each norm at the short budget, seed 1; PN with
-   alpha_fwd = alpha_bkw = 0.9 and the running backward denominator; a norm whose pick lies at
-   the edge of its learning rates gets one more (x2 or /2) at every warmup, up to twice;
-   Multi30k only (`WARMUP_EDGE_TASKS`): a norm whose pick then lies at the longest (shortest)
-   warmup run gets the warmup x2 (/2) - only below the short budget - at its picked learning rate
-   and the rates x2 and /2 of it; a pick at such a new warmup and at the edge of the rates run
-   there gets one more rate beyond (x2 or /2), up to twice. Added after Multi30k's first stage, on
-   its validation scores alone (every norm picked the longest warmup, 600, the edge of the grid, and
-   PN gained the most from it: 14.59 -> 24.54 BLEU at its pick, LayerNorm 26.22 -> 29.60), before
-   any Multi30k test score; not applied to PTB, whose finals and test scores were in before it was
-   written (every norm there picked the shortest warmup, 150, and gained alike from it);
-2. `alpha` (PN): alpha_fwd in {0.9, 0.95, 0.99} x alpha_bkw in {0.9, 0.95, 0.99, 1.0} at PN's pick;
-3. `denominator` (PN): the batch backward denominator at the picked alphas, against the running one;
-4. `recheck`: LayerNorm's and PN's learning rate again at the long budget (the pick x 0.5, 1, 2);
-   a norm whose long-budget pick lies at the edge of its re-checked rates gets one more (x2 or /2),
-   up to twice, as in stage 1 (added 2026-11-26 on Multi30k's re-check validation scores alone, where
-   PN picked the highest of its three rates and LayerNorm the middle one, before any Multi30k final;
-   it adds nothing on PTB, where both picked the middle one); RMSNorm keeps its short-budget pick;
-5. `final`: each norm's pick at every seed, at the short and the long budget;
-6. `check`, only where a PN row beats LayerNorm by the verdict rule on either headline score: that
-   PN row again at every seed with PN's own options back at stage 1's (alpha_fwd = alpha_bkw = 0.9, running
-   denominator; its learning rate and warmup kept, which every norm had tuned alike), so that a
-   win is shown not to rest on the tuning only PN had (rows of stage `final` in the CSV, with those
-   options; a line of their own in the headline). A row's check is decided once its finals and
-   LayerNorm's are in at every seed, so `--report_only` shows it while other rows' finals run.
-Cells of one stage depend on the picks of the stages before; a run that two stages ask for (the
-pick's seed-1 run is also a final) runs once.
+Blind protocol: tuning runs (stages 1-4) score validation only; only the finals score test, and
+they run after every pick is fixed. Tuning runs validate on the first `max_eval_samples` Multi30k
+sentences; the finals validate and test on the whole splits (PTB: always the whole splits).
 
-Outputs in `--output_dir`: `results.csv` (one row per run, stage and evaluation: task, norm, stage,
-updates, learning_rate, warmup, dropout, label_smoothing, alpha_fwd, alpha_bkw, denominator, seed,
-split, metric, value), `curves.csv` (validation per evaluation), `picks.json`, `summary.md` (the
-headline table: per task and budget, mean ± std over seeds and the verdict; then each final's score
-seed by seed) and `curves_<task>_<updates>.png` (validation curves of the finals, mean and seed
-band).
+1. `lr`: peak learning rate x warmup for each norm at the short budget, seed 1 (PN at alpha_fwd =
+   alpha_bkw = 0.9, running denominator); a pick at the edge of a norm's rates gets the next rate
+   beyond (x2 or /2) at every warmup, up to twice; on `WARMUP_EDGE_TASKS` a pick at the edge of the
+   warmups gets the next warmup (x2 below the short budget, or /2) at the picked rate and x2, /2 of
+   it, then up to two rates beyond at that warmup;
+2. `alpha` (PN): alpha_fwd x alpha_bkw at PN's pick; 3. `denominator` (PN): batch against running;
+4. `recheck`, the same for every arm tuned (`RECHECKED`: LayerNorm, PN at its picks, RMSNorm and PN
+   at the authors' alphas, `powernorm-authors`, whose short-budget pick is PN's stage-1 pick): the
+   learning rate at the long budget (the pick x `recheck`) at the pick's warmup and, on
+   `WARMUP_EDGE_TASKS` where that warmup lies at the edge of the warmups its norm ran, at the next
+   warmup beyond (below the long budget); a long-budget pick at the edge of the rates run at its
+   warmup gets the next rate beyond, up to twice;
+5. `final`: each arm's pick at the short budget (`--seeds`) and the long budget (`--long_seeds`),
+   scoring test once; at the long budget also PN's pick with alpha_fwd 0.9 and alpha_bkw 1.0
+   (`powernorm-fwd0.9`, which separates the two alphas); on Multi30k PN in every layer (`--seeds`);
+6. `transfer` (task `tinyshakespeare`, its files from `--transfer_data_dir`): PTB's picks of
+   LayerNorm, PN and RMSNorm unchanged at both PTB budgets, `--seeds`, test scored once.
 
-    python recipes/studies/tuned_comparison.py --data_dir DIR --jobs 2   # DIR holds ptb/ and multi30k/raw/
+Verdicts (`reports.paired_verdicts`): per headline score, each arm against LayerNorm over the seeds
+both have (at least 3): the mean paired difference with its 95% t interval; Holm's adjustment over
+every comparison the summary makes; an arm is better or worse when its adjusted p-value is below
+0.05, else no difference is shown.
+
+Outputs in `--output_dir`: `results.csv` (one row per run, stage and evaluation: the `COLUMNS`, with
+`examples` the sentences the row scored), `curves.csv` (validation per evaluation), `picks.json`,
+`summary.md` (the headline table with the paired statistics, then each final's scores seed by seed)
+and `curves_<task>_<updates>.png` (validation curves of the finals).
+
+    python recipes/studies/tuned_comparison.py --data_dir DIR --transfer_data_dir DIR2 --jobs 1
     python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
 
-Resumable (finished runs are never redone), `--report_only` writes the outputs of the runs
-finished so far, `--export_dir DIR` copies them with each finished run's result and validation
-records into DIR (`studies/tuned_comparison/` is such a copy: its `cells/`, copied into an output
-folder, resumes the study on another machine). Cut rule, fixed before any test score: if the budget runs out, drop the
-Multi30k `powernorm-all` finals first, then Multi30k's long finals, never a norm's seed alone.
+Resumable (finished runs are never redone); every task's tuning runs before any task's finals, and
+every task's main finals before the alpha arm and PN in every layer (what the cut rule drops first).
+`--report_only` writes the outputs of the runs finished so far, `--export_dir DIR` copies them with
+each finished run's result and validation records into DIR (`studies/tuned_comparison/` is such a
+copy: its `cells/`, copied into an output folder, resumes the study on another machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import shutil
 import statistics
 from pathlib import Path
 from typing import Any
 
-from ..training import select_checkpoints, translation, write_average
+from ..training import select_checkpoints, synthetic_translation_corpus, translation, write_average
 from ..training.atomic_files import remove_path
 from ..training.run_log import LOG_NAME
 from .grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
 from .norm_comparison import log_folder, multi30k_files, validation_curve
-from .reports import better_of, write_rows
+from .reports import MIN_PAIRS, SIGNIFICANCE, PairedVerdict, paired_cell, paired_verdicts, write_rows
 from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
 
-TASKS = ("ptb", "multi30k")
+TASKS = ("ptb", "multi30k", "tinyshakespeare")
+# The task whose picks the transfer task runs unchanged.
+TRANSFER_FROM = {"tinyshakespeare": "ptb"}
 NORMS = ("layernorm", "powernorm", "rmsnorm")
+# The arms besides the norms tuned from stage 1: PN at the authors' alphas (its own rate and warmup),
+# PN's pick with the authors' alpha_fwd and the tuned alpha_bkw (finals only), PN in every layer.
+AUTHORS, ALPHA_ARM, EVERY_LAYER = "powernorm-authors", "powernorm-fwd0.9", "powernorm-all"
+RECHECKED = (*NORMS, AUTHORS)
 DEFAULT_ALPHA, DEFAULT_DENOMINATOR = 0.9, "running"
 COLUMNS = ("task", "norm", "stage", "updates", "learning_rate", "warmup", "dropout", "label_smoothing", "alpha_fwd",
-           "alpha_bkw", "denominator", "seed", "split", "metric", "value")
+           "alpha_bkw", "denominator", "seed", "split", "metric", "examples", "value")
 SIZES = {
     "real": {
         "ptb": {"vocab_size": 4000, "block_size": 128, "max_tokens": 2048, "budgets": (1500, 4500),
@@ -108,24 +108,29 @@ SIZES = {
                      "num_beams": 2, "checkpointing_steps": 1, "averaged": 2, "inner_dropout": 0.1},
     },
 }
-LOWER_IS_BETTER = {"ptb": True, "multi30k": False}
-# The headline scores of a final run, `(split, metric, what is scored)`, the first the paper's: PTB test
-# perplexity of the best validated model; Multi30k test BLEU of the average of the last checkpoints, and
-# of the best validated checkpoint (added 2026-11-26, before any Multi30k final, from validation alone:
-# at 2,000 updates the average of updates 1,200-2,000 trails the best checkpoint the more, the more the
-# validation curve still climbed over those updates, which differs between the norms; STUDIES.md).
+for _sizes in SIZES.values():  # the transfer corpus trains as PTB does: PTB's picks at PTB's sizes
+    _sizes["tinyshakespeare"] = _sizes["ptb"]
+LOWER_IS_BETTER = {"ptb": True, "multi30k": False, "tinyshakespeare": True}
+# The headline scores of a final run, `(split, metric, what is scored)`, the first the paper's: test
+# perplexity of the best validated model; Multi30k test BLEU of the average of the last checkpoints,
+# and of the best validated checkpoint.
 HEADLINES = {"ptb": (("test", "perplexity", "best validated model"),),
              "multi30k": (("test", "bleu_averaged", "average of the last checkpoints, beam 5"),
-                          ("test", "bleu", "best validated checkpoint, beam 5; not the paper's inference"))}
+                          ("test", "bleu", "best validated checkpoint, beam 5; not the paper's inference")),
+             "tinyshakespeare": (("test", "perplexity", "best validated model"),)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data_dir", help="a folder holding ptb/ptb.{train,valid,test}.txt and multi30k/raw/ "
                                       "(required unless --smoke)")
+    p.add_argument("--transfer_data_dir", help="a folder holding train.txt, valid.txt and test.txt of the second "
+                                               "language-modelling corpus (task tinyshakespeare; required for it "
+                                               "unless --smoke)")
     p.add_argument("--output_dir", default="outputs/studies/tuned_comparison")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the short budget's finals (and transfer)")
+    p.add_argument("--long_seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="the long budget's finals")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
     p.add_argument("--report_only", action="store_true",
@@ -136,12 +141,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.export_dir and Path(args.export_dir).resolve() == Path(args.output_dir).resolve():
         raise ValueError(f"--export_dir must differ from --output_dir; both are {args.export_dir}")
-    if not args.seeds:
-        raise ValueError("--seeds needs at least one seed")
+    for name in ("seeds", "long_seeds"):
+        if not getattr(args, name):
+            raise ValueError(f"--{name} needs at least one seed")
     if 1 not in args.seeds:
         raise ValueError(f"--seeds must include 1, the tuning seed; got {args.seeds}")
     if args.data_dir is None and not args.smoke:
         raise ValueError("pass --data_dir (a folder with ptb/ and multi30k/raw/), or --smoke for the embedded corpora")
+    for task in args.tasks:
+        if task in TRANSFER_FROM and TRANSFER_FROM[task] not in args.tasks:
+            raise ValueError(f"--tasks {task} runs {TRANSFER_FROM[task]}'s picks: add {TRANSFER_FROM[task]} to --tasks")
+    if "tinyshakespeare" in args.tasks and not args.smoke:
+        transfer_files(args.transfer_data_dir)  # fails now, not after hours of other runs
     args.sizes = SIZES["smoke" if args.smoke else "real"]
     # How often a norm's learning-rate grid may grow past an edge its pick lies on (not a run
     # option: the runs it adds are named by their learning rate).
@@ -166,13 +177,14 @@ def setting(norm: str, learning_rate: float, warmup: int, alpha_fwd: float | Non
 
 def _norm_argv(options: dict[str, Any]) -> list[str]:
     norm = options["norm"]
-    if options["task"] == "ptb":
-        argv = ["--norm_type", norm]
-    elif norm == "powernorm-all":
+    kind = "powernorm" if norm.startswith("powernorm") else norm  # PN's arms differ in options only
+    if options["task"] != "multi30k":
+        argv = ["--norm_type", kind]
+    elif norm == EVERY_LAYER:
         argv = ["--encoder_norm_type", "powernorm", "--decoder_norm_type", "powernorm"]
     else:  # the encoder's norm; LayerNorm in the decoder (the recipe's default)
-        argv = ["--encoder_norm_type", norm, "--decoder_norm_type", "layernorm"]
-    if norm.startswith("powernorm"):
+        argv = ["--encoder_norm_type", kind, "--decoder_norm_type", "layernorm"]
+    if kind == "powernorm":
         argv += ["--powernorm_alpha_fwd", str(options["alpha_fwd"]), "--powernorm_alpha_bkw",
                  str(options["alpha_bkw"]), "--powernorm_backward_denominator", options["denominator"],
                  "--powernorm_warmup_steps", str(options["warmup"])]
@@ -187,11 +199,19 @@ def _run_argv(options: dict[str, Any]) -> list[str]:
     return [*budget_argv(options["seed"], budget), "--dropout", str(sizes["dropout"]), *_norm_argv(options)]
 
 
-def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
+def _scored_files(options: dict[str, Any]) -> dict[str, Any] | None:
+    """The splits a run reads: a tuning run never sees the test split (the blind protocol)."""
+    files = options["files"]
+    if files is None or options.get("final"):
+        return files
+    return {split: path for split, path in files.items() if split != "test"}
+
+
+def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     sizes = options["sizes"]
     argv = [*_run_argv(options), "--clip_norm", "0.25", "--weight_decay", "0.01"]
     args = lm_run_args(folder, options["tokenizer"], argv)
-    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], options["model_size"],
+    _, scores = train_causal_lm(args, _scored_files(options), sizes["block_size"], options["model_size"],
                                 label_smoothing=sizes["label_smoothing"])
     return scores
 
@@ -203,9 +223,11 @@ def _numbers(results: dict[str, Any]) -> dict[str, float]:
 def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The translation task of `recipes/train_wmt.py` in this process, then the average of its last
     checkpoints scored."""
-    sizes, files = options["sizes"], options["files"]
-    data = ([] if not files else ["--validation_file", files["validation"], "--test_file", files["test"]])
-    generation = ["--max_eval_samples", str(sizes["max_eval_samples"]), "--num_beams", str(sizes["num_beams"]),
+    sizes, files = options["sizes"], _scored_files(options)
+    data = [argument for split in ("validation", "test") if split in files
+            for argument in (f"--{split}_file", files[split])]
+    samples = options.get("max_eval_samples", sizes["max_eval_samples"])
+    generation = [*(["--max_eval_samples", str(samples)] if samples else []), "--num_beams", str(sizes["num_beams"]),
                   "--length_penalty", "1.0", "--max_new_tokens", "50"]
     run = folder / "run"
     results = _numbers(translation.main([
@@ -213,7 +235,7 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
         "--label_smoothing", str(sizes["label_smoothing"]), "--checkpointing_steps", str(sizes["checkpointing_steps"]),
         "--config_overrides", f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
         "--checkpoints_total_limit", str(sizes["averaged"]), *generation,
-        *(["--train_file", files["train"]] if files else []), *data]))
+        "--train_file", files["train"], *data]))
     reset_accelerate()
     averaged = folder / "averaged"
     write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
@@ -229,7 +251,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
-    train = train_ptb if cell.options["task"] == "ptb" else train_multi30k
+    train = train_multi30k if cell.options["task"] == "multi30k" else train_lm
     return train(cell.options, folder)
 
 
@@ -237,12 +259,15 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
 
 def _cell(task: str, inputs: dict[str, Any], sizes: dict[str, Any], chosen: dict[str, Any], updates: int,
-          seed: int) -> Cell:
+          seed: int, final: bool = False) -> Cell:
+    """A tuning run (validation only, on `max_eval_samples` sentences where the task limits them) or,
+    with `final`, a final (named `...-final`: whole validation and test splits, test scored)."""
     name = (f"{task}-{chosen['norm']}-lr{chosen['learning_rate']:g}-w{chosen['warmup']}"
             + (f"-a{chosen['alpha_fwd']:g}-{chosen['alpha_bkw']:g}-{chosen['denominator']}"
                if chosen["alpha_fwd"] is not None else "")
-            + f"-u{updates}-seed{seed}")
-    options = {"task": task, **chosen, "updates": updates, "seed": seed, "sizes": sizes, **inputs}
+            + f"-u{updates}-seed{seed}" + ("-final" if final else ""))
+    options = {"task": task, **chosen, "updates": updates, "seed": seed, "sizes": sizes, "final": final,
+               "max_eval_samples": None if final else sizes.get("max_eval_samples"), **inputs}
     return Cell(name, options, paths=tuple(k for k in ("files", "tokenizer") if k in inputs))
 
 
@@ -276,22 +301,36 @@ def _edge_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list
 
 
 def _recheck_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
-    """Stage 4's learning-rate edge: a long-budget pick at the edge of the rates re-checked for a norm
-    gets the next rate beyond (x2 or /2) with its other options - the same rule for LayerNorm and PN;
-    returns only cells that have not run yet."""
+    """Stage 4's learning-rate edge: a long-budget pick at the edge of the rates re-checked for an arm
+    at the pick's warmup gets the next rate beyond (x2 or /2) with its other options - the same rule
+    for every arm; returns only cells that have not run yet."""
     done = {result["cell"] for result in results}
     extra = []
-    for norm in ("layernorm", "powernorm"):
+    for norm in RECHECKED:
         runs = [r for r in results if r["norm"] == norm]
+        if not runs:
+            continue
         pick = _best(protocol.task, runs)
-        beyond = _beyond(pick["learning_rate"], {r["learning_rate"] for r in runs})
+        beyond = _beyond(pick["learning_rate"], {r["learning_rate"] for r in runs if r["warmup"] == pick["warmup"]})
         if beyond is not None:
             extra.append(protocol.cell({**_chosen(pick), "learning_rate": beyond}, protocol.long))
     return [cell for cell in extra if cell.name not in done]
 
 
-# Tasks whose stage 1 extends a warmup picked at the edge (the docstring's rule and why PTB is not one).
+# Tasks whose warmup picked at the edge of the warmups run is extended (stage 1 and stage 4).
 WARMUP_EDGE_TASKS = ("multi30k",)
+
+
+def _next_warmup(protocol: "Protocol", warmup: int, warmups: list[int], budget: int) -> int | None:
+    """The warmup beyond the edge of `warmups` that `warmup` lies on: x2 while below `budget`, /2 while
+    at least 1; None inside them, on a task without the warmup rule, or with one warmup in the grid."""
+    if protocol.task not in WARMUP_EDGE_TASKS or len(protocol.sizes["warmups"]) < 2:
+        return None
+    if warmup == max(warmups) and warmup * 2 < budget:
+        return warmup * 2
+    if warmup == min(warmups) and warmup // 2 >= 1:
+        return warmup // 2
+    return None
 
 
 def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
@@ -300,7 +339,7 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
     budget, or /2 while at least 1); a pick at such a new warmup and at the edge of the rates run
     there gets the next rate beyond (x2 or /2). The same rule for every norm; returns only cells that
     have not run yet (none: the warmups and rates are settled)."""
-    if len(protocol.sizes["warmups"]) < 2:  # no grid of warmups, no edge
+    if protocol.task not in WARMUP_EDGE_TASKS or len(protocol.sizes["warmups"]) < 2:
         return []
     done = {result["cell"] for result in results}
     extra = []
@@ -308,12 +347,8 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
         runs = [r for r in results if r["norm"] == norm]
         pick = _best(protocol.task, runs)
         rate, warmup = pick["learning_rate"], pick["warmup"]
-        warmups = sorted({r["warmup"] for r in runs})
-        settings = []
-        if warmup == warmups[-1] and warmup * 2 < protocol.short:
-            settings = [(value, warmup * 2) for value in (rate / 2, rate, rate * 2)]
-        elif warmup == warmups[0] and warmup // 2 >= 1:
-            settings = [(value, warmup // 2) for value in (rate / 2, rate, rate * 2)]
+        longer = _next_warmup(protocol, warmup, [r["warmup"] for r in runs], protocol.short)
+        settings = [(value, longer) for value in (rate / 2, rate, rate * 2)] if longer else []
         if not settings and warmup not in protocol.sizes["warmups"]:
             beyond = _beyond(rate, {r["learning_rate"] for r in runs if r["warmup"] == warmup})
             settings = [(beyond, warmup)] if beyond is not None else []
@@ -322,25 +357,20 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
     return extra
 
 
-def _win_checks(protocol: "Protocol", finals: list[dict[str, Any]]) -> list[Cell]:
-    """Stage 6's cells: for each budget and PN row (`powernorm`, `powernorm-all`) whose finals beat
-    LayerNorm's by the verdict rule on any of the headline scores, the same setting with PN's own
-    options at stage 1's, at every seed (none where those are its options already: the finals stand).
-    Only rows whose finals, and LayerNorm's, are in at every seed: their verdicts can no longer change,
-    so a row's check is decided while other rows' finals still run."""
-    checks, seeds = [], len(protocol.args.seeds)
-    for updates in (protocol.short, protocol.long):
-        for norm in ("powernorm", "powernorm-all"):
-            scores = [(_scores(finals, "layernorm", updates, key), _scores(finals, norm, updates, key))
-                      for key in _headline_keys(protocol.task)]
-            if not any(len(ln) == len(pn) == seeds and verdict(ln, pn, LOWER_IS_BETTER[protocol.task]) == "PN better"
-                       for ln, pn in scores):
-                continue
-            chosen = {**protocol.picks[f"powernorm@{updates}"], "norm": norm, "alpha_fwd": DEFAULT_ALPHA,
-                      "alpha_bkw": DEFAULT_ALPHA, "denominator": DEFAULT_DENOMINATOR}
-            if chosen != {**protocol.picks[f"powernorm@{updates}"], "norm": norm}:
-                checks += [protocol.cell(chosen, updates, seed) for seed in protocol.args.seeds]
-    return checks
+def _recheck_cells(protocol: "Protocol", stage_one: list[dict[str, Any]]) -> list[Cell]:
+    """Stage 4 for every arm in `RECHECKED`: its short-budget pick's learning rate x `recheck` at the
+    long budget, at the pick's warmup and, where that warmup lies at the edge of the warmups its norm
+    ran in stage 1 (`WARMUP_EDGE_TASKS`), at the next warmup beyond, below the long budget."""
+    cells = []
+    for norm in RECHECKED:
+        pick = protocol.picks[f"{norm}@{protocol.short}"]
+        source = "powernorm" if norm == AUTHORS else norm  # stage 1 ran PN at the authors' alphas
+        longer = _next_warmup(protocol, pick["warmup"], [r["warmup"] for r in stage_one if r["norm"] == source],
+                              protocol.long)
+        for warmup in (pick["warmup"], *([longer] if longer else [])):
+            cells += [protocol.cell({**pick, "learning_rate": pick["learning_rate"] * factor, "warmup": warmup},
+                                    protocol.long) for factor in protocol.sizes["recheck"]]
+    return cells
 
 
 def _score_label(split: str, metric: str, scored: str) -> str:
@@ -358,7 +388,8 @@ def _scores(results: list[dict[str, Any]], norm: str, updates: int, key: str) ->
 
 class Protocol:
     """Runs (or, with `report_only`, reads) one task's stages in order; each stage's cells come from
-    the picks of the stages before it. `stages` maps a stage name to its cells' results."""
+    the picks of the stages before it. `stages` maps a stage name to its cells' results. `tune` runs
+    stages 1-4 and says whether every pick is fixed; `run_finals` then runs the finals."""
 
     def __init__(self, task: str, args: argparse.Namespace, inputs: dict[str, Any], output_dir: Path) -> None:
         self.task, self.args, self.inputs, self.output_dir = task, args, inputs, output_dir
@@ -393,68 +424,121 @@ class Protocol:
                 results = self._stage(name, cells)
         return results
 
-    def cell(self, chosen: dict[str, Any], updates: int, seed: int = 1) -> Cell:
-        return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed)
+    def cell(self, chosen: dict[str, Any], updates: int, seed: int = 1, final: bool = False) -> Cell:
+        return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed, final)
 
-    def run(self) -> None:
-        sizes, norms = self.sizes, NORMS
-        grid = [self.cell(setting(norm, lr, warmup), self.short) for norm in norms
+    def tune(self) -> bool:
+        """Stages 1-4 (validation only); True once every pick is fixed."""
+        sizes = self.sizes
+        grid = [self.cell(setting(norm, lr, warmup), self.short) for norm in NORMS
                 for lr in sizes["learning_rates"] for warmup in sizes["warmups"]]
-        # The learning-rate edge, then the warmup edge (tasks of WARMUP_EDGE_TASKS: one longer warmup,
-        # then up to two rates beyond).
-        results = self._extended_stage("lr", grid, (
+        # The learning-rate edge, then the warmup edge (one longer warmup, then up to two rates beyond).
+        stage_one = self._extended_stage("lr", grid, (
             (_edge_extension, self.args.extensions),
             (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)))
-        if results is None:
-            return
-        for norm in norms:
-            self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
+        if stage_one is None:
+            return False
+        for norm in NORMS:
+            self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in stage_one if r["norm"] == norm]))
         pn = self.picks[f"powernorm@{self.short}"]
+        self.picks[f"{AUTHORS}@{self.short}"] = {**pn, "norm": AUTHORS}
         results = self._stage("alpha", [self.cell({**pn, "alpha_fwd": af, "alpha_bkw": ab}, self.short)
                                          for af in sizes["alphas_fwd"] for ab in sizes["alphas_bkw"]])
         if results is None:
-            return
+            return False
         pn = _chosen(_best(self.task, results))
         results = self._stage("denominator", [self.cell({**pn, "denominator": d}, self.short)
                                               for d in ("running", "batch")])
         if results is None:
-            return
+            return False
         self.picks[f"powernorm@{self.short}"] = _chosen(_best(self.task, results))
-        recheck = [self.cell({**self.picks[f"{norm}@{self.short}"],
-                              "learning_rate": self.picks[f"{norm}@{self.short}"]["learning_rate"] * factor},
-                             self.long) for norm in ("layernorm", "powernorm") for factor in sizes["recheck"]]
-        # the learning-rate edge, as in stage 1
-        results = self._extended_stage("recheck", recheck, ((_recheck_extension, self.args.extensions),))
+        results = self._extended_stage("recheck", _recheck_cells(self, stage_one),
+                                       ((_recheck_extension, self.args.extensions),))
         if results is None:
-            return
-        for norm in ("layernorm", "powernorm"):
+            return False
+        for norm in RECHECKED:
             self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
-        self.picks[f"rmsnorm@{self.long}"] = self.picks[f"rmsnorm@{self.short}"]
-        finals = [self.cell(self.picks[f"{norm}@{updates}"], updates, seed)
-                  for updates in (self.short, self.long) for seed in self.args.seeds for norm in norms]
-        if self.task == "multi30k":  # PN in every layer, with PN's picks
-            finals += [self.cell({**self.picks[f"powernorm@{updates}"], "norm": "powernorm-all"}, updates, seed)
-                       for updates in (self.short, self.long) for seed in self.args.seeds]
-        self._stage("final", finals)
-        # Stage 6 for the rows whose finals are all in (all of them, unless reporting midway).
-        checks = _win_checks(self, _finished(self))
-        if checks:
-            self._stage("check", checks)
+        self.picks[f"{ALPHA_ARM}@{self.long}"] = {**self.picks[f"powernorm@{self.long}"], "norm": ALPHA_ARM,
+                                                  "alpha_fwd": DEFAULT_ALPHA, "alpha_bkw": 1.0}
+        return True
+
+    def final_cells(self, extras: bool = True) -> list[Cell]:
+        """Stage 5, seed by seed so that a seed's arms finish together: the arms at both budgets; with
+        `extras` then the alpha arm at the long budget and (Multi30k) PN in every layer at both, the
+        rows the cut rule drops first."""
+        cells = [self.cell(self.picks[f"{norm}@{updates}"], updates, seed, final=True)
+                 for updates, seeds in ((self.short, self.args.seeds), (self.long, self.args.long_seeds))
+                 for seed in seeds for norm in RECHECKED]
+        if not extras:
+            return cells
+        cells += [self.cell(self.picks[f"{ALPHA_ARM}@{self.long}"], self.long, seed, final=True)
+                  for seed in self.args.long_seeds]
+        if self.task == "multi30k":
+            cells += [self.cell({**self.picks[f"powernorm@{updates}"], "norm": EVERY_LAYER}, updates, seed, final=True)
+                      for updates in (self.short, self.long) for seed in self.args.seeds]
+        return cells
+
+    def run_finals(self, extras: bool = True) -> None:
+        self._stage("final", self.final_cells(extras))
+
+
+class Transfer(Protocol):
+    """A second corpus for a task's picks: LayerNorm's, PN's and RMSNorm's picks of `source` at each of
+    its budgets, unchanged, at `--seeds`; no tuning of its own."""
+
+    def __init__(self, task: str, args: argparse.Namespace, inputs: dict[str, Any], output_dir: Path,
+                 source: Protocol) -> None:
+        super().__init__(task, args, inputs, output_dir)
+        self.source = source
+
+    def tune(self) -> bool:
+        wanted = [f"{norm}@{updates}" for norm in NORMS for updates in (self.short, self.long)]
+        if any(key not in self.source.picks for key in wanted):
+            return False
+        self.picks = {key: self.source.picks[key] for key in wanted}
+        return True
+
+    def final_cells(self, extras: bool = True) -> list[Cell]:
+        return [self.cell(self.picks[f"{norm}@{updates}"], updates, seed, final=True)
+                for updates in (self.short, self.long) for seed in self.args.seeds for norm in NORMS]
 
 
 # -- outputs ------------------------------------------------------------------------------------
 
 
 def _evaluations(result: dict[str, Any]) -> list[tuple[str, str, float]]:
-    """(split, metric, value) of one run."""
+    """(split, metric, value) of one run; test only for a final (a tuning run of the first protocol
+    scored test too: those scores are never read)."""
     rows = []
     for key, value in sorted(result.items()):
         split, _, metric = key.partition("_")
+        if split == "test" and not result.get("final"):
+            continue
         if split in ("validation", "test") and metric in ("perplexity", "word_perplexity", "loss", "bleu",
                                                           "bleu_averaged"):
             rows.append((split, metric, value))
     rows.append(("validation", "best", result["best_validation"]))
     return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _sentences(path: str) -> int | None:
+    """The sentences (non-blank lines) of a split's file - for a translation split, of its target side
+    (`<prefix>.en`) - or None where the file is not on this machine."""
+    for candidate in (Path(path), Path(f"{path}.en")):
+        if candidate.is_file():
+            with open(candidate, encoding="utf-8") as handle:
+                return sum(1 for line in handle if line.strip())
+    return None
+
+
+def _examples(result: dict[str, Any], split: str) -> int | None:
+    """How many sentences a run scored on `split`: the whole split, or its first `max_eval_samples`."""
+    files = result.get("files") or {}
+    count = _sentences(files[split]) if split in files else None
+    # Runs of the first protocol recorded no `max_eval_samples` of their own: their sizes' applied.
+    limit = result.get("max_eval_samples", result["sizes"].get("max_eval_samples"))
+    return None if count is None else min(count, limit) if limit else count
 
 
 def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
@@ -465,10 +549,10 @@ def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
                 if result is None:
                     continue
                 base = {key: result[key] for key in COLUMNS if key in result}
-                base.update(stage="final" if stage in ("final", "check") else "tune",
+                base.update(stage="final" if stage == "final" else "tune",
                             dropout=result["sizes"]["dropout"], label_smoothing=result["sizes"]["label_smoothing"])
-                rows += [{**base, "split": split, "metric": metric, "value": value}
-                         for split, metric, value in _evaluations(result)]
+                rows += [{**base, "split": split, "metric": metric, "examples": _examples(result, split),
+                          "value": value} for split, metric, value in _evaluations(result)]
     unique = {tuple(str(row.get(c, "")) for c in COLUMNS): row for row in rows}  # a run asked twice, once
     return list(unique.values())
 
@@ -476,15 +560,6 @@ def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
 def _finished(protocol: Protocol, stage: str = "final") -> list[dict[str, Any]]:
     """The finished runs' results of one stage (the finals by default)."""
     return [result for _, result in protocol.stages.get(stage, []) if result is not None]
-
-
-def verdict(ln: list[float], pn: list[float], lower_is_better: bool) -> str:
-    """'PN better' / 'LN better' when the means differ by more than the two seed standard
-    deviations together, else 'tie'; fewer than 2 seeds of either: no verdict (`better_of`)."""
-    better = better_of(ln, pn, lower_is_better)
-    if better is None:
-        return "fewer than 2 seeds: no verdict"
-    return {"tie": "tie (within seed spread)", "other": "PN better", "baseline": "LN better"}[better]
 
 
 def _mean_std(values: list[float]) -> str:
@@ -495,54 +570,69 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f} ({len(values)} seeds)"
 
 
-# The headline's rows after each score's first (PN in the encoder against LayerNorm and RMSNorm):
-# `(norm, stage its results come from, regime)`, each against the same LayerNorm finals.
-_FURTHER_ROWS = (("powernorm-all", "final", "as above, PN in every layer"),
-                 ("powernorm", "check", "as above, PN with stage 1's options only (alphas 0.9, running denominator)"),
-                 ("powernorm-all", "check", "as above, PN in every layer with stage 1's options only (alphas 0.9, "
-                                            "running denominator)"))
+# The arms compared with LayerNorm, in the headline's order, and their names there.
+ARM_NAMES = {"powernorm": "PN (its picks)", AUTHORS: "PN, authors' alphas 0.9/0.9 (own rate, warmup)",
+             ALPHA_ARM: "PN, alpha_fwd 0.9 / alpha_bkw 1.0 (PN's long pick)", EVERY_LAYER: "PN in every layer",
+             "rmsnorm": "RMSNorm"}
+
+
+def _by_seed(results: list[dict[str, Any]], norm: str, updates: int, key: str) -> dict[int, float]:
+    return {r["seed"]: r[key] for r in results if r["norm"] == norm and r["updates"] == updates and key in r}
+
+
+def comparisons(protocols: list[Protocol]) -> list[dict[str, Any]]:
+    """Every comparison the summary makes - each arm with finals against LayerNorm, per task, budget
+    and headline score - with its paired verdict, Holm's adjustment taken over all of them."""
+    found = []
+    for protocol in protocols:
+        finals = _finished(protocol)
+        for updates in (protocol.short, protocol.long):
+            for split, metric, scored in HEADLINES[protocol.task]:
+                key = f"{split}_{metric}"
+                ln = _by_seed(finals, "layernorm", updates, key)
+                for norm in ARM_NAMES:
+                    other = _by_seed(finals, norm, updates, key)
+                    if ln and other:
+                        found.append({"task": protocol.task, "updates": updates, "norm": norm, "baseline": ln,
+                                      "other": other, "label": _score_label(split, metric, scored),
+                                      "lower": LOWER_IS_BETTER[protocol.task]})
+    verdicts = paired_verdicts([(c["baseline"], c["other"], c["lower"]) for c in found])
+    return [{**c, "verdict": v} for c, v in zip(found, verdicts)]
+
+
+def _verdict_words(norm: str, verdict: PairedVerdict) -> str:
+    if verdict.better is None:
+        return f"no verdict (fewer than {MIN_PAIRS} paired seeds)"
+    return {"other": f"{ARM_NAMES[norm]} better", "baseline": "LayerNorm better",
+            "neither": "no difference shown"}[verdict.better]
 
 
 def headline(protocols: list[Protocol]) -> list[str]:
-    lines = ["| task | updates | regime | metric | LayerNorm | PN | RMSNorm | PN minus LN | verdict |",
-             "|---|---:|---|---|---|---|---|---:|---|"]
-    for protocol in protocols:
-        results = {stage: _finished(protocol, stage) for stage in ("final", "check")}
-        lower = LOWER_IS_BETTER[protocol.task]
-        for updates in protocol.sizes["budgets"]:
-            length = "short" if updates == protocol.short else "long"
-            for split, metric, scored in HEADLINES[protocol.task]:
-                key, label = f"{split}_{metric}", _score_label(split, metric, scored)
-                if not any(_scores(results["final"], norm, updates, key) for norm in (*NORMS, "powernorm-all")):
-                    continue
-                ln = _scores(results["final"], "layernorm", updates, key)
-
-                def row(regime: str, pn: list[float], rms: str = "-") -> str:
-                    difference = f"{statistics.fmean(pn) - statistics.fmean(ln):+.2f}" if ln and pn else "-"
-                    return (f"| {protocol.task} | {updates} | {regime} | {label} | {_mean_std(ln)} | "
-                            f"{_mean_std(pn)} | {rms} | {difference} | {verdict(ln, pn, lower)} |")
-
-                lines.append(row(f"paper's (dropout 0.3, smoothing 0.1, PN warmup = LR warmup), small model, "
-                                 f"{length} budget", _scores(results["final"], "powernorm", updates, key),
-                                 _mean_std(_scores(results["final"], "rmsnorm", updates, key))))
-                for norm, stage, regime in _FURTHER_ROWS:
-                    pn = _scores(results[stage], norm, updates, key)
-                    if pn and ln:
-                        lines.append(row(regime, pn))
+    lines = ["| task | updates | score | arm | LayerNorm | arm's score | paired seeds | arm minus LN, mean [95% CI] "
+             "| Holm p | verdict |",
+             "|---|---:|---|---|---|---|---:|---|---:|---|"]
+    for c in comparisons(protocols):
+        verdict = c["verdict"]
+        p_value = "-" if verdict.adjusted_p is None else f"{verdict.adjusted_p:.3f}"
+        lines.append(f"| {c['task']} | {c['updates']} | {c['label']} | {ARM_NAMES[c['norm']]} | "
+                     f"{_mean_std(list(c['baseline'].values()))} | {_mean_std(list(c['other'].values()))} | "
+                     f"{len(verdict.differences)} | {paired_cell(verdict)} | {p_value} | "
+                     f"{_verdict_words(c['norm'], verdict)} |")
     return lines
 
 
-_SEED_COLUMNS = (*NORMS, "powernorm-all")
+_SEED_COLUMNS = ("layernorm", *ARM_NAMES)
 
 
 def per_seed(protocols: list[Protocol]) -> list[str]:
     """The finals' headline scores seed by seed, with PN minus LayerNorm at each seed: whether a mean
     difference is one seed's or every seed's."""
-    lines = ["| task | updates | score | seed | LayerNorm | PN | RMSNorm | PN in every layer | PN minus LN |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    names = " | ".join(["LayerNorm", *ARM_NAMES.values()])
+    lines = [f"| task | updates | score | seed | {names} | PN minus LN |",
+             "|---|---:|---|---:|" + "---:|" * (len(_SEED_COLUMNS) + 1)]
     for protocol in protocols:
         finals = _finished(protocol)
-        for updates in protocol.sizes["budgets"]:
+        for updates in (protocol.short, protocol.long):
             for split, metric, scored in HEADLINES[protocol.task]:
                 key = f"{split}_{metric}"
                 by_seed: dict[int, dict[str, float]] = {}
@@ -588,11 +678,15 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
                                  result["seed"], step, value])
     picks = {protocol.task: protocol.picks for protocol in protocols}
     (output_dir / PICKS_JSON).write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({'smoke sizes' if args.smoke else 'PTB and Multi30k'})", "",
-             "Headline scores: PTB test perplexity per BPE token of the best validated model; Multi30k test BLEU "
-             "of the average of the last checkpoints (beam 5; the paper's inference) and of the best validated "
-             "checkpoint (beam 5). Verdict: a norm is better when the means differ by "
-             "more than the two seed standard deviations together.", "", *headline(protocols), "",
+    corpora = "smoke sizes" if args.smoke else "PTB, Multi30k, tinyshakespeare"
+    lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({corpora})", "",
+             "Headline scores (finals only; whole test splits): test perplexity per BPE token of the best validated "
+             "model (PTB; tinyshakespeare with PTB's picks unchanged); Multi30k test BLEU of the average of the last "
+             "checkpoints (beam 5; the paper's inference) and of the best validated checkpoint (beam 5). Each arm "
+             "against LayerNorm over the seeds both have: the mean of the per-seed differences with its 95% t "
+             f"interval, Holm's adjustment over the {len(comparisons(protocols))} comparisons below; an arm is better "
+             f"or worse when the adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under "
+             f"{MIN_PAIRS} paired seeds, no verdict.", "", *headline(protocols), "",
              "Per seed (the finals):", "", *per_seed(protocols), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
              f"Picks (validation only): `{PICKS_JSON}`."]
@@ -687,26 +781,76 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
     return len(results)
 
 
+def transfer_files(data_dir: str | None) -> dict[str, str]:
+    """The transfer corpus's splits: `train.txt`, `valid.txt` and `test.txt` in `data_dir`."""
+    if data_dir is None:
+        raise ValueError("--tasks tinyshakespeare needs --transfer_data_dir (a folder holding train.txt, valid.txt "
+                         "and test.txt), or --smoke for the embedded corpus")
+    folder = Path(data_dir).resolve()
+    files = {split: folder / f"{name}.txt" for split, name in (("train", "train"), ("validation", "valid"),
+                                                                ("test", "test"))}
+    missing = [str(path) for path in files.values() if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--transfer_data_dir {data_dir}: no {missing}")
+    return {split: str(path) for split, path in files.items()}
+
+
+# The smoke sizes' translation corpus: the finals score whole splits, kept small here.
+SMOKE_TRANSLATION = {"train": 4000, "validation": 12, "test": 12}
+
+
+def _smoke_translation_files(folder: Path) -> dict[str, str]:
+    """The embedded translation corpus as JSON-lines files, written once: a tuning run then reads
+    train and validation only, as with the real files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {split: folder / f"{split}.jsonl" for split in SMOKE_TRANSLATION}
+    if not all(path.is_file() for path in files.values()):
+        for split, part in synthetic_translation_corpus(sizes=SMOKE_TRANSLATION).items():
+            part.to_json(str(files[split]), lines=True, force_ascii=False)
+    return {split: str(path) for split, path in files.items()}
+
+
 def _inputs(task: str, args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
     sizes = args.sizes[task]
     if task == "multi30k":
-        return {"files": None if args.smoke else multi30k_files(args.data_dir)}
-    files = lm_split_files(args.data_dir, output_dir, args.smoke)
+        return {"files": (_smoke_translation_files(output_dir / "multi30k-smoke") if args.smoke
+                          else multi30k_files(args.data_dir))}
+    folder = output_dir if task == "ptb" else output_dir / task
+    if task == "ptb" or args.smoke:
+        files = lm_split_files(args.data_dir, folder, args.smoke)
+    else:
+        files = transfer_files(args.transfer_data_dir)
     model_size = lm_size(argparse.Namespace(hidden_size=STUDY_LM["hidden_size"], layers=STUDY_LM["decoder_layers"]))
-    return {"files": files, "model_size": model_size,
-            "tokenizer": prepare_lm_data(files, output_dir, sizes["vocab_size"], sizes["block_size"])}
+    tokenizer = prepare_lm_data(files, folder, sizes["vocab_size"], sizes["block_size"])
+    # The tuning runs' splits (no test) tokenized once here too, not in each run.
+    prepare_lm_data({split: path for split, path in files.items() if split != "test"}, folder, sizes["vocab_size"],
+                    sizes["block_size"])
+    return {"files": files, "model_size": model_size, "tokenizer": tokenizer}
+
+
+def _protocol(task: str, args: argparse.Namespace, output_dir: Path, made: dict[str, Protocol]) -> Protocol:
+    inputs = _inputs(task, args, output_dir)
+    if task in TRANSFER_FROM:
+        return Transfer(task, args, inputs, output_dir, made[TRANSFER_FROM[task]])
+    return Protocol(task, args, inputs, output_dir)
 
 
 def main(argv: list[str] | None = None) -> list[Protocol]:
     args = parse_args(argv)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    protocols = []
-    for task in args.tasks:  # PTB's whole protocol before Multi30k's: its headline comes first
-        protocol = Protocol(task, args, _inputs(task, args, output_dir), output_dir)
-        protocol.run()
-        protocols.append(protocol)
-        write_outputs(protocols, args, output_dir)
+    made: dict[str, Protocol] = {}
+    for task in (task for task in TASKS if task in args.tasks):  # a transfer task after its source
+        made[task] = _protocol(task, args, output_dir, made)
+    protocols = list(made.values())
+    # Every task's tuning before any final: the picks are fixed first, then test is scored; every
+    # task's main finals before the rows the cut rule drops first.
+    tuned = [protocol for protocol in protocols if protocol.tune()]
+    write_outputs(protocols, args, output_dir)
+    for extras in (False, True):
+        for protocol in tuned:
+            protocol.run_finals(extras)
+            write_outputs(protocols, args, output_dir)
     print((output_dir / SUMMARY_MD).read_text(encoding="utf-8"))
     if args.export_dir:
         count = export(protocols, output_dir, Path(args.export_dir))
