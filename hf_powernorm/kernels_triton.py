@@ -21,11 +21,18 @@ Without Triton `AVAILABLE` is False and nothing here is defined but it.
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
-AVAILABLE = importlib.util.find_spec("triton") is not None
+# Optional: inside a `try` block, so that Transformers' remote-code check does not require Triton of
+# whoever loads a saved model's copy of these files.
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+AVAILABLE = triton is not None
 
 # Elements of a tile (tokens x padded channels) a program holds at once, and the most programs
 # that write partial sums (their reduction is one program's loop).
@@ -33,9 +40,6 @@ TILE_ELEMENTS = 4096
 MAX_PROGRAMS = 512
 
 if AVAILABLE:
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def _load_tile(x_ptr, tile, T, C, k, G: tl.constexpr, BLOCK_T: tl.constexpr, GP: tl.constexpr,
                    KP: tl.constexpr):

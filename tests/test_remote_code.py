@@ -8,7 +8,9 @@ cost): a saved directory through every fitting Auto class, the Hugging Face cach
 import json
 import os
 import shutil
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +184,20 @@ def saved(tmp_path_factory):
         folded.save_pretrained(dirs["folded"])
     torch.save(expected, root / "expected.pt")
     return root, dirs, models
+
+
+def test_copied_code_requires_no_optional_package(saved):
+    """Transformers refuses remote code whose files import a package that is not installed (unless the
+    import sits in a `try` block): the copied files may require torch and transformers only, so a
+    machine without Triton loads a saved model."""
+    from transformers.dynamic_module_utils import get_imports
+
+    root, dirs, _ = saved
+    files = sorted({path for folder in dirs.values() for path in Path(folder).glob("*.py")})
+    assert any(path.name == "kernels_triton.py" for path in files)
+    for path in files:
+        packages = set(get_imports(path)) - set(sys.stdlib_module_names)
+        assert packages <= {"torch", "transformers", "safetensors", "huggingface_hub"}, (path.name, packages)
 
 
 def test_save_pretrained_writes_code_files_and_full_auto_map(saved):
