@@ -42,6 +42,20 @@ def _no_training(monkeypatch) -> None:
 def _tokenizer(texts):
     return train_bpe_tokenizer(texts, vocab_size=120)
 
+def _save_tiny_bart(tokenizer, folder) -> None:
+    """A tiny random BART over `tokenizer`'s vocabulary, saved with the tokenizer in `folder`."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                        decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
+    BartForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
 
 @pytest.fixture(scope="module")
 def gpt2_case(tmp_path_factory):
@@ -92,9 +106,6 @@ def bert_case(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bart_case(tmp_path_factory):
-    import torch
-    from transformers import BartConfig, BartForConditionalGeneration
-
     from hf_powernorm.training import synthetic_translation_corpus
 
     folder = tmp_path_factory.mktemp("bart")
@@ -105,14 +116,7 @@ def bart_case(tmp_path_factory):
         rows = corpus[split].select(range(size))["translation"]
         files[split].write_text("".join(json.dumps({"translation": pair}) + "\n" for pair in rows), encoding="utf-8")
     tokenizer = _tokenizer(text for pair in corpus["train"].select(range(40))["translation"] for text in pair.values())
-    torch.manual_seed(0)
-    config = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
-                        decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
-    BartForConditionalGeneration(config).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    _save_tiny_bart(tokenizer, folder / "model")
     data = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
             "--test_file", str(files["test"]), "--max_length", "12", "--max_tokens", "128"]
     return str(folder / "model"), "seq2seq", data

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from hf_powernorm import cli, compare
-from test_compare import TINY, _rows, _tokenizer, bert_case, gpt2_case  # noqa: F401 (fixtures)
+from test_compare import TINY, _rows, _save_tiny_bart, _tokenizer, bert_case, gpt2_case  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
@@ -219,23 +219,13 @@ def test_a_single_dataset_folder_with_another_text_column_loads(gpt2_case, tmp_p
 
 
 def test_summarisation_columns_and_sample_outputs(tmp_path):
-    import torch
-    from transformers import BartConfig, BartForConditionalGeneration
-
     from hf_powernorm.training import synthetic_translation_corpus
 
     pairs = synthetic_translation_corpus()["train"].select(range(48))["translation"]
     rows = [{"document": p["de"], "summary": p["en"]} for p in pairs]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     tokenizer = _tokenizer([t for r in rows for t in r.values()])
-    torch.manual_seed(0)
-    config = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
-                        decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
-    BartForConditionalGeneration(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    _save_tiny_bart(tokenizer, tmp_path / "model")
     out = tmp_path / "out"
     compare.main(["--model_name_or_path", str(tmp_path / "model"), "--task", "seq2seq", "--train_file",
                   str(tmp_path / "train.jsonl"), "--source_column", "document", "--target_column", "summary",
