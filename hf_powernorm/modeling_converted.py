@@ -54,7 +54,8 @@ def converted_class(base: type) -> type:
 
 
 def is_converted_class(cls: type) -> bool:
-    return cls.__module__ == __name__ or getattr(cls, "_powernorm_converted", False)
+    """True for the classes this module makes, in the package or in a saved folder's copy of it."""
+    return getattr(cls, "_powernorm_converted", False)
 
 
 def __getattr__(name: str) -> type:
@@ -180,8 +181,9 @@ def adopt(model: nn.Module) -> None:
 
 
 def original_class(cls: type) -> type:
-    """The Transformers class a converted class derives from (`cls` itself otherwise)."""
-    return cls.__mro__[1] if is_converted_class(cls) and cls.__module__ == __name__ else cls
+    """The Transformers class a converted class derives from (`cls` itself otherwise), whether the
+    converted class is this module's or a saved folder's copy's."""
+    return next(base for base in cls.__mro__ if not base.__dict__.get("_powernorm_converted", False))
 
 
 __all__ = ["MODEL_TYPE_PREFIX", "adopt", "auto_class_name", "converted_class", "is_converted_class", "original_class"]

@@ -123,6 +123,7 @@ def test_auto_class_with_remote_code_loads_the_converted_model(name, tmp_path):
     assert type(loaded).__name__ == type(model).__name__
     _assert_same(loaded, model, name)
     _assert_same(hf_powernorm.load_converted(tmp_path, MODELS[name][1]), model, name)
+    _assert_same(hf_powernorm.load_converted(tmp_path, type(loaded)), model, name)  # the remote class, too
 
 
 @pytest.mark.parametrize("trust", [None, False])
