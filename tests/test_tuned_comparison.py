@@ -194,8 +194,8 @@ def test_a_tuning_run_of_the_first_protocol_shows_no_test_row():
 
 
 def test_report_only_stops_at_the_first_unfinished_stage(tmp_path):
-    tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--long_seeds", "1", "--output_dir",
-                           str(tmp_path)])
+    tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--long_seeds", "1", "--no-elementwise",
+                           "--output_dir", str(tmp_path)])
     # Remove one alpha-stage run: the later stages cannot be chosen, and report_only runs nothing.
     [protocol] = tuned_comparison.main(["--smoke", "--tasks", "ptb", "--seeds", "1", "--output_dir", str(tmp_path),
                                          "--report_only"])
@@ -208,9 +208,79 @@ def test_report_only_stops_at_the_first_unfinished_stage(tmp_path):
     assert "alpha 1/2" in (tmp_path / "summary.md").read_text()
 
 
-def test_export_is_a_record_that_resumes_the_study_elsewhere(tmp_path):
-    argv = ["--smoke", "--tasks", "ptb", "--seeds", "1", "--long_seeds", "1"]
-    tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out")])
+PTB_SMOKE = ["--smoke", "--tasks", "ptb", "--seeds", "1", "--long_seeds", "1"]
+
+
+@pytest.fixture(scope="module")
+def ptb_smoke(tmp_path_factory):
+    """PTB's protocol at smoke size with DyT and Derf, once: (output folder, protocol)."""
+    from accelerate.state import AcceleratorState
+
+    output = tmp_path_factory.mktemp("ptb") / "out"
+    [protocol] = tuned_comparison.main([*PTB_SMOKE, "--output_dir", str(output)])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return output, protocol
+
+
+def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
+    output, protocol = ptb_smoke
+    stages = list(protocol.stages)
+    assert stages == ["lr", "alpha", "denominator", "recheck", "final", "lr-elementwise", "alpha_init",
+                      "recheck-elementwise"]
+    sizes, grid = tuned_comparison.SIZES["smoke"]["ptb"], tuned_comparison.ALPHAS_INIT["smoke"]
+    results = {stage: [result for _, result in cells] for stage, cells in protocol.stages.items()}
+    for norm in tuned_comparison.ELEMENTWISE:
+        # Stage 1's rate x warmup grid (and its edge rule), at the model family's initial alphas.
+        lr = [r for r in results["lr-elementwise"] if r["norm"] == norm]
+        assert {(r["learning_rate"], r["warmup"]) for r in lr} >= {
+            (rate, warmup) for rate in sizes["learning_rates"] for warmup in sizes["warmups"]}
+        assert {(r["alpha_init_attention"], r["alpha_init_other"]) for r in lr} == {(1.0, 1.0)}
+        # The initial alphas at that pick: as many runs as PN's alpha stage at the real sizes.
+        alpha = [r for r in results["alpha_init"] if r["norm"] == norm]
+        pick = tuned_comparison._best("ptb", lr)
+        assert [(r["alpha_init_attention"], r["alpha_init_other"]) for r in alpha] == [
+            (a, o) for a in grid["attention"] for o in grid["other"]]
+        assert {(r["learning_rate"], r["warmup"]) for r in alpha} == {(pick["learning_rate"], pick["warmup"])}
+        assert protocol.picks[f"{norm}@{protocol.short}"] == tuned_comparison._chosen(
+            tuned_comparison._best("ptb", alpha))
+        # Each run's model starts from its initial alphas: before attention, before the FFN and final.
+        for result in alpha:
+            config = json.loads(next((output / "cells" / result["cell"]).rglob("config.json")).read_text())
+            assert (config["norm_alpha_init_attention"], config["norm_alpha_init_ffn"],
+                    config["norm_alpha_init_final"]) == (result["alpha_init_attention"], result["alpha_init_other"],
+                                                         result["alpha_init_other"])
+        long_pick = protocol.picks[f"{norm}@{protocol.long}"]
+        assert long_pick["alpha_init_attention"] == protocol.picks[f"{norm}@{protocol.short}"]["alpha_init_attention"]
+        finals = [r for r in results["final"] if r["norm"] == norm]
+        assert sorted((r["updates"], r["seed"]) for r in finals) == [(protocol.short, 1), (protocol.long, 1)]
+    real = tuned_comparison.ALPHAS_INIT["real"]
+    pn = tuned_comparison.SIZES["real"]["ptb"]
+    assert len(real["attention"]) * len(real["other"]) == len(pn["alphas_fwd"]) * len(pn["alphas_bkw"])
+    # Their tuning starts once every other final has finished, and scores no test.
+    stamp = lambda r: (output / "cells" / r["cell"] / "result.json").stat().st_mtime_ns  # noqa: E731
+    others = [r for r in results["final"] if r["norm"] not in tuned_comparison.ELEMENTWISE]
+    assert max(map(stamp, others)) < min(map(stamp, results["lr-elementwise"]))
+    rows = read_rows(output / "results.csv")
+    assert not [row for row in rows if row["stage"] == "tune" and row["split"] == "test"]
+    assert {row["norm"] for row in rows if row["stage"] == "final" and row["split"] == "test"} >= {"dyt", "derf"}
+    assert {row["alpha_init_other"] for row in rows if row["norm"] == "dyt"} == {"0.5", "1.0"}
+    assert {row["alpha_init_other"] for row in rows if row["norm"] == "layernorm"} == {""}
+    summary = (output / "summary.md").read_text()
+    assert "| DyT | PN (its picks) |" in summary and "| Derf | LayerNorm |" in summary
+
+
+def test_elementwise_budgets_both_on_ptb_the_short_one_on_multi30k(tmp_path):
+    args = tuned_comparison.parse_args(["--smoke", "--output_dir", str(tmp_path)])
+    made = {task: tuned_comparison.Protocol(task, args, {}, tmp_path) for task in ("ptb", "multi30k")}
+    assert made["ptb"].elementwise_budgets() == tuple(args.sizes["ptb"]["budgets"])
+    assert made["multi30k"].elementwise_budgets() == (args.sizes["multi30k"]["budgets"][0],)
+    transfer = tuned_comparison.Transfer("tinyshakespeare", args, {}, tmp_path, made["ptb"])
+    assert transfer.elementwise_budgets() == () and transfer.tune_elementwise() is False
+
+
+def test_export_is_a_record_that_resumes_the_study_elsewhere(ptb_smoke, tmp_path):
+    argv = PTB_SMOKE
+    shutil.copytree(ptb_smoke[0], tmp_path / "out")
     stale = tmp_path / "export" / "cells" / "a-run-since-removed"
     stale.mkdir(parents=True)
     (tmp_path / "export" / "curves_ptb_8.png").write_bytes(b"a figure the outputs no longer have")
@@ -346,23 +416,32 @@ def test_the_headline_compares_every_arm_with_layernorm_paired_by_seed(tmp_path)
                for seed, noise in ((1, 0.0), (2, 0.1), (3, -0.05))]
     results += [{"norm": "powernorm-all", "updates": 2000, "seed": seed, "test_bleu_averaged": 26.0,
                  "test_bleu": 29.0} for seed in (1, 2)]
+    results += [{"norm": "dyt", "updates": 2000, "seed": seed, "test_bleu_averaged": 22.0 + seed / 10,
+                 "test_bleu": 27.5 + seed / 10} for seed in (1, 2, 3)]
     protocol.stages["final"] = [(None, result) for result in results]
     rows = [line.split(" | ") for line in tuned_comparison.headline([protocol])[2:]]
-    # Per score: PN, PN in every layer, RMSNorm (arms without finals have no row).
-    assert [(row[2].split(" (")[0], row[3]) for row in rows] == [
-        (score, name) for score in ("test bleu", "test bleu")
-        for name in ("PN (its picks)", "PN in every layer", "RMSNorm")]
-    pn_averaged, every_layer, rms_averaged, pn_best, _, rms_best = rows
-    assert pn_averaged[4:7] == ["25.22 ± 0.10 (3 seeds)", "21.22 ± 0.10 (3 seeds)", "3"]
+    # Per score: PN, PN in every layer, RMSNorm and DyT against LayerNorm, then DyT against PN (arms
+    # without finals have no row).
+    assert [(row[2].split(" (")[0], row[3], row[4]) for row in rows] == [
+        (score, name, baseline) for score in ("test bleu", "test bleu")
+        for name, baseline in (("PN (its picks)", "LayerNorm"), ("PN in every layer", "LayerNorm"),
+                               ("RMSNorm", "LayerNorm"), ("DyT", "LayerNorm"), ("DyT", "PN (its picks)"))]
+    pn_averaged, every_layer, rms_averaged, _, dyt_pn_averaged, pn_best, _, rms_best, _, dyt_pn_best = rows
+    assert pn_averaged[5:8] == ["25.22 ± 0.10 (3 seeds)", "21.22 ± 0.10 (3 seeds)", "3"]
     # Every PN seed is 4.00 below LayerNorm's: the interval is that one value, and LayerNorm better.
-    assert pn_averaged[7] == "-4.00 [-4.00, -4.00]" and pn_averaged[9] == "LayerNorm better |"
-    assert every_layer[6:] == ["2", "-", "-", "no verdict (fewer than 3 paired seeds) |"]
-    assert pn_best[7] == "+0.10 [+0.10, +0.10]" and pn_best[9] == "PN (its picks) better |"
+    assert pn_averaged[8] == "-4.00 [-4.00, -4.00]" and pn_averaged[10] == "LayerNorm better |"
+    assert every_layer[7:] == ["2", "-", "-", "no verdict (fewer than 3 paired seeds) |"]
+    assert pn_best[8] == "+0.10 [+0.10, +0.10]" and pn_best[10] == "PN (its picks) better |"
+    # DyT against PN: paired with PN's seeds (differences 1.00, 0.90, 1.05: t interval with 2 degrees
+    # of freedom), PN's scores the baseline's.
+    assert dyt_pn_averaged[5] == pn_averaged[6]
+    assert dyt_pn_averaged[8] == "+0.98 [+0.79, +1.17]" and dyt_pn_averaged[10] == "DyT better |"
+    assert dyt_pn_best[8] == "-0.60 [-0.60, -0.60]" and dyt_pn_best[10] == "PN (its picks) better |"
     verdicts = [c["verdict"] for c in tuned_comparison.comparisons([protocol])]
     p_values = [v.interval.p_value for v in verdicts if v.interval is not None]
     assert [v.adjusted_p for v in verdicts if v.interval is not None] == pytest.approx(statistics.holm(p_values))
-    assert float(rms_averaged[8]) == pytest.approx(verdicts[2].adjusted_p, abs=5e-4)
-    assert rms_best[4] == "28.20 ± 0.10 (3 seeds)"
+    assert float(rms_averaged[9]) == pytest.approx(verdicts[2].adjusted_p, abs=5e-4)
+    assert rms_best[5] == "28.20 ± 0.10 (3 seeds)"
 
 
 def test_every_arm_is_rechecked_alike_and_pns_warmup_edge_extended(tmp_path):
@@ -374,7 +453,7 @@ def test_every_arm_is_rechecked_alike_and_pns_warmup_edge_extended(tmp_path):
                       "powernorm-authors@2000": tuned_comparison.setting("powernorm-authors", 3e-3, 1200)}
     # Stage 1 as it ran: every norm at 200 and 600, and at 1,200 by the warmup rule.
     stage_one = [{"norm": norm, "warmup": warmup} for norm in tuned_comparison.NORMS for warmup in (200, 600, 1200)]
-    cells = tuned_comparison._recheck_cells(protocol, stage_one)
+    cells = tuned_comparison._recheck_cells(protocol, stage_one, tuned_comparison.RECHECKED)
     assert sorted((c.options["norm"], c.options["learning_rate"], c.options["warmup"]) for c in cells) == sorted(
         [("layernorm", rate, 600) for rate in (3e-3, 6e-3, 1.2e-2)]
         + [("rmsnorm", rate, 600) for rate in (6e-3, 1.2e-2, 2.4e-2)]
@@ -390,7 +469,7 @@ def test_every_arm_is_rechecked_alike_and_pns_warmup_edge_extended(tmp_path):
     ptb = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
     ptb.picks = {f"{norm}@1500": tuned_comparison.setting(norm, 8e-3, 150) for norm in tuned_comparison.RECHECKED}
     cells = tuned_comparison._recheck_cells(ptb, [{"norm": n, "warmup": w} for n in tuned_comparison.NORMS
-                                                  for w in (150, 500)])
+                                                  for w in (150, 500)], tuned_comparison.RECHECKED)
     assert len(cells) == 3 * len(tuned_comparison.RECHECKED) and {c.options["warmup"] for c in cells} == {150}
 
 

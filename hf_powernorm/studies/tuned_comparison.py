@@ -1,5 +1,5 @@
-"""LayerNorm, PN and RMSNorm, each tuned alike, in the paper's regime: PTB and Multi30k, and PTB's
-picks carried unchanged to a second language-modelling corpus (tinyshakespeare).
+"""LayerNorm, PN, RMSNorm, DyT and Derf, each tuned alike, in the paper's regime: PTB and Multi30k,
+and PTB's picks carried unchanged to a second language-modelling corpus (tinyshakespeare).
 
 The question: at a fair setting - the paper's training regime as far as a CPU allows, and the same
 tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm without centering) is the
@@ -34,10 +34,17 @@ sentences; the finals validate and test on the whole splits (PTB: always the who
    scoring test once; at the long budget also PN's pick with alpha_fwd 0.9 and alpha_bkw 1.0
    (`powernorm-fwd0.9`, which separates the two alphas); on Multi30k PN in every layer (`--seeds`);
 6. `transfer` (task `tinyshakespeare`, its files from `--transfer_data_dir`): PTB's picks of
-   LayerNorm, PN and RMSNorm unchanged at both PTB budgets, `--seeds`, test scored once.
+   LayerNorm, PN and RMSNorm unchanged at both PTB budgets, `--seeds`, test scored once;
+7. DyT and Derf (`ELEMENTWISE`; `--no-elementwise` leaves them out), task by task once every other
+   final has run (PTB, then Multi30k): `lr-elementwise` as stage 1 (at the model family's initial
+   alpha 1.0, with the same edge rules), `alpha_init` in the place of PN's alphas (the initial alpha
+   before attention x the one before the FFN and in the final norm, `ALPHAS_INIT`: 12 runs, as PN's
+   alpha_fwd x alpha_bkw), `recheck-elementwise` as stage 4 where the long budget has finals; finals
+   at both budgets on PTB and at the short one on Multi30k, at the other arms' seeds. Their tuning
+   reads validation only, as every tuning run.
 
-Verdicts (`reports.paired_verdicts`): per headline score, each arm against LayerNorm over the seeds
-both have (at least 3): the mean paired difference with its 95% t interval; Holm's adjustment over
+Verdicts (`reports.paired_verdicts`): per headline score, each arm against LayerNorm (DyT and Derf
+also against PN, `COMPARED`) over the seeds both have (at least 3): the mean paired difference with its 95% t interval; Holm's adjustment over
 every comparison the summary makes; an arm is better or worse when its adjusted p-value is below
 0.05, else no difference is shown.
 
@@ -84,8 +91,20 @@ NORMS = ("layernorm", "powernorm", "rmsnorm")
 AUTHORS, ALPHA_ARM, EVERY_LAYER = "powernorm-authors", "powernorm-fwd0.9", "powernorm-all"
 RECHECKED = (*NORMS, AUTHORS)
 DEFAULT_ALPHA, DEFAULT_DENOMINATOR = 0.9, "running"
+# The element-wise norms (DyT, Derf), tuned after the arms above have their finals: the same stages
+# with their initial alpha (before attention, and before the FFN and in the final norm) in place of
+# PN's alphas, from the model family's default; their finals at both budgets of `ELEMENTWISE_TASKS`'
+# first task and at the short budget of the others.
+ELEMENTWISE = ("dyt", "derf")
+ELEMENTWISE_TASKS = ("ptb", "multi30k")
+DEFAULT_ALPHA_INIT = 1.0
+# Their initial alphas, a grid of 3 x 4 = 12 runs per norm: as many as PN's alpha_fwd x alpha_bkw
+# (kept apart from `SIZES`, which finished runs recorded before these norms joined the study).
+ALPHAS_INIT = {"real": {"attention": (0.5, 1.0, 2.0), "other": (0.25, 0.5, 1.0, 2.0)},
+               "smoke": {"attention": (1.0,), "other": (0.5, 1.0)}}
 COLUMNS = ("task", "norm", "stage", "updates", "learning_rate", "warmup", "dropout", "label_smoothing", "alpha_fwd",
-           "alpha_bkw", "denominator", "seed", "split", "metric", "examples", "value")
+           "alpha_bkw", "denominator", "alpha_init_attention", "alpha_init_other", "seed", "split", "metric",
+           "examples", "value")
 SIZES = {
     "real": {
         "ptb": {"vocab_size": 4000, "block_size": 128, "max_tokens": 2048, "budgets": (1500, 4500),
@@ -132,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the short budget's finals (and transfer)")
     p.add_argument("--long_seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="the long budget's finals")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    p.add_argument("--elementwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the other arms' finals, tune DyT and Derf and run their finals (default: on)")
     p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
     p.add_argument("--report_only", action="store_true",
                    help="write the outputs from the runs finished so far, and run nothing")
@@ -154,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "tinyshakespeare" in args.tasks and not args.smoke:
         transfer_files(args.transfer_data_dir)  # fails now, not after hours of other runs
     args.sizes = SIZES["smoke" if args.smoke else "real"]
+    args.alphas_init = ALPHAS_INIT["smoke" if args.smoke else "real"]
     # How often a norm's learning-rate grid may grow past an edge its pick lies on (not a run
     # option: the runs it adds are named by their learning rate).
     args.extensions = 1 if args.smoke else 2
@@ -165,14 +187,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- one run ------------------------------------------------------------------------------------
 
 
+# What a run varies besides norm, rate, warmup, budget and seed: PN's options, then DyT's and Derf's.
+OPTION_KEYS = ("alpha_fwd", "alpha_bkw", "denominator", "alpha_init_attention", "alpha_init_other")
+
+
 def setting(norm: str, learning_rate: float, warmup: int, alpha_fwd: float | None = None,
             alpha_bkw: float | None = None, denominator: str | None = None) -> dict[str, Any]:
-    """What a run varies besides budget and seed; PN's options are None for the other norms."""
+    """What a run varies besides budget and seed; PN's options are None for the other norms, and
+    DyT's and Derf's initial alphas (the model family's default to start) None for the others.
+    The element-wise options are only present for those norms: a run of the other norms keeps the
+    options it was recorded with."""
     pn = norm.startswith("powernorm")
-    return {"norm": norm, "learning_rate": learning_rate, "warmup": warmup,
-            "alpha_fwd": (alpha_fwd or DEFAULT_ALPHA) if pn else None,
-            "alpha_bkw": (alpha_bkw or DEFAULT_ALPHA) if pn else None,
-            "denominator": (denominator or DEFAULT_DENOMINATOR) if pn else None}
+    chosen = {"norm": norm, "learning_rate": learning_rate, "warmup": warmup,
+              "alpha_fwd": (alpha_fwd or DEFAULT_ALPHA) if pn else None,
+              "alpha_bkw": (alpha_bkw or DEFAULT_ALPHA) if pn else None,
+              "denominator": (denominator or DEFAULT_DENOMINATOR) if pn else None}
+    if norm in ELEMENTWISE:
+        chosen.update(alpha_init_attention=DEFAULT_ALPHA_INIT, alpha_init_other=DEFAULT_ALPHA_INIT)
+    return chosen
 
 
 def _norm_argv(options: dict[str, Any]) -> list[str]:
@@ -188,6 +220,10 @@ def _norm_argv(options: dict[str, Any]) -> list[str]:
         argv += ["--powernorm_alpha_fwd", str(options["alpha_fwd"]), "--powernorm_alpha_bkw",
                  str(options["alpha_bkw"]), "--powernorm_backward_denominator", options["denominator"],
                  "--powernorm_warmup_steps", str(options["warmup"])]
+    if kind in ELEMENTWISE:
+        other = str(options["alpha_init_other"])
+        argv += ["--norm_alpha_init_attention", str(options["alpha_init_attention"]), "--norm_alpha_init_ffn", other,
+                 "--norm_alpha_init_final", other]
     return argv
 
 
@@ -265,6 +301,8 @@ def _cell(task: str, inputs: dict[str, Any], sizes: dict[str, Any], chosen: dict
     name = (f"{task}-{chosen['norm']}-lr{chosen['learning_rate']:g}-w{chosen['warmup']}"
             + (f"-a{chosen['alpha_fwd']:g}-{chosen['alpha_bkw']:g}-{chosen['denominator']}"
                if chosen["alpha_fwd"] is not None else "")
+            + (f"-ai{chosen['alpha_init_attention']:g}-{chosen['alpha_init_other']:g}"
+               if chosen.get("alpha_init_attention") is not None else "")
             + f"-u{updates}-seed{seed}" + ("-final" if final else ""))
     options = {"task": task, **chosen, "updates": updates, "seed": seed, "sizes": sizes, "final": final,
                "max_eval_samples": None if final else sizes.get("max_eval_samples"), **inputs}
@@ -278,7 +316,7 @@ def _best(task: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _chosen(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: result[k] for k in ("norm", "learning_rate", "warmup", "alpha_fwd", "alpha_bkw", "denominator")}
+    return {k: result[k] for k in ("norm", "learning_rate", "warmup", *OPTION_KEYS) if k in result}
 
 
 def _beyond(picked: float, rates: set[float]) -> float | None:
@@ -287,11 +325,16 @@ def _beyond(picked: float, rates: set[float]) -> float | None:
     return picked * 2 if picked == max(rates) else picked / 2 if picked == min(rates) else None
 
 
+def _norms(results: list[dict[str, Any]]) -> list[str]:
+    """The norms (arms) of a stage's results, in grid order."""
+    return list(dict.fromkeys(result["norm"] for result in results))
+
+
 def _edge_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
     """A learning rate picked at the edge of a norm's grid is no pick: one step (x2, or /2) beyond
     that edge, at every warmup, for each norm whose pick lies there - the same rule for every norm."""
     extra = []
-    for norm in NORMS:
+    for norm in _norms(results):
         runs = [r for r in results if r["norm"] == norm]
         beyond = _beyond(_best(protocol.task, runs)["learning_rate"], {r["learning_rate"] for r in runs})
         if beyond is not None:
@@ -306,10 +349,8 @@ def _recheck_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> l
     for every arm; returns only cells that have not run yet."""
     done = {result["cell"] for result in results}
     extra = []
-    for norm in RECHECKED:
+    for norm in _norms(results):
         runs = [r for r in results if r["norm"] == norm]
-        if not runs:
-            continue
         pick = _best(protocol.task, runs)
         beyond = _beyond(pick["learning_rate"], {r["learning_rate"] for r in runs if r["warmup"] == pick["warmup"]})
         if beyond is not None:
@@ -343,7 +384,7 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
         return []
     done = {result["cell"] for result in results}
     extra = []
-    for norm in NORMS:
+    for norm in _norms(results):
         runs = [r for r in results if r["norm"] == norm]
         pick = _best(protocol.task, runs)
         rate, warmup = pick["learning_rate"], pick["warmup"]
@@ -357,12 +398,12 @@ def _warmup_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> li
     return extra
 
 
-def _recheck_cells(protocol: "Protocol", stage_one: list[dict[str, Any]]) -> list[Cell]:
-    """Stage 4 for every arm in `RECHECKED`: its short-budget pick's learning rate x `recheck` at the
+def _recheck_cells(protocol: "Protocol", stage_one: list[dict[str, Any]], norms: tuple[str, ...]) -> list[Cell]:
+    """Stage 4 for every arm in `norms`: its short-budget pick's learning rate x `recheck` at the
     long budget, at the pick's warmup and, where that warmup lies at the edge of the warmups its norm
     ran in stage 1 (`WARMUP_EDGE_TASKS`), at the next warmup beyond, below the long budget."""
     cells = []
-    for norm in RECHECKED:
+    for norm in norms:
         pick = protocol.picks[f"{norm}@{protocol.short}"]
         source = "powernorm" if norm == AUTHORS else norm  # stage 1 ran PN at the authors' alphas
         longer = _next_warmup(protocol, pick["warmup"], [r["warmup"] for r in stage_one if r["norm"] == source],
@@ -452,7 +493,7 @@ class Protocol:
         if results is None:
             return False
         self.picks[f"powernorm@{self.short}"] = _chosen(_best(self.task, results))
-        results = self._extended_stage("recheck", _recheck_cells(self, stage_one),
+        results = self._extended_stage("recheck", _recheck_cells(self, stage_one, RECHECKED),
                                        ((_recheck_extension, self.args.extensions),))
         if results is None:
             return False
@@ -478,8 +519,57 @@ class Protocol:
                       for updates in (self.short, self.long) for seed in self.args.seeds]
         return cells
 
-    def run_finals(self, extras: bool = True) -> None:
-        self._stage("final", self.final_cells(extras))
+    def elementwise_budgets(self) -> tuple[int, ...]:
+        """The budgets of DyT's and Derf's finals: both on the first of `ELEMENTWISE_TASKS`, the short
+        one on the others; none on a task outside them."""
+        if self.task not in ELEMENTWISE_TASKS:
+            return ()
+        return (self.short, self.long) if self.task == ELEMENTWISE_TASKS[0] else (self.short,)
+
+    def tune_elementwise(self) -> bool:
+        """DyT's and Derf's stages, as the other norms': `lr-elementwise` (rate x warmup at the model
+        family's initial alphas, with the same edge rules), `alpha_init` (the initial alphas at that
+        pick, `ALPHAS_INIT`: the place of PN's alphas), and `recheck-elementwise` where their long
+        budget has finals; True once their picks for `elementwise_budgets()` are fixed."""
+        budgets = self.elementwise_budgets()
+        if not budgets:
+            return False
+        sizes, grid = self.sizes, self.args.alphas_init
+        cells = [self.cell(setting(norm, lr, warmup), self.short) for norm in ELEMENTWISE
+                 for lr in sizes["learning_rates"] for warmup in sizes["warmups"]]
+        stage_one = self._extended_stage("lr-elementwise", cells, (
+            (_edge_extension, self.args.extensions),
+            (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)))
+        if stage_one is None:
+            return False
+        results = self._stage("alpha_init", [
+            self.cell({**_chosen(_best(self.task, [r for r in stage_one if r["norm"] == norm])),
+                       "alpha_init_attention": attention, "alpha_init_other": other}, self.short)
+            for norm in ELEMENTWISE for attention in grid["attention"] for other in grid["other"]])
+        if results is None:
+            return False
+        for norm in ELEMENTWISE:
+            self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
+        if self.long not in budgets:
+            return True
+        results = self._extended_stage("recheck-elementwise", _recheck_cells(self, stage_one, ELEMENTWISE),
+                                       ((_recheck_extension, self.args.extensions),))
+        if results is None:
+            return False
+        for norm in ELEMENTWISE:
+            self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
+        return True
+
+    def elementwise_final_cells(self) -> list[Cell]:
+        """DyT's and Derf's finals, seed by seed, at the seeds the other arms have at each budget."""
+        seeds = {self.short: self.args.seeds, self.long: self.args.long_seeds}
+        return [self.cell(self.picks[f"{norm}@{updates}"], updates, seed, final=True)
+                for updates in self.elementwise_budgets() for seed in seeds[updates] for norm in ELEMENTWISE]
+
+    def run_finals(self, extras: bool = True, elementwise: bool = False) -> None:
+        """The finals: the arms' main ones, with `extras` the rows the cut rule drops first, with
+        `elementwise` also DyT's and Derf's (after their tuning)."""
+        self._stage("final", self.final_cells(extras) + (self.elementwise_final_cells() if elementwise else []))
 
 
 class Transfer(Protocol):
@@ -573,7 +663,11 @@ def _mean_std(values: list[float]) -> str:
 # The arms compared with LayerNorm, in the headline's order, and their names there.
 ARM_NAMES = {"powernorm": "PN (its picks)", AUTHORS: "PN, authors' alphas 0.9/0.9 (own rate, warmup)",
              ALPHA_ARM: "PN, alpha_fwd 0.9 / alpha_bkw 1.0 (PN's long pick)", EVERY_LAYER: "PN in every layer",
-             "rmsnorm": "RMSNorm"}
+             "rmsnorm": "RMSNorm", "dyt": "DyT", "derf": "Derf"}
+BASELINE_NAMES = {"layernorm": "LayerNorm", "powernorm": "PN (its picks)"}
+# Every comparison of the headline, `(arm, baseline)`: each arm against LayerNorm, and DyT and Derf
+# also against PN.
+COMPARED = (*((norm, "layernorm") for norm in ARM_NAMES), *((norm, "powernorm") for norm in ELEMENTWISE))
 
 
 def _by_seed(results: list[dict[str, Any]], norm: str, updates: int, key: str) -> dict[int, float]:
@@ -581,43 +675,44 @@ def _by_seed(results: list[dict[str, Any]], norm: str, updates: int, key: str) -
 
 
 def comparisons(protocols: list[Protocol]) -> list[dict[str, Any]]:
-    """Every comparison the summary makes - each arm with finals against LayerNorm, per task, budget
-    and headline score - with its paired verdict, Holm's adjustment taken over all of them."""
+    """Every comparison the summary makes - each of `COMPARED` where both sides have finals, per
+    task, budget and headline score - with its paired verdict, Holm's adjustment taken over all of
+    them."""
     found = []
     for protocol in protocols:
         finals = _finished(protocol)
         for updates in (protocol.short, protocol.long):
             for split, metric, scored in HEADLINES[protocol.task]:
                 key = f"{split}_{metric}"
-                ln = _by_seed(finals, "layernorm", updates, key)
-                for norm in ARM_NAMES:
-                    other = _by_seed(finals, norm, updates, key)
-                    if ln and other:
-                        found.append({"task": protocol.task, "updates": updates, "norm": norm, "baseline": ln,
-                                      "other": other, "label": _score_label(split, metric, scored),
+                for norm, against in COMPARED:
+                    baseline, other = _by_seed(finals, against, updates, key), _by_seed(finals, norm, updates, key)
+                    if baseline and other:
+                        found.append({"task": protocol.task, "updates": updates, "norm": norm, "against": against,
+                                      "baseline": baseline, "other": other,
+                                      "label": _score_label(split, metric, scored),
                                       "lower": LOWER_IS_BETTER[protocol.task]})
     verdicts = paired_verdicts([(c["baseline"], c["other"], c["lower"]) for c in found])
     return [{**c, "verdict": v} for c, v in zip(found, verdicts)]
 
 
-def _verdict_words(norm: str, verdict: PairedVerdict) -> str:
+def _verdict_words(norm: str, against: str, verdict: PairedVerdict) -> str:
     if verdict.better is None:
         return f"no verdict (fewer than {MIN_PAIRS} paired seeds)"
-    return {"other": f"{ARM_NAMES[norm]} better", "baseline": "LayerNorm better",
+    return {"other": f"{ARM_NAMES[norm]} better", "baseline": f"{BASELINE_NAMES[against]} better",
             "neither": "no difference shown"}[verdict.better]
 
 
 def headline(protocols: list[Protocol]) -> list[str]:
-    lines = ["| task | updates | score | arm | LayerNorm | arm's score | paired seeds | arm minus LN, mean [95% CI] "
-             "| Holm p | verdict |",
-             "|---|---:|---|---|---|---|---:|---|---:|---|"]
+    lines = ["| task | updates | score | arm | baseline | baseline's score | arm's score | paired seeds "
+             "| arm minus baseline, mean [95% CI] | Holm p | verdict |",
+             "|---|---:|---|---|---|---|---|---:|---|---:|---|"]
     for c in comparisons(protocols):
         verdict = c["verdict"]
         p_value = "-" if verdict.adjusted_p is None else f"{verdict.adjusted_p:.3f}"
         lines.append(f"| {c['task']} | {c['updates']} | {c['label']} | {ARM_NAMES[c['norm']]} | "
-                     f"{_mean_std(list(c['baseline'].values()))} | {_mean_std(list(c['other'].values()))} | "
-                     f"{len(verdict.differences)} | {paired_cell(verdict)} | {p_value} | "
-                     f"{_verdict_words(c['norm'], verdict)} |")
+                     f"{BASELINE_NAMES[c['against']]} | {_mean_std(list(c['baseline'].values()))} | "
+                     f"{_mean_std(list(c['other'].values()))} | {len(verdict.differences)} | {paired_cell(verdict)} | "
+                     f"{p_value} | {_verdict_words(c['norm'], c['against'], verdict)} |")
     return lines
 
 
@@ -679,12 +774,12 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
     picks = {protocol.task: protocol.picks for protocol in protocols}
     (output_dir / PICKS_JSON).write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     corpora = "smoke sizes" if args.smoke else "PTB, Multi30k, tinyshakespeare"
-    lines = [f"# LayerNorm, PN and RMSNorm, tuned alike ({corpora})", "",
+    lines = [f"# LayerNorm, PN, RMSNorm, DyT and Derf, tuned alike ({corpora})", "",
              "Headline scores (finals only; whole test splits): test perplexity per BPE token of the best validated "
              "model (PTB; tinyshakespeare with PTB's picks unchanged); Multi30k test BLEU of the average of the last "
              "checkpoints (beam 5; the paper's inference) and of the best validated checkpoint (beam 5). Each arm "
-             "against LayerNorm over the seeds both have: the mean of the per-seed differences with its 95% t "
-             f"interval, Holm's adjustment over the {len(comparisons(protocols))} comparisons below; an arm is better "
+             "against LayerNorm (DyT and Derf also against PN) over the seeds both have: the mean of the per-seed "
+             f"differences with its 95% t interval, Holm's adjustment over the {len(comparisons(protocols))} comparisons below; an arm is better "
              f"or worse when the adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under "
              f"{MIN_PAIRS} paired seeds, no verdict.", "", *headline(protocols), "",
              "Per seed (the finals):", "", *per_seed(protocols), "",
@@ -738,7 +833,7 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
                                         color=line.get_color(), alpha=0.2)
         if LOWER_IS_BETTER[protocol.task]:
             axis.set_yscale("log")
-        metric = "validation perplexity" if protocol.task == "ptb" else "validation BLEU"
+        metric = "validation perplexity" if LOWER_IS_BETTER[protocol.task] else "validation BLEU"
         axis.set_xlabel("update")
         axis.set_ylabel(metric)
         axis.set_title(f"{protocol.task}, {updates} updates: mean and seed range")
@@ -851,6 +946,11 @@ def main(argv: list[str] | None = None) -> list[Protocol]:
         for protocol in tuned:
             protocol.run_finals(extras)
             write_outputs(protocols, args, output_dir)
+    # DyT and Derf once every other final has run: a task's tuning, then its finals, task by task.
+    for protocol in tuned if args.elementwise else []:
+        if protocol.tune_elementwise():
+            protocol.run_finals(elementwise=True)
+        write_outputs(protocols, args, output_dir)
     print((output_dir / SUMMARY_MD).read_text(encoding="utf-8"))
     if args.export_dir:
         count = export(protocols, output_dir, Path(args.export_dir))
