@@ -147,6 +147,7 @@ def test_train_wmt_early_stopping_exports_the_best_model(translation_files, tmp_
     assert results["validation_bleu"] == pytest.approx(training.bleu_scores(*translations[1])["bleu"])
     predictions, references = translations[5]
     assert (tmp_path / "generated_predictions.txt").read_text(encoding="utf-8").splitlines() == predictions
+    assert (tmp_path / "generated_references.txt").read_text(encoding="utf-8").splitlines() == references
     assert results["test_bleu"] == pytest.approx(sacrebleu.corpus_bleu(predictions, [references]).score)
     # Validation pairs came from aligned text files, test pairs from JSON lines.
     assert "nrefs:1" in results["validation_bleu_signature"]

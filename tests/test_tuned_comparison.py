@@ -181,6 +181,10 @@ def test_a_tuning_run_reads_no_test_split_and_a_final_scores_the_whole_one(task,
     limit = protocol.sizes.get("max_eval_samples")
     whole = tuned_comparison._examples(scored, "validation")
     assert tuned_comparison._examples(tuned, "validation") == (limit or whole) and (not limit or limit < whole)
+    if task == "multi30k":  # each BLEU score's translations and references, whole, for the bootstrap
+        for key in tuned_comparison.TRANSLATIONS:
+            translations, references = tuned_comparison._translation_files(tmp_path, scored, key)
+            assert len(translations.read_text().splitlines()) == len(references.read_text().splitlines()) == len(lines)
 
 
 def test_a_tuning_run_of_the_first_protocol_shows_no_test_row():
@@ -537,3 +541,36 @@ def test_a_long_budget_pick_at_the_edge_of_its_rechecked_rates_gets_the_next_rat
     for rate, bleu in ((3e-3, 35.0), (6e-3, 34.31), (1.2e-2, 32.09)):
         run(ln, rate, bleu)
     assert extension() == [("layernorm", 1.5e-3, 600, None, 4000)]
+
+
+def test_bleu_bootstrap_per_seed_pairs_the_same_sentences(tmp_path):
+    args = tuned_comparison.parse_args(["--smoke", "--tasks", "multi30k", "--output_dir", str(tmp_path)])
+    protocol = tuned_comparison.Protocol("multi30k", args, {}, tmp_path)
+    references = [f"a dog runs on the grass number {i} ." for i in range(40)]
+    system = {"layernorm": [r if i % 3 else "a cat sits ." for i, r in enumerate(references)],
+              "powernorm": [r if i % 5 else "a cat sits ." for i, r in enumerate(references)]}
+    results = []
+    for norm, translations in system.items():
+        for seed in (1, 2, 3):
+            cell = f"multi30k-{norm}-seed{seed}-final"
+            result = {"cell": cell, "task": "multi30k", "norm": norm, "updates": 2, "seed": seed, "final": True,
+                      "test_bleu": 30.0 + seed, "test_bleu_averaged": 31.0 + seed}
+            for key in tuned_comparison.TRANSLATIONS:
+                predictions, refs = tuned_comparison._translation_files(tmp_path, result, key)
+                predictions.parent.mkdir(parents=True, exist_ok=True)
+                predictions.write_text("".join(line + "\n" for line in translations))
+                # Seed 3's PN run was scored against other references: no pair of sentences to resample.
+                other = norm == "powernorm" and seed == 3
+                refs.write_text("".join(line + ("!" if other else "") + "\n" for line in references))
+            results.append(result)
+    protocol.stages["final"] = [(None, result) for result in results]
+    rows = [line.split(" | ") for line in tuned_comparison.bootstraps([protocol], tmp_path)[2:]]
+    expected = statistics.paired_bootstrap_bleu(system["layernorm"], system["powernorm"], references,
+                                                samples=tuned_comparison.BOOTSTRAP_SAMPLES)
+    assert expected.mean > 0  # PN's translations miss fewer sentences
+    # Both BLEU scores, seeds 1 and 2 (seed 3 left out), PN against LayerNorm only (no DyT finals).
+    assert [(row[2].split(" (")[0], row[3], row[4], row[5]) for row in rows] == [
+        ("test bleu", "PN (its picks)", "LayerNorm", seed) for seed in ("1", "2")] * 2
+    for row in rows:
+        assert row[6:] == ["40", f"{expected.mean:+.2f} [{expected.low:+.2f}, {expected.high:+.2f}]",
+                           f"{expected.p_value:.3f} |"]

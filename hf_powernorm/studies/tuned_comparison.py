@@ -76,6 +76,8 @@ from typing import Any
 
 from ..training import select_checkpoints, synthetic_translation_corpus, translation, write_average
 from ..training.atomic_files import remove_path
+from ..training.evaluation import references_file
+from ..training.statistics import paired_bootstrap_bleu
 from ..training.run_log import LOG_NAME
 from .grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
 from .norm_comparison import log_folder, multi30k_files, validation_curve
@@ -688,7 +690,7 @@ def comparisons(protocols: list[Protocol]) -> list[dict[str, Any]]:
                     baseline, other = _by_seed(finals, against, updates, key), _by_seed(finals, norm, updates, key)
                     if baseline and other:
                         found.append({"task": protocol.task, "updates": updates, "norm": norm, "against": against,
-                                      "baseline": baseline, "other": other,
+                                      "key": key, "baseline": baseline, "other": other,
                                       "label": _score_label(split, metric, scored),
                                       "lower": LOWER_IS_BETTER[protocol.task]})
     verdicts = paired_verdicts([(c["baseline"], c["other"], c["lower"]) for c in found])
@@ -713,6 +715,48 @@ def headline(protocols: list[Protocol]) -> list[str]:
                      f"{BASELINE_NAMES[c['against']]} | {_mean_std(list(c['baseline'].values()))} | "
                      f"{_mean_std(list(c['other'].values()))} | {len(verdict.differences)} | {paired_cell(verdict)} | "
                      f"{p_value} | {_verdict_words(c['norm'], c['against'], verdict)} |")
+    return lines
+
+
+# Where a translation final keeps the test translations behind each BLEU headline score (with the
+# references they were scored against), for the paired bootstrap over sentences.
+TRANSLATIONS = {"test_bleu": "run", "test_bleu_averaged": "averaged_scores"}
+BOOTSTRAP_SAMPLES = 1000
+
+
+def _translation_files(output_dir: Path, result: dict[str, Any], key: str) -> tuple[Path, Path]:
+    predictions = Path(output_dir) / "cells" / result["cell"] / TRANSLATIONS[key] / "generated_predictions.txt"
+    return predictions, references_file(predictions)
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def bootstraps(protocols: list[Protocol], output_dir: Path) -> list[str]:
+    """Per seed, each BLEU comparison of the headline as sacreBLEU's paired bootstrap over the test
+    sentences (`BOOTSTRAP_SAMPLES` resamples): the arm's BLEU minus the baseline's at that seed, its
+    95% percentile interval and p-value. A seed whose translations are not on this machine, or
+    whose two runs were scored against other references, is left out."""
+    finals = {(r["task"], r["norm"], r["updates"], r["seed"]): r for protocol in protocols
+              for r in _finished(protocol)}
+    lines = ["| task | updates | score | arm | baseline | seed | sentences | arm minus baseline, BLEU [95% bootstrap] "
+             "| p |", "|---|---:|---|---|---|---:|---:|---|---:|"]
+    for c in comparisons(protocols):
+        if c["key"] not in TRANSLATIONS:
+            continue
+        for seed in sorted(set(c["baseline"]) & set(c["other"])):
+            runs = [finals[(c["task"], norm, c["updates"], seed)] for norm in (c["against"], c["norm"])]
+            files = [_translation_files(output_dir, run, c["key"]) for run in runs]
+            if not all(path.is_file() for pair in files for path in pair):
+                continue
+            (base, base_refs), (other, other_refs) = [(_lines(p), _lines(r)) for p, r in files]
+            if base_refs != other_refs:
+                continue
+            interval = paired_bootstrap_bleu(base, other, base_refs, samples=BOOTSTRAP_SAMPLES)
+            lines.append(f"| {c['task']} | {c['updates']} | {c['label']} | {ARM_NAMES[c['norm']]} | "
+                         f"{BASELINE_NAMES[c['against']]} | {seed} | {interval.n} | {interval.mean:+.2f} "
+                         f"[{interval.low:+.2f}, {interval.high:+.2f}] | {interval.p_value:.3f} |")
     return lines
 
 
@@ -783,6 +827,10 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
              f"or worse when the adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under "
              f"{MIN_PAIRS} paired seeds, no verdict.", "", *headline(protocols), "",
              "Per seed (the finals):", "", *per_seed(protocols), "",
+             f"BLEU per seed, sacreBLEU's paired bootstrap over the test sentences ({BOOTSTRAP_SAMPLES} resamples): "
+             "how far a seed's difference stands from what resampling the sentences gives. Descriptive, per seed, "
+             "not corrected for their number; the verdicts above come from the seeds.", "",
+             *bootstraps(protocols, output_dir), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
              f"Picks (validation only): `{PICKS_JSON}`."]
     (output_dir / SUMMARY_MD).write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -851,7 +899,8 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
 
 def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int:
     """Copy the outputs and each finished run's `result.json` and validation records (the lines of
-    its log that `validation_curve` reads, as they are) into `export_dir`; a run folder there that
+    its log that `validation_curve` reads, as they are), and a translation final's test translations
+    with their references (`bootstraps` reads them), into `export_dir`; a run folder there that
     is no longer a finished run is removed. Returns the number of runs exported. Copied into an
     output folder, `cells/` resumes the study: the grid never reruns a run with a result, and the
     report reads the same curves from it."""
@@ -867,6 +916,12 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
         target = log_folder(export_dir, result)
         target.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(output_dir / "cells" / cell / RESULT_NAME, export_dir / "cells" / cell / RESULT_NAME)
+        for key in TRANSLATIONS if result.get("final") and result["task"] == "multi30k" else ():
+            for path in _translation_files(output_dir, result, key):
+                if path.is_file():
+                    copy = export_dir / path.relative_to(output_dir)
+                    copy.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, copy)
         lines = (log_folder(output_dir, result) / LOG_NAME).read_text(encoding="utf-8").splitlines(keepends=True)
         records = [line for line in lines if line.strip() and "validation" in json.loads(line)]
         (target / LOG_NAME).write_text("".join(records), encoding="utf-8")

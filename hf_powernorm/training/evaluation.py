@@ -53,11 +53,19 @@ def bleu_scores(predictions: list[str], references: list[str]) -> dict[str, floa
 def evaluate_bleu(accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader, tokenizer: Any,
                   predictions_file: str | Path | None = None, **generate_kwargs: Any) -> dict[str, float | str]:
     """Beam search (or whatever `generate_kwargs` ask) on a split and its BLEU; the translations go
-    to `predictions_file` (one per line, the split's order) when given, from the main process."""
+    to `predictions_file` (one per line, the split's order) when given, from the main process, and
+    the references BLEU scored them against to `references_file(predictions_file)` beside it (what a
+    paired bootstrap over sentences needs)."""
     predictions, references = translate(accelerator, model, loader, tokenizer, **generate_kwargs)
     if predictions_file is not None and accelerator.is_main_process:
-        Path(predictions_file).write_text("".join(p.replace("\n", " ") + "\n" for p in predictions), encoding="utf-8")
+        for path, lines in ((Path(predictions_file), predictions), (references_file(predictions_file), references)):
+            path.write_text("".join(line.replace("\n", " ") + "\n" for line in lines), encoding="utf-8")
     return bleu_scores(predictions, references)
+
+
+def references_file(predictions_file: str | Path) -> Path:
+    """Where `evaluate_bleu` writes the references of `predictions_file`'s translations."""
+    return Path(predictions_file).with_name("generated_references.txt")
 
 
 @torch.no_grad()
