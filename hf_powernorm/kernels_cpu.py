@@ -829,7 +829,7 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
 _tried = False
-GROUP_SCALE_EPS = 1e-5  # PN's group scaling (normalization.GROUP_SCALE_EPS)
+GROUP_SCALE_EPS = 1e-5  # group scaling's epsilon, the reference code's (PN's `group_eps` default)
 
 
 def _cache_dir() -> pathlib.Path:

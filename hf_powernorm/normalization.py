@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels_cpu import (
+    GROUP_SCALE_EPS,
     bn_step_backward,
     bn_step_forward,
     kernels_usable,
@@ -65,7 +66,6 @@ from .kernels_triton import pn_step_backward as triton_step_backward
 from .kernels_triton import pn_step_forward as triton_step_forward
 from .kernels_triton import usable as triton_usable
 
-GROUP_SCALE_EPS = 1e-5
 BACKWARD_DENOMINATORS = ("running", "batch")
 WARMUP_STATISTICS = ("cumulative", "reference")
 
@@ -387,6 +387,9 @@ class _Norm(nn.Module):
     site_options: dict[str, str] = {}
     # The model family makes its embedding scale a learnable scalar in a stack of these norms by default.
     learnable_embed_scale: bool = False
+    # Short names the registry accepts besides the class's key and name (`norm_spellings()`); read off
+    # the class itself, never inherited.
+    short_names: tuple[str, ...] = ()
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -1029,6 +1032,7 @@ class PowerNorm(_RunningStatsNorm):
     mixing_options = ("warmup_steps", "warmup_ramp_steps")
     has_running_stats = True
     foldable = True
+    short_names = ("pn",)
     config_options = {
         "alpha_fwd": "powernorm_alpha_fwd",
         "alpha_bkw": "powernorm_alpha_bkw",
@@ -1329,6 +1333,7 @@ class PowerNormV(_RunningStatsNorm):
     mixes_positions = True
     has_running_stats = True
     foldable = True
+    short_names = ("pnv",)
     config_options = {"alpha_fwd": "powernorm_alpha_fwd"}
 
     _running_buffers = {"running_phi": 1.0}
@@ -1436,6 +1441,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
     mixes_positions = True
     has_running_stats = True
     foldable = True
+    short_names = ("bn",)
 
     _running_buffers = {"running_mean": 0.0, "running_var": 1.0}
 
@@ -1538,6 +1544,7 @@ class BatchRenorm(MaskedBatchNorm):
     mixes_positions = True
     has_running_stats = True
     foldable = True
+    short_names = ("brn", "batch_renormalization")
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1, rmax: float = 3.0,
                  dmax: float = 5.0):
@@ -1794,6 +1801,7 @@ class LayerNorm(_Norm):
     mixes_positions = False
     has_running_stats = False
     foldable = False
+    short_names = ("ln",)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
@@ -1876,6 +1884,7 @@ class GroupNorm(_Norm):
     mixes_positions = False
     has_running_stats = False
     foldable = False
+    short_names = ("gn",)
     config_options = {"group_num": "powernorm_group_num"}
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, group_num: int = 1):
@@ -2050,6 +2059,8 @@ class DyT(_ElementwiseNorm):
     is written out (`_ElementwiseNormFunction`), the same gradient in fewer passes than autograd's.
     """
 
+    short_names = ("dynamic_tanh",)
+
     _squash = "tanh"
 
 
@@ -2069,6 +2080,8 @@ class Derf(_ElementwiseNorm):
     unused; the arithmetic is float32 under autocast and for half-precision inputs and parameters
     (the authors' code computes in the input's dtype), and the backward is written out, as for `DyT`.
     """
+
+    short_names = ("dynamic_erf",)
 
     _squash = "erf"
 
@@ -2103,38 +2116,25 @@ NORM_CLASSES: dict[str, type[nn.Module]] = {
     "derf": Derf,
 }
 
-_ALIASES = {
-    "powernorm": "powernorm",
-    "pn": "powernorm",
-    "powernormv": "powernorm_v",
-    "pnv": "powernorm_v",
-    "batchnorm": "batchnorm",
-    "maskedbatchnorm": "batchnorm",
-    "bn": "batchnorm",
-    "batchrenorm": "batchrenorm",
-    "batchrenormalization": "batchrenorm",
-    "brn": "batchrenorm",
-    "mabn": "mabn",
-    "movingaveragebatchnorm": "mabn",
-    "layernorm": "layernorm",
-    "ln": "layernorm",
-    "rmsnorm": "rmsnorm",
-    "groupnorm": "groupnorm",
-    "gn": "groupnorm",
-    "none": "none",
-    "identity": "none",
-    "dyt": "dyt",
-    "dynamictanh": "dyt",
-    "derf": "derf",
-    "dynamicerf": "derf",
-}
+def _squashed(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name.lower())
+
+
+def norm_spellings() -> dict[str, str]:
+    """Every spelling `normalize_norm_name` accepts, lower-case without `_`, `-` or spaces, -> its
+    `NORM_CLASSES` key: the key, the class name and the class's own `short_names`."""
+    spellings = {_squashed(key): key for key in NORM_CLASSES}
+    for key, cls in NORM_CLASSES.items():
+        for name in (cls.__name__, *vars(cls).get("short_names", ())):
+            spellings.setdefault(_squashed(name), key)
+    return spellings
 
 
 def normalize_norm_name(name: str) -> str:
     """Map any spelling (`"PowerNorm"`, `"power_norm"`, `"PN-V"`) to its `NORM_CLASSES` key."""
     if not isinstance(name, str):
         raise ValueError(f"norm name must be a string, got {name!r}; valid names: {sorted(NORM_CLASSES)}")
-    key = _ALIASES.get(re.sub(r"[\s_\-]", "", name.lower()))
+    key = norm_spellings().get(_squashed(name))
     if key is None:
         raise ValueError(f"unknown norm {name!r}; valid names: {sorted(NORM_CLASSES)}")
     return key
@@ -2167,5 +2167,6 @@ __all__ = [
     "RMSNorm",
     "build_norm",
     "group_scale",
+    "norm_spellings",
     "normalize_norm_name",
 ]

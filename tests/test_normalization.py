@@ -18,10 +18,12 @@ from launching import free_port
 from hf_powernorm import (
     NORM_CLASSES,
     BatchRenorm,
+    LayerNorm,
     MovingAverageBatchNorm,
     PowerNorm,
     build_norm,
     group_scale,
+    norm_spellings,
     normalize_norm_name,
 )
 
@@ -645,6 +647,52 @@ def test_norm_names_are_normalised(spelling):
                                            ("moving_average_batch_norm", MovingAverageBatchNorm)])
 def test_baseline_names_are_normalised(spelling, cls):
     assert isinstance(build_norm(spelling, HIDDEN), cls)
+
+
+# Every spelling the registry accepted when its spellings were a table of their own: each must stay
+# accepted (in any case, with `_`, `-` or spaces) and mean the same norm.
+ACCEPTED_SPELLINGS = {
+    "powernorm": ["powernorm", "PowerNorm", "pn"],
+    "powernorm_v": ["powernorm_v", "PowerNormV", "pnv"],
+    "batchnorm": ["batchnorm", "MaskedBatchNorm", "bn"],
+    "batchrenorm": ["batchrenorm", "BatchRenorm", "brn", "batch renormalization"],
+    "mabn": ["mabn", "MovingAverageBatchNorm"],
+    "layernorm": ["layernorm", "LayerNorm", "ln"],
+    "rmsnorm": ["rmsnorm", "RMSNorm"],
+    "groupnorm": ["groupnorm", "GroupNorm", "gn"],
+    "none": ["none", "Identity"],
+    "dyt": ["dyt", "DyT", "dynamic_tanh"],
+    "derf": ["derf", "Derf", "Dynamic-Erf"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(NORM_CLASSES))
+def test_every_spelling_accepted_before_still_names_its_norm(key):
+    for spelling in ACCEPTED_SPELLINGS[key]:
+        for variant in (spelling, spelling.upper(), spelling.replace("_", "-"), f" {spelling}_"):
+            assert normalize_norm_name(variant) == key, variant
+    assert normalize_norm_name(NORM_CLASSES[key].__name__) == key
+
+
+def test_spellings_are_derived_from_keys_class_names_and_short_names_only():
+    squashed = {spelling.lower().replace("_", "").replace("-", "").replace(" ", ""): key
+                for key, spellings in ACCEPTED_SPELLINGS.items() for spelling in spellings}
+    assert norm_spellings() == squashed
+    for spelling in ("p", "power", "norm", "batch", "renorm", "layer_norm_v", "bnorm"):
+        with pytest.raises(ValueError, match=f"unknown norm {spelling!r}; valid names: .*'powernorm'"):
+            normalize_norm_name(spelling)
+    with pytest.raises(ValueError, match="norm name must be a string, got 3"):
+        normalize_norm_name(3)
+
+
+def test_a_registered_norm_is_accepted_by_key_class_name_and_short_names(monkeypatch):
+    class MyOwnNorm(LayerNorm):
+        short_names = ("mon",)
+
+    monkeypatch.setitem(NORM_CLASSES, "my_own", MyOwnNorm)
+    assert {normalize_norm_name(name) for name in ("my_own", "MyOwn", "MyOwnNorm", "my-own-norm", "MON")} == {"my_own"}
+    assert normalize_norm_name("ln") == "layernorm"  # short names are not inherited
+    assert isinstance(build_norm("MyOwnNorm", HIDDEN), MyOwnNorm)
 
 
 def test_every_registry_name_builds_and_keeps_shape():
