@@ -403,6 +403,16 @@ class _Norm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
+    @classmethod
+    def buffer_defaults(cls) -> dict[str, float]:
+        """Each buffer the norm keeps for eval -> the value it starts at (none for a per-token norm)."""
+        return {}
+
+    @classmethod
+    def float32_buffers(cls) -> tuple[str, ...]:
+        """The buffers that stay float32 whatever dtype the module is cast or loaded in."""
+        return ()
+
 
 class _RunningStatsNorm(_Norm):
     """Affine norm with float32 running statistics (`_running_buffers`: name -> initial value) and a
@@ -420,11 +430,19 @@ class _RunningStatsNorm(_Norm):
             self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
+    @classmethod
+    def buffer_defaults(cls) -> dict[str, float]:
+        """The running statistics' initial values, 0 for the windows and the step counter."""
+        return {**cls._running_buffers, **dict.fromkeys(cls._window_buffers, 0.0), "num_batches_tracked": 0}
+
+    @classmethod
+    def float32_buffers(cls) -> tuple[str, ...]:
+        return (*cls._running_buffers, *cls._window_buffers)
+
     def reset_running_stats(self) -> None:
         with torch.no_grad():
-            for name, value in self._running_buffers.items():
+            for name, value in self.buffer_defaults().items():
                 getattr(self, name).fill_(value)
-            self.num_batches_tracked.zero_()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -473,7 +491,7 @@ class _RunningStatsNorm(_Norm):
         return y if flat is hidden_states else y.view_as(hidden_states)
 
     def _apply(self, fn, recurse=True):
-        before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
+        before = {name: self._buffers[name] for name in self.float32_buffers()}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
@@ -1707,9 +1725,6 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
 
     def reset_running_stats(self) -> None:
         super().reset_running_stats()
-        with torch.no_grad():
-            self.window_phi.zero_()
-            self.window_gz.zero_()
         self._last_statistics = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -2116,6 +2131,17 @@ NORM_CLASSES: dict[str, type[nn.Module]] = {
     "derf": Derf,
 }
 
+def running_buffers() -> dict[str, float]:
+    """Each buffer a norm of the registry keeps for eval (what a checkpoint must carry) -> its initial
+    value, read off the classes (`buffer_defaults`) as the registry holds them now."""
+    return {name: value for cls in NORM_CLASSES.values() for name, value in cls.buffer_defaults().items()}
+
+
+def float32_buffers() -> tuple[str, ...]:
+    """The buffers of the registry's norms that stay float32 (`float32_buffers` of each class)."""
+    return tuple(dict.fromkeys(name for cls in NORM_CLASSES.values() for name in cls.float32_buffers()))
+
+
 def _squashed(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name.lower())
 
@@ -2166,7 +2192,9 @@ __all__ = [
     "PowerNormV",
     "RMSNorm",
     "build_norm",
+    "float32_buffers",
     "group_scale",
     "norm_spellings",
     "normalize_norm_name",
+    "running_buffers",
 ]
