@@ -25,7 +25,8 @@ On CPU float32 inputs the training steps of PN, PN-V, BN, BRN, MABN and RMSNorm,
 norm's affine map, run in the C kernels of `kernels_cpu.py` (each batch-statistic norm's step in two C calls, forward
 and backward, its statistics and buffer updates included). PN's step is two operators, `hf_powernorm::pn_step_forward`
 and `pn_step_backward` (`torch.library`): the C kernels on the CPU, the Triton kernels of `kernels_triton.py` on
-CUDA, the torch ops elsewhere. `kernel_backend()` switches the kernels off for a block.
+CUDA, the torch ops elsewhere. `kernel_backend(name)` chooses the backend for a block (C kernels, Triton
+kernels, compiled or plain torch ops).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from .kernels_cpu import (
     pnv_step_backward,
     pnv_step_forward,
 )
+from .kernels_cpu import load as kernels_cpu_load
 from .kernels_triton import AVAILABLE as TRITON_AVAILABLE
 from .kernels_triton import pn_step_backward as triton_step_backward
 from .kernels_triton import pn_step_forward as triton_step_forward
@@ -267,18 +269,48 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None,
     return F.rms_norm(grouped, (channels // group_num,), None, group_eps).flatten(-2)
 
 
-KERNEL_BACKENDS = ("auto", "torch", "compile")
+KERNEL_BACKENDS = ("auto", "c", "triton", "compile", "torch")
 _KERNEL_BACKEND = ["auto"]
+
+
+def available_kernel_backends() -> tuple[str, ...]:
+    """The backends of `KERNEL_BACKENDS` this machine has: `"c"` where the C kernels build, `"triton"`
+    where Triton is installed; `"auto"`, `"compile"` and `"torch"` everywhere."""
+    have = {"c": kernels_cpu_load() is not None, "triton": TRITON_AVAILABLE}
+    return tuple(name for name in KERNEL_BACKENDS if have.get(name, True))
+
+
+def current_kernel_backend() -> str:
+    """The backend the norms run on now (`"auto"` outside any `kernel_backend` block)."""
+    return _KERNEL_BACKEND[0]
 
 
 @contextlib.contextmanager
 def kernel_backend(name: str):
-    """Run the norms on one backend within the block: `"auto"` (the default: the C kernels for CPU
-    float32 inputs, the Triton kernels for CUDA, the torch ops elsewhere), `"torch"` (the torch ops
-    everywhere: what runs without a C compiler or Triton) or `"compile"` (the torch ops, PN's step
-    as `torch.compile`d pure tensor functions)."""
+    """Run the norms on one backend within the block, the public switch of their fast paths:
+
+    - `"auto"` (the default): the C kernels for CPU float32 inputs, PN's step in the Triton kernels
+      on CUDA, the torch ops elsewhere (compiled on CUDA under `HF_POWERNORM_COMPILE`'s rule);
+    - `"c"`: the C kernels where they apply (CPU float32), the torch ops elsewhere;
+    - `"triton"`: PN's step in the Triton kernels where they apply (CUDA), the torch ops elsewhere;
+    - `"compile"`: the torch ops, PN's step as `torch.compile`d pure tensor functions on any device;
+    - `"torch"`: the torch ops everywhere, eager (what runs without a C compiler or Triton).
+
+    `"c"` and `"triton"` need what they name (`available_kernel_backends()`); a name outside
+    `KERNEL_BACKENDS`, or a backend this machine lacks, raises ValueError. Blocks nest; the previous
+    backend comes back on leaving one.
+
+    ```python
+    >>> with kernel_backend("torch"):
+    ...     loss = model(**batch).loss
+    ```
+    """
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {name!r}")
+    if name in ("c", "triton") and name not in available_kernel_backends():
+        what = "the C kernels did not build (no C compiler?)" if name == "c" else "Triton is not installed"
+        raise ValueError(f"kernel backend {name!r} is not available here: {what}; "
+                         f"available: {available_kernel_backends()}")
     previous, _KERNEL_BACKEND[0] = _KERNEL_BACKEND[0], name
     try:
         yield
@@ -288,7 +320,7 @@ def kernel_backend(name: str):
 
 def _fused_kernels_usable(x: torch.Tensor) -> bool:
     """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
-    return _KERNEL_BACKEND[0] == "auto" and not torch.compiler.is_compiling() and kernels_usable(x)
+    return _KERNEL_BACKEND[0] in ("auto", "c") and not torch.compiler.is_compiling() and kernels_usable(x)
 
 
 # PN's training step as two pure tensor functions compiled by `torch.compile` (inductor: Triton
@@ -302,7 +334,8 @@ _COMPILED: dict = {}
 def _compile_wanted(x: torch.Tensor) -> bool:
     setting = os.environ.get("HF_POWERNORM_COMPILE", "auto")
     backend = _KERNEL_BACKEND[0]
-    if setting == "0" or backend == "torch" or torch.compiler.is_compiling() or x.dtype == torch.float64:
+    if setting == "0" or backend in ("torch", "c", "triton") or torch.compiler.is_compiling() \
+            or x.dtype == torch.float64:
         return False
     if setting == "1" or backend == "compile":
         return True
@@ -826,7 +859,7 @@ def _pn_step_backward_fake(dy, x, mask, weight, running_nu, stats, info, group_n
 
 
 def _triton_step_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *buffers: torch.Tensor) -> bool:
-    return _KERNEL_BACKEND[0] == "auto" and triton_usable(x, weight, bias, *buffers)
+    return _KERNEL_BACKEND[0] in ("auto", "triton") and triton_usable(x, weight, bias, *buffers)
 
 
 def _register_pn_step_operators() -> torch.library.Library | None:
@@ -1226,7 +1259,7 @@ class PowerNorm(_RunningStatsNorm):
         """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
         sums and buffers, no process group to sum over. A few dozen torch ops on C-vectors cost more
         there than the passes over the batch; the C function does the same arithmetic in one call."""
-        return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and kernels_usable(sum_sq)
+        return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
                 and not _sync_enabled(self.sync_stats, self.process_group)
                 and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
                         for buffer in (self.running_phi, self.running_nu)))
@@ -2178,6 +2211,7 @@ def build_norm(name: str, hidden_size: int, **options) -> nn.Module:
 
 __all__ = [
     "BACKWARD_DENOMINATORS",
+    "KERNEL_BACKENDS",
     "NORM_CLASSES",
     "WARMUP_STATISTICS",
     "BatchRenorm",
@@ -2191,9 +2225,12 @@ __all__ = [
     "PowerNorm",
     "PowerNormV",
     "RMSNorm",
+    "available_kernel_backends",
     "build_norm",
+    "current_kernel_backend",
     "float32_buffers",
     "group_scale",
+    "kernel_backend",
     "norm_spellings",
     "normalize_norm_name",
     "running_buffers",

@@ -4,6 +4,7 @@ The PowerNorm reference below restates `powernorm-notes.md` step by step with ga
 and autograd for group scaling; it shares no code with `hf_powernorm.normalization`.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from hf_powernorm import (
     PowerNorm,
     build_norm,
     group_scale,
+    kernel_backend,
     norm_spellings,
     normalize_norm_name,
 )
@@ -39,6 +41,13 @@ _NORM_OPTIONS = {"groupnorm": dict(group_num=GROUPS), "mabn": dict(window=2, war
 
 def _options(name: str) -> dict:
     return dict(_NORM_OPTIONS.get(name, {}))
+
+
+@pytest.fixture
+def use_torch_ops():
+    """Call it to run the rest of the test on the torch ops (`kernel_backend("torch")`)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(kernel_backend("torch"))
 
 
 def test_batch_norms_cover_the_registry():
@@ -817,16 +826,14 @@ def test_fused_cpu_kernels_are_built_here():
 @pytest.mark.parametrize("denominator", ["running", "batch"])
 @pytest.mark.parametrize("groups", [None, 1, GROUPS])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, statistic, ramp):
+def test_fused_kernels_match_eager(denominator, groups, padded, statistic, ramp, use_torch_ops):
     """The C kernels (training steps, their statistics and updates taken in C, the eval map) against
     the torch ops, across warmup, ramp and running statistic, with a batch without real tokens and a
     non-finite one among them."""
-    import hf_powernorm.normalization as normalization
-
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = PowerNorm(HIDDEN, warmup_steps=2, group_num=groups, backward_denominator=denominator,
                          warmup_statistic=statistic, warmup_ramp_steps=ramp)
         with torch.no_grad():
@@ -852,16 +859,14 @@ def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, sta
 @pytest.mark.parametrize("name, options", [("powernorm_v", {}), ("powernorm_v", {"group_num": GROUPS}),
                                            ("rmsnorm", {}), ("rmsnorm", {"eps": 0.5}), ("batchnorm", {}),
                                            ("batchrenorm", {"rmax": 1.2, "dmax": 0.3}), ("mabn", _options("mabn"))])
-def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, options):
+def test_other_norms_in_c_kernels_match_their_torch_ops(name, options, use_torch_ops):
     """PN-V, BN and BRN (exact gradients through the batch statistics), MABN and RMSNorm in the C
     kernels against their torch ops: outputs, gradients and buffers, with a batch without real tokens
     and a non-finite one."""
-    import hf_powernorm.normalization as normalization
-
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = build_norm(name, HIDDEN, **options)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
@@ -885,17 +890,15 @@ def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, optio
 
 
 @pytest.mark.parametrize("groups", [None, GROUPS])
-def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups):
+def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups, use_torch_ops):
     """PN's C step with every output and input gradient written by streaming stores (what tensors of
     `kernels_cpu.STREAM_BYTES` and more get) against the torch ops, warmup and running statistic."""
     import hf_powernorm.kernels_cpu as kernels_cpu
-    import hf_powernorm.normalization as normalization
-
     monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = PowerNorm(64, warmup_steps=1, group_num=groups)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
@@ -911,33 +914,30 @@ def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _c_and_torch_traces(monkeypatch, make_norm, batches, evaluate: bool = False) -> list[tuple]:
+def _c_and_torch_traces(make_norm, batches, evaluate: bool = False) -> list[tuple]:
     """`make_norm()` trained on `batches` in the C kernels, then a fresh one in the torch ops: per
     step the output, input gradient, parameter gradients and buffers, and with `evaluate` the eval
     output of the last batch; the two traces, step by step."""
-    import hf_powernorm.normalization as normalization
-
     results = []
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
-        norm = make_norm()
-        trace = []
-        for x, mask, dy in batches:
-            x = x.clone()  # a leaf of this pass's own
-            y = _training_step(norm, x, mask, dy)
-            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
-                          *(b.clone() for b in norm.buffers())))
-        if evaluate:
-            norm.eval()
-            with torch.no_grad():
-                trace.append((norm(x, mask),))
+    for backend in ("c", "torch"):
+        with kernel_backend(backend):
+            norm = make_norm()
+            trace = []
+            for x, mask, dy in batches:
+                x = x.clone()  # a leaf of this pass's own
+                y = _training_step(norm, x, mask, dy)
+                trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
+                              *(b.clone() for b in norm.buffers())))
+            if evaluate:
+                norm.eval()
+                with torch.no_grad():
+                    trace.append((norm(x, mask),))
         results.append(trace)
     return list(zip(*results))
 
 
 @pytest.mark.parametrize("name", ["powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "rmsnorm"])
-def test_c_steps_on_several_threads_match_eager(monkeypatch, name):
+def test_c_steps_on_several_threads_match_eager(name):
     """The C kernels start one thread per `TEAM_FLOATS` floats at most (a decoding step's few tokens
     run on one): a batch large enough for three threads, trained and evaluated, against the torch ops
     (the per-thread sums merged, padding and warmup included)."""
@@ -945,7 +945,7 @@ def test_c_steps_on_several_threads_match_eager(monkeypatch, name):
     try:
         torch.set_num_threads(3)
         batches = [_batch(120 + step, batch=8, seq=64, hidden=256, dtype=torch.float32) for step in range(3)]
-        steps = _c_and_torch_traces(monkeypatch, lambda: build_norm(name, 256), batches, evaluate=True)
+        steps = _c_and_torch_traces(lambda: build_norm(name, 256), batches, evaluate=True)
     finally:
         torch.set_num_threads(previous)
     for fused_step, eager_step in steps:
@@ -960,7 +960,7 @@ def test_batch_statistic_steps_with_streaming_stores_match_eager(monkeypatch, na
 
     monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
     batches = [_batch(65 + step, hidden=64, dtype=torch.float32) for step in range(2)]
-    for fused_step, eager_step in _c_and_torch_traces(monkeypatch, lambda: build_norm(name, 64), batches):
+    for fused_step, eager_step in _c_and_torch_traces(lambda: build_norm(name, 64), batches):
         for a, b in zip(fused_step, eager_step):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -984,15 +984,13 @@ def test_powernorm_step_in_c_reads_every_mask_dtype_alike():
 
 
 @pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
-def test_batch_norm_in_c_kernels_is_differentiable_twice_like_the_torch_ops(monkeypatch, name):
+def test_batch_norm_in_c_kernels_is_differentiable_twice_like_the_torch_ops(name, use_torch_ops):
     """create_graph=True through BN's and BRN's C step takes the torch ops' gradient: the same
     second derivative."""
-    import hf_powernorm.normalization as normalization
-
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = build_norm(name, HIDDEN)
         x, mask, dy = _batch(95, dtype=torch.float32)
         x.requires_grad_(True)
@@ -1022,13 +1020,11 @@ def _trained_for_eval(name: str, options: dict, hidden: int = HIDDEN):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("name, options", EVAL_MAP_CASES)
-def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream):
+def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream, use_torch_ops):
     """The eval forward in one C pass (`norm_eval`: scale and shift from the parameters and running
     statistics as they are, streaming stores for large outputs) against the torch ops: the output
     without and with grad (the same bits both ways), and the gradients of input and parameters."""
     import hf_powernorm.kernels_cpu as kernels_cpu
-    import hf_powernorm.normalization as normalization
-
     if stream:  # every output streamed; 64 channels in 4 groups suit every vector width
         monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
     hidden = 64 if stream else HIDDEN
@@ -1036,7 +1032,7 @@ def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream)
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = _trained_for_eval(name, options, hidden)
         with torch.no_grad():
             no_grad = norm(x, mask)
