@@ -205,31 +205,11 @@ def test_powernorm_matches_reference_across_warmup(denominator, groups, padded, 
     warmup = 3
     norm = PowerNorm(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup_steps=warmup, group_num=groups,
                      backward_denominator=denominator, warmup_statistic=statistic, warmup_ramp_steps=ramp).double()
-    with torch.no_grad():
-        norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
-        norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
     ref = ReferencePN(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup=warmup, groups=groups, denominator=denominator,
                       statistic=statistic, ramp=ramp)
-    for step in range(7):  # steps 1-3 in warmup, 4-5 in the ramp (if any), 6-7 on the running statistic
-        x, mask, dy = _batch(step)
-        if not padded:
-            mask = torch.ones_like(mask)
-        x.requires_grad_(True)
-        norm.zero_grad()
-        y = norm(x, mask)
-        y.backward(dy)
-        real = mask.reshape(-1).bool()
-        y_ref, dx_ref, dgamma_ref, dbeta_ref = ref.step(
-            x.detach().reshape(-1, HIDDEN), real, dy.reshape(-1, HIDDEN), norm.weight.detach(), norm.bias.detach()
-        )
-        tol = dict(rtol=1e-5, atol=1e-6)  # buffers are float32; the reference keeps float64
-        torch.testing.assert_close(y.reshape(-1, HIDDEN), y_ref, **tol)
-        torch.testing.assert_close(x.grad.reshape(-1, HIDDEN), dx_ref, **tol)
-        torch.testing.assert_close(norm.weight.grad, dgamma_ref, **tol)
-        torch.testing.assert_close(norm.bias.grad, dbeta_ref, **tol)
-        torch.testing.assert_close(norm.running_phi.double(), ref.phi, **tol)
-        torch.testing.assert_close(norm.running_nu.double(), ref.nu, **tol)
-        assert int(norm.num_batches_tracked) == step + 1
+    # steps 1-3 in warmup, 4-5 in the ramp (if any), 6-7 on the running statistic
+    _run_against_reference(norm, ref, steps=7, padded=padded, seed=0, drift=False,
+                           buffers={"running_phi": "phi", "running_nu": "nu"})
 
 
 def test_warmup_statistics_differ_only_where_the_notes_say():
@@ -321,13 +301,16 @@ class ReferenceMABN:
         return y, dx / chi, (dy * r * z).sum(0), dy.sum(0)
 
 
-def _run_against_reference(norm, ref, steps, padded, seed):
+def _run_against_reference(norm, ref, steps, padded, seed, drift=True, buffers=None):
+    """`steps` training steps of `norm` (float64) and `ref` on the same batches: outputs, input and
+    parameter gradients, and after each step the buffers `buffers` names (norm's -> ref's), alike."""
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
         norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
     for step in range(steps):
         x, mask, dy = _batch(seed + step)
-        x = x * (1 + 0.3 * step) + 0.4 * step  # statistics that drift, so the running ones lag behind
+        if drift:
+            x = x * (1 + 0.3 * step) + 0.4 * step  # statistics that drift, so the running ones lag behind
         if not padded:
             mask = torch.ones_like(mask)
         x.requires_grad_(True)
@@ -339,6 +322,8 @@ def _run_against_reference(norm, ref, steps, padded, seed):
         tol = dict(rtol=1e-5, atol=1e-6)  # buffers are float32; the references keep float64
         for got, want in zip((y, x.grad, norm.weight.grad, norm.bias.grad), expected):
             torch.testing.assert_close(got.reshape(want.shape), want, **tol)
+        for name, ref_name in (buffers or {}).items():
+            torch.testing.assert_close(getattr(norm, name).double(), getattr(ref, ref_name), **tol)
         assert int(norm.num_batches_tracked) == step + 1
     return norm
 
