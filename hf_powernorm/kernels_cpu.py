@@ -109,31 +109,28 @@ static int streamable(int stream, const float *y, long k) {
 }
 
 /* The input gradient of one token's group of k channels, streamed: z0 = x r,
-   dz0 = dy a - w c z0, dx = r (dz0 - z0 proj) (grouped) or dz0 (no group scaling). */
+   dz0 = dy a - w c z0, dx = r (dz0 - z0 proj) (grouped) or dz0 (no group scaling). One body for both
+   vector widths: VEC(op) names the intrinsic of this CPU's width. */
+#if STREAM_FLOATS
 #if defined(__AVX512F__)
+typedef __m512 vfloat;
+#define VEC(op) _mm512_##op
+#else
+typedef __m256 vfloat;
+#define VEC(op) _mm256_##op
+#endif
 static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
                             float proj, int grouped, float *dx, long k) {
-    __m512 vr = _mm512_set1_ps(r), vw = _mm512_set1_ps(w), vp = _mm512_set1_ps(proj);
-    for (long j = 0; j < k; j += 16) {
-        __m512 z0 = _mm512_mul_ps(_mm512_loadu_ps(x + j), vr);
-        __m512 dz0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(dy + j), _mm512_loadu_ps(a + j)),
-                                   _mm512_mul_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(c + j)), z0));
-        if (grouped) dz0 = _mm512_mul_ps(vr, _mm512_sub_ps(dz0, _mm512_mul_ps(z0, vp)));
-        _mm512_stream_ps(dx + j, dz0);
+    vfloat vr = VEC(set1_ps)(r), vw = VEC(set1_ps)(w), vp = VEC(set1_ps)(proj);
+    for (long j = 0; j < k; j += STREAM_FLOATS) {
+        vfloat z0 = VEC(mul_ps)(VEC(loadu_ps)(x + j), vr);
+        vfloat dz0 = VEC(sub_ps)(VEC(mul_ps)(VEC(loadu_ps)(dy + j), VEC(loadu_ps)(a + j)),
+                                 VEC(mul_ps)(VEC(mul_ps)(vw, VEC(loadu_ps)(c + j)), z0));
+        if (grouped) dz0 = VEC(mul_ps)(vr, VEC(sub_ps)(dz0, VEC(mul_ps)(z0, vp)));
+        VEC(stream_ps)(dx + j, dz0);
     }
 }
-#elif defined(__AVX__)
-static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
-                            float proj, int grouped, float *dx, long k) {
-    __m256 vr = _mm256_set1_ps(r), vw = _mm256_set1_ps(w), vp = _mm256_set1_ps(proj);
-    for (long j = 0; j < k; j += 8) {
-        __m256 z0 = _mm256_mul_ps(_mm256_loadu_ps(x + j), vr);
-        __m256 dz0 = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(dy + j), _mm256_loadu_ps(a + j)),
-                                   _mm256_mul_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(c + j)), z0));
-        if (grouped) dz0 = _mm256_mul_ps(vr, _mm256_sub_ps(dz0, _mm256_mul_ps(z0, vp)));
-        _mm256_stream_ps(dx + j, dz0);
-    }
-}
+#undef VEC
 #endif
 
 
