@@ -108,9 +108,8 @@ static int streamable(int stream, const float *y, long k) {
            && (uintptr_t)y % (4 * (STREAM_FLOATS ? STREAM_FLOATS : 1)) == 0;
 }
 
-/* The input gradient of one token's group of k channels, streamed: z0 = x r,
-   dz0 = dy a - w c z0, dx = r (dz0 - z0 proj) (grouped) or dz0 (no group scaling). One body for both
-   vector widths: VEC(op) names the intrinsic of this CPU's width. */
+/* The streamed gradients below have one body for both vector widths: `vfloat` is a vector of
+   STREAM_FLOATS floats and VEC(op) names the intrinsic `op` at that width. */
 #if STREAM_FLOATS
 #if defined(__AVX512F__)
 typedef __m512 vfloat;
@@ -119,6 +118,11 @@ typedef __m512 vfloat;
 typedef __m256 vfloat;
 #define VEC(op) _mm256_##op
 #endif
+#endif
+
+/* The input gradient of one token's group of k channels, streamed: z0 = x r,
+   dz0 = dy a - w c z0, dx = r (dz0 - z0 proj) (grouped) or dz0 (no group scaling). */
+#if STREAM_FLOATS
 static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
                             float proj, int grouped, float *dx, long k) {
     vfloat vr = VEC(set1_ps)(r), vw = VEC(set1_ps)(w), vp = VEC(set1_ps)(proj);
@@ -130,7 +134,6 @@ static void stream_backward(const float *x, const float *dy, const float *a, con
         VEC(stream_ps)(dx + j, dz0);
     }
 }
-#undef VEC
 #endif
 
 
@@ -446,24 +449,14 @@ static void affine_backward_rows(const float *dy, const float *x, const void *m,
         const float *dyt = dy + t * C, *xt = x + t * C;
         float *dxt = dx + t * C;
         float wt = mask_weight(m, kind, t);
-#if defined(__AVX512F__)
+#if STREAM_FLOATS
         if (streamed) {
-            __m512 vw = _mm512_set1_ps(wt);
-            for (long c = 0; c < C; c += 16)
-                _mm512_stream_ps(dxt + c, _mm512_sub_ps(
-                    _mm512_mul_ps(_mm512_loadu_ps(dyt + c), _mm512_loadu_ps(a + c)),
-                    _mm512_mul_ps(vw, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(cc + c), _mm512_loadu_ps(xt + c)),
-                                                    _mm512_loadu_ps(e + c)))));
-            continue;
-        }
-#elif defined(__AVX__)
-        if (streamed) {
-            __m256 vw = _mm256_set1_ps(wt);
-            for (long c = 0; c < C; c += 8)
-                _mm256_stream_ps(dxt + c, _mm256_sub_ps(
-                    _mm256_mul_ps(_mm256_loadu_ps(dyt + c), _mm256_loadu_ps(a + c)),
-                    _mm256_mul_ps(vw, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(cc + c), _mm256_loadu_ps(xt + c)),
-                                                    _mm256_loadu_ps(e + c)))));
+            vfloat vw = VEC(set1_ps)(wt);
+            for (long c = 0; c < C; c += STREAM_FLOATS)
+                VEC(stream_ps)(dxt + c, VEC(sub_ps)(
+                    VEC(mul_ps)(VEC(loadu_ps)(dyt + c), VEC(loadu_ps)(a + c)),
+                    VEC(mul_ps)(vw, VEC(add_ps)(VEC(mul_ps)(VEC(loadu_ps)(cc + c), VEC(loadu_ps)(xt + c)),
+                                                VEC(loadu_ps)(e + c)))));
             continue;
         }
 #endif
