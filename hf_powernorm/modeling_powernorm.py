@@ -898,30 +898,16 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
-        return Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **_with_cache(_cache_of(outputs)),
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
+        # the base model's output fields but its last hidden state: the cache, the decoder's and the encoder's
+        carried = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+        return Seq2SeqLMOutput(loss=loss, logits=logits, **carried)
 
 
-def _decoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransformerConfig:
+def _single_stack_config(config: PowerNormTransformerConfig, is_decoder: bool) -> PowerNormTransformerConfig:
+    """A copy of `config` for a decoder-only (`is_decoder`) or an encoder-only model."""
     config = copy.deepcopy(config)
     config.is_encoder_decoder = False
-    config.is_decoder = True
-    return config
-
-
-def _encoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransformerConfig:
-    config = copy.deepcopy(config)
-    config.is_encoder_decoder = False
-    config.is_decoder = False
+    config.is_decoder = is_decoder
     return config
 
 
@@ -931,7 +917,7 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embeddings.embed_tokens.weight"}
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
-        config = _decoder_only_config(config)
+        config = _single_stack_config(config, is_decoder=True)
         super().__init__(config)
         self.model = PowerNormTransformerModel(config, add_encoder=False, add_decoder=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -987,7 +973,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
     """Encoder-only classifier: mean over real tokens of the encoder output, dropout, linear."""
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
-        config = _encoder_only_config(config)
+        config = _single_stack_config(config, is_decoder=False)
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = PowerNormTransformerModel(config, add_encoder=True, add_decoder=False)
