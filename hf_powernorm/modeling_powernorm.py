@@ -172,7 +172,7 @@ def shift_tokens_right(input_ids: torch.Tensor, pad_token_id: int, decoder_start
 def apply_dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """`F.dropout`, with the CPU's mask drawn from uniform numbers (`rand >= p`): the same
     distribution as `F.dropout`'s element-by-element Bernoulli draw, in half its time forward and
-    backward together (BENCHMARKS.md: it was the largest avoidable cost of the studies' training
+    backward together (BENCHMARKS.md: the largest avoidable cost of the studies' training
     step). Elsewhere (CUDA's fused kernel, a graph being compiled) `F.dropout` itself."""
     if not training or p == 0.0:
         return hidden_states

@@ -1058,11 +1058,8 @@ class PowerNorm(_RunningStatsNorm):
     `t <= W` and an EMA with `alpha_fwd` after; `"reference"` (the authors' `MaskPowerNorm`) takes,
     while `t < W`, the cumulative step `phi <- phi * (t - 1) / t + v / t` followed by the EMA step
     `phi <- alpha_fwd * phi + (1 - alpha_fwd) * v`, and the EMA step alone from `t = W` on.
-    `"reference"` is the default: in STUDIES.md's warmup-switch study (Penn Treebank language
-    modelling, 600 updates, 3 seeds) it removed the loss jump of the switch (-0.09 nats against
-    +0.39 with `"cumulative"`) and gave the study's lowest test perplexity, below LayerNorm's
-    (137.05 against 139.60); that lead was measured at 600 updates only, and from 1,500 updates on
-    PN with it trails LayerNorm (by 1.4-1.9 test perplexity at 1,500, 1.7-1.8 at 6,000).
+    `"reference"` is the default, the authors' statistic (STUDIES.md's warmup-switch study compares
+    the two).
 
     Backward: the paper's approximation (eqs. 11-13) for whatever `s` the step used, ramp included:
     with `Z = z0 / s` and `g = weight * dY`, `dz0 = (g - nu * Z) / s_b` on real tokens and `g / s_b`
