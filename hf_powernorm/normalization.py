@@ -436,6 +436,18 @@ class _Norm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
+    def _add_affine_parameters(self, bias: bool = True) -> None:
+        """A per-channel `weight` starting at 1 and, with `bias`, a per-channel `bias` starting at 0."""
+        self.weight = nn.Parameter(torch.ones(self.hidden_size))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.hidden_size))
+
+    def reset_parameters(self) -> None:
+        """`weight` back to 1 and `bias` to 0, where the norm has them."""
+        for name, value in (("weight", 1.0), ("bias", 0.0)):
+            if name in self._parameters:
+                nn.init.constant_(self._parameters[name], value)
+
     @classmethod
     def buffer_defaults(cls) -> dict[str, float]:
         """Each buffer the norm keeps for eval -> the value it starts at (none for a per-token norm)."""
@@ -457,8 +469,7 @@ class _RunningStatsNorm(_Norm):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self._add_affine_parameters()
         for name, value in self._running_buffers.items():
             self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
@@ -479,8 +490,7 @@ class _RunningStatsNorm(_Norm):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
 
     def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> torch.Tensor:
         """A boolean 0-dim tensor, decided on the device: false for a batch without real tokens, or
@@ -1850,12 +1860,7 @@ class LayerNorm(_Norm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        self._add_affine_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -1903,10 +1908,7 @@ class RMSNorm(_Norm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        self._add_affine_parameters(bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -1936,12 +1938,7 @@ class GroupNorm(_Norm):
         super().__init__(hidden_size, eps)
         _check_group_num(group_num, hidden_size, allow_none=False)
         self.group_num = group_num
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        self._add_affine_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -2055,13 +2052,11 @@ class _ElementwiseNorm(_Norm):
         _check_finite_number("alpha_init", alpha_init, positive=True)
         self.alpha_init = float(alpha_init)
         self.alpha = nn.Parameter(torch.full((1,), self.alpha_init))
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self._add_affine_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.constant_(self.alpha, self.alpha_init)
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
