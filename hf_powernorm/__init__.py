@@ -1,22 +1,7 @@
 """Power Normalization for the Hugging Face ecosystem: norm layers, models and recipes."""
 
-from .normalization import (
-    NORM_CLASSES,
-    BatchRenorm,
-    Derf,
-    DyT,
-    GroupNorm,
-    Identity,
-    LayerNorm,
-    MaskedBatchNorm,
-    MovingAverageBatchNorm,
-    PowerNorm,
-    PowerNormV,
-    RMSNorm,
-    build_norm,
-    group_scale,
-    normalize_norm_name,
-)
+from . import normalization
+from .normalization import *  # noqa: F403 - the norms, their registry, `build_norm`, `kernel_backend`
 from .instrumentation import NormStatisticsRecorder, read_norm_statistics
 from .integrations import peft_modules_to_save
 from .converter import ConversionReport, apply_conversion, convert_norms, load_converted, load_converted_config
@@ -47,7 +32,7 @@ def _register() -> None:
 _register()
 
 __all__ = [
-    "NORM_CLASSES",
+    *normalization.__all__,
     "PRESETS",
     "PowerNormTransformerConfig",
     "PowerNormTransformerForCausalLM",
@@ -55,26 +40,12 @@ __all__ = [
     "PowerNormTransformerForSequenceClassification",
     "PowerNormTransformerModel",
     "PowerNormTransformerPreTrainedModel",
-    "BatchRenorm",
     "ConversionReport",
-    "Derf",
-    "DyT",
-    "GroupNorm",
-    "Identity",
-    "LayerNorm",
-    "MaskedBatchNorm",
-    "MovingAverageBatchNorm",
     "NormStatisticsRecorder",
-    "PowerNorm",
-    "PowerNormV",
-    "RMSNorm",
     "apply_conversion",
-    "build_norm",
     "convert_norms",
-    "group_scale",
     "load_converted",
     "load_converted_config",
-    "normalize_norm_name",
     "peft_modules_to_save",
     "read_norm_statistics",
 ]

@@ -78,13 +78,13 @@ class PowerNormTransformerConfig(PreTrainedConfig):
     choose PN's running statistic during warmup and the length of the blend from the batch to the
     running denominator after it (0: the paper's switch); see `PowerNorm`.
 
-    How PN's defaults were chosen: `powernorm_alpha_fwd = powernorm_alpha_bkw = 0.9` and
-    `powernorm_backward_denominator="running"` are the authors' defaults and the paper's eqs. 11-13,
-    as `PowerNorm`'s own (one default for the model family, the norm and `convert_norms`). The tuned
-    comparison's picks, and why these defaults stayed, are in STUDIES.md. `alpha_bkw=1.0` keeps
-    `running_nu` at 0, so the backward no longer corrects for the running statistic - not the
-    paper's backward pass; pass `powernorm_alpha_bkw=1.0` for it. `powernorm_warmup_steps=0` means
-    "set it": the paper ties it to the learning-rate warmup, which the recipes do by default.
+    PN's defaults, `powernorm_alpha_fwd = powernorm_alpha_bkw = 0.9` and
+    `powernorm_backward_denominator="running"`, are the authors' and the paper's eqs. 11-13, and
+    `PowerNorm`'s own (one default for the model family, the norm and `convert_norms`; STUDIES.md
+    compares them with tuned values). `powernorm_alpha_bkw=1.0` keeps `running_nu` at 0, so the
+    backward does not correct for the running statistic: not the paper's backward pass.
+    `powernorm_warmup_steps=0` means "set it": the paper ties it to the learning-rate warmup, which
+    the recipes do by default.
     DyT and Derf (`normalization.DyT`, `Derf`) start their `alpha` at `norm_alpha_init_attention`
     in front of attention, `norm_alpha_init_ffn` in front of the FFN and `norm_alpha_init_final` in
     the final norm: 1.0 each, the defaults of the authors' GPT-2 patches (`zlab-princeton/Derf`,

@@ -108,30 +108,30 @@ static int streamable(int stream, const float *y, long k) {
            && (uintptr_t)y % (4 * (STREAM_FLOATS ? STREAM_FLOATS : 1)) == 0;
 }
 
+/* The streamed gradients below have one body for both vector widths: `vfloat` is a vector of
+   STREAM_FLOATS floats and VEC(op) names the intrinsic `op` at that width. */
+#if STREAM_FLOATS
+#if defined(__AVX512F__)
+typedef __m512 vfloat;
+#define VEC(op) _mm512_##op
+#else
+typedef __m256 vfloat;
+#define VEC(op) _mm256_##op
+#endif
+#endif
+
 /* The input gradient of one token's group of k channels, streamed: z0 = x r,
    dz0 = dy a - w c z0, dx = r (dz0 - z0 proj) (grouped) or dz0 (no group scaling). */
-#if defined(__AVX512F__)
+#if STREAM_FLOATS
 static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
                             float proj, int grouped, float *dx, long k) {
-    __m512 vr = _mm512_set1_ps(r), vw = _mm512_set1_ps(w), vp = _mm512_set1_ps(proj);
-    for (long j = 0; j < k; j += 16) {
-        __m512 z0 = _mm512_mul_ps(_mm512_loadu_ps(x + j), vr);
-        __m512 dz0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(dy + j), _mm512_loadu_ps(a + j)),
-                                   _mm512_mul_ps(_mm512_mul_ps(vw, _mm512_loadu_ps(c + j)), z0));
-        if (grouped) dz0 = _mm512_mul_ps(vr, _mm512_sub_ps(dz0, _mm512_mul_ps(z0, vp)));
-        _mm512_stream_ps(dx + j, dz0);
-    }
-}
-#elif defined(__AVX__)
-static void stream_backward(const float *x, const float *dy, const float *a, const float *c, float r, float w,
-                            float proj, int grouped, float *dx, long k) {
-    __m256 vr = _mm256_set1_ps(r), vw = _mm256_set1_ps(w), vp = _mm256_set1_ps(proj);
-    for (long j = 0; j < k; j += 8) {
-        __m256 z0 = _mm256_mul_ps(_mm256_loadu_ps(x + j), vr);
-        __m256 dz0 = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(dy + j), _mm256_loadu_ps(a + j)),
-                                   _mm256_mul_ps(_mm256_mul_ps(vw, _mm256_loadu_ps(c + j)), z0));
-        if (grouped) dz0 = _mm256_mul_ps(vr, _mm256_sub_ps(dz0, _mm256_mul_ps(z0, vp)));
-        _mm256_stream_ps(dx + j, dz0);
+    vfloat vr = VEC(set1_ps)(r), vw = VEC(set1_ps)(w), vp = VEC(set1_ps)(proj);
+    for (long j = 0; j < k; j += STREAM_FLOATS) {
+        vfloat z0 = VEC(mul_ps)(VEC(loadu_ps)(x + j), vr);
+        vfloat dz0 = VEC(sub_ps)(VEC(mul_ps)(VEC(loadu_ps)(dy + j), VEC(loadu_ps)(a + j)),
+                                 VEC(mul_ps)(VEC(mul_ps)(vw, VEC(loadu_ps)(c + j)), z0));
+        if (grouped) dz0 = VEC(mul_ps)(vr, VEC(sub_ps)(dz0, VEC(mul_ps)(z0, vp)));
+        VEC(stream_ps)(dx + j, dz0);
     }
 }
 #endif
@@ -449,24 +449,14 @@ static void affine_backward_rows(const float *dy, const float *x, const void *m,
         const float *dyt = dy + t * C, *xt = x + t * C;
         float *dxt = dx + t * C;
         float wt = mask_weight(m, kind, t);
-#if defined(__AVX512F__)
+#if STREAM_FLOATS
         if (streamed) {
-            __m512 vw = _mm512_set1_ps(wt);
-            for (long c = 0; c < C; c += 16)
-                _mm512_stream_ps(dxt + c, _mm512_sub_ps(
-                    _mm512_mul_ps(_mm512_loadu_ps(dyt + c), _mm512_loadu_ps(a + c)),
-                    _mm512_mul_ps(vw, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(cc + c), _mm512_loadu_ps(xt + c)),
-                                                    _mm512_loadu_ps(e + c)))));
-            continue;
-        }
-#elif defined(__AVX__)
-        if (streamed) {
-            __m256 vw = _mm256_set1_ps(wt);
-            for (long c = 0; c < C; c += 8)
-                _mm256_stream_ps(dxt + c, _mm256_sub_ps(
-                    _mm256_mul_ps(_mm256_loadu_ps(dyt + c), _mm256_loadu_ps(a + c)),
-                    _mm256_mul_ps(vw, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(cc + c), _mm256_loadu_ps(xt + c)),
-                                                    _mm256_loadu_ps(e + c)))));
+            vfloat vw = VEC(set1_ps)(wt);
+            for (long c = 0; c < C; c += STREAM_FLOATS)
+                VEC(stream_ps)(dxt + c, VEC(sub_ps)(
+                    VEC(mul_ps)(VEC(loadu_ps)(dyt + c), VEC(loadu_ps)(a + c)),
+                    VEC(mul_ps)(vw, VEC(add_ps)(VEC(mul_ps)(VEC(loadu_ps)(cc + c), VEC(loadu_ps)(xt + c)),
+                                                VEC(loadu_ps)(e + c)))));
             continue;
         }
 #endif
@@ -829,7 +819,7 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
 _tried = False
-GROUP_SCALE_EPS = 1e-5  # PN's group scaling (normalization.GROUP_SCALE_EPS)
+GROUP_SCALE_EPS = 1e-5  # group scaling's epsilon, the reference code's (PN's `group_eps` default)
 
 
 def _cache_dir() -> pathlib.Path:

@@ -41,11 +41,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
 
 from .configuration_powernorm import PowerNormTransformerConfig
-from .normalization import NORM_CLASSES, build_norm, group_scale
+from .normalization import NORM_CLASSES, build_norm, float32_buffers, group_scale, running_buffers
 
-# The buffers of the norms that keep running statistics (read off a one-channel instance of each).
-RUNNING_BUFFERS = tuple(dict.fromkeys(name for cls in NORM_CLASSES.values() if cls.has_running_stats
-                                      for name, _ in cls(1).named_buffers()))
+# The buffers of the registry's norms that keep running statistics, as the registry is at import
+# (the model itself reads `running_buffers()` when it needs them, a norm registered later included).
+RUNNING_BUFFERS = tuple(running_buffers())
 # Norms that are a per-channel affine map after group scaling in eval, hence foldable.
 FOLDABLE_NORMS = tuple(name for name, cls in NORM_CLASSES.items() if cls.foldable)
 
@@ -172,7 +172,7 @@ def shift_tokens_right(input_ids: torch.Tensor, pad_token_id: int, decoder_start
 def apply_dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """`F.dropout`, with the CPU's mask drawn from uniform numbers (`rand >= p`): the same
     distribution as `F.dropout`'s element-by-element Bernoulli draw, in half its time forward and
-    backward together (BENCHMARKS.md: it was the largest avoidable cost of the studies' training
+    backward together (BENCHMARKS.md: the largest avoidable cost of the studies' training
     step). Elsewhere (CUDA's fused kernel, a graph being compiled) `F.dropout` itself."""
     if not training or p == 0.0:
         return hidden_states
@@ -414,6 +414,14 @@ class PowerNormTransformerDecoderLayer(PowerNormTransformerLayerBase):
 # Pretrained base: weights, norm folding
 
 
+class _Float32Buffers:
+    """The float32 buffers of the registry's norms (`float32_buffers()`), read whenever Transformers
+    reads the class attribute that holds this."""
+
+    def __get__(self, instance: Any, owner: type) -> list[str]:
+        return list(float32_buffers())
+
+
 class PowerNormTransformerPreTrainedModel(PreTrainedModel):
     config_class = PowerNormTransformerConfig
     config: PowerNormTransformerConfig
@@ -422,8 +430,7 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _no_split_modules = ["PowerNormTransformerEncoderLayer", "PowerNormTransformerDecoderLayer"]
     # Running statistics stay float32 when loading with dtype=torch.bfloat16 / float16.
-    _keep_in_fp32_modules_strict = ["running_phi", "running_nu", "running_mean", "running_var", "window_phi",
-                                    "window_gz"]
+    _keep_in_fp32_modules_strict = _Float32Buffers()
 
     def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None,
                                   **kwargs: Any) -> torch.Tensor | None:
@@ -449,15 +456,12 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
 
     @staticmethod
     def _init_norm(module: nn.Module) -> None:
-        """weight 1, bias 0, and the initial running statistics (phi 1, nu 0, mean 0, var 1, windows 0,
-        counter 0); the learnable scalars of DyT and Derf at their initial values (`alpha_init`,
-        `shift_init`)."""
-        for name, value in (("weight", 1), ("bias", 0), ("running_phi", 1), ("running_nu", 0),
-                            ("running_mean", 0), ("running_var", 1), ("window_phi", 0), ("window_gz", 0),
-                            ("num_batches_tracked", 0)):
+        """weight 1, bias 0, each buffer at its initial value (`buffer_defaults()` of the norm's class);
+        the learnable scalars of DyT and Derf at their initial values (`alpha_init`, `shift_init`)."""
+        for name, value in (("weight", 1.0), ("bias", 0.0), *module.buffer_defaults().items()):
             tensor = getattr(module, name, None)
             if tensor is not None:
-                (init.ones_ if value == 1 else init.zeros_)(tensor)
+                init.constant_(tensor, value)
         for name in ("alpha", "shift"):
             tensor = getattr(module, name, None)
             if isinstance(tensor, torch.Tensor):
@@ -469,12 +473,14 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         _check_norm_layout(model, loading_info)
-        missing = sorted(k for k in loading_info["missing_keys"] if k.rsplit(".", 1)[-1] in RUNNING_BUFFERS)
+        initial = running_buffers()
+        missing = sorted(k for k in loading_info["missing_keys"] if k.rsplit(".", 1)[-1] in initial)
         if missing:
+            values = ", ".join(f"{name}={initial[name]:g}" for name in dict.fromkeys(k.rsplit(".", 1)[-1]
+                                                                                      for k in missing))
             warnings.warn(
                 f"The checkpoint has no running statistics {missing}; they start from their initial values "
-                "(running_phi=1, running_nu=0, running_mean=0, running_var=1, window_phi=window_gz=0, "
-                "num_batches_tracked=0), so eval outputs are not those of the trained model.",
+                f"({values}), so eval outputs are not those of the trained model.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -518,10 +524,11 @@ def _check_norm_layout(model: nn.Module, loading_info: dict) -> None:
     positions = {name: type(module).__name__ for name, module in model.named_modules()
                  if isinstance(module, (GroupScale, *NORM_CLASSES.values()))}
     differing: dict[str, list[str]] = {}
+    statistics = running_buffers()
     for kind, keys in (("unexpected", loading_info["unexpected_keys"]), ("missing", loading_info["missing_keys"])):
         for key in keys:
             position, leaf = key.rsplit(".", 1) if "." in key else ("", key)
-            if position in positions and (kind == "unexpected" or leaf not in RUNNING_BUFFERS):
+            if position in positions and (kind == "unexpected" or leaf not in statistics):
                 differing.setdefault(position, []).append(f"{kind} {leaf}")
     if differing:
         config = model.config
@@ -891,30 +898,16 @@ class PowerNormTransformerForConditionalGeneration(PowerNormTransformerPreTraine
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
-        return Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **_with_cache(_cache_of(outputs)),
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
+        # the base model's output fields but its last hidden state: the cache, the decoder's and the encoder's
+        carried = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+        return Seq2SeqLMOutput(loss=loss, logits=logits, **carried)
 
 
-def _decoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransformerConfig:
+def _single_stack_config(config: PowerNormTransformerConfig, is_decoder: bool) -> PowerNormTransformerConfig:
+    """A copy of `config` for a decoder-only (`is_decoder`) or an encoder-only model."""
     config = copy.deepcopy(config)
     config.is_encoder_decoder = False
-    config.is_decoder = True
-    return config
-
-
-def _encoder_only_config(config: PowerNormTransformerConfig) -> PowerNormTransformerConfig:
-    config = copy.deepcopy(config)
-    config.is_encoder_decoder = False
-    config.is_decoder = False
+    config.is_decoder = is_decoder
     return config
 
 
@@ -924,7 +917,7 @@ class PowerNormTransformerForCausalLM(PowerNormTransformerPreTrainedModel, Gener
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embeddings.embed_tokens.weight"}
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
-        config = _decoder_only_config(config)
+        config = _single_stack_config(config, is_decoder=True)
         super().__init__(config)
         self.model = PowerNormTransformerModel(config, add_encoder=False, add_decoder=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -980,7 +973,7 @@ class PowerNormTransformerForSequenceClassification(PowerNormTransformerPreTrain
     """Encoder-only classifier: mean over real tokens of the encoder output, dropout, linear."""
 
     def __init__(self, config: PowerNormTransformerConfig) -> None:
-        config = _encoder_only_config(config)
+        config = _single_stack_config(config, is_decoder=False)
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = PowerNormTransformerModel(config, add_encoder=True, add_decoder=False)

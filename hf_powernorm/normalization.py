@@ -25,7 +25,8 @@ On CPU float32 inputs the training steps of PN, PN-V, BN, BRN, MABN and RMSNorm,
 norm's affine map, run in the C kernels of `kernels_cpu.py` (each batch-statistic norm's step in two C calls, forward
 and backward, its statistics and buffer updates included). PN's step is two operators, `hf_powernorm::pn_step_forward`
 and `pn_step_backward` (`torch.library`): the C kernels on the CPU, the Triton kernels of `kernels_triton.py` on
-CUDA, the torch ops elsewhere. `kernel_backend()` switches the kernels off for a block.
+CUDA, the torch ops elsewhere. `kernel_backend(name)` chooses the backend for a block (C kernels, Triton
+kernels, compiled or plain torch ops).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels_cpu import (
+    GROUP_SCALE_EPS,
     bn_step_backward,
     bn_step_forward,
     kernels_usable,
@@ -60,12 +62,12 @@ from .kernels_cpu import (
     pnv_step_backward,
     pnv_step_forward,
 )
+from .kernels_cpu import load as kernels_cpu_load
 from .kernels_triton import AVAILABLE as TRITON_AVAILABLE
 from .kernels_triton import pn_step_backward as triton_step_backward
 from .kernels_triton import pn_step_forward as triton_step_forward
 from .kernels_triton import usable as triton_usable
 
-GROUP_SCALE_EPS = 1e-5
 BACKWARD_DENOMINATORS = ("running", "batch")
 WARMUP_STATISTICS = ("cumulative", "reference")
 
@@ -267,18 +269,48 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None,
     return F.rms_norm(grouped, (channels // group_num,), None, group_eps).flatten(-2)
 
 
-KERNEL_BACKENDS = ("auto", "torch", "compile")
+KERNEL_BACKENDS = ("auto", "c", "triton", "compile", "torch")
 _KERNEL_BACKEND = ["auto"]
+
+
+def available_kernel_backends() -> tuple[str, ...]:
+    """The backends of `KERNEL_BACKENDS` this machine has: `"c"` where the C kernels build, `"triton"`
+    where Triton is installed; `"auto"`, `"compile"` and `"torch"` everywhere."""
+    have = {"c": kernels_cpu_load() is not None, "triton": TRITON_AVAILABLE}
+    return tuple(name for name in KERNEL_BACKENDS if have.get(name, True))
+
+
+def current_kernel_backend() -> str:
+    """The backend the norms run on now (`"auto"` outside any `kernel_backend` block)."""
+    return _KERNEL_BACKEND[0]
 
 
 @contextlib.contextmanager
 def kernel_backend(name: str):
-    """Run the norms on one backend within the block: `"auto"` (the default: the C kernels for CPU
-    float32 inputs, the Triton kernels for CUDA, the torch ops elsewhere), `"torch"` (the torch ops
-    everywhere: what runs without a C compiler or Triton) or `"compile"` (the torch ops, PN's step
-    as `torch.compile`d pure tensor functions)."""
+    """Run the norms on one backend within the block, the public switch of their fast paths:
+
+    - `"auto"` (the default): the C kernels for CPU float32 inputs, PN's step in the Triton kernels
+      on CUDA, the torch ops elsewhere (compiled on CUDA under `HF_POWERNORM_COMPILE`'s rule);
+    - `"c"`: the C kernels where they apply (CPU float32), the torch ops elsewhere;
+    - `"triton"`: PN's step in the Triton kernels where they apply (CUDA), the torch ops elsewhere;
+    - `"compile"`: the torch ops, PN's step as `torch.compile`d pure tensor functions on any device;
+    - `"torch"`: the torch ops everywhere, eager (what runs without a C compiler or Triton).
+
+    `"c"` and `"triton"` need what they name (`available_kernel_backends()`); a name outside
+    `KERNEL_BACKENDS`, or a backend this machine lacks, raises ValueError. Blocks nest; the previous
+    backend comes back on leaving one.
+
+    ```python
+    >>> with kernel_backend("torch"):
+    ...     loss = model(**batch).loss
+    ```
+    """
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {name!r}")
+    if name in ("c", "triton") and name not in available_kernel_backends():
+        what = "the C kernels did not build (no C compiler?)" if name == "c" else "Triton is not installed"
+        raise ValueError(f"kernel backend {name!r} is not available here: {what}; "
+                         f"available: {available_kernel_backends()}")
     previous, _KERNEL_BACKEND[0] = _KERNEL_BACKEND[0], name
     try:
         yield
@@ -288,7 +320,7 @@ def kernel_backend(name: str):
 
 def _fused_kernels_usable(x: torch.Tensor) -> bool:
     """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
-    return _KERNEL_BACKEND[0] == "auto" and not torch.compiler.is_compiling() and kernels_usable(x)
+    return _KERNEL_BACKEND[0] in ("auto", "c") and not torch.compiler.is_compiling() and kernels_usable(x)
 
 
 # PN's training step as two pure tensor functions compiled by `torch.compile` (inductor: Triton
@@ -302,7 +334,8 @@ _COMPILED: dict = {}
 def _compile_wanted(x: torch.Tensor) -> bool:
     setting = os.environ.get("HF_POWERNORM_COMPILE", "auto")
     backend = _KERNEL_BACKEND[0]
-    if setting == "0" or backend == "torch" or torch.compiler.is_compiling() or x.dtype == torch.float64:
+    if setting == "0" or backend in ("torch", "c", "triton") or torch.compiler.is_compiling() \
+            or x.dtype == torch.float64:
         return False
     if setting == "1" or backend == "compile":
         return True
@@ -387,6 +420,9 @@ class _Norm(nn.Module):
     site_options: dict[str, str] = {}
     # The model family makes its embedding scale a learnable scalar in a stack of these norms by default.
     learnable_embed_scale: bool = False
+    # Short names the registry accepts besides the class's key and name (`norm_spellings()`); read off
+    # the class itself, never inherited.
+    short_names: tuple[str, ...] = ()
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -400,6 +436,28 @@ class _Norm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
+    def _add_affine_parameters(self, bias: bool = True) -> None:
+        """A per-channel `weight` starting at 1 and, with `bias`, a per-channel `bias` starting at 0."""
+        self.weight = nn.Parameter(torch.ones(self.hidden_size))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.hidden_size))
+
+    def reset_parameters(self) -> None:
+        """`weight` back to 1 and `bias` to 0, where the norm has them."""
+        for name, value in (("weight", 1.0), ("bias", 0.0)):
+            if name in self._parameters:
+                nn.init.constant_(self._parameters[name], value)
+
+    @classmethod
+    def buffer_defaults(cls) -> dict[str, float]:
+        """Each buffer the norm keeps for eval -> the value it starts at (none for a per-token norm)."""
+        return {}
+
+    @classmethod
+    def float32_buffers(cls) -> tuple[str, ...]:
+        """The buffers that stay float32 whatever dtype the module is cast or loaded in."""
+        return ()
+
 
 class _RunningStatsNorm(_Norm):
     """Affine norm with float32 running statistics (`_running_buffers`: name -> initial value) and a
@@ -411,22 +469,28 @@ class _RunningStatsNorm(_Norm):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self._add_affine_parameters()
         for name, value in self._running_buffers.items():
             self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
+    @classmethod
+    def buffer_defaults(cls) -> dict[str, float]:
+        """The running statistics' initial values, 0 for the windows and the step counter."""
+        return {**cls._running_buffers, **dict.fromkeys(cls._window_buffers, 0.0), "num_batches_tracked": 0}
+
+    @classmethod
+    def float32_buffers(cls) -> tuple[str, ...]:
+        return (*cls._running_buffers, *cls._window_buffers)
+
     def reset_running_stats(self) -> None:
         with torch.no_grad():
-            for name, value in self._running_buffers.items():
+            for name, value in self.buffer_defaults().items():
                 getattr(self, name).fill_(value)
-            self.num_batches_tracked.zero_()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
 
     def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> torch.Tensor:
         """A boolean 0-dim tensor, decided on the device: false for a batch without real tokens, or
@@ -470,7 +534,7 @@ class _RunningStatsNorm(_Norm):
         return y if flat is hidden_states else y.view_as(hidden_states)
 
     def _apply(self, fn, recurse=True):
-        before = {name: self._buffers[name] for name in (*self._running_buffers, *self._window_buffers)}
+        before = {name: self._buffers[name] for name in self.float32_buffers()}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
@@ -805,7 +869,7 @@ def _pn_step_backward_fake(dy, x, mask, weight, running_nu, stats, info, group_n
 
 
 def _triton_step_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *buffers: torch.Tensor) -> bool:
-    return _KERNEL_BACKEND[0] == "auto" and triton_usable(x, weight, bias, *buffers)
+    return _KERNEL_BACKEND[0] in ("auto", "triton") and triton_usable(x, weight, bias, *buffers)
 
 
 def _register_pn_step_operators() -> torch.library.Library | None:
@@ -1004,11 +1068,8 @@ class PowerNorm(_RunningStatsNorm):
     `t <= W` and an EMA with `alpha_fwd` after; `"reference"` (the authors' `MaskPowerNorm`) takes,
     while `t < W`, the cumulative step `phi <- phi * (t - 1) / t + v / t` followed by the EMA step
     `phi <- alpha_fwd * phi + (1 - alpha_fwd) * v`, and the EMA step alone from `t = W` on.
-    `"reference"` is the default: in STUDIES.md's warmup-switch study (Penn Treebank language
-    modelling, 600 updates, 3 seeds) it removed the loss jump of the switch (-0.09 nats against
-    +0.39 with `"cumulative"`) and gave the study's lowest test perplexity, below LayerNorm's
-    (137.05 against 139.60); that lead was measured at 600 updates only, and from 1,500 updates on
-    PN with it trails LayerNorm (by 1.4-1.9 test perplexity at 1,500, 1.7-1.8 at 6,000).
+    `"reference"` is the default, the authors' statistic (STUDIES.md's warmup-switch study compares
+    the two).
 
     Backward: the paper's approximation (eqs. 11-13) for whatever `s` the step used, ramp included:
     with `Z = z0 / s` and `g = weight * dY`, `dz0 = (g - nu * Z) / s_b` on real tokens and `g / s_b`
@@ -1029,6 +1090,7 @@ class PowerNorm(_RunningStatsNorm):
     mixing_options = ("warmup_steps", "warmup_ramp_steps")
     has_running_stats = True
     foldable = True
+    short_names = ("pn",)
     config_options = {
         "alpha_fwd": "powernorm_alpha_fwd",
         "alpha_bkw": "powernorm_alpha_bkw",
@@ -1204,7 +1266,7 @@ class PowerNorm(_RunningStatsNorm):
         """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
         sums and buffers, no process group to sum over. A few dozen torch ops on C-vectors cost more
         there than the passes over the batch; the C function does the same arithmetic in one call."""
-        return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and kernels_usable(sum_sq)
+        return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
                 and not _sync_enabled(self.sync_stats, self.process_group)
                 and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
                         for buffer in (self.running_phi, self.running_nu)))
@@ -1329,6 +1391,7 @@ class PowerNormV(_RunningStatsNorm):
     mixes_positions = True
     has_running_stats = True
     foldable = True
+    short_names = ("pnv",)
     config_options = {"alpha_fwd": "powernorm_alpha_fwd"}
 
     _running_buffers = {"running_phi": 1.0}
@@ -1436,6 +1499,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
     mixes_positions = True
     has_running_stats = True
     foldable = True
+    short_names = ("bn",)
 
     _running_buffers = {"running_mean": 0.0, "running_var": 1.0}
 
@@ -1538,6 +1602,7 @@ class BatchRenorm(MaskedBatchNorm):
     mixes_positions = True
     has_running_stats = True
     foldable = True
+    short_names = ("brn", "batch_renormalization")
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1, rmax: float = 3.0,
                  dmax: float = 5.0):
@@ -1700,9 +1765,6 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
 
     def reset_running_stats(self) -> None:
         super().reset_running_stats()
-        with torch.no_grad():
-            self.window_phi.zero_()
-            self.window_gz.zero_()
         self._last_statistics = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -1794,15 +1856,11 @@ class LayerNorm(_Norm):
     mixes_positions = False
     has_running_stats = False
     foldable = False
+    short_names = ("ln",)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        self._add_affine_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -1850,10 +1908,7 @@ class RMSNorm(_Norm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        self._add_affine_parameters(bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -1876,18 +1931,14 @@ class GroupNorm(_Norm):
     mixes_positions = False
     has_running_stats = False
     foldable = False
+    short_names = ("gn",)
     config_options = {"group_num": "powernorm_group_num"}
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, group_num: int = 1):
         super().__init__(hidden_size, eps)
         _check_group_num(group_num, hidden_size, allow_none=False)
         self.group_num = group_num
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        self._add_affine_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -2001,13 +2052,11 @@ class _ElementwiseNorm(_Norm):
         _check_finite_number("alpha_init", alpha_init, positive=True)
         self.alpha_init = float(alpha_init)
         self.alpha = nn.Parameter(torch.full((1,), self.alpha_init))
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self._add_affine_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.constant_(self.alpha, self.alpha_init)
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        super().reset_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
@@ -2050,6 +2099,8 @@ class DyT(_ElementwiseNorm):
     is written out (`_ElementwiseNormFunction`), the same gradient in fewer passes than autograd's.
     """
 
+    short_names = ("dynamic_tanh",)
+
     _squash = "tanh"
 
 
@@ -2069,6 +2120,8 @@ class Derf(_ElementwiseNorm):
     unused; the arithmetic is float32 under autocast and for half-precision inputs and parameters
     (the authors' code computes in the input's dtype), and the backward is written out, as for `DyT`.
     """
+
+    short_names = ("dynamic_erf",)
 
     _squash = "erf"
 
@@ -2103,38 +2156,36 @@ NORM_CLASSES: dict[str, type[nn.Module]] = {
     "derf": Derf,
 }
 
-_ALIASES = {
-    "powernorm": "powernorm",
-    "pn": "powernorm",
-    "powernormv": "powernorm_v",
-    "pnv": "powernorm_v",
-    "batchnorm": "batchnorm",
-    "maskedbatchnorm": "batchnorm",
-    "bn": "batchnorm",
-    "batchrenorm": "batchrenorm",
-    "batchrenormalization": "batchrenorm",
-    "brn": "batchrenorm",
-    "mabn": "mabn",
-    "movingaveragebatchnorm": "mabn",
-    "layernorm": "layernorm",
-    "ln": "layernorm",
-    "rmsnorm": "rmsnorm",
-    "groupnorm": "groupnorm",
-    "gn": "groupnorm",
-    "none": "none",
-    "identity": "none",
-    "dyt": "dyt",
-    "dynamictanh": "dyt",
-    "derf": "derf",
-    "dynamicerf": "derf",
-}
+def running_buffers() -> dict[str, float]:
+    """Each buffer a norm of the registry keeps for eval (what a checkpoint must carry) -> its initial
+    value, read off the classes (`buffer_defaults`) as the registry holds them now."""
+    return {name: value for cls in NORM_CLASSES.values() for name, value in cls.buffer_defaults().items()}
+
+
+def float32_buffers() -> tuple[str, ...]:
+    """The buffers of the registry's norms that stay float32 (`float32_buffers` of each class)."""
+    return tuple(dict.fromkeys(name for cls in NORM_CLASSES.values() for name in cls.float32_buffers()))
+
+
+def _squashed(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name.lower())
+
+
+def norm_spellings() -> dict[str, str]:
+    """Every spelling `normalize_norm_name` accepts, lower-case without `_`, `-` or spaces, -> its
+    `NORM_CLASSES` key: the key, the class name and the class's own `short_names`."""
+    spellings = {_squashed(key): key for key in NORM_CLASSES}
+    for key, cls in NORM_CLASSES.items():
+        for name in (cls.__name__, *vars(cls).get("short_names", ())):
+            spellings.setdefault(_squashed(name), key)
+    return spellings
 
 
 def normalize_norm_name(name: str) -> str:
     """Map any spelling (`"PowerNorm"`, `"power_norm"`, `"PN-V"`) to its `NORM_CLASSES` key."""
     if not isinstance(name, str):
         raise ValueError(f"norm name must be a string, got {name!r}; valid names: {sorted(NORM_CLASSES)}")
-    key = _ALIASES.get(re.sub(r"[\s_\-]", "", name.lower()))
+    key = norm_spellings().get(_squashed(name))
     if key is None:
         raise ValueError(f"unknown norm {name!r}; valid names: {sorted(NORM_CLASSES)}")
     return key
@@ -2152,6 +2203,7 @@ def build_norm(name: str, hidden_size: int, **options) -> nn.Module:
 
 __all__ = [
     "BACKWARD_DENOMINATORS",
+    "KERNEL_BACKENDS",
     "NORM_CLASSES",
     "WARMUP_STATISTICS",
     "BatchRenorm",
@@ -2165,7 +2217,13 @@ __all__ = [
     "PowerNorm",
     "PowerNormV",
     "RMSNorm",
+    "available_kernel_backends",
     "build_norm",
+    "current_kernel_backend",
+    "float32_buffers",
     "group_scale",
+    "kernel_backend",
+    "norm_spellings",
     "normalize_norm_name",
+    "running_buffers",
 ]

@@ -12,7 +12,13 @@ import pytest
 import torch
 from test_modeling_powernorm import inputs_for, make_model
 
-from hf_powernorm import NORM_CLASSES, build_norm
+from hf_powernorm import (
+    NORM_CLASSES,
+    available_kernel_backends,
+    build_norm,
+    current_kernel_backend,
+    kernel_backend,
+)
 
 HIDDEN = 12
 # Every norm whose training forward takes a batch statistic, with options that reach its phases in a
@@ -172,34 +178,28 @@ def test_cuda_training_steps_match_cpu(name):
 # PN's compiled pure functions (what runs on CUDA) against its torch ops run eagerly
 
 
-def _without_c_kernels(monkeypatch):
-    import hf_powernorm.normalization as normalization
-
-    monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
-    return normalization
-
-
 @pytest.mark.slow  # inductor builds two C++ kernels families here: about a minute on 2 cores
 def test_compiled_training_step_matches_eager_on_cpu(monkeypatch):
-    normalization = _without_c_kernels(monkeypatch)
-    monkeypatch.setenv("HF_POWERNORM_COMPILE", "0")
-    eager_norm = _norm("powernorm")
-    eager = _train(eager_norm, eager_norm, _steps())
-    monkeypatch.setenv("HF_POWERNORM_COMPILE", "1")
+    from hf_powernorm import normalization
+
+    with kernel_backend("torch"):
+        eager_norm = _norm("powernorm")
+        eager = _train(eager_norm, eager_norm, _steps())
     monkeypatch.setattr(normalization, "_COMPILED", {})
-    compiled_norm = _norm("powernorm")
-    compiled = _train(compiled_norm, compiled_norm, _steps())
+    with kernel_backend("compile"):
+        compiled_norm = _norm("powernorm")
+        compiled = _train(compiled_norm, compiled_norm, _steps())
     assert all(entry.compiled is not None for entry in normalization._COMPILED.values())
     assert len(normalization._COMPILED) == 2
     _assert_same_traces(compiled, eager)
 
 
 def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
-    normalization = _without_c_kernels(monkeypatch)
-    monkeypatch.setenv("HF_POWERNORM_COMPILE", "0")
-    eager_norm = _norm("powernorm")
-    eager = _train(eager_norm, eager_norm, _steps()[:3])
-    monkeypatch.setenv("HF_POWERNORM_COMPILE", "1")
+    from hf_powernorm import normalization
+
+    with kernel_backend("torch"):
+        eager_norm = _norm("powernorm")
+        eager = _train(eager_norm, eager_norm, _steps()[:3])
     monkeypatch.setattr(normalization, "_COMPILED", {})
 
     def no_compiler(fn, **options):
@@ -209,7 +209,7 @@ def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     norm = _norm("powernorm")
-    with pytest.warns(RuntimeWarning, match="torch.compile of _pn_train_forward failed"):
+    with kernel_backend("compile"), pytest.warns(RuntimeWarning, match="torch.compile of _pn_train_forward failed"):
         fallback = _train_warning_visible(norm, _steps()[:3])
     assert all(entry.compiled is None for entry in normalization._COMPILED.values())
     _assert_same_traces(fallback, eager)
@@ -346,13 +346,39 @@ def test_kernel_backend_switches_the_c_kernels_off_within_its_block(monkeypatch)
     original = normalization.pn_step_forward
     monkeypatch.setattr(normalization, "pn_step_forward", lambda *a: calls.append(1) or original(*a))
     traces = []
-    for backend in ("auto", "torch"):
+    for backend, in_c in (("auto", True), ("c", True), ("torch", False)):
+        before = len(calls)
         norm = _norm("powernorm")
-        with normalization.kernel_backend(backend):
+        with kernel_backend(backend):
+            assert current_kernel_backend() == backend
             traces.append(_train(norm, norm, _steps()))
-        assert len(calls) == len(_steps())  # every step of "auto" in C, none of "torch"
-    assert normalization._KERNEL_BACKEND == ["auto"]
+        assert len(calls) - before == (len(_steps()) if in_c else 0)  # every step in C, or none
+    assert current_kernel_backend() == "auto"
     _assert_same_traces(traces[1], traces[0])
-    with pytest.raises(ValueError, match="kernel backend must be one of .*'cuda'"):
-        with normalization.kernel_backend("cuda"):
+    _assert_same_traces(traces[2], traces[0])
+    with kernel_backend("torch"):
+        with kernel_backend("c"):
+            assert current_kernel_backend() == "c"
+        assert current_kernel_backend() == "torch"
+    with pytest.raises(ValueError, match="kernel backend must be one of .*'triton'.*got 'cuda'"):
+        with kernel_backend("cuda"):
             pass
+    assert current_kernel_backend() == "auto"
+
+
+def test_kernel_backends_this_machine_lacks_are_refused_by_name(monkeypatch):
+    from hf_powernorm import normalization
+
+    assert set(available_kernel_backends()) >= {"auto", "compile", "torch"}
+    assert ("c" in available_kernel_backends()) == (normalization.kernels_cpu_load() is not None)
+    monkeypatch.setattr(normalization, "TRITON_AVAILABLE", False)
+    assert "triton" not in available_kernel_backends()
+    with pytest.raises(ValueError, match="kernel backend 'triton' is not available here: Triton is not installed"):
+        with kernel_backend("triton"):
+            pass
+    monkeypatch.setattr(normalization, "kernels_cpu_load", lambda: None)
+    with pytest.raises(ValueError, match="kernel backend 'c' is not available here: the C kernels did not build"):
+        with kernel_backend("c"):
+            pass
+    assert available_kernel_backends() == ("auto", "compile", "torch")
+    assert current_kernel_backend() == "auto"

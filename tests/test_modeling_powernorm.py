@@ -14,8 +14,10 @@ from hf_powernorm import (
     PowerNormTransformerForConditionalGeneration,
     PowerNormTransformerForSequenceClassification,
     PowerNormTransformerModel,
+    PowerNormV,
 )
 from hf_powernorm.modeling_powernorm import GroupScale, RUNNING_BUFFERS
+from hf_powernorm.normalization import float32_buffers, running_buffers
 
 BATCH, SEQ, VOCAB = 3, 7, 99
 NORMS = sorted(NORM_CLASSES)
@@ -443,6 +445,50 @@ def test_loading_a_checkpoint_without_buffers_warns_by_name_and_initialises_them
         assert torch.equal(buffer, torch.full_like(buffer, initial[name.rsplit(".", 1)[-1]])), name
     # Loaded weights are the trained ones.
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+class PeakNorm(PowerNormV):
+    """A throwaway norm of the registry with a buffer no other norm has, starting at a value neither 0
+    nor 1 (it tracks nothing: the model must carry it whatever it holds)."""
+
+    _running_buffers = {**PowerNormV._running_buffers, "running_peak": 0.25}
+
+    def forward(self, hidden_states, attention_mask=None):
+        if self.training:
+            with torch.no_grad():
+                self.running_peak.copy_(torch.maximum(self.running_peak, hidden_states.detach().abs().reshape(-1, self.hidden_size).amax(0)))
+        return super().forward(hidden_states, attention_mask)
+
+
+def test_a_registered_norm_with_a_new_buffer_needs_nothing_else(monkeypatch, tmp_path):
+    """One class and one registry line: the model family builds it, initialises its new buffer, keeps
+    it float32, saves and reloads it, and warns about it by name when a checkpoint lacks it."""
+    monkeypatch.setitem(NORM_CLASSES, "peak_norm", PeakNorm)
+    assert running_buffers()["running_peak"] == 0.25 and "running_peak" in float32_buffers()
+    model = make_model("seq2seq", "PeakNorm", decoder_norm_type="layernorm")
+    assert model.config.encoder_norm_type == "peak_norm"
+    peaks = {k: v for k, v in model.named_buffers() if k.endswith("running_peak")}
+    assert len(peaks) == 5 and all(torch.equal(v, torch.full((32,), 0.25)) for v in peaks.values())
+    train_steps(model, "seq2seq")
+    trained = {k: v.clone() for k, v in model.named_buffers() if k.endswith("running_peak")}
+    assert all(v.max() > 0.25 for v in trained.values())
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    for name, value in trained.items():
+        assert torch.equal(dict(loaded.named_buffers())[name], value), name
+    assert torch.equal(logits(loaded, "seq2seq", ids()), logits(model, "seq2seq", ids()))
+    half = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(dict(half.named_buffers())[name].dtype == torch.float32 for name in trained)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.endswith("running_peak")}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"self_attn_norm\.running_peak.*running_peak=0\.25") as record:
+        bare = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert "running_phi" not in str(record[0].message).split(";")[0]  # only what is missing is named
+    for name in trained:  # built on the meta device: the value comes from the model's initialisation
+        assert torch.equal(dict(bare.named_buffers())[name], torch.full((32,), 0.25)), name
+        assert torch.equal(dict(bare.named_buffers())[name.replace("peak", "phi")],
+                           dict(model.named_buffers())[name.replace("peak", "phi")])
 
 
 def test_translation_checkpoint_loads_its_encoder_into_the_classifier(tmp_path):

@@ -4,6 +4,7 @@ The PowerNorm reference below restates `powernorm-notes.md` step by step with ga
 and autograd for group scaling; it shares no code with `hf_powernorm.normalization`.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,10 +19,13 @@ from launching import free_port
 from hf_powernorm import (
     NORM_CLASSES,
     BatchRenorm,
+    LayerNorm,
     MovingAverageBatchNorm,
     PowerNorm,
     build_norm,
     group_scale,
+    kernel_backend,
+    norm_spellings,
     normalize_norm_name,
 )
 
@@ -37,6 +41,13 @@ _NORM_OPTIONS = {"groupnorm": dict(group_num=GROUPS), "mabn": dict(window=2, war
 
 def _options(name: str) -> dict:
     return dict(_NORM_OPTIONS.get(name, {}))
+
+
+@pytest.fixture
+def use_torch_ops():
+    """Call it to run the rest of the test on the torch ops (`kernel_backend("torch")`)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(kernel_backend("torch"))
 
 
 def test_batch_norms_cover_the_registry():
@@ -194,31 +205,11 @@ def test_powernorm_matches_reference_across_warmup(denominator, groups, padded, 
     warmup = 3
     norm = PowerNorm(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup_steps=warmup, group_num=groups,
                      backward_denominator=denominator, warmup_statistic=statistic, warmup_ramp_steps=ramp).double()
-    with torch.no_grad():
-        norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
-        norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
     ref = ReferencePN(HIDDEN, alpha_fwd=0.8, alpha_bkw=0.7, warmup=warmup, groups=groups, denominator=denominator,
                       statistic=statistic, ramp=ramp)
-    for step in range(7):  # steps 1-3 in warmup, 4-5 in the ramp (if any), 6-7 on the running statistic
-        x, mask, dy = _batch(step)
-        if not padded:
-            mask = torch.ones_like(mask)
-        x.requires_grad_(True)
-        norm.zero_grad()
-        y = norm(x, mask)
-        y.backward(dy)
-        real = mask.reshape(-1).bool()
-        y_ref, dx_ref, dgamma_ref, dbeta_ref = ref.step(
-            x.detach().reshape(-1, HIDDEN), real, dy.reshape(-1, HIDDEN), norm.weight.detach(), norm.bias.detach()
-        )
-        tol = dict(rtol=1e-5, atol=1e-6)  # buffers are float32; the reference keeps float64
-        torch.testing.assert_close(y.reshape(-1, HIDDEN), y_ref, **tol)
-        torch.testing.assert_close(x.grad.reshape(-1, HIDDEN), dx_ref, **tol)
-        torch.testing.assert_close(norm.weight.grad, dgamma_ref, **tol)
-        torch.testing.assert_close(norm.bias.grad, dbeta_ref, **tol)
-        torch.testing.assert_close(norm.running_phi.double(), ref.phi, **tol)
-        torch.testing.assert_close(norm.running_nu.double(), ref.nu, **tol)
-        assert int(norm.num_batches_tracked) == step + 1
+    # steps 1-3 in warmup, 4-5 in the ramp (if any), 6-7 on the running statistic
+    _run_against_reference(norm, ref, steps=7, padded=padded, seed=0, drift=False,
+                           buffers={"running_phi": "phi", "running_nu": "nu"})
 
 
 def test_warmup_statistics_differ_only_where_the_notes_say():
@@ -310,13 +301,16 @@ class ReferenceMABN:
         return y, dx / chi, (dy * r * z).sum(0), dy.sum(0)
 
 
-def _run_against_reference(norm, ref, steps, padded, seed):
+def _run_against_reference(norm, ref, steps, padded, seed, drift=True, buffers=None):
+    """`steps` training steps of `norm` (float64) and `ref` on the same batches: outputs, input and
+    parameter gradients, and after each step the buffers `buffers` names (norm's -> ref's), alike."""
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
         norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
     for step in range(steps):
         x, mask, dy = _batch(seed + step)
-        x = x * (1 + 0.3 * step) + 0.4 * step  # statistics that drift, so the running ones lag behind
+        if drift:
+            x = x * (1 + 0.3 * step) + 0.4 * step  # statistics that drift, so the running ones lag behind
         if not padded:
             mask = torch.ones_like(mask)
         x.requires_grad_(True)
@@ -328,6 +322,8 @@ def _run_against_reference(norm, ref, steps, padded, seed):
         tol = dict(rtol=1e-5, atol=1e-6)  # buffers are float32; the references keep float64
         for got, want in zip((y, x.grad, norm.weight.grad, norm.bias.grad), expected):
             torch.testing.assert_close(got.reshape(want.shape), want, **tol)
+        for name, ref_name in (buffers or {}).items():
+            torch.testing.assert_close(getattr(norm, name).double(), getattr(ref, ref_name), **tol)
         assert int(norm.num_batches_tracked) == step + 1
     return norm
 
@@ -647,6 +643,52 @@ def test_baseline_names_are_normalised(spelling, cls):
     assert isinstance(build_norm(spelling, HIDDEN), cls)
 
 
+# Every spelling the registry accepted when its spellings were a table of their own: each must stay
+# accepted (in any case, with `_`, `-` or spaces) and mean the same norm.
+ACCEPTED_SPELLINGS = {
+    "powernorm": ["powernorm", "PowerNorm", "pn"],
+    "powernorm_v": ["powernorm_v", "PowerNormV", "pnv"],
+    "batchnorm": ["batchnorm", "MaskedBatchNorm", "bn"],
+    "batchrenorm": ["batchrenorm", "BatchRenorm", "brn", "batch renormalization"],
+    "mabn": ["mabn", "MovingAverageBatchNorm"],
+    "layernorm": ["layernorm", "LayerNorm", "ln"],
+    "rmsnorm": ["rmsnorm", "RMSNorm"],
+    "groupnorm": ["groupnorm", "GroupNorm", "gn"],
+    "none": ["none", "Identity"],
+    "dyt": ["dyt", "DyT", "dynamic_tanh"],
+    "derf": ["derf", "Derf", "Dynamic-Erf"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(NORM_CLASSES))
+def test_every_spelling_accepted_before_still_names_its_norm(key):
+    for spelling in ACCEPTED_SPELLINGS[key]:
+        for variant in (spelling, spelling.upper(), spelling.replace("_", "-"), f" {spelling}_"):
+            assert normalize_norm_name(variant) == key, variant
+    assert normalize_norm_name(NORM_CLASSES[key].__name__) == key
+
+
+def test_spellings_are_derived_from_keys_class_names_and_short_names_only():
+    squashed = {spelling.lower().replace("_", "").replace("-", "").replace(" ", ""): key
+                for key, spellings in ACCEPTED_SPELLINGS.items() for spelling in spellings}
+    assert norm_spellings() == squashed
+    for spelling in ("p", "power", "norm", "batch", "renorm", "layer_norm_v", "bnorm"):
+        with pytest.raises(ValueError, match=f"unknown norm {spelling!r}; valid names: .*'powernorm'"):
+            normalize_norm_name(spelling)
+    with pytest.raises(ValueError, match="norm name must be a string, got 3"):
+        normalize_norm_name(3)
+
+
+def test_a_registered_norm_is_accepted_by_key_class_name_and_short_names(monkeypatch):
+    class MyOwnNorm(LayerNorm):
+        short_names = ("mon",)
+
+    monkeypatch.setitem(NORM_CLASSES, "my_own", MyOwnNorm)
+    assert {normalize_norm_name(name) for name in ("my_own", "MyOwn", "MyOwnNorm", "my-own-norm", "MON")} == {"my_own"}
+    assert normalize_norm_name("ln") == "layernorm"  # short names are not inherited
+    assert isinstance(build_norm("MyOwnNorm", HIDDEN), MyOwnNorm)
+
+
 def test_every_registry_name_builds_and_keeps_shape():
     x, mask, _ = _batch(15, dtype=torch.float32)
     for name in NORM_CLASSES:
@@ -769,16 +811,14 @@ def test_fused_cpu_kernels_are_built_here():
 @pytest.mark.parametrize("denominator", ["running", "batch"])
 @pytest.mark.parametrize("groups", [None, 1, GROUPS])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, statistic, ramp):
+def test_fused_kernels_match_eager(denominator, groups, padded, statistic, ramp, use_torch_ops):
     """The C kernels (training steps, their statistics and updates taken in C, the eval map) against
     the torch ops, across warmup, ramp and running statistic, with a batch without real tokens and a
     non-finite one among them."""
-    import hf_powernorm.normalization as normalization
-
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = PowerNorm(HIDDEN, warmup_steps=2, group_num=groups, backward_denominator=denominator,
                          warmup_statistic=statistic, warmup_ramp_steps=ramp)
         with torch.no_grad():
@@ -804,16 +844,14 @@ def test_fused_kernels_match_eager(monkeypatch, denominator, groups, padded, sta
 @pytest.mark.parametrize("name, options", [("powernorm_v", {}), ("powernorm_v", {"group_num": GROUPS}),
                                            ("rmsnorm", {}), ("rmsnorm", {"eps": 0.5}), ("batchnorm", {}),
                                            ("batchrenorm", {"rmax": 1.2, "dmax": 0.3}), ("mabn", _options("mabn"))])
-def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, options):
+def test_other_norms_in_c_kernels_match_their_torch_ops(name, options, use_torch_ops):
     """PN-V, BN and BRN (exact gradients through the batch statistics), MABN and RMSNorm in the C
     kernels against their torch ops: outputs, gradients and buffers, with a batch without real tokens
     and a non-finite one."""
-    import hf_powernorm.normalization as normalization
-
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = build_norm(name, HIDDEN, **options)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
@@ -837,17 +875,15 @@ def test_other_norms_in_c_kernels_match_their_torch_ops(monkeypatch, name, optio
 
 
 @pytest.mark.parametrize("groups", [None, GROUPS])
-def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups):
+def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups, use_torch_ops):
     """PN's C step with every output and input gradient written by streaming stores (what tensors of
     `kernels_cpu.STREAM_BYTES` and more get) against the torch ops, warmup and running statistic."""
     import hf_powernorm.kernels_cpu as kernels_cpu
-    import hf_powernorm.normalization as normalization
-
     monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = PowerNorm(64, warmup_steps=1, group_num=groups)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
@@ -863,33 +899,30 @@ def test_powernorm_step_with_streaming_stores_matches_eager(monkeypatch, groups)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _c_and_torch_traces(monkeypatch, make_norm, batches, evaluate: bool = False) -> list[tuple]:
+def _c_and_torch_traces(make_norm, batches, evaluate: bool = False) -> list[tuple]:
     """`make_norm()` trained on `batches` in the C kernels, then a fresh one in the torch ops: per
     step the output, input gradient, parameter gradients and buffers, and with `evaluate` the eval
     output of the last batch; the two traces, step by step."""
-    import hf_powernorm.normalization as normalization
-
     results = []
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
-        norm = make_norm()
-        trace = []
-        for x, mask, dy in batches:
-            x = x.clone()  # a leaf of this pass's own
-            y = _training_step(norm, x, mask, dy)
-            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
-                          *(b.clone() for b in norm.buffers())))
-        if evaluate:
-            norm.eval()
-            with torch.no_grad():
-                trace.append((norm(x, mask),))
+    for backend in ("c", "torch"):
+        with kernel_backend(backend):
+            norm = make_norm()
+            trace = []
+            for x, mask, dy in batches:
+                x = x.clone()  # a leaf of this pass's own
+                y = _training_step(norm, x, mask, dy)
+                trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
+                              *(b.clone() for b in norm.buffers())))
+            if evaluate:
+                norm.eval()
+                with torch.no_grad():
+                    trace.append((norm(x, mask),))
         results.append(trace)
     return list(zip(*results))
 
 
 @pytest.mark.parametrize("name", ["powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "rmsnorm"])
-def test_c_steps_on_several_threads_match_eager(monkeypatch, name):
+def test_c_steps_on_several_threads_match_eager(name):
     """The C kernels start one thread per `TEAM_FLOATS` floats at most (a decoding step's few tokens
     run on one): a batch large enough for three threads, trained and evaluated, against the torch ops
     (the per-thread sums merged, padding and warmup included)."""
@@ -897,7 +930,7 @@ def test_c_steps_on_several_threads_match_eager(monkeypatch, name):
     try:
         torch.set_num_threads(3)
         batches = [_batch(120 + step, batch=8, seq=64, hidden=256, dtype=torch.float32) for step in range(3)]
-        steps = _c_and_torch_traces(monkeypatch, lambda: build_norm(name, 256), batches, evaluate=True)
+        steps = _c_and_torch_traces(lambda: build_norm(name, 256), batches, evaluate=True)
     finally:
         torch.set_num_threads(previous)
     for fused_step, eager_step in steps:
@@ -912,7 +945,7 @@ def test_batch_statistic_steps_with_streaming_stores_match_eager(monkeypatch, na
 
     monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
     batches = [_batch(65 + step, hidden=64, dtype=torch.float32) for step in range(2)]
-    for fused_step, eager_step in _c_and_torch_traces(monkeypatch, lambda: build_norm(name, 64), batches):
+    for fused_step, eager_step in _c_and_torch_traces(lambda: build_norm(name, 64), batches):
         for a, b in zip(fused_step, eager_step):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -936,15 +969,13 @@ def test_powernorm_step_in_c_reads_every_mask_dtype_alike():
 
 
 @pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
-def test_batch_norm_in_c_kernels_is_differentiable_twice_like_the_torch_ops(monkeypatch, name):
+def test_batch_norm_in_c_kernels_is_differentiable_twice_like_the_torch_ops(name, use_torch_ops):
     """create_graph=True through BN's and BRN's C step takes the torch ops' gradient: the same
     second derivative."""
-    import hf_powernorm.normalization as normalization
-
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = build_norm(name, HIDDEN)
         x, mask, dy = _batch(95, dtype=torch.float32)
         x.requires_grad_(True)
@@ -974,13 +1005,11 @@ def _trained_for_eval(name: str, options: dict, hidden: int = HIDDEN):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("name, options", EVAL_MAP_CASES)
-def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream):
+def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream, use_torch_ops):
     """The eval forward in one C pass (`norm_eval`: scale and shift from the parameters and running
     statistics as they are, streaming stores for large outputs) against the torch ops: the output
     without and with grad (the same bits both ways), and the gradients of input and parameters."""
     import hf_powernorm.kernels_cpu as kernels_cpu
-    import hf_powernorm.normalization as normalization
-
     if stream:  # every output streamed; 64 channels in 4 groups suit every vector width
         monkeypatch.setattr(kernels_cpu, "STREAM_BYTES", 0)
     hidden = 64 if stream else HIDDEN
@@ -988,7 +1017,7 @@ def test_eval_map_in_c_matches_the_torch_ops(monkeypatch, name, options, stream)
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(normalization, "kernels_usable", lambda x: False)
+            use_torch_ops()
         norm = _trained_for_eval(name, options, hidden)
         with torch.no_grad():
             no_grad = norm(x, mask)

@@ -8,7 +8,7 @@ markdown table:
 - graph breaks of the training forward (`torch._dynamo.explain`; 0 is the claim);
 - the training step (forward, backward, AdamW), compiled, against the same model eager, and the
   compiled PN model against the compiled LayerNorm model: medians of interleaved repeats, fresh
-  gradients every repeat (`suite.interleaved`);
+  gradients every repeat (`timing.interleaved`);
 - the seconds of the first compiled step (compiling included).
 `--backend aot_eager` checks the tracing on a machine without a compiler (no code generated, so its
 times say nothing about speed).
@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from .suite import _cell, _clock, _model_batch, interleaved, machine_line, markdown, model_sizes, our_model, progress
+from .suite import model_batch, model_sizes, our_model
+from .timing import cell, clock, interleaved, machine_line, markdown, progress
 
 
 def _model(sizes: dict, norm: str, everywhere: bool, device: str):
@@ -47,8 +48,8 @@ def _step(model, batch, compiled: bool, backend: str):
 
 
 def run(sizes: dict, device: str, backend: str, repeats: int, warmup: int) -> tuple[list[str], list[list[str]]]:
-    batch = _model_batch(sizes, device)
-    clock = _clock(device)
+    batch = model_batch(sizes, device)
+    now = clock(device)
     rows = []
     for label, norm, everywhere in (("PN encoder, LN decoder", "powernorm", False),
                                     ("PN in every layer", "powernorm", True),
@@ -57,16 +58,16 @@ def run(sizes: dict, device: str, backend: str, repeats: int, warmup: int) -> tu
         explanation = torch._dynamo.explain(_model(sizes, norm, everywhere, device))(**batch)
         eager = _step(_model(sizes, norm, everywhere, device), batch, False, backend)
         compiled = _step(_model(sizes, norm, everywhere, device), batch, True, backend)
-        start = clock()
+        start = now()
         compiled()
-        first = clock() - start
+        first = now() - start
         rows.append([label, str(explanation.graph_count), str(explanation.graph_break_count), f"{first:.1f}",
-                     _cell(interleaved(compiled, eager, repeats, warmup, device)), compiled])
+                     cell(interleaved(compiled, eager, repeats, warmup, device)), compiled])
         progress(" | ".join(rows[-1][:-1]))
     ln_compiled = rows[-1][-1]
     for row in rows:
         step = row.pop()
-        row.append(_cell(interleaved(step, ln_compiled, repeats, warmup, device)) if row[0] != "LayerNorm" else "1")
+        row.append(cell(interleaved(step, ln_compiled, repeats, warmup, device)) if row[0] != "LayerNorm" else "1")
     header = ["model", "graphs", "graph breaks", "first compiled step, s", "compiled step / eager step",
               "compiled step / compiled LayerNorm model's"]
     return header, rows

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..normalization import build_norm
-from .suite import _layer_inputs, c_kernels, machine_line, markdown, progress
+from .suite import c_kernels, layer_inputs
+from .timing import machine_line, markdown, progress
 
 CASES = {
     "powernorm G=4": ("powernorm", {"group_num": 4}, True),
@@ -82,7 +83,7 @@ def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[lis
     header = ["norm", "shape", "step, ms", "step / F.layer_norm's", "host issue, ms", "device ops per step"]
     rows = []
     for tokens, hidden in shapes:
-        x, dy, mask = _layer_inputs(tokens, hidden, device)  # the suite's layer inputs
+        x, dy, mask = layer_inputs(tokens, hidden, device)  # the suite's layer inputs
         x.requires_grad_()
         weight = torch.ones(hidden, device=device, requires_grad=True)
         bias = torch.zeros(hidden, device=device, requires_grad=True)

@@ -13,7 +13,7 @@ Tables (markdown, printed; `--write` also replaces the measured section of that 
 - `fold_norms()`: the PN model's eval forward after folding / before;
 - first-call costs: building the C kernels, and `torch.compile` of PN's training step.
 
-Protocol. Every figure is a ratio of two workloads measured in the same process, interleaved
+Protocol (`timing.py`). Every figure is a ratio of two workloads measured in the same process, interleaved
 (A B A B ...), after warm-up repeats, each repeat with fresh gradients (set to None); the table
 gives the median ratio over the repeats and its spread (25th-75th percentile), and the candidate's
 median time for scale. Glibc's allocator returns freed memory to the system between repeats
@@ -27,24 +27,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import datetime
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .. import normalization
-from ..normalization import NORM_CLASSES, build_norm
+from .. import kernels_cpu
+from ..normalization import NORM_CLASSES, available_kernel_backends, build_norm, kernel_backend
+from .timing import cell, clock, control_allocator, interleaved, machine_line, markdown, num_threads, progress
 
 LAYER_SHAPES = [(1024, 512), (4096, 512), (16384, 1024)]
 QUICK_SHAPES = [(256, 64)]
@@ -68,16 +65,12 @@ LAYER_CASES = {
     "powernorm G=4, its two C calls alone (no module, no autograd)": ("pn_calls", {"group_num": GROUP_NUM}, True),
     "autograd.Function doing no arithmetic (module call, output and gradient allocation, autograd)": ("autograd", {}, True),
 }
+# The eval table's cases: the layer table's that have an eval forward, and the folded PN and a copy.
 EVAL_CASES = {
-    "powernorm G=4": ("powernorm", {"group_num": GROUP_NUM}, True),
-    "powernorm no GS": ("powernorm", {"group_num": None}, True),
+    **{label: LAYER_CASES[label] for label in ("powernorm G=4", "powernorm no GS")},
     "powernorm G=4, folded (group scaling only)": ("groupscale", {"group_num": GROUP_NUM}, True),
-    "powernorm G=4, torch ops": ("powernorm", {"group_num": GROUP_NUM}, False),
-    "batchnorm (masked)": ("batchnorm", {}, True),
-    "rmsnorm": ("rmsnorm", {}, True),
-    "layernorm (registry)": ("layernorm", {}, True),
-    "dyt": ("dyt", {}, True),
-    "derf": ("derf", {}, True),
+    **{label: LAYER_CASES[label] for label in ("powernorm G=4, torch ops", "batchnorm (masked)", "rmsnorm",
+                                                "layernorm (registry)", "dyt", "derf")},
     "x.clone() (no norm: one read and one write)": ("copy", {}, True),
 }
 # Every norm of the registry but the identity, in the registry's order.
@@ -88,46 +81,7 @@ MARK_END = "<!-- benchmarks:end -->"
 
 
 # ----------------------------------------------------------------------------------------------
-# Protocol: allocator, timing, interleaving
-
-
-def control_allocator() -> bool:
-    """glibc: never trim the heap, never mmap blocks below 1 GiB (so freed tensors are reused)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_trim_threshold, -1)) and bool(libc.mallopt(m_mmap_threshold, 1 << 30))
-
-
-def _clock(device: str) -> Callable[[], float]:
-    if device == "cuda":
-        def clock() -> float:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return clock
-    return time.perf_counter
-
-
-def interleaved(candidate: Callable, baseline: Callable, repeats: int, warmup: int, device: str) -> dict:
-    """A B A B ... after `warmup` pairs; the candidate's median time and the ratio's median and spread."""
-    clock = _clock(device)
-    for _ in range(warmup):
-        candidate()
-        baseline()
-    ratios, times = [], []
-    for _ in range(repeats):
-        start = clock()
-        candidate()
-        middle = clock()
-        baseline()
-        end = clock()
-        times.append(middle - start)
-        ratios.append((middle - start) / (end - middle))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"ms": statistics.median(times) * 1e3, "ratio": statistics.median(ratios),
-            "low": quartiles[0], "high": quartiles[2]}
+# Backends
 
 
 @contextlib.contextmanager
@@ -137,35 +91,15 @@ def c_kernels(enabled: bool | str):
     if enabled is True:  # nothing to switch: no cost charged to the candidate's time
         yield
         return
-    with normalization.kernel_backend("compile" if enabled == "compile" else "torch"):
+    with kernel_backend("compile" if enabled == "compile" else "torch"):
         yield
-
-
-def _threads(count: int):
-    @contextlib.contextmanager
-    def scope():
-        previous = torch.get_num_threads()
-        torch.set_num_threads(count)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(previous)
-    return scope()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _cell(result: dict) -> str:
-    return f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), {result['ms']:.2f} ms"
 
 
 # ----------------------------------------------------------------------------------------------
 # Layers
 
 
-def _layer_inputs(tokens: int, hidden: int, device: str):
+def layer_inputs(tokens: int, hidden: int, device: str):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=generator).to(device)
     dy = torch.randn(tokens, hidden, generator=generator).to(device)
@@ -217,9 +151,13 @@ class _PowerNormCalls(torch.nn.Module):
 
     def training_step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
         norm = self.norm
-        weight, bias = norm.weight.detach(), norm.bias.detach()
-        status, _, stats, count = norm._c_step_forward(x.detach(), mask, weight, bias)
-        norm._c_step_backward(dy, x.detach(), mask, weight, stats, count, status == 1)
+        weight, bias, x = norm.weight.detach(), norm.bias.detach(), x.detach()
+        status, _, stats, count = kernels_cpu.pn_step_forward(
+            x, mask, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
+            norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd, norm.warmup_statistic == "reference",
+            norm.backward_denominator == "batch", norm.group_eps)
+        kernels_cpu.pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count, status == 1,
+                                     1.0 - norm.alpha_bkw, norm.group_eps)
 
 
 def _build(name: str, hidden: int, options: dict, device: str):
@@ -228,7 +166,8 @@ def _build(name: str, hidden: int, options: dict, device: str):
     if name == "autograd":
         return _AutogradCost()
     if name == "pn_calls":
-        return _PowerNormCalls(hidden, options["group_num"]) if normalization.kernels_usable(torch.empty(0, device=device)) else None
+        usable = device == "cpu" and "c" in available_kernel_backends()
+        return _PowerNormCalls(hidden, options["group_num"]) if usable else None
     if name == "groupscale":
         from ..modeling_powernorm import GroupScale
 
@@ -244,10 +183,10 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool,
     header = ["norm"] + [f"{t} thr, ({n}, {c})" for t in threads for n, c in shapes]
     rows = {label: [label] for label in cases}
     for count in threads:
-        with _threads(count):
+        with num_threads(count):
             for tokens, hidden in shapes:
                 progress(f"layers, {'train' if train else 'eval'}, {count} threads, ({tokens}, {hidden})")
-                x, dy, mask = _layer_inputs(tokens, hidden, device)
+                x, dy, mask = layer_inputs(tokens, hidden, device)
                 weight = torch.ones(hidden, device=device, requires_grad=train)
                 bias = torch.zeros(hidden, device=device, requires_grad=train)
                 xl = x.clone().requires_grad_(train)
@@ -278,7 +217,7 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool,
                                 norm(x)
 
                     with torch.set_grad_enabled(train):
-                        rows[label].append(_cell(interleaved(step, baseline, repeats, warmup, device)))
+                        rows[label].append(cell(interleaved(step, baseline, repeats, warmup, device)))
     return header, list(rows.values())
 
 
@@ -299,14 +238,14 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
 
 _PEAK_CODE = """
 import ctypes, gc, sys, torch, torch.nn.functional as F
-from hf_powernorm.benchmarks.suite import _layer_inputs, MEMORY_OPTIONS
+from hf_powernorm.benchmarks.suite import layer_inputs, MEMORY_OPTIONS
 from hf_powernorm.normalization import build_norm
 libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD fixed at 128 KiB: large blocks unmapped when freed
 libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
 torch.set_num_threads(1)
 name, tokens, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-x, dy, mask = _layer_inputs(tokens, hidden, "cpu")
+x, dy, mask = layer_inputs(tokens, hidden, "cpu")
 if name == "F.layer_norm":
     weight, bias = torch.ones(hidden, requires_grad=True), torch.zeros(hidden, requires_grad=True)
     step = lambda xn: F.layer_norm(xn, (hidden,), weight, bias).backward(dy)
@@ -340,7 +279,7 @@ def peak_bytes(name: str, shape: tuple[int, int]) -> int | None:
 
 def memory_table(shape, device) -> tuple[list[str], list[list[str]]]:
     tokens, hidden = shape
-    x, _, mask = _layer_inputs(tokens, hidden, device)
+    x, _, mask = layer_inputs(tokens, hidden, device)
     weight = torch.ones(hidden, device=device, requires_grad=True)
     bias = torch.zeros(hidden, device=device, requires_grad=True)
     base = saved_bytes(lambda: F.layer_norm(x.clone().requires_grad_(True), (hidden,), weight, bias))
@@ -418,7 +357,7 @@ def bart_model(sizes: dict, device: str):
     return BartForConditionalGeneration(config).to(device)
 
 
-def _model_batch(sizes: dict, device: str) -> dict:
+def model_batch(sizes: dict, device: str) -> dict:
     generator = torch.Generator().manual_seed(1)
     shape = (sizes["batch"], sizes["source"])
     input_ids = torch.randint(3, sizes["vocab"], shape, generator=generator)
@@ -444,14 +383,14 @@ def _train_step(model, batch):
 def _generate_cell(candidate, baseline, base_label: str, count: int, repeats: int, device: str, tokens: int) -> str:
     """A generate cell: the candidate's tokens/s over the baseline's (the baseline's time over the
     candidate's, interleaved, no grad, `count` threads), then the baseline's tokens/s for scale."""
-    with _threads(count), torch.no_grad():
+    with num_threads(count), torch.no_grad():
         result = interleaved(baseline, candidate, repeats, 1, device)
     tokens_per_s = tokens / (result["ms"] / 1e3)
     return f"{result['ratio']:.2f} ({result['low']:.2f}-{result['high']:.2f}), {base_label} {tokens_per_s:.0f} tok/s"
 
 
 def model_tables(sizes, repeats, warmup, device, threads):
-    batch = _model_batch(sizes, device)
+    batch = model_batch(sizes, device)
     models = {"pn": our_model(sizes, "powernorm", device), "ln": our_model(sizes, "layernorm", device),
               "bart": bart_model(sizes, device)}
     header = ["comparison", *[f"{t} thr" for t in threads]]
@@ -459,9 +398,9 @@ def model_tables(sizes, repeats, warmup, device, threads):
     steps = {name: _train_step(model, batch) for name, model in models.items()}
     progress("model train steps")
     for count in threads:
-        with _threads(count):
-            train_rows[0].append(_cell(interleaved(steps["pn"], steps["ln"], repeats, warmup, device)))
-            train_rows[1].append(_cell(interleaved(steps["ln"], steps["bart"], repeats, warmup, device)))
+        with num_threads(count):
+            train_rows[0].append(cell(interleaved(steps["pn"], steps["ln"], repeats, warmup, device)))
+            train_rows[1].append(cell(interleaved(steps["ln"], steps["bart"], repeats, warmup, device)))
     generate_rows = []
     prompt = {key: batch[key] for key in ("input_ids", "attention_mask")}
     new = sizes["new_tokens"]
@@ -505,8 +444,8 @@ def fold_row(sizes, batch, repeats, warmup, device, threads) -> list[str]:
     inputs["decoder_input_ids"] = batch["labels"]
     row = ["eval forward: PN model after fold_norms() / before"]
     for count in threads:
-        with _threads(count), torch.no_grad():
-            row.append(_cell(interleaved(lambda: folded(**inputs), lambda: model(**inputs), repeats, warmup, device)))
+        with num_threads(count), torch.no_grad():
+            row.append(cell(interleaved(lambda: folded(**inputs), lambda: model(**inputs), repeats, warmup, device)))
     return row
 
 
@@ -566,20 +505,20 @@ def allocator_table(shapes, repeats, warmup, device) -> tuple[list[str], list[li
             controlled = control_allocator()
             label += "" if controlled else " (mallopt unavailable)"
         row = [label]
-        with _threads(1):
+        with num_threads(1):
             for tokens, hidden in shapes:
-                x, dy, _ = _layer_inputs(tokens, hidden, device)
+                x, dy, _ = layer_inputs(tokens, hidden, device)
                 x.requires_grad_(True)
                 weight = torch.ones(hidden, device=device, requires_grad=True)
                 bias = torch.zeros(hidden, device=device, requires_grad=True)
-                clock = _clock(device)
+                now = clock(device)
                 for _ in range(warmup):
                     _layer_norm_step(x, dy, weight, bias)
                 times = []
                 for _ in range(repeats):
-                    start = clock()
+                    start = now()
                     _layer_norm_step(x, dy, weight, bias)
-                    times.append(clock() - start)
+                    times.append(now() - start)
                 row.append(f"{statistics.median(times) * 1e3:.2f} ms")
         rows.append(row)
     return ["allocator", *[f"({n}, {c})" for n, c in shapes]], rows
@@ -587,26 +526,6 @@ def allocator_table(shapes, repeats, warmup, device) -> tuple[list[str], list[li
 
 # ----------------------------------------------------------------------------------------------
 # Report
-
-
-def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
-    lines = [f"#### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def machine_line(device: str, command: str, loads: tuple) -> str:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as info:
-        cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    gpu = f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
-    return (f"Machine: {cpu}, {os.cpu_count()} cores{gpu}; Python {platform.python_version()}, torch "
-            f"{torch.__version__}, transformers {transformers.__version__}; "
-            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; load average "
-            f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end (other jobs on the machine). "
-            f"Command: `{command}`.")
 
 
 def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]]:

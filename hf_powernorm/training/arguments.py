@@ -26,15 +26,21 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 
 from ..configuration_powernorm import NORM_SITES, PRESETS
-from ..normalization import WARMUP_STATISTICS, normalize_norm_name
+from ..normalization import BACKWARD_DENOMINATORS, NORM_CLASSES, WARMUP_STATISTICS, PowerNorm, normalize_norm_name
 from .optimization import SCHEDULER_TYPES
 
-# The config fields of DyT's and Derf's initial alpha per site and of the learnable embedding scale.
-ELEMENTWISE_NORM_OPTIONS = tuple(f"norm_alpha_init_{site}" for site in NORM_SITES) + ("embed_scale_learnable",)
+# The config fields the registry's norms take their options from: each class's `config_options`, its
+# per-site `site_options` at every site of `NORM_SITES`, and the embedding scale of the norms with
+# `learnable_embed_scale`. A flag of the same name sets each, but `powernorm_sync_stats`: `--sync_stats`
+# decides it with the number of processes.
+_SITE_FIELD_PREFIXES = tuple(dict.fromkeys(prefix for cls in NORM_CLASSES.values()
+                                           for prefix in cls.site_options.values()))
+ELEMENTWISE_NORM_OPTIONS = tuple(f"{prefix}_{site}" for prefix in _SITE_FIELD_PREFIXES for site in NORM_SITES) + (
+    ("embed_scale_learnable",) if any(cls.learnable_embed_scale for cls in NORM_CLASSES.values()) else ())
 # The norm options a recipe passes to the config when given (the preset's otherwise).
-PN_OPTIONS = ("powernorm_alpha_fwd", "powernorm_alpha_bkw", "powernorm_warmup_steps", "powernorm_group_num",
-              "powernorm_backward_denominator", "powernorm_warmup_statistic", "powernorm_warmup_ramp_steps",
-              *ELEMENTWISE_NORM_OPTIONS)
+PN_OPTIONS = tuple(field for field in dict.fromkeys(field for cls in NORM_CLASSES.values()
+                                                    for field in cls.config_options.values())
+                   if field != "powernorm_sync_stats") + ELEMENTWISE_NORM_OPTIONS
 # Options that count updates on the command line and training forward passes in the config.
 PN_UPDATE_COUNTS = ("powernorm_warmup_steps", "powernorm_warmup_ramp_steps")
 NORM_OPTIONS = ("norm_type", "encoder_norm_type", "decoder_norm_type")
@@ -109,23 +115,29 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                             "(0: none, the statistic starts at 1)")
 
 
+# The flag of each option of `PowerNorm.config_options` the recipes set, `--<its config field>`, in the
+# order --help lists them.
+_POWERNORM_FLAGS = {
+    "alpha_fwd": dict(type=float, help="EMA factor of the forward statistic"),
+    "alpha_bkw": dict(type=float, help="EMA factor of the gradient statistic"),
+    "warmup_steps": dict(type=int, help="updates using batch statistics (the config stores them as forward passes: "
+                                        "x --gradient_accumulation_steps); default: the preset's, else "
+                                        "--num_warmup_steps"),
+    "group_num": dict(type=_group_num, help="group scaling groups, or 'none'; default: one per attention head"),
+    "backward_denominator": dict(choices=BACKWARD_DENOMINATORS,
+                                 help="'running' (paper, eq. 12) or 'batch' (the reference code)"),
+    "warmup_statistic": dict(choices=WARMUP_STATISTICS,
+                             help="running statistic during warmup: 'cumulative' mean of the batch statistics, or "
+                                  "'reference' (the authors' code: cumulative then EMA step)"),
+    "warmup_ramp_steps": dict(type=int, help="updates after warmup over which the denominator blends from the batch "
+                                             "statistic to the running one (0: the paper's switch)"),
+}
+
+
 def _add_powernorm_args(parser: argparse.ArgumentParser) -> None:
     norms = parser.add_argument_group("power normalization (default: the preset's values)")
-    norms.add_argument("--powernorm_alpha_fwd", type=float, help="EMA factor of the forward statistic")
-    norms.add_argument("--powernorm_alpha_bkw", type=float, help="EMA factor of the gradient statistic")
-    norms.add_argument("--powernorm_warmup_steps", type=int,
-                       help="updates using batch statistics (the config stores them as forward passes: "
-                            "x --gradient_accumulation_steps); default: the preset's, else --num_warmup_steps")
-    norms.add_argument("--powernorm_group_num", type=_group_num,
-                       help="group scaling groups, or 'none'; default: one per attention head")
-    norms.add_argument("--powernorm_backward_denominator", choices=("running", "batch"),
-                       help="'running' (paper, eq. 12) or 'batch' (the reference code)")
-    norms.add_argument("--powernorm_warmup_statistic", choices=WARMUP_STATISTICS,
-                       help="running statistic during warmup: 'cumulative' mean of the batch statistics, or "
-                            "'reference' (the authors' code: cumulative then EMA step)")
-    norms.add_argument("--powernorm_warmup_ramp_steps", type=int,
-                       help="updates after warmup over which the denominator blends from the batch statistic "
-                            "to the running one (0: the paper's switch)")
+    for option, flag in _POWERNORM_FLAGS.items():
+        norms.add_argument(f"--{PowerNorm.config_options[option]}", **flag)
     norms.add_argument("--sync_stats", action=argparse.BooleanOptionalAction, default=None,
                        help="sum PN/BN statistics over processes; default: on with several processes. "
                             "With --no-sync_stats each process keeps its own. Either way they are "
