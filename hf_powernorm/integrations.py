@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .modeling_powernorm import RUNNING_BUFFERS
+from .normalization import running_buffers
 
 
 def peft_modules_to_save(model: nn.Module) -> list[str]:
@@ -24,8 +24,9 @@ def peft_modules_to_save(model: nn.Module) -> list[str]:
     >>> config = LoraConfig(target_modules=["q_proj", "v_proj"], modules_to_save=peft_modules_to_save(model))
     ```
     """
+    statistics = running_buffers()  # a norm registered after import included
     names = [name for name, module in model.named_modules()
-             if name and any(buffer in RUNNING_BUFFERS for buffer, _ in module.named_buffers(recurse=False))]
+             if name and any(buffer in statistics for buffer, _ in module.named_buffers(recurse=False))]
     if not names:
         raise ValueError(f"{type(model).__name__} has no norm with running statistics (PN, PN-V, BN, BRN, MABN)")
     return names
