@@ -11,6 +11,7 @@ import pytest
 from launching import accelerate_launch
 from hf_powernorm import compare
 from hf_powernorm.training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
+from hf_powernorm.training.tasks import get_task
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
@@ -172,7 +173,7 @@ def test_local_model_comparison_on_files(case, request, tmp_path):
                   *TINY, "--output_dir", str(output)])
     rows = _rows(output)
     assert _keys(rows) == sorted((norm, "1", split) for norm in norms for split in ("validation", "test"))
-    metric = compare.TASKS[task].metric
+    metric = get_task(task).metric
     assert all(r[metric] != "" for r in rows) and {r["train_steps"] for r in rows} == {"2"}
     report = (output / "report.md").read_text(encoding="utf-8")
     assert "one seed: no verdict" in report and f"test {metric}" in report

@@ -187,7 +187,8 @@ def test_binary_bert_with_0_1_labels_and_named_columns_runs(binary_bert, tmp_pat
 
 
 def test_class_names_come_from_the_model_and_the_data():
-    names = compare.names_for_labels
+    from hf_powernorm.training.classification import names_for_labels as names
+
     assert names([0, 1], ["LABEL_0", "LABEL_1"]) == ["LABEL_0", "LABEL_1"]
     assert names([0, 1, 2], ["LABEL_0", "LABEL_1"]) == ["0", "1", "2"]  # another head size: rebuilt
     assert names(["pos", "neg"], ["neg", "pos"]) == ["neg", "pos"]

@@ -13,7 +13,7 @@ forward passes, so it spans the same updates at every mini-batch size. Writes `r
     python recipes/studies/batch_size.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/batch_size.py --smoke --output_dir /tmp/bs   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
-from .reports import mean_std, seeds_of, write_rows
+from ..training.grid import Cell
+from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")

@@ -21,7 +21,7 @@ fraction, singular-value summaries, scores), `statistics.csv` (the recorded rows
     python recipes/studies/batch_statistics.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/batch_statistics.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from torch import nn
 
 from .. import MaskedBatchNorm, NormStatisticsRecorder
 from ..instrumentation import read_norm_statistics
-from .grid import Cell
-from .reports import mean_std, seeds_of, write_rows
+from ..training.grid import Cell
+from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")

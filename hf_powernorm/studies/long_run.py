@@ -12,7 +12,7 @@ after warmup, the last logged loss and validation and test perplexity, as `resul
     python recipes/studies/long_run.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/long_run.py --smoke --output_dir /tmp/lr   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
+from ..training.grid import Cell
 from .measures import first_nonfinite_update, training_losses
-from .reports import write_rows
+from ..training.reports import write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,

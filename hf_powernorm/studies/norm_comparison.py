@@ -23,7 +23,7 @@ every norm at its first seeds.
         --validation_file ptb.valid.txt --test_file ptb.test.txt              # or --dataset_name ptb_text_only
     python recipes/studies/norm_comparison.py --smoke --output_dir /tmp/nc      # embedded corpora, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`); `--report_only`
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`); `--report_only`
 writes the outputs of the runs finished so far while the others still run.
 """
 
@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from ..training import read_run_log, translation
-from .grid import Cell, run_grid
-from .reports import mean_std, seeds_of, write_rows
+from ..training.grid import Cell, run_grid
+from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import (
     DATA_OPTIONS,
     add_lm_size_args,

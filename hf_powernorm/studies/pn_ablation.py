@@ -21,7 +21,7 @@ double and half the run, at 600 updates) run once and report the same runs.
     python recipes/studies/pn_ablation.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/pn_ablation.py --smoke --output_dir /tmp/ab   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
+from ..training.grid import Cell
 from .measures import loss_jump, training_losses
-from .reports import mean_std, seeds_of, write_rows
+from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,

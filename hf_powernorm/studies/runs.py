@@ -29,7 +29,7 @@ from ..training.tokenization import (
     tokenize_lines,
     train_bpe_tokenizer,
 )
-from .grid import run_grid
+from ..training.grid import run_grid
 
 PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
 

@@ -70,9 +70,9 @@ from typing import Any
 from ..training import select_checkpoints, synthetic_translation_corpus, translation, write_average
 from ..training.atomic_files import remove_path
 from ..training.run_log import LOG_NAME
-from .grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
+from ..training.grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
 from .norm_comparison import log_folder, multi30k_files, validation_curve
-from .reports import MIN_PAIRS, SIGNIFICANCE, PairedVerdict, paired_cell, paired_verdicts, write_rows
+from ..training.reports import MIN_PAIRS, SIGNIFICANCE, PairedVerdict, paired_cell, paired_verdicts, write_rows
 from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
 
 TASKS = ("ptb", "multi30k", "tinyshakespeare")

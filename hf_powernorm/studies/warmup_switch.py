@@ -19,7 +19,7 @@ per word), as `results.csv`, `summary.md` and `loss_at_switch.png` in `--output_
     python recipes/studies/warmup_switch.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/warmup_switch.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
+from ..training.grid import Cell
 from .measures import PEAK_WINDOW, WINDOW, loss_jump, training_losses
-from .reports import mean_std, seeds_of, write_rows
+from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
 
 SETTINGS = {
