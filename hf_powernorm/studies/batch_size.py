@@ -25,7 +25,7 @@ from typing import Any
 
 from ..training.grid import Cell
 from ..training.reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "update_tokens": 1024, "max_train_steps": 600,
@@ -59,8 +59,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     sizes = {**options, "max_tokens": options["mini_batch"], "gradient_accumulation_steps": options["accumulation"]}
     argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--norm_type", options["norm"]]
-    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
     return scores
 
 

@@ -41,7 +41,7 @@ from .. import MaskedBatchNorm, NormStatisticsRecorder
 from ..instrumentation import read_norm_statistics
 from ..training.grid import Cell
 from ..training.reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
@@ -152,8 +152,8 @@ def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     singular values of its word embeddings (`singular_values.csv`)."""
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--norm_type", options["norm"], "--record_norm_stats", str(options["record_every"])]
-    args = lm_run_args(folder, options["tokenizer"], argv)
-    model, scores = train_causal_lm(args, options["files"], options["block_size"], options["model_size"])
+    model, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                                   options["model_size"])
     values = normalized_singular_values(model.get_input_embeddings().weight)
     with open(folder / "singular_values.csv", "w", encoding="utf-8") as handle:
         handle.write("index,normalized_singular_value\n")

@@ -25,7 +25,7 @@ from typing import Any
 from ..training.grid import Cell
 from .measures import first_nonfinite_update, training_losses
 from ..training.reports import write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,
                   "warmup_steps": 150, "eval_steps": 500, "learning_rate": 1e-3},
@@ -63,8 +63,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     precision = "no" if options["precision"] == "fp32" else "bf16"
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--mixed_precision", precision, *SETTINGS[options["setting"]]]
-    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
     return {**scores, **stability(training_losses(folder), options["warmup_steps"])}
 
 

@@ -45,11 +45,10 @@ from .runs import (
     add_lm_size_args,
     add_study_data_args,
     budget_argv,
-    lm_run_args,
     lm_size,
     prepare_lm_data,
     study_data_files,
-    train_causal_lm,
+    train_study_lm,
 )
 
 SETTINGS = {
@@ -127,8 +126,8 @@ def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     sizes = options["sizes"]
     argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             *SETTINGS[options["setting"]]]
-    args = lm_run_args(folder, options["tokenizer"], argv)
-    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], sizes["block_size"],
+                               options["model_size"])
     return scores
 
 

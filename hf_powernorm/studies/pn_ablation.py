@@ -34,7 +34,7 @@ from typing import Any
 from ..training.grid import Cell
 from .measures import loss_jump, training_losses
 from ..training.reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
@@ -88,8 +88,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     options = cell.options
     flags, pn_warmup = setting_argv(options["setting"], options)
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01", *flags]
-    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
     return {**scores, "pn_warmup_steps": pn_warmup, **loss_jump(training_losses(folder), pn_warmup)}
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from ..training.grid import Cell
 from .measures import PEAK_WINDOW, WINDOW, loss_jump, training_losses
 from ..training.reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SETTINGS = {
     "layernorm": {"norm_type": "layernorm"},
@@ -72,8 +72,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
     options = cell.options
-    args = lm_run_args(folder, options["tokenizer"], _run_argv(options))
-    _, scores = train_causal_lm(args, options["files"], options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], _run_argv(options), options["files"],
+                               options["block_size"], options["model_size"])
     return {**scores, **loss_jump(training_losses(folder), options["warmup_steps"])}
 
 

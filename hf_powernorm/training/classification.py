@@ -35,6 +35,10 @@ DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128, "encoder_layers": 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return check_options(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a PowerNorm Transformer sentence classifier.")
     add_recipe_args(p, vocab_size=1000, learning_rate=1e-3, num_warmup_steps=100, num_train_epochs=5,
                     output_dir="outputs/classification")
@@ -42,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label_names", default=",".join(SENTIMENT_LABELS),
                    help="comma-separated class names of local files (Hub datasets bring their own)")
     p.add_argument("--max_length", type=int, default=128, help="truncate sentences to this many tokens")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_options(args: argparse.Namespace) -> argparse.Namespace:
+    """The recipes' checks, then that the training data comes from one option."""
     check_args(args, path_options=Classification.input_path_options)
     if args.phrasebank_file and args.train_file:
         raise ValueError("give either --phrasebank_file or --train_file, not both")
@@ -55,6 +63,7 @@ class Classification(Task):
 
     script = "recipes/train_classification.py"
     model_class, auto_class = PowerNormTransformerForSequenceClassification, AutoModelForSequenceClassification
+    build_parser, check_options = staticmethod(build_parser), staticmethod(check_options)
     pretrained_auto_class = "AutoModelForSequenceClassification"
     default_size = DEFAULT_SIZE
     metric, mode = "accuracy", "max"

@@ -30,10 +30,18 @@ DEFAULT_SIZE = {**{k: v for k, v in PRESETS["lm-small"].items() if k != "vocab_s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return check_options(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a PowerNorm Transformer language model.")
     add_recipe_args(p, learning_rate=2e-3, num_warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training/evaluation block")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_options(args: argparse.Namespace) -> argparse.Namespace:
+    """The recipes' checks, then the block size's."""
     check_args(args, path_options=LanguageModelling.input_path_options)
     if args.block_size < 2 or args.block_size > args.max_tokens:
         raise ValueError(f"--block_size must be in [2, --max_tokens={args.max_tokens}]; got {args.block_size}")
@@ -47,6 +55,7 @@ class LanguageModelling(Task):
 
     script = "recipes/train_lm.py"
     model_class, auto_class = PowerNormTransformerForCausalLM, AutoModelForCausalLM
+    build_parser, check_options = staticmethod(build_parser), staticmethod(check_options)
     pretrained_auto_class = "AutoModelForCausalLM"
     default_size = DEFAULT_SIZE
     metric, mode = "perplexity", "min"

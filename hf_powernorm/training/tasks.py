@@ -32,9 +32,18 @@ from .batching import PaddingCollator
 from .evaluation import score_splits
 from .export import save_outputs, training_command
 from .losses import model_loss
-from .loop import LossFn, build_accelerator, fit, log_run_start, prepare_eval_loaders, prepare_output_dir, start_run
+from .loop import (
+    LossFn,
+    build_accelerator,
+    fit,
+    log_run_start,
+    make_accelerator,
+    prepare_eval_loaders,
+    prepare_output_dir,
+    start_run,
+)
 from .models import build_model, model_tokenizer_path, resolve_model_path
-from .tokenization import prepare_tokenizer
+from .tokenization import load_tokenizer, prepare_tokenizer
 
 
 class Task:
@@ -61,9 +70,30 @@ class Task:
     decoder_batches: bool = True  # PN's batch statistics mix a decoder's positions: no PN warmup by default
     write_predictions: bool = True  # `evaluate` writes the test split's outputs into `--output_dir`
 
+    build_parser: Callable[[], argparse.ArgumentParser]  # the recipe's command line
+    check_options: Callable[[argparse.Namespace], argparse.Namespace]  # its checks, after parsing
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tokenizer: Any = None
+        self.command_line: list[str] | None = None  # the options as typed, for the model card
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Task:
+        """The task over the recipe's defaults with `options` (by the options' names, valued as the
+        parser gives them: `learning_rate=3e-3`, `checkpointing_steps="500"`), checked as its command
+        line is: a call of the task from code instead of a command line built for it."""
+        parser = cls.build_parser()
+        args = parser.parse_args([])
+        unknown = sorted(set(options) - set(vars(args)))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.from_options: unknown options {unknown}; valid: {sorted(vars(args))}")
+        actions = {action.dest: action for action in parser._actions}
+        for name, value in options.items():
+            setattr(args, name, _parsed(actions[name], value))
+        task = cls(cls.check_options(args))
+        task.command_line = option_words(options)
+        return task
 
     def load_data(self, accelerator: Accelerator) -> dict[str, Any]:
         """The tokenized splits ("train", "validation", "test" where present); sets `self.tokenizer`."""
@@ -146,8 +176,25 @@ class Task:
     def card_kwargs(self, argv: list[str] | None) -> dict[str, Any]:
         """What `render_model_card` takes from the run besides the model and its scores."""
         return {"repo_id": self.args.hub_model_id or Path(self.args.output_dir).resolve().name, "language": "en",
-                "datasets": self.args.dataset_name, "training_command": training_command(self.script, argv),
+                "datasets": self.args.dataset_name,
+                "training_command": training_command(self.script, self.command_line if argv is None else argv),
                 "description": self.description.format(data=self.training_data(), **vars(self.args))}
+
+
+def option_words(options: dict[str, Any]) -> list[str]:
+    """`options` as they would be typed on a command line (a flag for a boolean)."""
+    words: list[str] = []
+    for name, value in options.items():
+        words += [f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}", str(value)]
+    return words
+
+
+def _parsed(action: argparse.Action, value: Any) -> Any:
+    """`value` as the parser gives the option of `action` when the value is typed: a float option
+    given 1 holds 1.0, an untyped one given 500 holds "500"."""
+    if value is None or isinstance(value, bool) or not action.option_strings:
+        return value
+    return action.type(str(value)) if action.type is not None else str(value)
 
 
 TASK_REGISTRY: dict[str, type[Task]] = {}
@@ -222,4 +269,31 @@ def run_task(task: Task, argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
-__all__ = ["TASK_REGISTRY", "Task", "get_task", "register_task", "run_task", "task_names"]
+def train_and_score(task: Task, model_size: dict[str, Any], *,
+                    eval_batch_size: int = 32) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The run body without an export, for the studies: the task's data tokenized with the saved
+    tokenizer of `--tokenizer_name`, a new `task.model_class` of `model_size` (the command line's
+    norms), training with early stopping on the task's validation metric (`fit`), and the scores of
+    every evaluation split. Returns the trained model (unwrapped, in eval mode), for measures taken
+    on it, and the results: the training summary and each split's scores."""
+    args = task.args
+    accelerator = make_accelerator(args, task.input_path_options)
+    task.tokenizer = load_tokenizer(args.tokenizer_name)
+    raw = task.read_splits(args.seed)
+    data = task.tokenize(raw, task.tokenizer)
+    task.keep_split_facts(raw)
+    model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, model_size,
+                        task.max_length(), **task.model_fields())
+    collate = task.train_collate()
+    evals = prepare_eval_loaders(accelerator, data, collate, eval_batch_size)
+    validate = lambda m: task.evaluate(accelerator, m, evals["validation"], "validation")[task.metric]  # noqa: E731
+    model, summary = fit(args, accelerator, model, data["train"], collate, task.loss(accelerator),
+                         tokenizer=task.tokenizer, mode=task.mode, validate=validate,
+                         length_columns=task.length_columns)
+    scores = score_splits(lambda split, loader: task.evaluate(accelerator, model, loader, split), evals)
+    accelerator.end_training()
+    return accelerator.unwrap_model(model).eval(), {**summary, **scores}
+
+
+__all__ = ["TASK_REGISTRY", "Task", "get_task", "option_words", "register_task", "run_task", "task_names",
+           "train_and_score"]

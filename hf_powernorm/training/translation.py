@@ -33,6 +33,10 @@ DEFAULT_SIZE = {"hidden_size": 64, "intermediate_size": 128}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return check_options(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a PowerNorm Transformer for translation.")
     add_recipe_args(p, eval_batch_size=64, output_dir="outputs/translation")
     p.add_argument("--source_lang", default="de")
@@ -44,7 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_beams", type=int, default=5)
     p.add_argument("--length_penalty", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int, default=128)
-    args = p.parse_args(argv)
+    return p
+
+
+def check_options(args: argparse.Namespace) -> argparse.Namespace:
+    """The recipes' checks, then the translation options' (the two maximum lengths filled in)."""
     check_args(args, path_options=Translation.input_path_options)
     if args.source_lang == args.target_lang:
         raise ValueError(f"--source_lang and --target_lang are both {args.source_lang!r}")
@@ -63,6 +71,7 @@ class Translation(Task):
 
     script = "recipes/train_wmt.py"
     model_class = PowerNormTransformerForConditionalGeneration
+    build_parser, check_options = staticmethod(build_parser), staticmethod(check_options)
     pretrained_auto_class = "AutoModelForSeq2SeqLM"
     default_size = DEFAULT_SIZE
     metric, mode = "bleu", "max"
