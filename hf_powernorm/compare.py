@@ -52,7 +52,7 @@ from .normalization import NORM_CLASSES, normalize_norm_name
 from .training.arguments import add_recipe_args, check_args, check_batch_budget
 from .training.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
 from .training.readers import split_train
-from .training.reports import mean_std, write_rows
+from .training.reports import mean_std, save_figure, write_rows
 from .training.tasks import Task, get_task, task_names
 
 SPLITS = ("validation", "test")
@@ -985,9 +985,7 @@ def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
         if axis.has_data():
             axis.legend(fontsize="small")
     figure.suptitle(f"{_model_description(args)}, {task.name}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def _plot_mean_and_band(axis, curves: list[dict[int, float]], label: str) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..training.grid import Cell
-from ..training.reports import mean_std, seeds_of, write_rows
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
@@ -107,9 +107,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, mini_batches:
     axis.set_xlabel("tokens per mini-batch (statistics)")
     axis.set_ylabel("test perplexity (mean over seeds)")
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..training.grid import Cell
+from ..training.reports import save_figure, write_rows
 from .measures import first_nonfinite_update, training_losses
-from ..training.reports import write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,
@@ -120,9 +120,7 @@ def _plot(results: list[dict[str, Any]], output_dir: Path) -> None:
     axis.set_xlabel("update")
     axis.set_ylabel("training loss (moving mean of 25)")
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(output_dir / "long_run.png", dpi=100)
-    plt.close(figure)
+    save_figure(figure, output_dir / "long_run.png")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..training import read_run_log, translation
 from ..training.grid import Cell, run_grid
-from ..training.reports import mean_std, seeds_of, write_rows
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import (
     DATA_OPTIONS,
     add_lm_size_args,
@@ -265,9 +265,7 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str],
     axis.set_xlabel("update")
     axis.set_ylabel("validation perplexity" if task == "ptb" else "validation BLEU")
     axis.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
-    figure.savefig(output_dir / f"curves_{task}.png", dpi=100)
-    plt.close(figure)
+    save_figure(figure, output_dir / f"curves_{task}.png")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ..training.grid import Cell
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .measures import loss_jump, training_losses
-from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
@@ -174,9 +174,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     axis.set_ylim(min(values) * 0.97, max(values) * 1.02)
     axis.set_xticks(range(len(settings)), settings, rotation=45, ha="right", fontsize=7)
     axis.set_ylabel("test perplexity")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..training.grid import Cell
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .measures import PEAK_WINDOW, WINDOW, loss_jump, training_losses
-from ..training.reports import mean_std, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SETTINGS = {
@@ -126,9 +126,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     axis.set_xlabel("update")
     axis.set_ylabel("training loss (mean over seeds)")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -110,3 +110,12 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequ
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def save_figure(figure: Any, path: str | Path, dpi: int = 100) -> None:
+    """Lay `figure` out, write it to `path` at `dpi` and close it (pyplot keeps every open figure)."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
