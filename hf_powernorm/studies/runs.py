@@ -115,7 +115,8 @@ def lm_run_args(folder: str | Path, tokenizer: str, argv: Sequence[str]) -> argp
 
 
 def train_study_lm(folder: str | Path, tokenizer: str, argv: Sequence[str], files: dict[str, str], block_size: int,
-                   model_size: dict[str, Any], *, label_smoothing: float = 0.0) -> tuple[torch.nn.Module, dict[str, Any]]:
+                   model_size: dict[str, Any], *,
+                   label_smoothing: float = 0.0) -> tuple[torch.nn.Module, dict[str, Any]]:
     """One run of the `causal-lm` task in `folder`: `PowerNormTransformerForCausalLM` of `model_size`
     with `--norm_type` of `argv` at every norm position, on `files`' blocks of `block_size` tokens
     (label-smoothed next-token loss with `label_smoothing`). Returns the model (unwrapped, in eval

@@ -6,13 +6,13 @@
 corpus: `read_splits`), its tokenisation (`tokenize`), its model classes (its PowerNorm head and the
 Auto class of a pretrained Transformers model), its loss and scorer (`loss`, `evaluate`), its metric
 and direction, and the options that name its input files (`input_path_options`). The recipes, the
-studies and `hf-powernorm compare` all run through it. Each task reads as its differences, in the manner of Accelerate's `examples/by_feature` and
-Transformers' `run_*_no_trainer.py` kept short: its arguments, its data, its head and default size,
-its metric. `run_task` does what every task does the same way: the accelerator, the output folder
-and the run's start (`build_accelerator`, `prepare_output_dir`, `start_run`), the model
-(`build_model`: new, loaded or converted), training with early stopping on the task's validation
-metric (`fit`), the scores of every evaluation split, and the export with its model card
-(`save_outputs`).
+studies and `hf-powernorm compare` all run through it. Each task reads as its differences, in the
+manner of Accelerate's `examples/by_feature` and Transformers' `run_*_no_trainer.py` kept short: its
+arguments, its data, its head and default size, its metric. `run_task` does what every task does the
+same way: the accelerator, the output folder and the run's start (`build_accelerator`,
+`prepare_output_dir`, `start_run`), the model (`build_model`: new, loaded or converted), training
+with early stopping on the task's validation metric (`fit`), the scores of every evaluation split,
+and the export with its model card (`save_outputs`).
 """
 
 from __future__ import annotations
