@@ -6,7 +6,7 @@ unchanged, named by their class in the report; a model loaded from weights is co
 function unless `--no_preserve_function`; `--convert_modules` selects the norms), is fine-tuned by
 the training library's `fit` at equal settings (with `--tune_lr`, each norm's learning rate is
 chosen on validation from `--lr_grid`, with the first seed), and is scored on validation before
-and after fine-tuning and on test. The runs form a resumable grid (`studies/grid.py`): a finished
+and after fine-tuning and on test. The runs form a resumable grid (`training/grid.py`): a finished
 run is not redone unless its fingerprint (model, tokenizer and data files, settings) changed,
 `--jobs N` runs N at once on CPU, and under `accelerate launch` every run uses all the processes.
 Writes into `--output_dir`:
@@ -45,15 +45,15 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .normalization import NORM_CLASSES, normalize_norm_name
 from .training.arguments import add_recipe_args, check_args, check_batch_budget
-from .training.corpora import SENTIMENT_LABELS
-from .studies.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
-from .studies.reports import mean_std, write_rows
+from .training.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
+from .training.readers import split_train
+from .training.reports import mean_std, save_figure, write_rows
+from .training.tasks import Task, get_task, task_names
 
 SPLITS = ("validation", "test")
 SETTINGS_NAME = "compare.json"
@@ -89,24 +89,14 @@ EMBEDDED_MODEL = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 80}
 EMBEDDED_BUDGET = {"max_train_steps": 60, "block_size": 64, "max_tokens": 256, "learning_rate": 2e-3}
 MAX_SEED = 2**32 - 1
 CONFIDENCE = 0.95  # of the paired interval a verdict is read from
+EMBEDDED_TASK = "causal-lm"  # the task of the embedded default
 
 
-@dataclass(frozen=True)
-class TaskSpec:
-    """A task of `--task`: the Auto class of its model, the metric the verdict uses and its direction."""
-
-    auto_class: str
-    metric: str
-    mode: str  # "min" or "max"
-    needed_columns: str
-
-
-TASKS = {
-    "causal-lm": TaskSpec("AutoModelForCausalLM", "perplexity", "min", "'text' (or 'sentence')"),
-    "classification": TaskSpec("AutoModelForSequenceClassification", "accuracy", "max",
-                           "'text' (or 'sentence') and 'label'"),
-    "seq2seq": TaskSpec("AutoModelForSeq2SeqLM", "bleu", "max", "'translation' ({lang: text})"),
-}
+def task_of(args: argparse.Namespace) -> Task:
+    """The registry's task of `--task` over this comparison's options."""
+    task = get_task(args.task)(args)
+    task.write_predictions = False  # a comparison keeps scores, not outputs
+    return task
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,9 +142,9 @@ def _drop_options(parser: argparse.ArgumentParser, dests: Sequence[str]) -> dict
 
 
 def _add_comparison_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--task", choices=sorted(TASKS), default="causal-lm",
+    group.add_argument("--task", choices=task_names(), default=EMBEDDED_TASK,
                        help="what the model is fine-tuned and scored on; each task's columns: "
-                            + "; ".join(f"{name}: {spec.needed_columns}" for name, spec in TASKS.items()))
+                            + "; ".join(f"{name}: {get_task(name).needed_columns}" for name in task_names()))
     group.add_argument("--norms", nargs="*", default=[BASELINE, "powernorm"],
                        help=f"norms to compare, the first the baseline of the verdict; '{BASELINE}' is the "
                             f"model's own norms, unchanged (named by their class in the report); valid: "
@@ -215,11 +205,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     _check_runs(args)
     args.embedded_default = args.model_name_or_path is None
     args.model_id = args.model_name_or_path  # as given: a Hub id is resolved to its local snapshot later
-    if args.embedded_default and args.task != "causal-lm":
-        raise ValueError(f"--task {args.task} needs --model_name_or_path (a Hub id or a folder); only the embedded "
-                         f"default (a tiny GPT-2, --task causal-lm) builds its own model")
-    _check_columns(args)
-    _fill_defaults(args, parser)
+    task = task_of(args)
+    if args.embedded_default and task.name != EMBEDDED_TASK:
+        raise ValueError(f"--task {task.name} needs --model_name_or_path (a Hub id or a folder); only the embedded "
+                         f"default (a tiny GPT-2, --task {EMBEDDED_TASK}) builds its own model")
+    _check_columns(args, task)
+    _fill_defaults(args, parser, task)
     # The recipes' checks hold --convert_modules to a --convert_norms, which compare sets per run.
     modules, args.convert_modules = args.convert_modules, None
     check_args(args, norm_options=())
@@ -227,7 +218,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # A model loaded from weights starts where its pretraining left it: so should every norm.
     args.preserve_function = not (args.embedded_default or args.no_preserve_function)
     args.not_preserved = {}  # the norms it cannot keep the function with, and why (`check_preserving`)
-    _check_text_files(args)
+    _check_text_files(args, task)
     check_batch_budget(args)
     return args
 
@@ -259,13 +250,15 @@ def _check_runs(args: argparse.Namespace) -> None:
                 from None
 
 
-def _check_columns(args: argparse.Namespace) -> None:
-    """The column options fit the task: text and label for their tasks, source and target together."""
-    fitting = {"text_column": ("causal-lm", "classification"), "label_column": ("classification",),
-               "source_column": ("seq2seq",), "target_column": ("seq2seq",)}
+def _check_columns(args: argparse.Namespace, task: Task) -> None:
+    """The column options fit the task: each for the tasks that read it, source and target together."""
+    fitting: dict[str, list[str]] = {}
+    for name in task_names():
+        for option in get_task(name).column_options:
+            fitting.setdefault(option, []).append(name)
     for name, tasks in fitting.items():
-        if getattr(args, name) is not None and args.task not in tasks:
-            raise ValueError(f"--{name} is for --task {' or '.join(tasks)}, not {args.task}")
+        if getattr(args, name) is not None and name not in task.column_options:
+            raise ValueError(f"--{name} is for --task {' or '.join(tasks)}, not {task.name}")
     if (args.source_column is None) != (args.target_column is None):
         raise ValueError("--source_column and --target_column go together: give both, or neither to read the "
                          "'translation' column")
@@ -277,10 +270,10 @@ def _check_columns(args: argparse.Namespace) -> None:
         raise ValueError("the column options need data: give --train_file or --dataset_name")
 
 
-def _check_text_files(args: argparse.Namespace) -> None:
+def _check_text_files(args: argparse.Namespace, task: Task) -> None:
     """A data file that is not text (a NUL byte in its first 8 KiB) is refused here, not deep in `datasets`."""
-    for option in ("train_file", "validation_file", "test_file"):
-        path = getattr(args, option)
+    for option in task.input_path_options:
+        path = getattr(args, option, None)
         if path and Path(path).is_file():
             with open(path, "rb") as handle:
                 if b"\0" in handle.read(8192):
@@ -288,19 +281,17 @@ def _check_text_files(args: argparse.Namespace) -> None:
                                      f".csv, .json or .jsonl file")
 
 
-def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _fill_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, task: Task) -> None:
     """The embedded default's budget, the other tasks' options left out (neither shown in the
     settings nor checked), PN's warmup, the validation interval and the learning-rate grid."""
     if args.embedded_default:
         for name, value in EMBEDDED_BUDGET.items():
             if getattr(args, name) in (None, parser.get_default(name)):
                 setattr(args, name, value)
-    unused = {"causal-lm": ("max_length", "source_lang", "target_lang", "num_beams", "label_names"),
-              "classification": ("block_size", "source_lang", "target_lang", "num_beams"),
-              "seq2seq": ("block_size", "label_names")}[args.task]
-    for name in unused:
-        setattr(args, name, None)
-    if args.task != "classification" and args.powernorm_warmup_steps is None:
+    for name in {option for other in task_names() for option in get_task(other).own_options}:
+        if name not in task.own_options:
+            setattr(args, name, None)
+    if task.decoder_batches and args.powernorm_warmup_steps is None:
         # Batch statistics mix the positions of a causal (decoder) batch: no warmup on them by default.
         args.powernorm_warmup_steps = 0
     if args.eval_steps is None and args.max_train_steps is not None:
@@ -367,8 +358,8 @@ def check_output_folder(args: argparse.Namespace) -> None:
     if not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {folder} {reason}: pass --overwrite_output_dir to clear it, or choose "
                          f"another --output_dir")
-    inputs = [getattr(args, name) for name in ("model_name_or_path", "train_file", "validation_file", "test_file",
-                                               "dataset_name")]
+    inputs = [getattr(args, name, None) for name in ("model_name_or_path", *task_of(args).input_path_options,
+                                                     "dataset_name")]
     inside = [path for path in inputs if path and Path(path).exists()
               and Path(path).resolve().is_relative_to(folder.resolve())]
     if inside:
@@ -386,29 +377,26 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
     import transformers
     from transformers import AutoConfig
 
-    from .converter import find_norms, is_causal
+    from .converter import find_norms
 
+    task = task_of(args)
     config = AutoConfig.from_pretrained(args.model_name_or_path)
-    auto_class = getattr(transformers, TASKS[args.task].auto_class)
+    auto_class = task.auto_model_class()
     if type(config) not in auto_class._model_mapping:
-        fitting = [name for name, task in TASKS.items()
-                   if type(config) in getattr(transformers, task.auto_class)._model_mapping]
-        raise ValueError(f"--task {args.task} does not fit --model_name_or_path {args.model_name_or_path} "
+        fitting = [name for name in task_names() if type(config) in get_task(name).auto_model_class()._model_mapping]
+        raise ValueError(f"--task {task.name} does not fit --model_name_or_path {args.model_name_or_path} "
                          f"(model_type {config.model_type!r} has no {auto_class.__name__}); tasks that fit it: "
                          f"{fitting or 'none'}")
     model = _model_from_config(args)
-    if args.task == "causal-lm" and not is_causal(model, config):
-        raise ValueError(f"--task causal-lm needs a causal language model; --model_name_or_path "
-                         f"{args.model_name_or_path} ({config.model_type}) attends both ways and would see the "
-                         f"tokens it is scored on; use --task classification, or a decoder model")
+    task.check_pretrained(model, config)
     norms = find_norms(model, config.get_text_config().hidden_size)
     if not norms:
         raise ValueError(f"--model_name_or_path {args.model_name_or_path} ({type(model).__name__}) has no norm that "
                          f"convert_norms knows (LayerNorm or RMSNorm layers): nothing to compare")
     positions = _positions(config)
-    length = args.block_size if args.task == "causal-lm" else args.max_length
+    option = f"--{task.length_option}"
+    length = getattr(args, task.length_option)
     if positions is not None and length is not None and length > positions:
-        option = "--block_size" if args.task == "causal-lm" else "--max_length"
         raise ValueError(f"{option} {length} exceeds the {positions} positions of --model_name_or_path "
                          f"{args.model_name_or_path}; lower {option}")
     counts: dict[str, int] = {}
@@ -421,12 +409,10 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
 def _model_from_config(args: argparse.Namespace):
     """The model of `--model_name_or_path` for `--task` with random weights, on CPU."""
     import torch
-    import transformers
     from transformers import AutoConfig
 
     with torch.device("cpu"):
-        return getattr(transformers, TASKS[args.task].auto_class).from_config(
-            AutoConfig.from_pretrained(args.model_name_or_path))
+        return task_of(args).auto_model_class().from_config(AutoConfig.from_pretrained(args.model_name_or_path))
 
 
 def check_preserving(args: argparse.Namespace) -> dict[str, str]:
@@ -456,18 +442,17 @@ def _positions(config) -> int | None:
 
 
 def fit_lengths(args: argparse.Namespace, tokenizer) -> None:
-    """`--block_size` (causal-lm) and `--max_length` when not given: what the model's positions and
-    the tokenizer allow (as Transformers' `run_clm` does), at most 1024 tokens a block or 128 a
-    sequence, and `--max_tokens`."""
+    """The task's length option (`--block_size` for causal-lm, else `--max_length`) when not given:
+    what the model's positions and the tokenizer allow (as Transformers' `run_clm` does), at most the
+    task's cap (1024 tokens a block, 128 a sequence), and `--max_tokens`."""
     from transformers import AutoConfig
 
     limits = [_positions(AutoConfig.from_pretrained(args.model_name_or_path)),
               tokenizer.model_max_length if tokenizer.model_max_length < 1e6 else None]
     allowed = min((limit for limit in limits if limit), default=None)
-    if args.task == "causal-lm" and args.block_size is None:
-        args.block_size = min(allowed or 1024, 1024, args.max_tokens)
-    if args.task != "causal-lm" and args.max_length is None:
-        args.max_length = min(allowed or 128, 128, args.max_tokens)
+    task = task_of(args)
+    if getattr(args, task.length_option) is None:
+        setattr(args, task.length_option, min(allowed or task.length_cap, task.length_cap, args.max_tokens))
 
 
 def baseline_name(norm_counts: dict[str, int]) -> str:
@@ -518,7 +503,7 @@ def load_raw_data(args: argparse.Namespace):
     either), validation and test carved out of train when missing (seed 0: the same for every
     run), checked to hold the task's columns. Data that cannot be read is a ValueError naming it."""
     with reading_data(args):
-        raw = _read_splits(args)
+        raw = split_train(task_of(args).read_splits(seed=0), seed=0)
     if "train" not in raw:
         raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
     from .training.readers import limit_splits
@@ -542,126 +527,28 @@ def reading_data(args: argparse.Namespace) -> Iterator[None]:
         raise ValueError(f"could not read the data {args.dataset_name or args.train_file}: {reason}") from None
 
 
-def _read_splits(args: argparse.Namespace):
-    from .training.readers import (
-        data_files_from_args,
-        load_classification_dataset,
-        load_lm_dataset,
-        load_translation_dataset,
-        split_train,
-    )
-
-    source = {"dataset_name": args.dataset_name, "dataset_config": args.dataset_config,
-              "data_files": data_files_from_args(args.train_file, args.validation_file, args.test_file)}
-    if args.task == "causal-lm":
-        raw = load_lm_dataset(**source, columns={"text": args.text_column})
-    elif args.task == "classification":
-        columns = {"text": args.text_column, "label": args.label_column}
-        raw = load_classification_dataset(**source, label_names=args.label_names, columns=columns)
-        for split, part in raw.items():
-            if "label" not in part.column_names:
-                raise ValueError(f"--task classification needs {TASKS[args.task].needed_columns} columns; split "
-                                 f"{split!r} has {part.column_names} (name yours with --text_column and "
-                                 f"--label_column)")
-    else:
-        columns = {"source": args.source_column, "target": args.target_column} if args.source_column else None
-        raw = load_translation_dataset(args.source_lang, args.target_lang, **source, columns=columns)
-    return split_train(raw, seed=0)
-
-
 def resolve_label_names(args: argparse.Namespace) -> None:
-    """classification: `args.label_names` (class names in the order of label ids) when not given:
-    the embedded corpus's three classes; else the data's labels matched to the model's `id2label`."""
-    if args.task != "classification" or isinstance(args.label_names, list):
-        return
-    if isinstance(args.label_names, str):  # as given on the command line
-        args.label_names = [name.strip() for name in args.label_names.split(",")]
-        return
-    if args.train_file is None and args.dataset_name is None:
-        args.label_names = list(SENTIMENT_LABELS)
-        return
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(args.model_name_or_path)
-    model_names = [str(config.id2label[i]) for i in range(config.num_labels)]
+    """The options the task settles from the data before tokenizing (classification: the class
+    names, matched to the model's `id2label`)."""
     with reading_data(args):
-        args.label_names = names_for_labels(data_labels(args), model_names)
-
-
-def names_for_labels(labels: list[Any] | tuple[str, ...], model_names: list[str]) -> list[str]:
-    """Class names for the data's `labels` (its distinct values, or a ClassLabel's names as a tuple):
-    the model's names when they cover the data (its classification head stays as trained), else the
-    data's own (integers 0..k-1 named "0".."k-1", strings sorted)."""
-    if isinstance(labels, tuple):
-        return list(labels)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
-        if min(labels) < 0:
-            raise ValueError(f"class labels must be names or indices from 0; the data has {min(labels)}")
-        count = max(labels) + 1
-        return model_names if len(model_names) == count else [str(i) for i in range(count)]
-    names = sorted({str(v).strip() for v in labels})
-    return model_names if set(names) <= set(model_names) else names
-
-
-def data_labels(args: argparse.Namespace) -> list[Any] | tuple[str, ...]:
-    """The distinct labels of the training data (a ClassLabel's names as a tuple), read before the
-    readers encode them."""
-    from datasets import ClassLabel
-
-    from .training.readers import load_hub_dataset, read_lines, read_table, rename_columns
-
-    columns = {"label": args.label_column}
-    if args.dataset_name:
-        part = rename_columns(next(iter(load_hub_dataset(args.dataset_name, args.dataset_config).values())),
-                              columns, args.dataset_name)
-    elif args.train_file.endswith((".csv", ".json", ".jsonl")):
-        part = rename_columns(read_table(args.train_file), columns, args.train_file)
-    else:  # Financial PhraseBank 'sentence@label' lines
-        return sorted({line.rsplit("@", 1)[-1].strip() for line in read_lines(args.train_file) if "@" in line})
-    if "label" not in part.column_names:
-        raise ValueError(f"--task classification needs {TASKS[args.task].needed_columns} columns; the data has "
-                         f"{part.column_names} (name yours with --text_column and --label_column)")
-    feature = part.features["label"]
-    return tuple(feature.names) if isinstance(feature, ClassLabel) else sorted(set(part["label"]), key=str)
+        task_of(args).resolve_labels()
 
 
 def tokenize_data(args: argparse.Namespace, raw, tokenizer):
     """The cached `Dataset.map` passes of the task: a second run over the same data reads them."""
-    from .training.tokenization import lm_blocks, tokenize_classification, tokenize_lines, tokenize_translation
-
-    options = {"num_proc": args.preprocessing_num_workers, "overwrite_cache": args.overwrite_cache}
-    if args.task == "causal-lm":
-        return lm_blocks(tokenize_lines(raw, tokenizer, **options), args.block_size, **options)
-    if args.task == "classification":
-        return tokenize_classification(raw, tokenizer, args.max_length, **options)
-    return tokenize_translation(raw, tokenizer, args.source_lang, args.target_lang, args.max_length,
-                                args.max_length, **options)
+    return task_of(args).tokenize(raw, tokenizer)
 
 
 def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int, calibration=None):
     """The model of `--model_name_or_path`, its norms converted to `args.convert_norms` (with the
     `--powernorm_*` options, `--convert_modules`, and `preserve_function` calibrated on
     `calibration`: the training split and its collator), or as it is when that is None (the baseline)."""
-    import transformers
-
     from .training.models import load_and_convert
 
-    auto_class = getattr(transformers, TASKS[args.task].auto_class)
+    auto_class = task_of(args).auto_model_class()
     if args.convert_norms is None:
         return auto_class.from_pretrained(args.model_name_or_path, **fields).train()
     return load_and_convert(args, auto_class, tokenizer, num_processes, calibration=calibration, **fields)
-
-
-def _scorer(args: argparse.Namespace, accelerator, tokenizer, num_labels: int):
-    """`score(model, loader) -> dict` of the task's evaluation."""
-    from .training.evaluation import evaluate_accuracy, evaluate_bleu, evaluate_perplexity
-
-    if args.task == "causal-lm":
-        return lambda model, loader: evaluate_perplexity(accelerator, model, loader)
-    if args.task == "classification":
-        return lambda model, loader: evaluate_accuracy(accelerator, model, loader, num_labels)
-    return lambda model, loader: evaluate_bleu(accelerator, model, loader, tokenizer, num_beams=args.num_beams,
-                                               max_new_tokens=args.max_length)
 
 
 def run_args(cell: Cell, folder: Path) -> argparse.Namespace:
@@ -686,56 +573,41 @@ def _quiet_libraries() -> None:
     datasets.disable_progress_bars()
 
 
-def _task_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """classification: the class names as the model config's fields; a head of another size is rebuilt."""
-    if args.task != "classification":
-        return {}
-    from transformers import AutoConfig
-
-    labels = list(args.label_names)
-    fields = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-              "label2id": {name: i for i, name in enumerate(labels)}}
-    if AutoConfig.from_pretrained(args.model_name_or_path).num_labels != len(labels):
-        fields["ignore_mismatched_sizes"] = True
-    return fields
-
-
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     """Fine-tune and score one (norm, seed, learning rate) of the comparison in `folder`: the
     validation score right after conversion, the training, the scores of the best validated model,
     the time it took and, for seq2seq, three sample outputs."""
-    from .training.batching import PaddingCollator
     from .training.evaluation import score_splits
     from .training.loop import fit, make_accelerator, prepare_eval_loaders
     from .training.losses import model_loss
 
     started = time.perf_counter()
     args = run_args(cell, folder)
-    task = TASKS[args.task]
+    task = task_of(args)
     _quiet_libraries()
     if args.embedded_default:
         import torch
 
         torch.set_num_threads(1)  # a tiny model: several threads cost more than they bring
-    accelerator = make_accelerator(args)
-    tokenizer = load_model_tokenizer(args.model_name_or_path)
+    accelerator = make_accelerator(args, task.input_path_options)
+    task.tokenizer = tokenizer = load_model_tokenizer(args.model_name_or_path)
+    task.resolve_labels()
     with accelerator.main_process_first():
         raw = load_raw_data(args)
-        data = tokenize_data(args, raw, tokenizer)
-    fields = _task_fields(args)
-    collate = PaddingCollator(tokenizer.pad_token_id, decoder_attention_mask=args.task == "seq2seq")
-    model = load_model(args, tokenizer, fields, accelerator.num_processes, calibration=(data["train"], collate))
+        data = task.tokenize(raw, tokenizer)
+    collate = task.train_collate()
+    model = load_model(args, tokenizer, task.pretrained_fields(), accelerator.num_processes,
+                       calibration=(data["train"], collate))
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
-    score = _scorer(args, accelerator, tokenizer, fields.get("num_labels", 0))
+    score = lambda m, split: task.evaluate(accelerator, m, evals[split], split)  # noqa: E731
     model.to(accelerator.device)
-    start = score(model, evals["validation"])  # right after conversion: the starting handicap
+    start = score(model, "validation")  # right after conversion: the starting handicap
     start.setdefault("loss", validation_loss(accelerator, model, evals["validation"]))
-    columns = ("input_ids", "labels") if args.task == "seq2seq" else ("input_ids",)
     model, summary = fit(args, accelerator, model, data["train"], collate, model_loss, tokenizer=tokenizer,
-                         mode=task.mode, validate=lambda m: score(m, evals["validation"])[task.metric],
-                         length_columns=columns)
-    scores = score_splits(lambda split, loader: score(model, loader), evals)
-    samples = _samples(args, accelerator, model, tokenizer, raw, data, collate) if args.task == "seq2seq" else []
+                         mode=task.mode, validate=lambda m: score(m, "validation")[task.metric],
+                         length_columns=task.length_columns)
+    scores = score_splits(lambda split, loader: task.evaluate(accelerator, model, loader, split), evals)
+    samples = task.samples(accelerator, model, raw, data, collate)
     for tracker in accelerator.trackers:  # not `end_training`: the next run needs the process group
         tracker.finish()
     if accelerator.is_main_process and not args.save_models:  # the weights are not what a comparison keeps
@@ -771,20 +643,6 @@ def _saved(folder: Path) -> dict[str, Any]:
     return json.loads((folder.parents[1] / SETTINGS_NAME).read_text(encoding="utf-8"))
 
 
-def _samples(args: argparse.Namespace, accelerator, model, tokenizer, raw, data, collate) -> list[dict[str, str]]:
-    """The first three validation examples: source, reference and the model's output."""
-    from .training.batching import eval_loader
-    from .training.evaluation import translate
-
-    count = min(3, len(data["validation"]))
-    loader = accelerator.prepare(eval_loader(data["validation"].select(range(count)), collate, count))
-    outputs, references = translate(accelerator, model, loader, tokenizer, num_beams=args.num_beams,
-                                    max_new_tokens=args.max_length)
-    sources = [pair[args.source_lang] for pair in raw["validation"].select(range(count))["translation"]]
-    return [{"source": source, "reference": reference, "output": output}
-            for source, reference, output in zip(sources, references, outputs)]
-
-
 # ---------------------------------------------------------------------------------------------
 # The grid
 # ---------------------------------------------------------------------------------------------
@@ -794,8 +652,7 @@ def make_cells(args: argparse.Namespace, learning_rates: dict[str, list[float]],
     so that a finished run of other settings is refused."""
     settings = settings_of(args)
     return [Cell(f"{norm}-lr{lr:g}-seed{seed}", {**settings, "norm": norm, "seed": seed, "learning_rate": lr},
-                 paths=tuple(k for k in ("model_name_or_path", "train_file", "validation_file", "test_file")
-                             if k in settings))
+                 paths=tuple(k for k in ("model_name_or_path", *task_of(args).input_path_options) if k in settings))
             for norm in args.norms for lr in learning_rates.get(norm, []) for seed in seeds]
 
 
@@ -862,7 +719,7 @@ def choose_learning_rates(args: argparse.Namespace) -> dict[str, float]:
         return {norm: args.learning_rate for norm in args.norms}
     grid = {norm: list(args.lr_grid) for norm in args.norms}
     results = run_cells(make_cells(args, grid, args.seeds[:1]), args)
-    task = TASKS[args.task]
+    task = task_of(args)
     chosen = {}
     for norm in args.norms:
         scored = [(r["scores"][f"validation_{task.metric}"], r["learning_rate"]) for r in results if r["norm"] == norm]
@@ -970,11 +827,11 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
                 facts: dict[str, Any]) -> str:
     """report.md: the table over seeds, the checks, the verdicts against the first norm, the rule,
     seq2seq samples and the settings."""
-    task = TASKS[args.task]
+    task = task_of(args)
     metric, better = task.metric, "lower" if task.mode == "min" else "higher"
     baseline = baseline_name(facts["norm_counts"])
     lines = [f"# Does PN help {_model_description(args)}?", "",
-             f"Task `{args.task}`, {_data_description(args)}; the model's norms: "
+             f"Task `{task.name}`, {_data_description(args)}; the model's norms: "
              + ", ".join(f"{count} {name}" for name, count in facts["norm_counts"].items())
              + f" (`{BASELINE}` in `--norms`: these, unchanged). Each norm fine-tuned for "
                f"{args.max_train_steps or 'all'} updates at equal settings, scored by the model of its best "
@@ -1022,7 +879,7 @@ def _verdict_lines(results, chosen, args: argparse.Namespace, facts: dict[str, A
     (a 95% t interval, Holm over the comparisons made), none where a check fails; then the checks."""
     from .training.statistics import holm, paired_t_interval
 
-    task, first = TASKS[args.task], _short(args.norms[0], baseline)
+    task, first = task_of(args), _short(args.norms[0], baseline)
     base_runs = _final(results, args.norms[0], chosen)
     pairs = {norm: paired_differences(base_runs, _final(results, norm, chosen), task.metric) for norm in args.norms[1:]}
     intervals = {norm: paired_t_interval(d, CONFIDENCE) for norm, d in pairs.items() if len(d) > 1}
@@ -1053,14 +910,14 @@ def _verdict_lines(results, chosen, args: argparse.Namespace, facts: dict[str, A
 
 def _comparison_flags(base_runs, runs, args: argparse.Namespace, facts: dict[str, Any],
                       names: tuple[str, str]) -> list[str]:
-    task, vocab_size = TASKS[args.task], facts.get("vocab_size")
+    task, vocab_size = task_of(args), facts.get("vocab_size")
     return [*(f"{names[0]}: {f}" for f in run_flags(base_runs, task.metric, task.mode, vocab_size)),
             *(f"{names[1]}: {f}" for f in run_flags(runs, task.metric, task.mode, vocab_size)),
             *pair_flags(_test_scores(base_runs, task.metric), _test_scores(runs, task.metric))]
 
 
 def _sample_lines(results, chosen, args: argparse.Namespace, baseline: str) -> list[str]:
-    if args.task != "seq2seq":
+    if not any(r.get("samples") for r in results):
         return []
     lines = ["", "## Sample outputs (first seed, first three validation examples)"]
     for norm in args.norms:
@@ -1118,7 +975,8 @@ def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
         label = baseline if norm == BASELINE else norm
         for axis, index in zip(axes, (0, 1)):
             _plot_mean_and_band(axis, [c[index] for c in curves], f"{label} ({len(curves)} seeds)")
-    metric = TASKS[args.task].metric
+    task = task_of(args)
+    metric = task.metric
     for axis, name in zip(axes, ("training loss", f"validation {metric}")):
         axis.set_xlabel("update")
         axis.set_ylabel(name)
@@ -1126,10 +984,8 @@ def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], arg
             axis.set_yscale("log")
         if axis.has_data():
             axis.legend(fontsize="small")
-    figure.suptitle(f"{_model_description(args)}, {args.task}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    figure.suptitle(f"{_model_description(args)}, {task.name}")
+    save_figure(figure, path, dpi=120)
 
 
 def _plot_mean_and_band(axis, curves: list[dict[int, float]], label: str) -> None:
@@ -1160,7 +1016,7 @@ def keep_best_models(results: Sequence[dict[str, Any]], chosen: dict[str, float]
                      args: argparse.Namespace) -> dict[str, Path]:
     """`--save_models`: each norm's best run over the seeds (by its best validation score) copied
     with the tokenizer into `output_dir/models/<norm>`; returns the folders."""
-    mode = TASKS[args.task].mode
+    mode = task_of(args).mode
     kept = {}
     for norm in args.norms:
         runs = [r for r in _final(results, norm, chosen) if r.get("best_validation") is not None]
@@ -1212,7 +1068,7 @@ def fingerprint(args: argparse.Namespace) -> dict[str, str]:
 
     model = Path(args.model_name_or_path)
     files = sorted(p for p in model.iterdir() if p.is_file() and not p.name.startswith("."))
-    data = [Path(getattr(args, k)) for k in ("train_file", "validation_file", "test_file") if getattr(args, k)]
+    data = [Path(getattr(args, k)) for k in task_of(args).input_path_options if getattr(args, k, None)]
     if args.dataset_name and Path(args.dataset_name).is_dir():
         data += sorted(p for p in Path(args.dataset_name).rglob("*") if p.is_file())
     settings = json.dumps({k: v for k, v in settings_of(args).items() if k != "model_name_or_path"}, sort_keys=True)

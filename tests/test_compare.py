@@ -11,6 +11,7 @@ import pytest
 from launching import accelerate_launch
 from hf_powernorm import compare
 from hf_powernorm.training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
+from hf_powernorm.training.tasks import get_task
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
@@ -42,24 +43,40 @@ def _no_training(monkeypatch) -> None:
 def _tokenizer(texts):
     return train_bpe_tokenizer(texts, vocab_size=120)
 
-def _save_tiny_bart(tokenizer, folder) -> None:
-    """A tiny random BART over `tokenizer`'s vocabulary, saved with the tokenizer in `folder`."""
+
+def _save_tiny(model_class, config, tokenizer, folder) -> None:
+    """A random `model_class(config)` (seed 0), saved with `tokenizer` in `folder`."""
     import torch
-    from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
+    model_class(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _save_tiny_bert(tokenizer, folder, num_labels: int) -> None:
+    """A tiny random BERT classifier of `num_labels` classes over `tokenizer`'s vocabulary."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=64, num_labels=num_labels,
+                        pad_token_id=tokenizer.pad_token_id)
+    _save_tiny(BertForSequenceClassification, config, tokenizer, folder)
+
+
+def _save_tiny_bart(tokenizer, folder) -> None:
+    """A tiny random BART over `tokenizer`'s vocabulary, saved with the tokenizer in `folder`."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
     config = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
                         decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
-    BartForConditionalGeneration(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    _save_tiny(BartForConditionalGeneration, config, tokenizer, folder)
 
 
 @pytest.fixture(scope="module")
 def gpt2_case(tmp_path_factory):
-    import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     folder = tmp_path_factory.mktemp("gpt2")
@@ -69,12 +86,10 @@ def gpt2_case(tmp_path_factory):
         files[split] = folder / f"{split}.txt"
         files[split].write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
     tokenizer = _tokenizer(corpus["train"]["text"])
-    torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id)
-    GPT2LMHeadModel(config).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    _save_tiny(GPT2LMHeadModel, config, tokenizer, folder / "model")
     data = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
             "--test_file", str(files["test"]), "--block_size", "16", "--max_tokens", "64"]
     return str(folder / "model"), "causal-lm", data
@@ -82,9 +97,6 @@ def gpt2_case(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bert_case(tmp_path_factory):
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
     folder = tmp_path_factory.mktemp("bert")
     corpus = synthetic_classification_corpus({"train": 60, "validation": 12, "test": 12})
     names = corpus["train"].features["label"].names
@@ -92,13 +104,7 @@ def bert_case(tmp_path_factory):
         writer = csv.writer(handle)
         writer.writerow(["text", "label"])
         writer.writerows((text, names[label]) for text, label in zip(corpus["train"]["text"], corpus["train"]["label"]))
-    tokenizer = _tokenizer(corpus["train"]["text"])
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=37, max_position_embeddings=64, num_labels=3,
-                        pad_token_id=tokenizer.pad_token_id)
-    BertForSequenceClassification(config).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    _save_tiny_bert(_tokenizer(corpus["train"]["text"]), folder / "model", num_labels=3)
     # Validation and test are carved out of train (10% each, the same for every run).
     return str(folder / "model"), "classification", ["--train_file", str(folder / "train.csv"), "--max_length",
                                                      "32", "--max_tokens", "256"]
@@ -172,7 +178,7 @@ def test_local_model_comparison_on_files(case, request, tmp_path):
                   *TINY, "--output_dir", str(output)])
     rows = _rows(output)
     assert _keys(rows) == sorted((norm, "1", split) for norm in norms for split in ("validation", "test"))
-    metric = compare.TASKS[task].metric
+    metric = get_task(task).metric
     assert all(r[metric] != "" for r in rows) and {r["train_steps"] for r in rows} == {"2"}
     report = (output / "report.md").read_text(encoding="utf-8")
     assert "one seed: no verdict" in report and f"test {metric}" in report

@@ -11,7 +11,16 @@ import math
 import pytest
 
 from hf_powernorm import cli, compare
-from test_compare import TINY, _rows, _save_tiny_bart, _tokenizer, bert_case, gpt2_case  # noqa: F401 (fixtures)
+from test_compare import (  # noqa: F401 (fixtures)
+    TINY,
+    _rows,
+    _save_tiny,
+    _save_tiny_bart,
+    _save_tiny_bert,
+    _tokenizer,
+    bert_case,
+    gpt2_case,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
@@ -147,9 +156,6 @@ def test_a_changed_model_folder_redoes_its_runs_and_says_so(gpt2_case, capsys, t
 def binary_bert(tmp_path_factory):
     """A two-class BERT (the config's default LABEL_0/LABEL_1) and a CSV of 0/1 labels whose columns
     are named `review` and `stars`."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
     from hf_powernorm.training import synthetic_classification_corpus
 
     folder = tmp_path_factory.mktemp("binary-bert")
@@ -159,13 +165,7 @@ def binary_bert(tmp_path_factory):
         writer.writerow(["review", "stars"])
         train = corpus["train"]
         writer.writerows((text, int(label == 2)) for text, label in zip(train["text"], train["label"]))
-    tokenizer = _tokenizer(corpus["train"]["text"])
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=37, max_position_embeddings=64, num_labels=2,
-                        pad_token_id=tokenizer.pad_token_id)
-    BertForSequenceClassification(config).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    _save_tiny_bert(_tokenizer(corpus["train"]["text"]), folder / "model", num_labels=2)
     return str(folder / "model"), str(folder / "train.csv")
 
 
@@ -187,7 +187,8 @@ def test_binary_bert_with_0_1_labels_and_named_columns_runs(binary_bert, tmp_pat
 
 
 def test_class_names_come_from_the_model_and_the_data():
-    names = compare.names_for_labels
+    from hf_powernorm.training.classification import names_for_labels as names
+
     assert names([0, 1], ["LABEL_0", "LABEL_1"]) == ["LABEL_0", "LABEL_1"]
     assert names([0, 1, 2], ["LABEL_0", "LABEL_1"]) == ["0", "1", "2"]  # another head size: rebuilt
     assert names(["pos", "neg"], ["neg", "pos"]) == ["neg", "pos"]
@@ -307,18 +308,15 @@ def test_bleu_zero_everywhere_is_flagged():
 
 
 def test_the_baseline_of_a_llama_is_named_by_its_rmsnorm(tmp_path):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_powernorm.training import synthetic_lm_corpus
 
     tokenizer = _tokenizer(synthetic_lm_corpus({"train": 40})["train"]["text"])
-    torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
                          pad_token_id=tokenizer.pad_token_id)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    tokenizer.save_pretrained(tmp_path / "llama")
+    _save_tiny(LlamaForCausalLM, config, tokenizer, tmp_path / "llama")
     args = compare.parse_args(["--model_name_or_path", str(tmp_path / "llama"), "--max_tokens", "512",
                                "--output_dir", str(tmp_path / "o")])
     facts = compare.model_facts(args)

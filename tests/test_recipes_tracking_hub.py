@@ -12,7 +12,7 @@ import huggingface_hub
 import pytest
 from safetensors.torch import load_file
 
-from recipe_scripts import train_classification, train_lm
+from recipe_scripts import lm_text_files, train_classification, train_lm
 
 from hf_powernorm import training
 
@@ -26,13 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory) -> list[str]:
-    root = tmp_path_factory.mktemp("lm_data")
-    corpus = training.synthetic_lm_corpus({"train": 80, "validation": 12}, seed=5)
-    args = []
-    for split in ("train", "validation"):
-        (root / f"{split}.txt").write_text("".join(line + "\n" for line in corpus[split]["text"]), encoding="utf-8")
-        args += [f"--{split}_file", str(root / f"{split}.txt")]
-    return args
+    return lm_text_files(tmp_path_factory.mktemp("lm_data"), {"train": 80, "validation": 12}, seed=5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def test_long_run_stability_finds_the_first_nonfinite_update():
 
 
 def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
-    from hf_powernorm.studies.reports import mean_std
+    from hf_powernorm.training.reports import mean_std
 
     assert mean_std([1.0, 2.0], 3) == "1.500 ± 0.707" and mean_std([1.0]) == "1.00"
     assert mean_std([1.234e-5, 1.3e-5, None], 3, significant=True) == "1.27e-05 ± 4.7e-07"
@@ -245,7 +245,7 @@ def test_mean_std_leaves_out_missing_runs_and_shows_diverged_ones():
 
 
 def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty(tmp_path):
-    from hf_powernorm.studies.reports import write_rows
+    from hf_powernorm.training.reports import write_rows
 
     rows = [{"seed": 1, "setting": "pn", "loss": 2.5, "noise": "x"}, {"setting": "ln", "seed": 2, "extra": 7}]
     write_rows(rows, tmp_path / "all.csv", leave_out=["noise"])
@@ -258,7 +258,7 @@ def test_write_rows_keeps_chosen_columns_in_order_and_leaves_missing_cells_empty
 
 
 def test_seeds_of_lists_each_seed_with_a_run_once_in_order():
-    from hf_powernorm.studies.reports import seeds_of
+    from hf_powernorm.training.reports import seeds_of
 
     assert seeds_of([{"seed": 3}, {"seed": 1}, {"seed": 3}, {"seed": 2}]) == [1, 2, 3]
     assert seeds_of([]) == []

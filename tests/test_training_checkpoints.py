@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recipe_scripts import average_checkpoints, train_lm, train_wmt
+from recipe_scripts import average_checkpoints, lm_text_files, train_lm, train_wmt
 
 from hf_powernorm import training
 from hf_powernorm.training import averaging, checkpoints, language_modeling, translation
@@ -36,13 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
 @pytest.fixture(scope="module")
 def lm_files(tmp_path_factory) -> list[str]:
-    root = tmp_path_factory.mktemp("ckpt_data")
-    corpus = training.synthetic_lm_corpus({"train": 100, "validation": 16}, seed=21)
-    args = []
-    for split in ("train", "validation"):
-        (root / f"{split}.txt").write_text("".join(line + "\n" for line in corpus[split]["text"]), encoding="utf-8")
-        args += [f"--{split}_file", str(root / f"{split}.txt")]
-    return args
+    return lm_text_files(tmp_path_factory.mktemp("ckpt_data"), {"train": 100, "validation": 16}, seed=21)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_powernorm.studies.grid import Cell, cell_result, run_grid
+from hf_powernorm.training.grid import Cell, cell_result, run_grid
 
 
 def square(cell: Cell, folder: Path) -> dict:

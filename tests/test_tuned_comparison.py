@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from hf_powernorm.studies import reports, tuned_comparison
+from hf_powernorm.studies import tuned_comparison
+from hf_powernorm.training import reports
 from hf_powernorm.training import statistics
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")

@@ -1,7 +1,8 @@
 """The studies: one module per figure or table of the seed documents, on the training library
-(`hf_powernorm.training`) and their own library here - `grid` (cells that run once, resume, run in
-parallel), `runs` (the studies' language model, its data and one in-process training run),
-`measures` (what a run's training log shows) and `reports` (table cells and CSV files).
+(`hf_powernorm.training`: its tasks, `grid` of cells that run once, resume and run in parallel,
+`reports` of table cells, paired verdicts and CSV files) and their own library here - `runs` (the
+studies' language model: its data options, size and grid) and `measures` (what a run's training
+log shows).
 
     python -m hf_powernorm.studies --help            # the studies
     python -m hf_powernorm.studies warmup_switch --smoke --output_dir /tmp/s

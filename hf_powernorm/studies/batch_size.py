@@ -13,7 +13,7 @@ forward passes, so it spans the same updates at every mini-batch size. Writes `r
     python recipes/studies/batch_size.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/batch_size.py --smoke --output_dir /tmp/bs   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
-from .reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from ..training.grid import Cell
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "update_tokens": 1024, "max_train_steps": 600,
@@ -59,8 +59,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     sizes = {**options, "max_tokens": options["mini_batch"], "gradient_accumulation_steps": options["accumulation"]}
     argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--norm_type", options["norm"]]
-    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
     return scores
 
 
@@ -107,9 +107,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, mini_batches:
     axis.set_xlabel("tokens per mini-batch (statistics)")
     axis.set_ylabel("test perplexity (mean over seeds)")
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ fraction, singular-value summaries, scores), `statistics.csv` (the recorded rows
     python recipes/studies/batch_statistics.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/batch_statistics.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from torch import nn
 
 from .. import MaskedBatchNorm, NormStatisticsRecorder
 from ..instrumentation import read_norm_statistics
-from .grid import Cell
-from .reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from ..training.grid import Cell
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 LM_NORMS = ("layernorm", "batchnorm", "powernorm_v", "powernorm")
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
@@ -152,8 +152,8 @@ def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     singular values of its word embeddings (`singular_values.csv`)."""
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--norm_type", options["norm"], "--record_norm_stats", str(options["record_every"])]
-    args = lm_run_args(folder, options["tokenizer"], argv)
-    model, scores = train_causal_lm(args, options["files"], options["block_size"], options["model_size"])
+    model, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                                   options["model_size"])
     values = normalized_singular_values(model.get_input_embeddings().weight)
     with open(folder / "singular_values.csv", "w", encoding="utf-8") as handle:
         handle.write("index,normalized_singular_value\n")
@@ -319,7 +319,7 @@ def _plot_all(results: list[dict[str, Any]], args: argparse.Namespace, output_di
                                               ("rel_dist_var", "||sigma2_B - sigma2|| / ||sigma2|| (Fig. 2)"),
                                               ("g_mu", "||g_mu|| (Fig. 3)"), ("g_sigma2", "||g_sigma2|| (Fig. 3)"))):
         _panel(axis, output_dir, results, [(label, key, legend) for label, _, legend in bn], title)
-    _save(figure, output_dir / "figure2_3.png")
+    save_figure(figure, output_dir / "figure2_3.png")
 
     figure, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     _panel(axes[0], output_dir, results, [("lm-batchnorm", "rel_dist_var", "sigma2_B (BN)"),
@@ -328,7 +328,7 @@ def _plot_all(results: list[dict[str, Any]], args: argparse.Namespace, output_di
     _panel(axes[1], output_dir, results, [("lm-batchnorm", "g_sigma2", "g_sigma2 (BN)"),
                                           ("lm-powernorm_v", "g_psi2", "g_psi2 (PN-V)")],
            "gradient through the statistic (Fig. 4 right)")
-    _save(figure, output_dir / "figure4.png")
+    save_figure(figure, output_dir / "figure4.png")
 
     figure, axis = plt.subplots(figsize=(5.5, 3.8))
     for norm in LM_NORMS:
@@ -341,20 +341,12 @@ def _plot_all(results: list[dict[str, Any]], args: argparse.Namespace, output_di
     axis.set_ylabel("normalized singular value")
     axis.set_title("word embeddings (Fig. 6)", fontsize=9)
     axis.legend(fontsize=7)
-    _save(figure, output_dir / "figure6.png")
+    save_figure(figure, output_dir / "figure6.png")
 
     figure, axis = plt.subplots(figsize=(5.5, 3.8))
     _panel(axis, output_dir, results, [(f"lm-{n}", "lemma2_fraction", n) for n in LM_NORMS if n != "layernorm"],
            "fraction of channels with |gamma_i| <= psi_B,i, all layers (Fig. 7)", every_layer=True, log=False)
-    _save(figure, output_dir / "figure7.png")
-
-
-def _save(figure: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, output_dir / "figure7.png")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

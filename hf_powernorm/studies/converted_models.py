@@ -27,7 +27,7 @@ from ..training import (
     synthetic_lm_corpus,
     train_bpe_tokenizer,
 )
-from .grid import Cell, run_grid
+from ..training.grid import Cell, run_grid
 
 TASKS = {"bert-classification": (classification, "test_accuracy"),
          "gpt2-lm": (language_modeling, "test_perplexity")}

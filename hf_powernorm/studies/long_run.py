@@ -12,7 +12,7 @@ after warmup, the last logged loss and validation and test perplexity, as `resul
     python recipes/studies/long_run.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/long_run.py --smoke --output_dir /tmp/lr   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
+from ..training.grid import Cell
+from ..training.reports import save_figure, write_rows
 from .measures import first_nonfinite_update, training_losses
-from .reports import write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,
                   "warmup_steps": 150, "eval_steps": 500, "learning_rate": 1e-3},
@@ -63,8 +63,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     precision = "no" if options["precision"] == "fp32" else "bf16"
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
             "--mixed_precision", precision, *SETTINGS[options["setting"]]]
-    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
     return {**scores, **stability(training_losses(folder), options["warmup_steps"])}
 
 
@@ -120,9 +120,7 @@ def _plot(results: list[dict[str, Any]], output_dir: Path) -> None:
     axis.set_xlabel("update")
     axis.set_ylabel("training loss (moving mean of 25)")
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(output_dir / "long_run.png", dpi=100)
-    plt.close(figure)
+    save_figure(figure, output_dir / "long_run.png")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ every norm at its first seeds.
         --validation_file ptb.valid.txt --test_file ptb.test.txt              # or --dataset_name ptb_text_only
     python recipes/studies/norm_comparison.py --smoke --output_dir /tmp/nc      # embedded corpora, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`); `--report_only`
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`); `--report_only`
 writes the outputs of the runs finished so far while the others still run.
 """
 
@@ -38,18 +38,17 @@ from pathlib import Path
 from typing import Any
 
 from ..training import read_run_log, translation
-from .grid import Cell, run_grid
-from .reports import mean_std, seeds_of, write_rows
+from ..training.grid import Cell, run_grid
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import (
     DATA_OPTIONS,
     add_lm_size_args,
     add_study_data_args,
     budget_argv,
-    lm_run_args,
     lm_size,
     prepare_lm_data,
     study_data_files,
-    train_causal_lm,
+    train_study_lm,
 )
 
 SETTINGS = {
@@ -127,8 +126,8 @@ def train_ptb(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     sizes = options["sizes"]
     argv = [*budget_argv(options["seed"], sizes), "--clip_norm", "0.25", "--weight_decay", "0.01",
             *SETTINGS[options["setting"]]]
-    args = lm_run_args(folder, options["tokenizer"], argv)
-    _, scores = train_causal_lm(args, options["files"], sizes["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], sizes["block_size"],
+                               options["model_size"])
     return scores
 
 
@@ -266,9 +265,7 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str],
     axis.set_xlabel("update")
     axis.set_ylabel("validation perplexity" if task == "ptb" else "validation BLEU")
     axis.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
-    figure.savefig(output_dir / f"curves_{task}.png", dpi=100)
-    plt.close(figure)
+    save_figure(figure, output_dir / f"curves_{task}.png")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

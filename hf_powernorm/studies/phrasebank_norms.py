@@ -46,7 +46,7 @@ Writes `results.csv` (one row per training run), `gradient_norms.csv`, `lipschit
     python recipes/studies/phrasebank_norms.py --data_dir DIR --jobs 2       # DIR holds the PhraseBank
     python recipes/studies/phrasebank_norms.py --smoke --output_dir /tmp/p   # embedded corpus, seconds
 
-Runs resume: a finished grid cell is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished grid cell is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ from ..training import (
     synthetic_classification_corpus,
     tokenize_classification,
 )
-from .grid import Cell, run_grid
-from .reports import seeds_of
+from ..training.grid import Cell, run_grid
+from ..training.reports import seeds_of
 
 DOCUMENT_NORMS = ("layernorm", "batchnorm", "none")
 NORMS = (*DOCUMENT_NORMS, "powernorm", "rmsnorm")

@@ -21,7 +21,7 @@ double and half the run, at 600 updates) run once and report the same runs.
     python recipes/studies/pn_ablation.py --data_dir DIR --jobs 2        # DIR holds ptb/
     python recipes/studies/pn_ablation.py --smoke --output_dir /tmp/ab   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
+from ..training.grid import Cell
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .measures import loss_jump, training_losses
-from .reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
@@ -88,8 +88,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     options = cell.options
     flags, pn_warmup = setting_argv(options["setting"], options)
     argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01", *flags]
-    _, scores = train_causal_lm(lm_run_args(folder, options["tokenizer"], argv), options["files"],
-                                options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
     return {**scores, "pn_warmup_steps": pn_warmup, **loss_jump(training_losses(folder), pn_warmup)}
 
 
@@ -174,9 +174,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     axis.set_ylim(min(values) * 0.97, max(values) * 1.02)
     axis.set_xticks(range(len(settings)), settings, rotation=45, ha="right", fontsize=7)
     axis.set_ylabel("test perplexity")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """The language-model runs the studies share: their data options and split files (PTB's, the
 user's files or a `datasets.load_dataset` corpus, or the embedded corpus at smoke size), the BPE
-and token blocks prepared once per study, and one causal-LM training run through the recipes' own
-argument parser and `fit`, returning the trained model with its scores."""
+and token blocks prepared once per study, and one run of the training library's `causal-lm` task
+(the recipes' own argument parser, `train_and_score`), returning the trained model with its scores."""
 
 from __future__ import annotations
 
@@ -12,24 +12,12 @@ from typing import Any
 
 import torch
 
-from ..modeling_powernorm import PowerNormTransformerForCausalLM
 from ..training.arguments import add_recipe_args, check_args
-from ..training.batching import PaddingCollator
 from ..training.corpora import synthetic_lm_corpus
-from ..training.evaluation import evaluate_perplexity, score_splits
-from ..training.loop import fit, make_accelerator, prepare_eval_loaders
-from ..training.losses import causal_lm_loss
-from ..training.metrics import count_words
-from ..training.models import build_model
+from ..training.grid import run_grid
 from ..training.readers import data_files_from_args, load_lm_dataset, split_train
-from ..training.tokenization import (
-    column_texts,
-    lm_blocks,
-    load_tokenizer,
-    tokenize_lines,
-    train_bpe_tokenizer,
-)
-from .grid import run_grid
+from ..training.tasks import get_task, train_and_score
+from ..training.tokenization import column_texts, lm_blocks, load_tokenizer, tokenize_lines, train_bpe_tokenizer
 
 PTB_SPLITS = (("train", "train"), ("validation", "valid"), ("test", "test"))
 
@@ -126,29 +114,20 @@ def lm_run_args(folder: str | Path, tokenizer: str, argv: Sequence[str]) -> argp
     return args
 
 
-def train_causal_lm(args: argparse.Namespace, files: dict[str, str], block_size: int, model_size: dict[str, Any],
-                    *, eval_batch_size: int = 32,
-                    label_smoothing: float = 0.0) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train `PowerNormTransformerForCausalLM` of `model_size` with `args.norm_type` at every norm
-    position on `files`' token blocks (label-smoothed next-token loss with `label_smoothing`);
-    return the model (unwrapped, in eval mode) and its training summary with validation and test
-    loss and perplexity (per BPE token, and per word; unsmoothed)."""
-    accelerator = make_accelerator(args)
-    tokenizer = load_tokenizer(args.tokenizer_name)
-    raw = load_lm_dataset(data_files=files)
-    blocks = lm_blocks(tokenize_lines(raw, tokenizer), block_size)
-    norms = {"encoder_norm_type": args.norm_type, "decoder_norm_type": args.norm_type}
-    model = build_model(args, PowerNormTransformerForCausalLM, tokenizer, 1, model_size, block_size, **norms)
-    collate = PaddingCollator(tokenizer.pad_token_id)
-    evals = prepare_eval_loaders(accelerator, blocks, collate, eval_batch_size)
-    validate = lambda m: evaluate_perplexity(accelerator, m, evals["validation"])["perplexity"]  # noqa: E731
-    model, summary = fit(args, accelerator, model, blocks["train"], collate, causal_lm_loss(label_smoothing),
-                         tokenizer=tokenizer, mode="min", validate=validate)
-    words = {split: count_words(column_texts(part)) for split, part in raw.items()}
-    scores = score_splits(lambda split, loader: evaluate_perplexity(accelerator, model, loader, words[split]), evals)
-    accelerator.end_training()
-    model = accelerator.unwrap_model(model).eval()
-    return model, {**summary, **{k: v for k, v in scores.items() if k.endswith(("perplexity", "loss"))}}
+def train_study_lm(folder: str | Path, tokenizer: str, argv: Sequence[str], files: dict[str, str], block_size: int,
+                   model_size: dict[str, Any], *,
+                   label_smoothing: float = 0.0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """One run of the `causal-lm` task in `folder`: `PowerNormTransformerForCausalLM` of `model_size`
+    with `--norm_type` of `argv` at every norm position, on `files`' blocks of `block_size` tokens
+    (label-smoothed next-token loss with `label_smoothing`). Returns the model (unwrapped, in eval
+    mode) and its training summary with validation and test loss and perplexity (per BPE token, and
+    per word; unsmoothed)."""
+    args = lm_run_args(folder, tokenizer, argv)
+    args.train_file, args.validation_file, args.test_file = (files.get(split) for split, _ in PTB_SPLITS)
+    args.block_size, args.label_smoothing = block_size, label_smoothing
+    model, results = train_and_score(get_task("causal-lm")(args), model_size)
+    return model, {k: v for k, v in results.items()
+                   if not k.startswith(("validation_", "test_")) or k.endswith(("perplexity", "loss"))}
 
 
 # The studies' language model: `lm-small`'s layout (pre-norm decoder, learned positions) at a size

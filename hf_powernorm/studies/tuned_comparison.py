@@ -74,15 +74,24 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..training import select_checkpoints, synthetic_translation_corpus, translation, write_average
+from ..training import select_checkpoints, synthetic_translation_corpus, write_average
 from ..training.atomic_files import remove_path
 from ..training.evaluation import references_file
+from ..training.grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
+from ..training.reports import (
+    MIN_PAIRS,
+    SIGNIFICANCE,
+    PairedVerdict,
+    mean_std,
+    paired_cell,
+    paired_verdicts,
+    write_rows,
+)
 from ..training.statistics import paired_bootstrap_bleu
 from ..training.run_log import LOG_NAME
-from .grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
+from ..training.tasks import get_task, option_words, run_task
 from .norm_comparison import log_folder, multi30k_files, validation_curve
-from .reports import MIN_PAIRS, SIGNIFICANCE, PairedVerdict, paired_cell, paired_verdicts, write_rows
-from .runs import STUDY_LM, budget_argv, lm_run_args, lm_size, lm_split_files, prepare_lm_data, train_causal_lm
+from .runs import STUDY_LM, lm_size, lm_split_files, prepare_lm_data, train_study_lm
 
 TASKS = ("ptb", "multi30k", "tinyshakespeare")
 # The task whose picks the transfer task runs unchanged.
@@ -209,32 +218,30 @@ def setting(norm: str, learning_rate: float, warmup: int, alpha_fwd: float | Non
     return chosen
 
 
-def _norm_argv(options: dict[str, Any]) -> list[str]:
+def _norm_options(options: dict[str, Any]) -> dict[str, Any]:
     norm = options["norm"]
     kind = "powernorm" if norm.startswith("powernorm") else norm  # PN's arms differ in options only
     if options["task"] != "multi30k":
-        argv = ["--norm_type", kind]
+        chosen = {"norm_type": kind}
     elif norm == EVERY_LAYER:
-        argv = ["--encoder_norm_type", "powernorm", "--decoder_norm_type", "powernorm"]
+        chosen = {"encoder_norm_type": "powernorm", "decoder_norm_type": "powernorm"}
     else:  # the encoder's norm; LayerNorm in the decoder (the recipe's default)
-        argv = ["--encoder_norm_type", kind, "--decoder_norm_type", "layernorm"]
+        chosen = {"encoder_norm_type": kind, "decoder_norm_type": "layernorm"}
     if kind == "powernorm":
-        argv += ["--powernorm_alpha_fwd", str(options["alpha_fwd"]), "--powernorm_alpha_bkw",
-                 str(options["alpha_bkw"]), "--powernorm_backward_denominator", options["denominator"],
-                 "--powernorm_warmup_steps", str(options["warmup"])]
+        chosen.update(powernorm_alpha_fwd=options["alpha_fwd"], powernorm_alpha_bkw=options["alpha_bkw"],
+                      powernorm_backward_denominator=options["denominator"], powernorm_warmup_steps=options["warmup"])
     if kind in ELEMENTWISE:
-        other = str(options["alpha_init_other"])
-        argv += ["--norm_alpha_init_attention", str(options["alpha_init_attention"]), "--norm_alpha_init_ffn", other,
-                 "--norm_alpha_init_final", other]
-    return argv
+        chosen.update(norm_alpha_init_attention=options["alpha_init_attention"],
+                      norm_alpha_init_ffn=options["alpha_init_other"], norm_alpha_init_final=options["alpha_init_other"])
+    return chosen
 
 
-def _run_argv(options: dict[str, Any]) -> list[str]:
+def _run_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The training options of a run: its seed, budget, dropout and norms."""
     sizes = options["sizes"]
-    budget = {"max_tokens": sizes["max_tokens"], "learning_rate": options["learning_rate"],
-              "warmup_steps": options["warmup"], "max_train_steps": options["updates"],
-              "eval_steps": sizes["eval_steps"]}
-    return [*budget_argv(options["seed"], budget), "--dropout", str(sizes["dropout"]), *_norm_argv(options)]
+    return {"seed": options["seed"], "max_tokens": sizes["max_tokens"], "learning_rate": options["learning_rate"],
+            "num_warmup_steps": options["warmup"], "max_train_steps": options["updates"],
+            "eval_steps": sizes["eval_steps"], "dropout": sizes["dropout"], **_norm_options(options)}
 
 
 def _scored_files(options: dict[str, Any]) -> dict[str, Any] | None:
@@ -247,10 +254,9 @@ def _scored_files(options: dict[str, Any]) -> dict[str, Any] | None:
 
 def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     sizes = options["sizes"]
-    argv = [*_run_argv(options), "--clip_norm", "0.25", "--weight_decay", "0.01"]
-    args = lm_run_args(folder, options["tokenizer"], argv)
-    _, scores = train_causal_lm(args, _scored_files(options), sizes["block_size"], options["model_size"],
-                                label_smoothing=sizes["label_smoothing"])
+    argv = option_words({**_run_options(options), "clip_norm": 0.25, "weight_decay": 0.01})
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, _scored_files(options), sizes["block_size"],
+                               options["model_size"], label_smoothing=sizes["label_smoothing"])
     return scores
 
 
@@ -262,23 +268,23 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The translation task of `recipes/train_wmt.py` in this process, then the average of its last
     checkpoints scored."""
     sizes, files = options["sizes"], _scored_files(options)
-    data = [argument for split in ("validation", "test") if split in files
-            for argument in (f"--{split}_file", files[split])]
+    data = {f"{split}_file": files[split] for split in ("validation", "test") if split in files}
     samples = options.get("max_eval_samples", sizes["max_eval_samples"])
-    generation = [*(["--max_eval_samples", str(samples)] if samples else []), "--num_beams", str(sizes["num_beams"]),
-                  "--length_penalty", "1.0", "--max_new_tokens", "50"]
+    generation = {**({"max_eval_samples": samples} if samples else {}), "num_beams": sizes["num_beams"],
+                  "length_penalty": 1.0, "max_new_tokens": 50}
+    translation = get_task("seq2seq")
     run = folder / "run"
-    results = _numbers(translation.main([
-        "--output_dir", str(run), *_run_argv(options), "--vocab_size", str(sizes["vocab_size"]),
-        "--label_smoothing", str(sizes["label_smoothing"]), "--checkpointing_steps", str(sizes["checkpointing_steps"]),
-        "--config_overrides", f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
-        "--checkpoints_total_limit", str(sizes["averaged"]), *generation,
-        "--train_file", files["train"], *data]))
+    results = _numbers(run_task(translation.from_options(
+        output_dir=str(run), **_run_options(options), vocab_size=sizes["vocab_size"],
+        label_smoothing=sizes["label_smoothing"], checkpointing_steps=sizes["checkpointing_steps"],
+        config_overrides=f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
+        checkpoints_total_limit=sizes["averaged"], **generation, train_file=files["train"], **data)))
     reset_accelerate()
     averaged = folder / "averaged"
     write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
-    scored = _numbers(translation.main(["--no-do_train", "--model_name_or_path", str(averaged), "--output_dir",
-                                        str(folder / "averaged_scores"), *generation, *data]))
+    scored = _numbers(run_task(translation.from_options(do_train=False, model_name_or_path=str(averaged),
+                                                        output_dir=str(folder / "averaged_scores"), **generation,
+                                                        **data)))
     reset_accelerate()
     for path in run.glob("step_*"):  # the averaged export keeps what the checkpoints were for
         remove_path(path)
@@ -655,11 +661,10 @@ def _finished(protocol: Protocol, stage: str = "final") -> list[dict[str, Any]]:
 
 
 def _mean_std(values: list[float]) -> str:
+    """`mean_std` of the seeds' values, and how many seeds."""
     if not values:
         return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f} (1 seed)"
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f} ({len(values)} seeds)"
+    return f"{mean_std(values)} ({len(values)} seed{'s' if len(values) > 1 else ''})"
 
 
 # The arms compared with LayerNorm, in the headline's order, and their names there.

@@ -19,7 +19,7 @@ per word), as `results.csv`, `summary.md` and `loss_at_switch.png` in `--output_
     python recipes/studies/warmup_switch.py --data_dir DIR --jobs 2       # DIR holds ptb/
     python recipes/studies/warmup_switch.py --smoke --output_dir /tmp/s   # embedded corpus, seconds
 
-Runs resume: a finished run is never redone (`hf_powernorm.studies.grid`).
+Runs resume: a finished run is never redone (`hf_powernorm.training.grid`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .grid import Cell
+from ..training.grid import Cell
+from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .measures import PEAK_WINDOW, WINDOW, loss_jump, training_losses
-from .reports import mean_std, seeds_of, write_rows
-from .runs import add_study_args, budget_argv, fill_sizes, lm_run_args, lm_size, run_lm_study, train_causal_lm
+from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
 SETTINGS = {
     "layernorm": {"norm_type": "layernorm"},
@@ -72,8 +72,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
     options = cell.options
-    args = lm_run_args(folder, options["tokenizer"], _run_argv(options))
-    _, scores = train_causal_lm(args, options["files"], options["block_size"], options["model_size"])
+    _, scores = train_study_lm(folder, options["tokenizer"], _run_argv(options), options["files"],
+                               options["block_size"], options["model_size"])
     return {**scores, **loss_jump(training_losses(folder), options["warmup_steps"])}
 
 
@@ -126,9 +126,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     axis.set_xlabel("update")
     axis.set_ylabel("training loss (mean over seeds)")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -1,7 +1,9 @@
-"""The training library under the recipes and the studies: data readers, embedded corpora,
-tokenization, batching, optimization, losses, the Accelerate loop, the task runner and the recipes'
-tasks (the modules `translation`, `language_modeling`, `classification`), checkpoints, evaluation,
-metrics and the export; the studies built on it are `hf_powernorm.studies`. Never
+"""The training library under the recipes, `hf-powernorm compare` and the studies: data readers,
+embedded corpora, tokenization, batching, optimization, losses, the Accelerate loop, the task
+registry and its tasks (`TASK_REGISTRY`, `get_task`; the modules `language_modeling`,
+`translation`, `classification`) with the run bodies (`run_task`, `train_and_score`), checkpoints,
+evaluation, metrics, the export, resumable grids of runs (`grid`) and report helpers (`reports`);
+the studies built on it are `hf_powernorm.studies`. Never
 copied next to a checkpoint: the model files import nothing from it.
 
     from hf_powernorm.training import load_lm_dataset, tokenize_lines, lm_blocks, train
@@ -73,7 +75,7 @@ from .readers import (
 )
 from .resuming import resolve_resume_path
 from .run_log import RunLog, read_run_log
-from .tasks import Task, run_task
+from .tasks import TASK_REGISTRY, Task, get_task, register_task, run_task, task_names, train_and_score
 from .tokenization import (
     SPECIAL_TOKENS,
     column_texts,
@@ -90,23 +92,23 @@ from .tokenization import (
 
 __all__ = [
     "BEST_MODEL_DIR", "IGNORE_INDEX", "MANIFEST_NAME", "METRICS_DIR", "PN_OPTIONS", "SCHEDULER_TYPES",
-    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "TRAINING_STATE_NAME", "Task", "EarlyStopping",
+    "SENTIMENT_LABELS", "SPECIAL_TOKENS", "TASK_REGISTRY", "TRAINING_STATE_NAME", "Task", "EarlyStopping",
     "IncompleteCheckpointError", "OncePerMessage", "PaddingCollator", "RunLog", "ShuffledBatchSampler",
     "TokenBudgetBatchSampler", "add_recipe_args", "average_buffers_across_processes", "average_state_dicts",
     "bleu_scores", "build_config", "build_model", "build_optimizer", "build_scheduler", "check_args",
     "check_average_inputs", "check_batch_budget", "check_output_dir", "check_run_start", "column_texts",
     "complete_average_export", "count_words", "data_files_from_args", "decode_for_bleu", "eval_loader",
-    "evaluate_accuracy", "evaluate_bleu", "evaluate_perplexity", "finish_training", "fit", "incomplete_checkpoints",
-    "inverse_sqrt_schedule", "label_names_of", "label_smoothed_loss", "latest_checkpoint", "limit_samples",
-    "limit_splits", "list_checkpoints", "lm_blocks", "load_classification_dataset", "load_hub_dataset",
-    "load_lm_dataset", "load_metric", "load_scheduler_state", "load_tokenizer", "load_translation_dataset",
-    "log_run_start", "make_accelerator", "max_update_steps", "model_loss", "model_tokenizer_path", "norm_types",
-    "parameter_groups", "perplexity", "prepare_eval_loaders", "prepare_tokenizer", "prune_checkpoints",
-    "read_lines", "read_manifest", "read_phrasebank", "read_run_log", "resolve_model_path", "resolve_resume_path",
-    "run_task", "save_checkpoint", "save_json", "save_outputs", "save_results", "scheduler_state", "score_splits",
-    "select_checkpoints", "sequence_lengths", "sequence_nll", "split_train", "start_run",
-    "synthetic_classification_corpus", "synthetic_lm_corpus", "synthetic_translation_corpus", "token_nll",
-    "tokenize_classification", "tokenize_lines", "tokenize_translation", "train", "train_bpe_tokenizer",
-    "train_loader", "training_command", "translate", "translation_loss", "translation_texts", "write_average",
-    "write_manifest",
+    "evaluate_accuracy", "evaluate_bleu", "evaluate_perplexity", "finish_training", "fit", "get_task",
+    "incomplete_checkpoints", "inverse_sqrt_schedule", "label_names_of", "label_smoothed_loss", "latest_checkpoint",
+    "limit_samples", "limit_splits", "list_checkpoints", "lm_blocks", "load_classification_dataset",
+    "load_hub_dataset", "load_lm_dataset", "load_metric", "load_scheduler_state", "load_tokenizer",
+    "load_translation_dataset", "log_run_start", "make_accelerator", "max_update_steps", "model_loss",
+    "model_tokenizer_path", "norm_types", "parameter_groups", "perplexity", "prepare_eval_loaders",
+    "prepare_tokenizer", "prune_checkpoints", "read_lines", "read_manifest", "read_phrasebank", "read_run_log",
+    "register_task", "resolve_model_path", "resolve_resume_path", "run_task", "save_checkpoint", "save_json",
+    "save_outputs", "save_results", "scheduler_state", "score_splits", "select_checkpoints", "sequence_lengths",
+    "sequence_nll", "split_train", "start_run", "synthetic_classification_corpus", "synthetic_lm_corpus",
+    "synthetic_translation_corpus", "task_names", "token_nll", "tokenize_classification", "tokenize_lines",
+    "tokenize_translation", "train", "train_bpe_tokenizer", "train_and_score", "train_loader", "training_command",
+    "translate", "translation_loss", "translation_texts", "write_average", "write_manifest",
 ]

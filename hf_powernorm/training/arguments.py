@@ -44,6 +44,10 @@ PN_OPTIONS = tuple(field for field in dict.fromkeys(field for cls in NORM_CLASSE
 # Options that count updates on the command line and training forward passes in the config.
 PN_UPDATE_COUNTS = ("powernorm_warmup_steps", "powernorm_warmup_ramp_steps")
 NORM_OPTIONS = ("norm_type", "encoder_norm_type", "decoder_norm_type")
+# The options naming data files that every task reads; a task adds its own (`Task.input_path_options`).
+DATA_FILE_OPTIONS = ("train_file", "validation_file", "test_file")
+# The options naming the local files of a model, whatever the task.
+MODEL_PATH_OPTIONS = ("tokenizer_name", "config_name")
 
 
 def _group_num(value: str) -> int | str:
@@ -212,9 +216,11 @@ def _add_evaluation_and_hub_args(parser: argparse.ArgumentParser) -> None:
     hub.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
 
 
-def check_args(args: argparse.Namespace, norm_options: Iterable[str] = NORM_OPTIONS) -> None:
-    """Fail before any data is read: unknown preset or norm, missing or empty file, bad counts,
-    options that contradict `--model_name_or_path`."""
+def check_args(args: argparse.Namespace, norm_options: Iterable[str] = NORM_OPTIONS,
+               path_options: Iterable[str] = DATA_FILE_OPTIONS) -> None:
+    """Fail before any data is read: unknown preset or norm, missing or empty file (of
+    `path_options`, the task's data files, and the model's), bad counts, options that contradict
+    `--model_name_or_path`."""
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} is unknown; valid presets: {sorted(PRESETS)}")
     for option in norm_options:
@@ -224,7 +230,7 @@ def check_args(args: argparse.Namespace, norm_options: Iterable[str] = NORM_OPTI
                 setattr(args, option, normalize_norm_name(value))
             except ValueError as error:
                 raise ValueError(f"--{option}: {error}") from None
-    _check_paths(args)
+    _check_paths(args, path_options)
     _check_counts(args)
     _check_model_source(args, norm_options)
     if args.with_tracking:
@@ -233,15 +239,14 @@ def check_args(args: argparse.Namespace, norm_options: Iterable[str] = NORM_OPTI
         _check_hub_access()
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    for option in ("train_file", "validation_file", "test_file", "tokenizer_name", "phrasebank_file",
-                   "config_name"):
+def _check_paths(args: argparse.Namespace, path_options: Iterable[str]) -> None:
+    for option in (*path_options, *MODEL_PATH_OPTIONS):
         path = getattr(args, option, None)
         if path and not _data_path_exists(Path(path)):
             raise FileNotFoundError(f"--{option} {path}: not found")
         # `datasets` fails on an empty file with a generic generation error: name the split here.
         if path and option != "config_name" and Path(path).is_file() and not _has_rows(Path(path)):
-            split = "train" if option == "phrasebank_file" else option.removesuffix("_file")
+            split = option.removesuffix("_file") if option in DATA_FILE_OPTIONS else "train"
             raise ValueError(f"split {split!r} is empty: --{option} {path} has no data")
 
 

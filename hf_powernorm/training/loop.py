@@ -20,7 +20,7 @@ import argparse
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..instrumentation import NormStatisticsRecorder
-from .arguments import check_batch_budget
+from .arguments import DATA_FILE_OPTIONS, MODEL_PATH_OPTIONS, check_batch_budget
 from .atomic_files import clear_folder
 from .checkpoints import (
     BEST_MODEL_DIR,
@@ -66,10 +66,10 @@ NORM_STATS_NAME = "norm_stats.jsonl"
 # Set-up
 # ---------------------------------------------------------------------------------------------
 
-def make_accelerator(args: argparse.Namespace) -> Accelerator:
+def make_accelerator(args: argparse.Namespace, input_options: Sequence[str] = DATA_FILE_OPTIONS) -> Accelerator:
     """`build_accelerator`, then `prepare_output_dir`: what a run needs before reading any data."""
     accelerator = build_accelerator(args)
-    prepare_output_dir(accelerator, args)
+    prepare_output_dir(accelerator, args, input_options)
     return accelerator
 
 
@@ -87,9 +87,10 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     return accelerator
 
 
-def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace) -> None:
+def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace,
+                       input_options: Sequence[str] = DATA_FILE_OPTIONS) -> None:
     """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, created."""
-    check_run_start(accelerator, args)
+    check_run_start(accelerator, args, input_options)
     output_dir = Path(args.output_dir)
     if accelerator.is_main_process:
         if getattr(args, "overwrite_output_dir", False) and output_dir.is_dir():
@@ -98,11 +99,8 @@ def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace) -> No
     accelerator.wait_for_everyone()
 
 
-INPUT_OPTIONS = ("train_file", "validation_file", "test_file", "phrasebank_file", "tokenizer_name",
-                 "model_name_or_path", "config_name")
-
-
-def check_run_start(accelerator: Accelerator, args: argparse.Namespace) -> None:
+def check_run_start(accelerator: Accelerator, args: argparse.Namespace,
+                    input_options: Sequence[str] = DATA_FILE_OPTIONS) -> None:
     """The checks that need no data, before any is read or anything written: the batch budget
     against the maximum lengths, the output folder (`check_output_dir`), and the checkpoint to
     resume: complete, and of this run's command-line configuration and tokenizer.
@@ -112,7 +110,8 @@ def check_run_start(accelerator: Accelerator, args: argparse.Namespace) -> None:
     if resume_from and not getattr(args, "do_train", True):
         raise ValueError("--resume_from_checkpoint continues training; it does not go with --no-do_train")
     check_output_dir(args.output_dir, overwrite=getattr(args, "overwrite_output_dir", False), resume=resume_from,
-                     inputs=[getattr(args, name, None) for name in INPUT_OPTIONS])
+                     inputs=[getattr(args, name, None) for name in
+                             (*input_options, *MODEL_PATH_OPTIONS, "model_name_or_path")])
     if resume_from:
         path = resolve_resume_path(resume_from, args.output_dir, report=accelerator.print)
         check_resume_options(path, args)

@@ -1,6 +1,7 @@
-"""The studies' report helpers: `mean ± std` cells for the summary tables, paired verdicts against a
-baseline (per-seed differences, their t interval, Holm's adjustment over the comparisons a report
-makes; `hf_powernorm.training.statistics`), the seeds a table covers, and CSV tables of result rows."""
+"""The report helpers of the studies and `hf-powernorm compare`: `mean ± std` cells for tables,
+paired verdicts against a baseline (per-seed differences, their t interval, Holm's adjustment over
+the comparisons a report makes; `hf_powernorm.training.statistics`), the seeds a table covers, and
+CSV tables of result rows."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..training.statistics import PairedInterval, holm, paired_t_interval
+from .statistics import PairedInterval, holm, paired_t_interval
 
 
 def mean_std(values: Sequence[float | None], digits: int = 2, significant: bool = False) -> str:
@@ -109,3 +110,12 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequ
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def save_figure(figure: Any, path: str | Path, dpi: int = 100) -> None:
+    """Lay `figure` out, write it to `path` at `dpi` and close it (pyplot keeps every open figure)."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)

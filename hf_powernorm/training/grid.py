@@ -1,6 +1,7 @@
-"""Grids of runs for the studies: each cell runs once, a killed grid resumes, cells run in parallel.
+"""Grids of runs for the studies and `hf-powernorm compare`: each cell runs once, a killed grid
+resumes, cells run in parallel.
 
-A study is a list of `Cell`s (a name and JSON options) and a module-level function
+A study (or a comparison) is a list of `Cell`s (a name and JSON options) and a module-level function
 `run_cell(cell, folder) -> dict` that trains and measures one of them in `folder`. `run_grid`
 skips the cells whose `result.json` exists, clears and reruns the others (a cell killed midway left
 no result), runs them in `jobs` fresh processes at once (or in this process with `jobs=1`), and
@@ -22,7 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..training.checkpoints import write_json_atomically
+from .checkpoints import write_json_atomically
 
 RESULT_NAME = "result.json"
 
