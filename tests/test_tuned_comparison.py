@@ -504,11 +504,11 @@ def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):
     protocol.stages["final"] = [(None, {"norm": norm, "updates": 1500, "seed": seed, "test_perplexity": value})
                                 for norm, seed, value in (("layernorm", 1, 84.5), ("powernorm", 1, 85.25),
                                                           ("rmsnorm", 1, 84.0), ("layernorm", 2, 86.0),
-                                                          ("powernorm", 2, 85.5))]
+                                                          ("powernorm", 2, 85.5), ("dyt", 2, 87.0))]
     rows = [line.split(" | ") for line in tuned_comparison.per_seed([protocol])[2:]]
-    # LayerNorm, PN, PN (authors' alphas), PN (fwd 0.9), PN in every layer, RMSNorm, PN minus LN.
-    assert [row[3:] for row in rows] == [["1", "84.50", "85.25", "-", "-", "-", "84.00", "+0.75 |"],
-                                         ["2", "86.00", "85.50", "-", "-", "-", "-", "-0.50 |"]]
+    # LayerNorm, PN, PN (authors' alphas), PN (fwd 0.9), PN in every layer, RMSNorm, DyT, Derf, PN minus LN.
+    assert [row[3:] for row in rows] == [["1", "84.50", "85.25", "-", "-", "-", "84.00", "-", "-", "+0.75 |"],
+                                         ["2", "86.00", "85.50", "-", "-", "-", "-", "87.00", "-", "-0.50 |"]]
     assert all(row[1] == "1500" and "test perplexity" in row[2] for row in rows)
 
 
