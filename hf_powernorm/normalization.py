@@ -2044,16 +2044,18 @@ class RMSNorm(_Norm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        dtype = _stat_dtype(hidden_states)
-        if _fused_kernels_usable(hidden_states) and self.weight.dtype == torch.float32:
+        weight = self._parameters["weight"]
+        if weight.dtype == torch.float32 and weight.is_contiguous() and _fused_kernels_usable(hidden_states):
+            if not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)):
+                # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling (on
+                # this CPU torch's own F.rms_norm takes 1.8-2.5x F.layer_norm's time, this pass 0.6-0.9x)
+                return norm_eval(hidden_states.contiguous(), 1, weight, group_eps=self.eps)
             flat = hidden_states.reshape(-1, self.hidden_size)
-            if not (torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad)):
-                # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
-                return _eval_map(hidden_states, 1, self.weight, None, None, None, 0.0, self.eps)
-            y = _RMSNormFunction.apply(flat, self._parameters["weight"], self.eps)
+            y = _RMSNormFunction.apply(flat, weight, self.eps)
             return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
+        dtype = _stat_dtype(hidden_states)
         with _float32(hidden_states.device):
-            out = F.rms_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(self.weight, dtype), self.eps)
+            out = F.rms_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(weight, dtype), self.eps)
         return _cast(out, hidden_states.dtype)
 
 
