@@ -1454,7 +1454,7 @@ def _bn_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: t
     return torch.addcmul(bias.to(out.dtype) + weight * d - mean * a, x.to(out.dtype), a)
 
 
-def _bn_train_forward(x, token_weights, weight, bias, running_mean, running_var, eps, momentum, renorm, rmax, dmax):
+def _bn_train_forward(x, token_weights, weight, bias, running_mean, running_var, eps, renorm, rmax, dmax):
     """Masked BN's (BRN's) training forward as a pure function of float `(tokens, C)` `x`: `(y, out,
     count, usable, non_finite, batch_mean, batch_var)` (`bn_step_forward`'s arithmetic)."""
     count = _token_count(x, token_weights)
@@ -1483,8 +1483,7 @@ def _bn_step_forward_torch(x, mask, weight, bias, running_mean, running_var, cou
     dtype = _stat_dtype(x)
     with _float32(x.device):
         y, out, count, usable, non_finite, batch_mean, batch_var = _bn_train_forward(
-            x.to(dtype), _mask_weights(mask, dtype), weight, bias, running_mean, running_var, eps, momentum, renorm,
-            rmax, dmax)
+            x.to(dtype), _mask_weights(mask, dtype), weight, bias, running_mean, running_var, eps, renorm, rmax, dmax)
         # in float32, as the C kernel and `MaskedBatchNorm._update`: the unbiased variance into the EMA
         n = count.float()
         _lerp_(running_mean, batch_mean.float(), momentum, keep=usable)
