@@ -2046,8 +2046,8 @@ class RMSNorm(_Norm):
         weight = self._parameters["weight"]
         if weight.dtype == torch.float32 and weight.is_contiguous() and _fused_kernels_usable(hidden_states):
             if not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)):
-                # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling (on
-                # this CPU torch's own F.rms_norm takes 1.8-2.5x F.layer_norm's time, this pass 0.6-0.9x)
+                # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
+                # (torch's own F.rms_norm took 1.7-2.7x F.layer_norm's time on the CPU: BENCHMARKS.md)
                 return norm_eval(hidden_states.contiguous(), 1, weight, group_eps=self.eps)
             flat = hidden_states.reshape(-1, self.hidden_size)
             y = _RMSNormFunction.apply(flat, weight, self.eps)
