@@ -339,6 +339,88 @@ def test_powernorm_operators_pass_opcheck(dtype, masked):
     torch.library.opcheck(torch.ops.hf_powernorm.pn_step_backward.default, backward_args)
 
 
+# ----------------------------------------------------------------------------------------------
+# Masked BN's (and BRN's) step as two operators, as PN's
+
+
+def _bn_op_args(name, dtype=torch.float32, masked=True):
+    """`(norm, x, mask, dy, arguments of hf_powernorm::bn_step_forward)` for a fresh BN or BRN."""
+    norm = _norm(name).to(dtype)
+    x, mask, dy = _steps()[0]
+    x = x.reshape(-1, HIDDEN).to(dtype)
+    mask = mask.reshape(-1) if masked else None
+    renorm = name == "batchrenorm"
+    args = (x, mask, norm.weight.detach(), norm.bias.detach(), norm.running_mean, norm.running_var,
+            norm.num_batches_tracked, norm.eps, norm.momentum, renorm, norm.rmax if renorm else 1.0,
+            norm.dmax if renorm else 0.0)
+    return norm, x, mask, dy.reshape(-1, HIDDEN).to(dtype), args
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
+@pytest.mark.parametrize("dtype, masked", [(torch.float32, True), (torch.float32, False), (torch.float64, True),
+                                           (torch.bfloat16, True)])
+def test_batch_norm_operators_pass_opcheck(name, dtype, masked):
+    """Schema (mutated buffers declared), fake implementations and dispatch, on the C kernels
+    (float32) and the torch ops (float64, bfloat16)."""
+    norm, x, mask, dy, args = _bn_op_args(name, dtype, masked)
+    torch.library.opcheck(torch.ops.hf_powernorm.bn_step_forward.default, args)
+    y, out, info = torch.ops.hf_powernorm.bn_step_forward(*args)
+    assert y.dtype == dtype and out.shape == (4, HIDDEN) and info.shape == (3,) and bool(info[1])
+    torch.library.opcheck(torch.ops.hf_powernorm.bn_step_backward.default, (dy, x, mask, args[2], out, info))
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
+def test_batch_norm_training_step_is_one_operator_node_per_direction_in_a_compiled_graph(name):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def capture(direction):
+        def compiler(gm, example_inputs):
+            graphs[direction] = _graph_ops(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    norm = _norm(name)
+    x, mask, dy = _steps()[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, backend=aot_autograd(fw_compiler=capture("forward"),
+                                                        bw_compiler=capture("backward")), fullgraph=True)
+    compiled(x.requires_grad_(True), mask).backward(dy)
+    assert graphs["forward"].count("hf_powernorm.bn_step_forward") == 1, graphs["forward"]
+    assert graphs["backward"].count("hf_powernorm.bn_step_backward") == 1, graphs["backward"]
+    arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
+    assert not arithmetic & set(graphs["forward"] + graphs["backward"]), graphs
+    assert int(norm.num_batches_tracked) == 1 and x.grad is not None and bool((norm.running_mean != 0).any())
+
+
+@pytest.mark.parametrize("dtype, calls_c", [(torch.float32, True), (torch.float64, False)])
+def test_batch_norm_eager_step_is_one_c_call_or_one_operator_call_per_direction(monkeypatch, dtype, calls_c):
+    """Eager CPU float32 calls the C kernels directly (as PN's step); other steps call the two
+    operators once each; no BN arithmetic outside either."""
+    from hf_powernorm import normalization
+
+    calls = []
+    for function in ("bn_step_forward", "bn_step_backward"):
+        original = getattr(normalization, function)
+        monkeypatch.setattr(normalization, function, lambda *a, _f=original, _n=function: calls.append(_n) or _f(*a))
+    norm = _norm("batchnorm").to(dtype)
+    x, mask, dy = (t.to(dtype) if t.is_floating_point() else t for t in _steps()[0])
+    with _OpLog() as forward:
+        y = norm(x.requires_grad_(True), mask)
+    with _OpLog() as backward:
+        y.backward(dy)
+    assert int(norm.num_batches_tracked) == 1 and x.grad is not None
+    arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
+    assert not arithmetic & set(forward.ops + backward.ops), (forward.ops, backward.ops)
+    ours = [op for op in forward.ops + backward.ops if op.startswith("hf_powernorm")]
+    if calls_c:
+        assert calls == ["bn_step_forward", "bn_step_backward"] and ours == []
+    else:
+        assert calls == [] and ours == ["hf_powernorm.bn_step_forward", "hf_powernorm.bn_step_backward"]
+
+
 def test_kernel_backend_switches_the_c_kernels_off_within_its_block(monkeypatch):
     from hf_powernorm import normalization
 

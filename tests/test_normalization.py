@@ -337,6 +337,99 @@ def test_batch_renorm_matches_reference(padded):
     torch.testing.assert_close(norm.running_var.double(), ref.var, rtol=1e-5, atol=1e-6)
 
 
+def _bn_operator_step(norm, x, mask, dy):
+    """One step of masked BN or BRN through the `hf_powernorm::bn_step_*` operators called directly
+    (the C kernels for float32, the torch ops for float64): `(y, dx, dweight, dbias)`."""
+    flat, flat_dy, mask = x.reshape(-1, HIDDEN), dy.reshape(-1, HIDDEN), mask.reshape(-1)
+    renorm = isinstance(norm, BatchRenorm)
+    weight = norm.weight.detach()
+    y, out, info = torch.ops.hf_powernorm.bn_step_forward(
+        flat, mask, weight, norm.bias.detach(), norm.running_mean, norm.running_var, norm.num_batches_tracked,
+        norm.eps, norm.momentum, renorm, norm.rmax if renorm else 1.0, norm.dmax if renorm else 0.0)
+    assert out.shape == (4, HIDDEN) and info.tolist()[:2] == [float(mask.sum()), 1.0]
+    dx, grads = torch.ops.hf_powernorm.bn_step_backward(flat_dy, flat, mask, weight, out, info)
+    return y, dx, grads[0], grads[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("renorm", [False, True])
+def test_batch_norm_operators_match_the_reference(dtype, renorm):
+    """Masked BN (BRN with rmax = 1, dmax = 0) and BRN through their two operators, on the C kernels
+    and on the torch ops: outputs, gradients and running statistics of the float64 reference."""
+    options = dict(momentum=0.3, rmax=1.3, dmax=0.4) if renorm else dict(momentum=0.3)
+    ref = ReferenceBRN(HIDDEN, **(options if renorm else dict(options, rmax=1.0, dmax=0.0)))
+    norm = (BatchRenorm if renorm else NORM_CLASSES["batchnorm"])(HIDDEN, **options).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, HIDDEN))
+        norm.bias.copy_(torch.linspace(-0.2, 0.3, HIDDEN))
+    for step in range(4):
+        x, mask, dy = _batch(70 + step)
+        x = x * (1 + 0.3 * step) + 0.4 * step  # drifting statistics: some of BRN's channels clip
+        got = _bn_operator_step(norm, x.to(dtype), mask, dy.to(dtype))
+        want = ref.step(x.reshape(-1, HIDDEN), mask.reshape(-1).bool(), dy.reshape(-1, HIDDEN),
+                        norm.weight.detach().double(), norm.bias.detach().double())
+        for name, g, w in zip(("y", "dx", "dweight", "dbias"), got, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{step} {n}: {m}")
+        torch.testing.assert_close(norm.running_mean.double(), ref.mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm.running_var.double(), ref.var, rtol=1e-5, atol=1e-6)
+        assert int(norm.num_batches_tracked) == step + 1
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
+def test_batch_norm_operator_step_matches_the_autograd_of_its_torch_ops(name):
+    """The module's step through the operators (float64: their torch ops, closed-form gradient)
+    against autograd through the layer's own torch-ops forward (`_affine_in_torch_ops`), with a batch
+    without real tokens and a non-finite one: outputs, gradients, buffers."""
+    options = dict(rmax=1.2, dmax=0.3) if name == "batchrenorm" else {}
+    norms = [build_norm(name, HIDDEN, **options).double() for _ in range(2)]
+    for norm in norms:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+    for step in range(5):
+        x, mask, dy = _batch(80 + step)
+        mask = torch.zeros_like(mask) if step == 2 else mask
+        if step == 3:
+            x[0, 0, 1] = float("nan")
+        traces = []
+        for index, norm in enumerate(norms):
+            xi = x.clone().requires_grad_(True)
+            norm.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                if index == 0:
+                    y = norm(xi, mask)
+                else:  # the pre-operator path: autograd through the torch ops
+                    y = norm._affine_in_torch_ops(xi.reshape(-1, HIDDEN), mask.reshape(-1).double()).view_as(xi)
+            y.backward(dy)
+            traces.append((y.detach(), xi.grad, norm.weight.grad, norm.bias.grad, *norm.buffers()))
+        for a, b in zip(*traces):
+            if step == 3:  # NaN where the input is; autograd through the unused statistic adds more, never fewer
+                assert (torch.isfinite(b) <= torch.isfinite(a)).all()
+                a, b = a[torch.isfinite(b)], b[torch.isfinite(b)]
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"step {step}: {m}")
+    assert int(norms[0].num_batches_tracked) == 3
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
+def test_batch_norm_operator_step_under_checkpointing_updates_once(name):
+    """A checkpointed step through the operators (float64) recomputes its output from the step's
+    statistics: the same buffers and gradients as the plain step."""
+    x, mask, dy = _batch(9)
+    plain, ckpt = build_norm(name, HIDDEN).double(), build_norm(name, HIDDEN).double()
+    grads = []
+    for norm, wrap in ((plain, False), (ckpt, True)):
+        for step in range(3):
+            xi = (x + step).requires_grad_(True)
+            inp = xi * 1.0
+            y = checkpoint(norm, inp, mask, use_reentrant=False) if wrap else norm(inp, mask)
+            y.backward(dy)
+        grads.append(xi.grad)
+    assert int(ckpt.num_batches_tracked) == 3 and len(ckpt._last_step) == 2  # the operators' step
+    for (key, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=key)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_mabn_matches_reference_across_its_phases(padded):
     # batch statistics for t <= 3 (t < warmup), moving averages of 2 batches after; r = 1 up to t = 5, clipped after.
