@@ -244,37 +244,39 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD fixed at 128 KiB: large blocks unmapped when freed
 libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
 torch.set_num_threads(1)
-name, tokens, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+tokens, hidden = int(sys.argv[1]), int(sys.argv[2])
 x, dy, mask = layer_inputs(tokens, hidden, "cpu")
-if name == "F.layer_norm":
-    weight, bias = torch.ones(hidden, requires_grad=True), torch.zeros(hidden, requires_grad=True)
-    step = lambda xn: F.layer_norm(xn, (hidden,), weight, bias).backward(dy)
-else:
-    norm = build_norm(name, hidden, **MEMORY_OPTIONS.get(name, {})).train()
-    step = lambda xn: norm(xn, mask).backward(dy)
 def status(key):
     with open("/proc/self/status") as handle:
         return next(int(line.split()[1]) for line in handle if line.startswith(key))
-for _ in range(2):  # the second round is the measurement (kernels loaded, buffers in place)
-    xn = x.clone().requires_grad_(True)
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # the peak resident set starts again from the current one
-    base = status("VmRSS:")
-    step(xn)
-    peak = status("VmHWM:") - base
-    del xn
-print(peak * 1024)
+for name in sys.argv[3:]:
+    if name == "F.layer_norm":
+        weight, bias = torch.ones(hidden, requires_grad=True), torch.zeros(hidden, requires_grad=True)
+        step = lambda xn: F.layer_norm(xn, (hidden,), weight, bias).backward(dy)
+    else:
+        norm = build_norm(name, hidden, **MEMORY_OPTIONS.get(name, {})).train()
+        step = lambda xn: norm(xn, mask).backward(dy)
+    for _ in range(2):  # the second round is the measurement (kernels loaded, buffers in place)
+        xn = x.clone().requires_grad_(True)
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # the peak resident set starts again from the current one
+        base = status("VmRSS:")
+        step(xn)
+        peak = status("VmHWM:") - base
+        del xn
+    print(name, peak * 1024, flush=True)
 """
 
 
-def peak_bytes(name: str, shape: tuple[int, int]) -> int | None:
+def peak_bytes(names: list[str], shape: tuple[int, int]) -> dict[str, int]:
     """Peak resident memory that a training step (forward + backward, the input's gradient included)
-    adds, in a fresh process with glibc returning large blocks when freed; None where not measurable."""
-    out = subprocess.run([sys.executable, "-c", _PEAK_CODE, name, *map(str, shape)], capture_output=True, text=True,
-                         check=False)
-    lines = out.stdout.strip().splitlines()
-    return int(lines[-1]) if out.returncode == 0 and lines else None
+    adds, for each of `names` in turn (after a first step of its own), in one fresh process with glibc
+    returning large blocks when freed; a name missing from the result was not measurable."""
+    out = subprocess.run([sys.executable, "-c", _PEAK_CODE, *map(str, shape), *names], capture_output=True,
+                         text=True, check=False)
+    measured = (line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.rsplit(" ", 1)[0] in names)
+    return {name: int(value) for name, value in measured}
 
 
 def memory_table(shape, device) -> tuple[list[str], list[list[str]]]:
@@ -283,12 +285,14 @@ def memory_table(shape, device) -> tuple[list[str], list[list[str]]]:
     weight = torch.ones(hidden, device=device, requires_grad=True)
     bias = torch.zeros(hidden, device=device, requires_grad=True)
     base = saved_bytes(lambda: F.layer_norm(x.clone().requires_grad_(True), (hidden,), weight, bias))
-    peak_base = peak_bytes("F.layer_norm", shape) if device == "cpu" else None
+    progress("memory, peaks")
+    peaks = peak_bytes(["F.layer_norm", *MEMORY_CASES], shape) if device == "cpu" else {}
+    peak_base = peaks.get("F.layer_norm")
     header = ["norm", f"saved for backward, ({tokens}, {hidden}) float32", "x F.layer_norm's",
               "peak of a training step (forward + backward)", "x F.layer_norm's"]
 
     def peak_cells(name):
-        peak = peak_bytes(name, shape) if peak_base is not None else None
+        peak = peaks.get(name) if peak_base is not None else None
         if peak is None:
             return ["not measured"] * 2
         return [f"{peak / 2**20:.1f} MiB", f"{peak / peak_base:.2f}" if peak_base else "-"]
