@@ -324,7 +324,8 @@ def _rank_states(folder: Path, name: str) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(folder / f"{name}.rank{rank}.safetensors")) for rank in (0, 1)]
 
 
-@pytest.mark.parametrize("sync", ["--sync_stats", "--no-sync_stats"])
+# Unsynchronised statistics in two processes are also checked on the LM recipe (test_recipes_lm_cls.py).
+@pytest.mark.parametrize("sync", ["--sync_stats", pytest.param("--no-sync_stats", marks=pytest.mark.slow)])
 def test_train_wmt_two_processes_save_statistics_independent_of_the_rank(sync, translation_files, tmp_path):
     dumps = tmp_path / "dumps"
     dumps.mkdir()
