@@ -380,6 +380,7 @@ def test_lm_two_processes_unsynced_statistics_are_averaged(text_files, lm_run, t
     assert load_file(str(tmp_path / "model.safetensors"))["model.decoder.final_norm.num_batches_tracked"].item() == 3
 
 
+@pytest.mark.slow  # two processes with synchronised statistics are also the translation recipe's test
 def test_classification_two_processes_synchronised_statistics(classification_files, tmp_path):
     files = classification_files
     log = _launch("train_classification.py", [
