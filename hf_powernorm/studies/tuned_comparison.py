@@ -476,19 +476,37 @@ class Protocol:
     def cell(self, chosen: dict[str, Any], updates: int, seed: int = 1, final: bool = False) -> Cell:
         return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed, final)
 
+    def _rate_stage(self, name: str, norms: tuple[str, ...]) -> list[dict[str, Any]] | None:
+        """Stage 1 for `norms` as stage `name`: learning rate x warmup at the short budget and seed 1,
+        then the learning-rate edge, then the warmup edge (one longer warmup, then up to two rates
+        beyond)."""
+        grid = [self.cell(setting(norm, lr, warmup), self.short) for norm in norms
+                for lr in self.sizes["learning_rates"] for warmup in self.sizes["warmups"]]
+        return self._extended_stage(name, grid, (
+            (_edge_extension, self.args.extensions),
+            (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)))
+
+    def _pick_each(self, results: list[dict[str, Any]], norms: tuple[str, ...], updates: int) -> None:
+        """Each of `norms`' best run in `results` (by validation) as its pick at `updates`."""
+        for norm in norms:
+            self.picks[f"{norm}@{updates}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
+
+    def _recheck_stage(self, name: str, stage_one: list[dict[str, Any]], norms: tuple[str, ...]) -> bool:
+        """Stage 4 for `norms` as stage `name` (`_recheck_cells`, with the learning-rate edge); their
+        long-budget picks once it has finished, and whether it has."""
+        results = self._extended_stage(name, _recheck_cells(self, stage_one, norms),
+                                       ((_recheck_extension, self.args.extensions),))
+        if results is not None:
+            self._pick_each(results, norms, self.long)
+        return results is not None
+
     def tune(self) -> bool:
         """Stages 1-4 (validation only); True once every pick is fixed."""
         sizes = self.sizes
-        grid = [self.cell(setting(norm, lr, warmup), self.short) for norm in NORMS
-                for lr in sizes["learning_rates"] for warmup in sizes["warmups"]]
-        # The learning-rate edge, then the warmup edge (one longer warmup, then up to two rates beyond).
-        stage_one = self._extended_stage("lr", grid, (
-            (_edge_extension, self.args.extensions),
-            (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)))
+        stage_one = self._rate_stage("lr", NORMS)
         if stage_one is None:
             return False
-        for norm in NORMS:
-            self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in stage_one if r["norm"] == norm]))
+        self._pick_each(stage_one, NORMS, self.short)
         pn = self.picks[f"powernorm@{self.short}"]
         self.picks[f"{AUTHORS}@{self.short}"] = {**pn, "norm": AUTHORS}
         results = self._stage("alpha", [self.cell({**pn, "alpha_fwd": af, "alpha_bkw": ab}, self.short)
@@ -501,12 +519,8 @@ class Protocol:
         if results is None:
             return False
         self.picks[f"powernorm@{self.short}"] = _chosen(_best(self.task, results))
-        results = self._extended_stage("recheck", _recheck_cells(self, stage_one, RECHECKED),
-                                       ((_recheck_extension, self.args.extensions),))
-        if results is None:
+        if not self._recheck_stage("recheck", stage_one, RECHECKED):
             return False
-        for norm in RECHECKED:
-            self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
         self.picks[f"{ALPHA_ARM}@{self.long}"] = {**self.picks[f"powernorm@{self.long}"], "norm": ALPHA_ARM,
                                                   "alpha_fwd": DEFAULT_ALPHA, "alpha_bkw": 1.0}
         return True
@@ -542,12 +556,8 @@ class Protocol:
         budgets = self.elementwise_budgets()
         if not budgets:
             return False
-        sizes, grid = self.sizes, self.args.alphas_init
-        cells = [self.cell(setting(norm, lr, warmup), self.short) for norm in ELEMENTWISE
-                 for lr in sizes["learning_rates"] for warmup in sizes["warmups"]]
-        stage_one = self._extended_stage("lr-elementwise", cells, (
-            (_edge_extension, self.args.extensions),
-            (_warmup_extension, self.args.extensions + 1 if self.task in WARMUP_EDGE_TASKS else 0)))
+        grid = self.args.alphas_init
+        stage_one = self._rate_stage("lr-elementwise", ELEMENTWISE)
         if stage_one is None:
             return False
         results = self._stage("alpha_init", [
@@ -556,17 +566,8 @@ class Protocol:
             for norm in ELEMENTWISE for attention in grid["attention"] for other in grid["other"]])
         if results is None:
             return False
-        for norm in ELEMENTWISE:
-            self.picks[f"{norm}@{self.short}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
-        if self.long not in budgets:
-            return True
-        results = self._extended_stage("recheck-elementwise", _recheck_cells(self, stage_one, ELEMENTWISE),
-                                       ((_recheck_extension, self.args.extensions),))
-        if results is None:
-            return False
-        for norm in ELEMENTWISE:
-            self.picks[f"{norm}@{self.long}"] = _chosen(_best(self.task, [r for r in results if r["norm"] == norm]))
-        return True
+        self._pick_each(results, ELEMENTWISE, self.short)
+        return self.long not in budgets or self._recheck_stage("recheck-elementwise", stage_one, ELEMENTWISE)
 
     def elementwise_final_cells(self) -> list[Cell]:
         """DyT's and Derf's finals, seed by seed, at the seeds the other arms have at each budget."""
