@@ -254,24 +254,31 @@ def _graph_ops(gm) -> list[str]:
     return ops
 
 
-def test_powernorm_training_step_is_one_operator_node_per_direction_in_a_compiled_graph():
+def _compiled_step_graphs(norm):
+    """One training step of `norm` compiled with `fullgraph=True` through AOT autograd: the ops of
+    its forward and backward graphs, and the input (its gradient set by the step)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = {}
 
-    def capture(name):
+    def capture(direction):
         def compiler(gm, example_inputs):
-            graphs[name] = _graph_ops(gm)
+            graphs[direction] = _graph_ops(gm)
             return make_boxed_func(gm.forward)
         return compiler
 
-    norm = _norm("powernorm")
     x, mask, dy = _steps()[0]
     torch._dynamo.reset()
     compiled = torch.compile(norm, backend=aot_autograd(fw_compiler=capture("forward"),
                                                         bw_compiler=capture("backward")), fullgraph=True)
     compiled(x.requires_grad_(True), mask).backward(dy)
+    return graphs, x
+
+
+def test_powernorm_training_step_is_one_operator_node_per_direction_in_a_compiled_graph():
+    norm = _norm("powernorm")
+    graphs, _ = _compiled_step_graphs(norm)
     assert graphs["forward"].count("hf_powernorm.pn_step_forward") == 1, graphs["forward"]
     assert graphs["backward"].count("hf_powernorm.pn_step_backward") == 1, graphs["backward"]
     arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
@@ -289,23 +296,31 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _eager_step_ops(dtype, monkeypatch):
-    """The dispatched operators of one eager PN step (forward, backward) and the direct C calls."""
+# Per norm of the step operators: its `normalization` functions (the direct C calls) and the running
+# buffer one step must change.
+STEP_FUNCTIONS = {"powernorm": (("pn_step_forward", "pn_step_backward"), "running_nu"),
+                  "batchnorm": (("bn_step_forward", "bn_step_backward"), "running_mean")}
+
+
+def _eager_step_ops(dtype, monkeypatch, name="powernorm"):
+    """The dispatched operators of one eager step of the norm `name` (forward, backward) and the
+    direct C calls."""
     from hf_powernorm import normalization
 
+    functions, running = STEP_FUNCTIONS[name]
     calls = []
-    for name in ("pn_step_forward", "pn_step_backward"):
-        original = getattr(normalization, name)
-        monkeypatch.setattr(normalization, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    norm = _norm("powernorm").to(dtype)
+    for function in functions:
+        original = getattr(normalization, function)
+        monkeypatch.setattr(normalization, function, lambda *a, _f=original, _n=function: calls.append(_n) or _f(*a))
+    norm = _norm(name).to(dtype)
     x, mask, dy = (t.to(dtype) if t.is_floating_point() else t for t in _steps()[0])
     x.requires_grad_(True)
     with _OpLog() as forward:
         y = norm(x, mask)
     with _OpLog() as backward:
         y.backward(dy)
-    assert int(norm.num_batches_tracked) == 1 and bool((norm.running_nu != 0).any())
-    # nothing of PN's arithmetic outside the operators or C calls: reshapes and autograd's accumulation
+    assert int(norm.num_batches_tracked) == 1 and x.grad is not None and bool((getattr(norm, running) != 0).any())
+    # nothing of the norm's arithmetic outside the operators or C calls: reshapes and autograd's accumulation
     arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
     assert not arithmetic & set(forward.ops + backward.ops), (forward.ops, backward.ops)
     return forward.ops, backward.ops, calls
@@ -371,23 +386,8 @@ def test_batch_norm_operators_pass_opcheck(name, dtype, masked):
 
 @pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
 def test_batch_norm_training_step_is_one_operator_node_per_direction_in_a_compiled_graph(name):
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = {}
-
-    def capture(direction):
-        def compiler(gm, example_inputs):
-            graphs[direction] = _graph_ops(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
-
     norm = _norm(name)
-    x, mask, dy = _steps()[0]
-    torch._dynamo.reset()
-    compiled = torch.compile(norm, backend=aot_autograd(fw_compiler=capture("forward"),
-                                                        bw_compiler=capture("backward")), fullgraph=True)
-    compiled(x.requires_grad_(True), mask).backward(dy)
+    graphs, x = _compiled_step_graphs(norm)
     assert graphs["forward"].count("hf_powernorm.bn_step_forward") == 1, graphs["forward"]
     assert graphs["backward"].count("hf_powernorm.bn_step_backward") == 1, graphs["backward"]
     arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
@@ -399,22 +399,8 @@ def test_batch_norm_training_step_is_one_operator_node_per_direction_in_a_compil
 def test_batch_norm_eager_step_is_one_c_call_or_one_operator_call_per_direction(monkeypatch, dtype, calls_c):
     """Eager CPU float32 calls the C kernels directly (as PN's step); other steps call the two
     operators once each; no BN arithmetic outside either."""
-    from hf_powernorm import normalization
-
-    calls = []
-    for function in ("bn_step_forward", "bn_step_backward"):
-        original = getattr(normalization, function)
-        monkeypatch.setattr(normalization, function, lambda *a, _f=original, _n=function: calls.append(_n) or _f(*a))
-    norm = _norm("batchnorm").to(dtype)
-    x, mask, dy = (t.to(dtype) if t.is_floating_point() else t for t in _steps()[0])
-    with _OpLog() as forward:
-        y = norm(x.requires_grad_(True), mask)
-    with _OpLog() as backward:
-        y.backward(dy)
-    assert int(norm.num_batches_tracked) == 1 and x.grad is not None
-    arithmetic = {"aten.mul", "aten.div", "aten.sum", "aten.rsqrt", "aten.addcmul", "aten.mm", "aten.mv", "aten.lerp"}
-    assert not arithmetic & set(forward.ops + backward.ops), (forward.ops, backward.ops)
-    ours = [op for op in forward.ops + backward.ops if op.startswith("hf_powernorm")]
+    forward, backward, calls = _eager_step_ops(dtype, monkeypatch, "batchnorm")
+    ours = [op for op in forward + backward if op.startswith("hf_powernorm")]
     if calls_c:
         assert calls == ["bn_step_forward", "bn_step_backward"] and ours == []
     else:
