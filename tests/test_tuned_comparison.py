@@ -575,3 +575,87 @@ def test_bleu_bootstrap_per_seed_pairs_the_same_sentences(tmp_path):
     for row in rows:
         assert row[6:] == ["40", f"{expected.mean:+.2f} [{expected.low:+.2f}, {expected.high:+.2f}]",
                            f"{expected.p_value:.3f} |"]
+
+
+def _run_killed_cell(cell, output, crash):
+    """A forked study process running `cell` that dies as a killed one would (`crash`: the
+    checkpoints' test hook)."""
+    import os
+
+    import torch
+    from accelerate.state import AcceleratorState
+
+    from hf_powernorm.training import checkpoints
+    from hf_powernorm.training.grid import run_grid
+
+    os.environ[checkpoints.CRASH_AFTER_FILES_ENV] = crash
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch.set_num_threads(1)
+    run_grid([cell], tuned_comparison.run_cell, output, resume_cells=True)
+
+
+def test_a_killed_run_goes_on_from_its_last_checkpoint_to_the_unbroken_scores(ptb_smoke, tmp_path, monkeypatch,
+                                                                               capsys):
+    import multiprocessing
+    import signal
+
+    from hf_powernorm.training.grid import run_grid
+    from hf_powernorm.training.run_log import read_run_log
+
+    _, protocol = ptb_smoke
+    cell, unbroken = next((cell, result) for cell, result in protocol.stages["final"]
+                          if cell.options["updates"] == 6 and cell.options["norm"] == "powernorm")
+    monkeypatch.setattr(tuned_comparison, "RESUME_EVERY", 2)  # the smoke run's 6 updates: checkpoints at 2 and 4
+    folder = tmp_path / "cells" / cell.name
+    folder.mkdir(parents=True)
+    (folder / "training_log.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # an attempt killed before update 2
+
+    # Killed while writing update 4's checkpoint: update 2's is the newest complete one.
+    child = multiprocessing.get_context("fork").Process(target=_run_killed_cell, args=(cell, tmp_path, "0@4"))
+    child.start()
+    child.join(300)
+    assert child.exitcode == -signal.SIGKILL
+    assert (folder / "step_2").is_dir() and not (folder / "step_4").exists()
+    assert not (folder / "result.json").exists()
+    assert [r["loss"] for r in read_run_log(folder) if r.get("step") == 1] != [9.0]  # the older attempt cleared
+
+    capsys.readouterr()
+    [resumed] = run_grid([cell], tuned_comparison.run_cell, tmp_path, resume_cells=True)
+    assert f"Resuming from {folder / 'step_2'}" in capsys.readouterr().out
+    for key in ("best_step", "train_steps", "best_validation", "validation_perplexity", "test_perplexity"):
+        assert resumed[key] == pytest.approx(unbroken[key], rel=1e-5), key
+    assert [r["step"] for r in read_run_log(folder) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each update once
+    assert not list(folder.glob("step_*")) and not list(folder.glob(".step_*"))  # the checkpoints served their end
+
+
+def test_a_killed_translation_run_goes_on_from_its_last_checkpoint(tmp_path, capsys):
+    import multiprocessing
+    import signal
+
+    from hf_powernorm.training.grid import run_grid
+
+    args = tuned_comparison.parse_args(["--smoke", "--tasks", "multi30k", "--output_dir", str(tmp_path)])
+    protocol = tuned_comparison.Protocol("multi30k", args, tuned_comparison._inputs("multi30k", args, tmp_path),
+                                         tmp_path)
+    chosen = tuned_comparison.setting("powernorm", protocol.sizes["learning_rates"][0], protocol.sizes["warmups"][0])
+    cell = protocol.cell(chosen, protocol.long)  # 4 updates, a checkpoint after each
+    [unbroken] = run_grid([cell], tuned_comparison.run_cell, tmp_path / "unbroken")
+    # An attempt killed before its first checkpoint, then one killed while writing update 3's.
+    folder = tmp_path / "cells" / cell.name
+    folder.mkdir(parents=True)
+    (folder / "stale.txt").write_text("from the attempt before")
+    child = multiprocessing.get_context("fork").Process(target=_run_killed_cell, args=(cell, tmp_path, "0@3"))
+    child.start()
+    child.join(300)
+    assert child.exitcode == -signal.SIGKILL and (folder / "run" / "step_2").is_dir()
+    assert not (folder / "stale.txt").exists()  # nothing to go on from: cleared
+    (folder / "averaged").mkdir()  # as if killed while averaging: the average is made again
+    (folder / "averaged" / "stale.txt").write_text("from the attempt before")
+
+    capsys.readouterr()
+    [resumed] = run_grid([cell], tuned_comparison.run_cell, tmp_path, resume_cells=True)
+    assert f"Resuming from {folder / 'run' / 'step_2'}" in capsys.readouterr().out
+    numbers = {k: v for k, v in unbroken.items() if isinstance(v, float) and not k.endswith(("seconds", "per_second"))}
+    assert "validation_bleu_averaged" in numbers
+    assert {k: resumed[k] for k in numbers} == pytest.approx(numbers, rel=1e-5)
+    assert not (folder / "averaged" / "stale.txt").exists() and not list((folder / "run").glob("step_*"))

@@ -56,7 +56,7 @@ and `curves_<task>_<updates>.png` (validation curves of the finals).
     python recipes/studies/tuned_comparison.py --data_dir DIR --transfer_data_dir DIR2 --jobs 1
     python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
 
-Resumable (finished runs are never redone); every task's tuning runs before any task's finals, and
+Resumable (finished runs are never redone, a killed run goes on from its last checkpoint); every task's tuning runs before any task's finals, and
 every task's main finals before the alpha arm and PN in every layer (what the cut rule drops first).
 `--report_only` writes the outputs of the runs finished so far, `--export_dir DIR` copies them with
 each finished run's result and validation records into DIR (`studies/tuned_comparison/` is such a
@@ -74,7 +74,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..training import select_checkpoints, synthetic_translation_corpus, write_average
+from ..training import latest_checkpoint, select_checkpoints, synthetic_translation_corpus, write_average
 from ..training.atomic_files import remove_path
 from ..training.evaluation import references_file
 from ..training.grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
@@ -113,6 +113,11 @@ DEFAULT_ALPHA_INIT = 1.0
 # (kept apart from `SIZES`, which finished runs recorded before these norms joined the study).
 ALPHAS_INIT = {"real": {"attention": (0.5, 1.0, 2.0), "other": (0.25, 0.5, 1.0, 2.0)},
                "smoke": {"attention": (1.0,), "other": (0.5, 1.0)}}
+# A killed run goes on from its last checkpoint: a language-model run writes one every
+# `RESUME_EVERY` updates (a Multi30k run keeps its own, every `checkpointing_steps`, for the
+# average), so a session that ends mid-run loses at most that many updates. A checkpoint changes
+# no result, so this is not one of the runs' recorded options (`SIZES`).
+RESUME_EVERY = 500
 COLUMNS = ("task", "norm", "stage", "updates", "learning_rate", "warmup", "dropout", "label_smoothing", "alpha_fwd",
            "alpha_bkw", "denominator", "alpha_init_attention", "alpha_init_other", "seed", "split", "metric",
            "examples", "value")
@@ -252,11 +257,31 @@ def _scored_files(options: dict[str, Any]) -> dict[str, Any] | None:
     return {split: path for split, path in files.items() if split != "test"}
 
 
+def _resume_in(run: Path, folder: Path, restart: tuple[str, ...] = ()) -> dict[str, str]:
+    """The option that continues a killed attempt's run in `run` (inside the cell's `folder`) from
+    its newest complete checkpoint, with the outputs named in `restart` (made after training)
+    cleared; where there is none, `folder` is cleared and the run starts afresh."""
+    resumable = run.is_dir() and latest_checkpoint(run, "step") is not None
+    for path in folder.iterdir():
+        if not resumable or path.name in restart:
+            remove_path(path)
+    return {"resume_from_checkpoint": "latest"} if resumable else {}
+
+
+def _remove_checkpoints(run: Path) -> None:
+    for path in run.glob("step_*"):
+        remove_path(path)
+
+
 def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     sizes = options["sizes"]
-    argv = option_words({**_run_options(options), "clip_norm": 0.25, "weight_decay": 0.01})
+    resume = {"checkpointing_steps": RESUME_EVERY, "checkpoints_total_limit": 1} \
+        if options["updates"] > RESUME_EVERY else {}
+    argv = option_words({**_run_options(options), "clip_norm": 0.25, "weight_decay": 0.01, **resume,
+                         **_resume_in(folder, folder)})
     _, scores = train_study_lm(folder, options["tokenizer"], argv, _scored_files(options), sizes["block_size"],
                                options["model_size"], label_smoothing=sizes["label_smoothing"])
+    _remove_checkpoints(folder)
     return scores
 
 
@@ -273,21 +298,19 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     generation = {**({"max_eval_samples": samples} if samples else {}), "num_beams": sizes["num_beams"],
                   "length_penalty": 1.0, "max_new_tokens": 50}
     translation = get_task("seq2seq")
-    run = folder / "run"
+    run, averaged, averaged_scores = folder / "run", folder / "averaged", folder / "averaged_scores"
+    resume = _resume_in(run, folder, restart=(averaged.name, averaged_scores.name))
     results = _numbers(run_task(translation.from_options(
-        output_dir=str(run), **_run_options(options), vocab_size=sizes["vocab_size"],
+        output_dir=str(run), **_run_options(options), **resume, vocab_size=sizes["vocab_size"],
         label_smoothing=sizes["label_smoothing"], checkpointing_steps=sizes["checkpointing_steps"],
         config_overrides=f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
         checkpoints_total_limit=sizes["averaged"], **generation, train_file=files["train"], **data)))
     reset_accelerate()
-    averaged = folder / "averaged"
     write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
     scored = _numbers(run_task(translation.from_options(do_train=False, model_name_or_path=str(averaged),
-                                                        output_dir=str(folder / "averaged_scores"), **generation,
-                                                        **data)))
+                                                        output_dir=str(averaged_scores), **generation, **data)))
     reset_accelerate()
-    for path in run.glob("step_*"):  # the averaged export keeps what the checkpoints were for
-        remove_path(path)
+    _remove_checkpoints(run)  # the averaged export keeps what the checkpoints were for
     return {**results, **{f"{k}_averaged": v for k, v in scored.items() if k.endswith("bleu")}}
 
 
@@ -454,7 +477,7 @@ class Protocol:
             done = {r["cell"]: r for r in finished_results(unique, self.output_dir)}
         else:
             done = {r["cell"]: r for r in run_grid(unique, run_cell, self.output_dir, jobs=self.args.jobs,
-                                                   desc=f"{self.task} {name}")}
+                                                   desc=f"{self.task} {name}", resume_cells=True)}
         self.stages[name] = [(cell, done.get(cell.name)) for cell in cells]
         return None if len(done) < len(unique) else [done[cell.name] for cell in cells]
 

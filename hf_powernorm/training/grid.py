@@ -4,8 +4,9 @@ resumes, cells run in parallel.
 A study (or a comparison) is a list of `Cell`s (a name and JSON options) and a module-level function
 `run_cell(cell, folder) -> dict` that trains and measures one of them in `folder`. `run_grid`
 skips the cells whose `result.json` exists, clears and reruns the others (a cell killed midway left
-no result), runs them in `jobs` fresh processes at once (or in this process with `jobs=1`), and
-writes each result atomically, so that a grid stopped at any moment (a session ends, a machine goes
+no result; with `resume_cells`, its folder is kept instead, for a `run_cell` that continues from the
+checkpoints it finds there), runs them in `jobs` fresh processes at once (or in this process with
+`jobs=1`), and writes each result atomically, so that a grid stopped at any moment (a session ends, a machine goes
 away) starts again where it stopped without redoing a finished cell. A finished cell whose saved
 options differ from the cell asked for (another budget in the same output folder) is an error, not
 a result: a grid never mixes runs of different settings.
@@ -68,10 +69,11 @@ def finished_results(cells: Sequence[Cell], output_dir: str | Path) -> list[dict
     return [r for r in (cell_result(output_dir, cell) for cell in cells) if r is not None]
 
 
-def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path) -> dict[str, Any]:
-    if folder.exists():
+def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path,
+             resume_cells: bool = False) -> dict[str, Any]:
+    if folder.exists() and not resume_cells:
         shutil.rmtree(folder)  # what a killed attempt left behind
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=resume_cells)
     result = {"cell": cell.name, **cell.options, **run_cell(cell, folder)}
     write_json_atomically(folder / RESULT_NAME, result)
     return result
@@ -85,10 +87,12 @@ def reset_accelerate() -> None:
 
 
 def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], output_dir: str | Path, *,
-             jobs: int = 1, desc: str = "Runs", report_only: bool = False) -> list[dict[str, Any]]:
+             jobs: int = 1, desc: str = "Runs", report_only: bool = False,
+             resume_cells: bool = False) -> list[dict[str, Any]]:
     """Run every unfinished cell of `cells` (in `jobs` processes); return all results in order.
     With `report_only`, run nothing and return the results of the cells finished so far
-    (FileNotFoundError if none has)."""
+    (FileNotFoundError if none has). With `resume_cells`, `run_cell` is handed the folder a killed
+    attempt left (else a cleared one) and continues the run it holds."""
     names = [cell.name for cell in cells]
     if len(set(names)) != len(names):
         raise ValueError(f"cell names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
@@ -105,14 +109,14 @@ def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], outp
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc)
     if jobs == 1:
         for cell in todo:
-            _run_one(run_cell, cell, root / cell.name)
+            _run_one(run_cell, cell, root / cell.name, resume_cells)
             reset_accelerate()
             bar.update(1)
     else:
         # Fresh processes, one cell each: no state (threads, Accelerate, caches) crosses cells.
         context = multiprocessing.get_context("spawn")
         with context.Pool(jobs, maxtasksperchild=1) as pool:
-            pending = [pool.apply_async(_run_one, (run_cell, cell, root / cell.name)) for cell in todo]
+            pending = [pool.apply_async(_run_one, (run_cell, cell, root / cell.name, resume_cells)) for cell in todo]
             for result in pending:
                 result.get()
                 bar.update(1)
