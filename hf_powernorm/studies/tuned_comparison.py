@@ -56,8 +56,9 @@ and `curves_<task>_<updates>.png` (validation curves of the finals).
     python recipes/studies/tuned_comparison.py --data_dir DIR --transfer_data_dir DIR2 --jobs 1
     python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
 
-Resumable (finished runs are never redone, a killed run goes on from its last checkpoint); every task's tuning runs before any task's finals, and
-every task's main finals before the alpha arm and PN in every layer (what the cut rule drops first).
+Resumable (finished runs are never redone, a killed run goes on from its last checkpoint); every
+task's tuning runs before any task's finals, and every task's main finals before the alpha arm and
+PN in every layer (what the cut rule drops first).
 `--report_only` writes the outputs of the runs finished so far, `--export_dir DIR` copies them with
 each finished run's result and validation records into DIR (`studies/tuned_comparison/` is such a
 copy: its `cells/`, copied into an output folder, resumes the study on another machine).
