@@ -609,6 +609,7 @@ def test_a_killed_run_goes_on_from_its_last_checkpoint_to_the_unbroken_scores(pt
     folder = tmp_path / "cells" / cell.name
     folder.mkdir(parents=True)
     (folder / "training_log.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # an attempt killed before update 2
+    tuned_comparison.cpu_record(folder).write_text('{"cpu_seconds": 100.0}')  # and the CPU it cost
 
     # Killed while writing update 4's checkpoint: update 2's is the newest complete one.
     child = multiprocessing.get_context("fork").Process(target=_run_killed_cell, args=(cell, tmp_path, "0@4"))
@@ -626,6 +627,12 @@ def test_a_killed_run_goes_on_from_its_last_checkpoint_to_the_unbroken_scores(pt
         assert resumed[key] == pytest.approx(unbroken[key], rel=1e-5), key
     assert [r["step"] for r in read_run_log(folder) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each update once
     assert not list(folder.glob("step_*")) and not list(folder.glob(".step_*"))  # the checkpoints served their end
+    assert 100.0 < resumed["cpu_seconds"] < 100.0 + 300  # every attempt's CPU time, counted once
+    assert not tuned_comparison.cpu_record(folder).exists()  # the result holds it
+    assert 0 < unbroken["cpu_seconds"] < 300
+    runs = tuned_comparison._finished_runs(protocol)
+    hours = sum(r["cpu_seconds"] for r in runs) / 3600
+    assert tuned_comparison.cpu_hours([protocol]) == f"ptb {hours:.1f} over {len(runs)} runs"
 
 
 def test_a_killed_translation_run_goes_on_from_its_last_checkpoint(tmp_path, capsys):

@@ -72,11 +72,13 @@ import functools
 import json
 import shutil
 import statistics
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from ..training import latest_checkpoint, select_checkpoints, synthetic_translation_corpus, write_average
-from ..training.atomic_files import remove_path
+from ..training.atomic_files import remove_path, write_json_atomically
 from ..training.evaluation import references_file
 from ..training.grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
 from ..training.reports import (
@@ -315,12 +317,54 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     return {**results, **{f"{k}_averaged": v for k, v in scored.items() if k.endswith("bleu")}}
 
 
+def cpu_record(folder: Path) -> Path:
+    """Where the CPU seconds of a cell's attempts so far are kept while it runs: beside its folder
+    (a run starts in an empty one), `.<cell>.cpu_seconds.json`."""
+    return folder.with_name(f".{folder.name}.cpu_seconds.json")
+
+
+class _CpuClock:
+    """The CPU seconds a cell has cost over all its attempts: those before (in its `cpu_record`,
+    which a killed attempt kept up to `every` seconds before it died) plus this process's since it
+    started, written every `every` seconds from a thread; the record goes when the run is done."""
+
+    def __init__(self, folder: Path, every: float = 60.0) -> None:
+        self.path, self.every = cpu_record(folder), every
+        self.before = json.loads(self.path.read_text(encoding="utf-8"))["cpu_seconds"] if self.path.is_file() else 0.0
+        self.started = time.process_time()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._keep, daemon=True)
+
+    def total(self) -> float:
+        return round(self.before + time.process_time() - self.started, 1)
+
+    def _keep(self) -> None:
+        while not self.done.wait(self.every):
+            write_json_atomically(self.path, {"cpu_seconds": self.total()})
+
+    def __enter__(self) -> "_CpuClock":
+        self.thread.start()
+        return self
+
+    def __exit__(self, error_type: type | None, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        if error_type is None:
+            remove_path(self.path)  # the result holds the total
+        else:
+            write_json_atomically(self.path, {"cpu_seconds": self.total()})
+
+
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    """One run, with the CPU seconds it cost (`cpu_seconds`: one thread's, its killed attempts'
+    included), for the cut rule's account."""
     import torch
 
     torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
     train = train_multi30k if cell.options["task"] == "multi30k" else train_lm
-    return train(cell.options, folder)
+    with _CpuClock(folder) as clock:
+        scores = train(cell.options, folder)
+    return {**scores, "cpu_seconds": clock.total()}
 
 
 # -- the protocol -------------------------------------------------------------------------------
@@ -817,6 +861,16 @@ def per_seed(protocols: list[Protocol]) -> list[str]:
     return lines
 
 
+def cpu_hours(protocols: list[Protocol]) -> str:
+    """The CPU time of the finished runs that record it (`run_cell`'s `cpu_seconds`), per task."""
+    parts = []
+    for protocol in protocols:
+        seconds = [r["cpu_seconds"] for r in _finished_runs(protocol) if r.get("cpu_seconds") is not None]
+        if seconds:
+            parts.append(f"{protocol.task} {sum(seconds) / 3600:.1f} over {len(seconds)} runs")
+    return "; ".join(parts) or "no run records it yet"
+
+
 def _progress(protocol: Protocol) -> str:
     parts = []
     for stage, cells in protocol.stages.items():
@@ -862,6 +916,8 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
              "not corrected for their number; the verdicts above come from the seeds.", "",
              *bootstraps(protocols, output_dir), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
+             "CPU-hours of the runs that record them (a resumed run from where it went on): "
+             + cpu_hours(protocols) + ".", "",
              f"Picks (validation only): `{PICKS_JSON}`."]
     (output_dir / SUMMARY_MD).write_text("\n".join(lines) + "\n", encoding="utf-8")
     for protocol in protocols:
