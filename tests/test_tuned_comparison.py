@@ -42,7 +42,9 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(smoke):
     sizes = tuned_comparison.SIZES["smoke"]
     assert [protocol.task for protocol in protocols] == ["ptb", "multi30k", "tinyshakespeare"]
     for protocol in protocols[:2]:
-        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final"]
+        long_elementwise = ["recheck-elementwise"] if protocol.long in protocol.elementwise_budgets() else []
+        assert list(protocol.stages) == ["lr", "alpha", "denominator", "recheck", "final", "lr-elementwise",
+                                         "alpha_init", *long_elementwise]
         assert all(result is not None for cells in protocol.stages.values() for _, result in cells)
         task_sizes = sizes[protocol.task]
         base = 3 * len(task_sizes["learning_rates"]) * len(task_sizes["warmups"])
@@ -84,6 +86,9 @@ def test_smoke_runs_every_stage_picks_on_validation_and_resumes(smoke):
                     | {(n, protocol.long, s) for n in arms | {tuned_comparison.ALPHA_ARM} for s in (1, 2, 3)})
         if protocol.task == "multi30k":
             expected |= {(tuned_comparison.EVERY_LAYER, u, s) for u in task_sizes["budgets"] for s in (1, 2)}
+        # DyT and Derf at the seeds of the others: both budgets on PTB, the short one on Multi30k.
+        expected |= {(n, u, s) for n in tuned_comparison.ELEMENTWISE for u in protocol.elementwise_budgets()
+                     for s in ((1, 2) if u == protocol.short else (1, 2, 3))}
         assert {(r["norm"], r["updates"], r["seed"]) for r in finals} == expected
         alpha_arm = [r for r in finals if r["norm"] == tuned_comparison.ALPHA_ARM]
         assert {(r["alpha_fwd"], r["alpha_bkw"], r["learning_rate"], r["warmup"]) for r in alpha_arm} == {
