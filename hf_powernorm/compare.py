@@ -21,7 +21,8 @@ Writes into `--output_dir`:
 - with `--save_models`, `models/<norm>`: each norm's best model (and `--push_to_hub` uploads it).
 
 Bad input stops with one line before any work; Ctrl-C writes the report of the runs finished so
-far, and the same command resumes. Data comes as the recipes take it: `--dataset_name` (a Hub id, a
+far, and the same command resumes (with `--checkpoint_runs`, a run cut short goes on from its last
+validation instead of starting again). Data comes as the recipes take it: `--dataset_name` (a Hub id, a
 local folder of files or of `save_to_disk`) or `--train_file/--validation_file/--test_file`, with
 `--text_column` etc. naming other columns, tokenized by cached `Dataset.map` passes. Without a
 model and data, a tiny GPT-2 trains on the embedded English corpus (under two minutes on 2 CPU
@@ -62,9 +63,11 @@ SHORT_NAMES = {"powernorm": "PN", "rmsnorm": "RMSNorm", "batchnorm": "BN"}
 # Options that change where or how fast a comparison runs, or what it keeps, not what it measures.
 RUNTIME_OPTIONS = ("output_dir", "overwrite_output_dir", "jobs", "seeds", "norms", "report_only",
                    "preprocessing_num_workers", "overwrite_cache", "eval_batch_size", "cpu", "with_tracking",
-                   "report_to", "seed", "save_models", "push_to_hub", "hub_model_id", "hub_private_repo")
-# Recipe options that `compare` does not take: it sets them itself (the norms, one run per seed, no
-# checkpoints to resume), or they build a new model, which a comparison of the user's model never does.
+                   "report_to", "seed", "save_models", "push_to_hub", "hub_model_id", "hub_private_repo",
+                   "checkpoint_runs")
+# Recipe options that `compare` does not take: it sets them itself (the norms, one run per seed, the
+# checkpoints of `--checkpoint_runs`), or they build a new model, which a comparison of the user's
+# model never does.
 NOT_TAKEN = ("convert_norms", "norm_type", "encoder_norm_type", "decoder_norm_type", "preset", "config_name",
              "config_overrides", "tokenizer_name", "vocab_size", "dropout", "resume_from_checkpoint",
              "checkpointing_steps", "checkpoints_total_limit", "do_train", "seed", "push_to_hub")
@@ -191,6 +194,11 @@ def _add_data_column_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_kept_model_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--checkpoint_runs", action="store_true",
+                       help="checkpoint each run at each validation (--eval_steps, else each epoch): a "
+                            "comparison stopped mid-run then goes on from the run's last checkpoint, with the "
+                            "scores of an unbroken run, instead of starting the run again; a run's checkpoint "
+                            "(its optimizer state too) is removed when the run has finished")
     group.add_argument("--save_models", action="store_true",
                        help="keep each norm's best model (its best run over the seeds, by validation) in "
                             "output_dir/models/<norm>, loadable with load_converted; default: keep none")
@@ -553,15 +561,49 @@ def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_
 
 def run_args(cell: Cell, folder: Path) -> argparse.Namespace:
     """One run's options: the comparison's (saved in its `compare.json`) with the cell's norm,
-    seed and learning rate, training in `folder/run`."""
+    seed and learning rate, training in `folder/run`; with `--checkpoint_runs`, a checkpoint at
+    each validation (the processes' statistics are averaged there anyway, so it changes no score),
+    and the run goes on from the last one a stopped attempt left (`continue_or_clear`)."""
     saved = json.loads((folder.parents[1] / SETTINGS_NAME).read_text(encoding="utf-8"))["args"]
     norm = cell.options["norm"]
+    checkpoints = {}
+    if saved.get("checkpoint_runs"):
+        checkpoints = {"checkpointing_steps": str(saved["eval_steps"]) if saved["eval_steps"] else "epoch",
+                       "checkpoints_total_limit": 1,
+                       "resume_from_checkpoint": "latest" if _resumable(folder) else None}
     return argparse.Namespace(**{**saved, "seed": cell.options["seed"], "learning_rate": cell.options["learning_rate"],
                                  "convert_norms": None if norm == BASELINE else norm,
                                  "preserve_function": saved["preserve_function"]
                                  and norm not in saved.get("not_preserved", {}),
                                  "output_dir": str(folder / "run"), "overwrite_output_dir": False,
-                                 "push_to_hub": False})
+                                 "push_to_hub": False, **checkpoints})
+
+
+# What a run of `--checkpoint_runs` records when it starts: the comparison's fingerprint, so that a
+# checkpoint is only gone on from with the inputs it was trained on.
+STARTED_NAME = "started.json"
+
+
+def _resumable(folder: Path) -> bool:
+    """Whether `folder` holds a stopped attempt of its run that can go on: a complete checkpoint in
+    `folder/run`, made with the comparison's current inputs."""
+    from .training.checkpoints import latest_checkpoint
+
+    started, run = folder / STARTED_NAME, folder / "run"
+    if not started.is_file() or not run.is_dir() or latest_checkpoint(run, "step") is None:
+        return False
+    return json.loads(started.read_text(encoding="utf-8")) == _saved(folder)["fingerprint"]
+
+
+def continue_or_clear(folder: Path, checkpoint_runs: bool) -> None:
+    """Before a run in `folder` (on the main process): keep what a stopped attempt left where the
+    run can go on from it (`--checkpoint_runs`), else clear it; then record the inputs it starts on."""
+    from .training.checkpoints import write_json_atomically
+
+    if not (checkpoint_runs and _resumable(folder)):
+        shutil.rmtree(folder, ignore_errors=True)  # what a killed attempt left behind
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(folder / STARTED_NAME, _saved(folder)["fingerprint"])
 
 
 def _quiet_libraries() -> None:
@@ -582,6 +624,8 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     from .training.losses import model_loss
 
     started = time.perf_counter()
+    if _world_size() == 1:  # under `accelerate launch`, `run_cells` has readied the folder
+        continue_or_clear(folder, _saved(folder)["args"].get("checkpoint_runs", False))
     args = run_args(cell, folder)
     task = task_of(args)
     _quiet_libraries()
@@ -610,8 +654,11 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     samples = task.samples(accelerator, model, raw, data, collate)
     for tracker in accelerator.trackers:  # not `end_training`: the next run needs the process group
         tracker.finish()
-    if accelerator.is_main_process and not args.save_models:  # the weights are not what a comparison keeps
-        shutil.rmtree(Path(args.output_dir) / "best_model", ignore_errors=True)
+    if accelerator.is_main_process:
+        if not args.save_models:  # the weights are not what a comparison keeps
+            shutil.rmtree(Path(args.output_dir) / "best_model", ignore_errors=True)
+        for checkpoint in Path(args.output_dir).glob("step_*"):  # they served their end
+            shutil.rmtree(checkpoint)
     accelerator.wait_for_everyone()
     return {**summary, "scores": _numbers(scores), "start": _numbers(start), "samples": samples,
             "seconds": round(time.perf_counter() - started, 1), "fingerprint": _saved(folder)["fingerprint"]}
@@ -668,7 +715,7 @@ def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, Any
         print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
     if args.jobs > 1 or args.report_only:
         return run_grid(cells, run_cell, args.output_dir, jobs=args.jobs, desc="Comparison",
-                        report_only=args.report_only)
+                        report_only=args.report_only, resume_cells=True)
     from accelerate import PartialState
     from accelerate.state import AcceleratorState
 
@@ -682,8 +729,8 @@ def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, Any
         folder = Path(args.output_dir) / "cells" / cell.name
         if state.is_main_process:
             print(f"run {number} of {len(todo)}: {cell.name}", file=sys.stderr)
-            shutil.rmtree(folder, ignore_errors=True)  # what a killed attempt left behind
-            folder.mkdir(parents=True)
+            if _world_size() > 1:
+                continue_or_clear(folder, args.checkpoint_runs)
         state.wait_for_everyone()
         result = {"cell": cell.name, **cell.options, **run_cell(cell, folder)}
         if state.is_main_process:

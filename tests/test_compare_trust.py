@@ -110,6 +110,59 @@ def test_ctrl_c_writes_the_partial_report_and_the_rerun_resumes(gpt2_case, capsy
     assert {r["seed"] for r in _rows(out)} == {"1", "2"}
 
 
+def _compare_killed(argv, crash):
+    """A forked `compare` that dies as a killed process would (`crash`: the checkpoints' test hook)."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from hf_powernorm.training import checkpoints
+
+    os.environ[checkpoints.CRASH_AFTER_FILES_ENV] = crash
+    AcceleratorState._reset_state(reset_partial_state=True)
+    compare.main(argv)
+
+
+def test_checkpoint_runs_a_killed_run_goes_on_to_the_scores_of_an_unbroken_one(gpt2_case, capsys, tmp_path):
+    import multiprocessing
+    import signal
+
+    model, task, data = gpt2_case
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "powernorm", *TINY,
+            "--max_train_steps", "4"]
+    compare.main([*argv, "--output_dir", str(tmp_path / "unbroken")])
+    out = tmp_path / "out"
+    resumable = [*argv, "--output_dir", str(out), "--checkpoint_runs"]
+    # Killed while writing the checkpoint of update 3 (one at each validation, every update here).
+    child = multiprocessing.get_context("fork").Process(target=_compare_killed, args=(resumable, "0@3"))
+    child.start()
+    child.join(300)
+    run = out / "cells" / "powernorm-lr0.0005-seed1" / "run"
+    assert child.exitcode == -signal.SIGKILL and (run / "step_2").is_dir() and not (run / "step_3").exists()
+    capsys.readouterr()
+    compare.main(resumable)
+    assert f"Resuming from {run / 'step_2'}" in capsys.readouterr().out
+    unbroken, resumed = _rows(tmp_path / "unbroken"), _rows(out)
+    assert len(resumed) == len(unbroken) > 0
+    scores = ("loss", "nll", "perplexity")
+    for a, b in zip(unbroken, resumed):
+        assert {k: v for k, v in a.items() if k not in ("seconds", *scores)} == \
+               {k: v for k, v in b.items() if k not in ("seconds", *scores)}
+        assert {k: float(b[k]) for k in scores} == pytest.approx({k: float(a[k]) for k in scores}, rel=1e-5)
+    assert not list(run.glob("step_*"))  # the checkpoint served its end
+
+    # Inputs changed since the stopped attempt: its checkpoint is not gone on from.
+    child = multiprocessing.get_context("fork").Process(target=_compare_killed, args=(resumable, "0@3"))
+    (out / "cells" / "powernorm-lr0.0005-seed1" / "result.json").unlink()
+    child.start()
+    child.join(300)
+    assert (run / "step_2").is_dir()
+    (out / "cells" / "powernorm-lr0.0005-seed1" / "started.json").write_text('{"train_file": "another"}')
+    capsys.readouterr()
+    compare.main(resumable)
+    assert "Resuming from" not in capsys.readouterr().out and len(_rows(out)) == len(unbroken)
+
+
 # --------------------------------------------------------------------------------------------
 # Fingerprints: a changed input is not silently reused
 # --------------------------------------------------------------------------------------------
