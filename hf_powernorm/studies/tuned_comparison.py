@@ -867,7 +867,8 @@ def cpu_hours(protocols: list[Protocol]) -> str:
     for protocol in protocols:
         seconds = [r["cpu_seconds"] for r in _finished_runs(protocol) if r.get("cpu_seconds") is not None]
         if seconds:
-            parts.append(f"{protocol.task} {sum(seconds) / 3600:.1f} over {len(seconds)} runs")
+            parts.append(f"{protocol.task} {sum(seconds) / 3600:.1f} over {len(seconds)} run"
+                         + ("s" if len(seconds) != 1 else ""))
     return "; ".join(parts) or "no run records it yet"
 
 
@@ -916,7 +917,7 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
              "not corrected for their number; the verdicts above come from the seeds.", "",
              *bootstraps(protocols, output_dir), "",
              "Stages finished: " + "; ".join(_progress(p) for p in protocols), "",
-             "CPU-hours of the runs that record them (a resumed run from where it went on): "
+             "CPU-hours of the runs that record them (their killed attempts included): "
              + cpu_hours(protocols) + ".", "",
              f"Picks (validation only): `{PICKS_JSON}`."]
     (output_dir / SUMMARY_MD).write_text("\n".join(lines) + "\n", encoding="utf-8")
