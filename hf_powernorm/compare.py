@@ -619,6 +619,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     """Fine-tune and score one (norm, seed, learning rate) of the comparison in `folder`: the
     validation score right after conversion, the training, the scores of the best validated model,
     the time it took and, for seq2seq, three sample outputs."""
+    from .training.checkpoints import remove_checkpoints
     from .training.evaluation import score_splits
     from .training.loop import fit, make_accelerator, prepare_eval_loaders
     from .training.losses import model_loss
@@ -657,8 +658,7 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     if accelerator.is_main_process:
         if not args.save_models:  # the weights are not what a comparison keeps
             shutil.rmtree(Path(args.output_dir) / "best_model", ignore_errors=True)
-        for checkpoint in Path(args.output_dir).glob("step_*"):  # they served their end
-            shutil.rmtree(checkpoint)
+        remove_checkpoints(args.output_dir)  # they served their end
     accelerator.wait_for_everyone()
     return {**summary, "scores": _numbers(scores), "start": _numbers(start), "samples": samples,
             "seconds": round(time.perf_counter() - started, 1), "fingerprint": _saved(folder)["fingerprint"]}

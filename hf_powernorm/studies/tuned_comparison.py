@@ -77,7 +77,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..training import latest_checkpoint, select_checkpoints, synthetic_translation_corpus, write_average
+from ..training import (
+    latest_checkpoint,
+    remove_checkpoints,
+    select_checkpoints,
+    synthetic_translation_corpus,
+    write_average,
+)
 from ..training.atomic_files import remove_path, write_json_atomically
 from ..training.evaluation import references_file
 from ..training.grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
@@ -271,11 +277,6 @@ def _resume_in(run: Path, folder: Path, restart: tuple[str, ...] = ()) -> dict[s
     return {"resume_from_checkpoint": "latest"} if resumable else {}
 
 
-def _remove_checkpoints(run: Path) -> None:
-    for path in run.glob("step_*"):
-        remove_path(path)
-
-
 def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     sizes = options["sizes"]
     resume = {"checkpointing_steps": RESUME_EVERY, "checkpoints_total_limit": 1} \
@@ -284,7 +285,7 @@ def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
                          **_resume_in(folder, folder)})
     _, scores = train_study_lm(folder, options["tokenizer"], argv, _scored_files(options), sizes["block_size"],
                                options["model_size"], label_smoothing=sizes["label_smoothing"])
-    _remove_checkpoints(folder)
+    remove_checkpoints(folder)
     return scores
 
 
@@ -313,7 +314,7 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     scored = _numbers(run_task(translation.from_options(do_train=False, model_name_or_path=str(averaged),
                                                         output_dir=str(averaged_scores), **generation, **data)))
     reset_accelerate()
-    _remove_checkpoints(run)  # the averaged export keeps what the checkpoints were for
+    remove_checkpoints(run)  # the averaged export keeps what the checkpoints were for
     return {**results, **{f"{k}_averaged": v for k, v in scored.items() if k.endswith("bleu")}}
 
 

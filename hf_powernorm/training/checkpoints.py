@@ -321,6 +321,15 @@ def prune_checkpoints(output_dir: str | Path, keep: int, protect: Iterable[str |
     return deleted
 
 
+def remove_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Delete every `step_<N>` checkpoint of a finished run in `output_dir`, complete or not;
+    return the deleted folders. The best model and the export are not touched."""
+    checkpoints = sorted(Path(output_dir).glob("step_*"))
+    for path in checkpoints:
+        remove_path(path)
+    return checkpoints
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop's state as JSON
 # ---------------------------------------------------------------------------------------------
