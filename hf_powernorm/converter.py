@@ -17,8 +17,9 @@ those over the model's hidden size outside attention blocks (the residual stream
 per-head norms are kept and reported; `modules=` (a regular expression or a predicate) selects
 among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
 and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
-`epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `RMS(x) * w` or
-`RMS(x) * (1 + w)` over the last dimension; any other selected norm raises a `ValueError` naming it.
+`epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `LN(x) * (1 + w) + b`
+(Nemotron's `LayerNorm1P`), `RMS(x) * w` or `RMS(x) * (1 + w)` (Gemma's) over the last dimension; any
+other selected norm raises a `ValueError` naming it.
 
 How the mask reaches the norms: forward pre-hooks on the top model (and on the encoder of an
 encoder-decoder model, which `generate` calls on its own) push the call's `attention_mask` (and
@@ -54,10 +55,14 @@ ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
 # source's epsilon) and the source kinds it can reproduce (PN: LayerNorm sources as closely as it can).
 PRESERVING = {
     "powernorm": {"options": {"group_num": 1, "warmup_steps": 0, "warmup_ramp_steps": 0}, "group_eps": True,
-                  "sources": ("rmsnorm", "rmsnorm_offset", "layernorm")},
+                  "sources": ("rmsnorm", "rmsnorm_offset", "layernorm", "layernorm_offset")},
     "rmsnorm": {"options": {}, "sources": ("rmsnorm", "rmsnorm_offset")},
-    "layernorm": {"options": {}, "sources": ("layernorm",)},
+    "layernorm": {"options": {}, "sources": ("layernorm", "layernorm_offset")},
 }
+# The source kinds whose weight is `1 + w` (the new norm's weight is the stored `w` plus one) and
+# those that centre (LayerNorm's function, which PN, not centring, can only fit).
+OFFSET_KINDS = ("rmsnorm_offset", "layernorm_offset")
+CENTRED_KINDS = ("layernorm", "layernorm_offset")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,7 +194,8 @@ class MaskAwareNorm(nn.Module):
 
 @dataclass
 class SourceNorm:
-    """What a model's norm computes: `kind` is `layernorm`, `rmsnorm` or `rmsnorm_offset` (1 + w)."""
+    """What a model's norm computes: `kind` is `layernorm`, `layernorm_offset` (`1 + w`), `rmsnorm` or
+    `rmsnorm_offset` (`1 + w`)."""
 
     kind: str
     weight: torch.Tensor | None
@@ -219,8 +225,8 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
     kind = _probe_kind(module, weight, bias, eps, hidden_size)
     if kind is None:
         raise ValueError(
-            f"cannot convert {where}: it does not compute LN(x) * w + b, RMS(x) * w or RMS(x) * (1 + w) "
-            "over the last dimension"
+            f"cannot convert {where}: it does not compute LN(x) * w + b, LN(x) * (1 + w) + b, RMS(x) * w or "
+            "RMS(x) * (1 + w) over the last dimension"
         )
     return SourceNorm(kind, weight, bias, eps)
 
@@ -248,7 +254,7 @@ def _vector(module: nn.Module, attribute: str, hidden_size: int, where: str) -> 
 
 @torch.no_grad()
 def _probe_kind(module, weight, bias, eps, hidden_size) -> str | None:
-    """Run the norm on random float32 inputs and match its output against the three forms."""
+    """Run the norm on random float32 inputs and match its output against the four forms."""
     device = weight.device if weight is not None else torch.device("cpu")
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(2, 3, hidden_size, generator=generator) * 2 + 0.5).to(device)
@@ -259,6 +265,7 @@ def _probe_kind(module, weight, bias, eps, hidden_size) -> str | None:
     rms = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     forms = {
         "layernorm": F.layer_norm(x, (hidden_size,), w, b, eps),
+        "layernorm_offset": F.layer_norm(x, (hidden_size,), 1 + w, b, eps),
         "rmsnorm": rms * w + b,
         "rmsnorm_offset": rms * (1 + w) + b,
     }
@@ -319,8 +326,8 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     norm's module path, a callable `(name, module) -> bool` a predicate: either selects among every
     candidate norm, QK-norms included where `norm_type` can be built over their size.
 
-    Weights map where both norms have them (`weight`, `bias`; `1 + w` for RMS norms that scale by
-    it), the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's
+    Weights map where both norms have them (`weight`, `bias`; `1 + w` for norms that scale by it),
+    the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's
     `num_attention_heads` for norms that take it (one group for a norm over another size). The new
     norms sit on the model's device and dtype (running statistics stay float32), start with fresh
     running statistics and step counters, and receive the padding mask of each forward (module
@@ -336,12 +343,14 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
       weight is `w * sqrt(running_phi + eps)`, which cancels PN's division by it; `warmup_steps=0`
       and `warmup_ramp_steps=0` so that training divides by that running statistic from the first
       step (a warmup would divide by the batch statistic, then switch). Exact, up to rounding.
-    - LayerNorm sources to PN, which does not centre: the same one-group scaling, then per channel
-      the least-squares affine map from `RMS(x)` to the source's `LN(x) * w + b` over the
-      calibration batches' real tokens (weight and bias, the weight again times
-      `sqrt(running_phi + eps)`): the closest PN's eval map comes to the source on that data.
-      Without calibration batches, `w` and `b` (exact where the tokens have zero mean).
-    - A source to a norm of its own kind (`rmsnorm`, `layernorm`): the weights map exactly.
+    - LayerNorm sources (`LN(x) * w + b`, Nemotron's `LN(x) * (1 + w) + b`) to PN, which does not
+      centre: the same one-group scaling, then per channel the least-squares affine map from
+      `RMS(x)` to the source's output over the calibration batches' real tokens (weight and bias,
+      the weight again times `sqrt(running_phi + eps)`): the closest PN's eval map comes to the
+      source on that data. Without calibration batches, `w` (or `1 + w`) and `b` (exact where the
+      tokens have zero mean).
+    - A source to a norm of its own kind (`rmsnorm`, `layernorm`): the weights map exactly (`1 + w`
+      becomes the weight).
     Without `calibration_batches`, `running_phi` stays 1 (the function is kept all the same).
     `calibration_batches` is an iterable of model-input dicts (`input_ids`, `attention_mask`, ...),
     run in eval mode without gradients; `report.start_gap` is the largest change of the first
@@ -569,10 +578,10 @@ def _placed_like(norm: nn.Module, old: nn.Module) -> nn.Module:
 
 
 def _copy_source(norm: nn.Module, source: SourceNorm) -> None:
-    """The source's weight (`1 + w` for RMS norms that scale by it) and bias, where the new norm has them."""
+    """The source's weight (`1 + w` for norms that scale by it) and bias, where the new norm has them."""
     with torch.no_grad():
         if source.weight is not None and isinstance(getattr(norm, "weight", None), torch.Tensor):
-            norm.weight.copy_(source.weight + 1 if source.kind == "rmsnorm_offset" else source.weight)
+            norm.weight.copy_(source.weight + 1 if source.kind in OFFSET_KINDS else source.weight)
         if source.bias is not None and isinstance(getattr(norm, "bias", None), torch.Tensor):
             norm.bias.copy_(source.bias)
 
@@ -701,7 +710,7 @@ def _compensate(norm: nn.Module, source: SourceNorm, moments: _Moments | None) -
     if moments is not None and moments.count > 0:
         means = moments.means()
         norm.running_phi.copy_(means["zz"].float())
-        if source.kind == "layernorm":
+        if source.kind in CENTRED_KINDS:
             variance = means["zz"] - means["z"].square()
             slope = (means["zy"] - means["z"] * means["y"]) / variance.clamp_min(1e-12)
             fitted = variance > 1e-12  # a channel constant over the calibration tokens keeps w

@@ -114,11 +114,20 @@ def _model_class(base: type) -> type:
                              f"convert_norms writes; got {conversion!r}")
         apply_conversion(self, conversion)
 
+    def is_custom_code(cls) -> bool:
+        """The base class's answer: a converted class runs Transformers' own modeling code, its norms
+        aside. Loading custom code, Transformers skips the `_init_weights` of a module whose own
+        tensors all loaded, so a non-persistent buffer that a parent module sets there (Falcon-H1's
+        `mup_vector`) would stay uninitialised; it also applies a model type's checkpoint key
+        renamings (GPT-NeoX's `embed_out`) to custom code only when they are registered for it."""
+        return original_class(cls).is_custom_code()
+
     namespace = {
         "__module__": __name__,
         "__qualname__": base.__name__,
         "__doc__": f"`{base.__name__}` with its norms replaced by `convert_norms` (`{__name__}`).",
         "__init__": __init__,
+        "is_custom_code": classmethod(is_custom_code),
         "_auto_class": auto_class_name(base),
         "_powernorm_converted": True,
         # Transformers reads these off the defining module's source; the base class's module is the one.
@@ -126,9 +135,7 @@ def _model_class(base: type) -> type:
     }
     if config_class is not None:
         namespace["config_class"] = config_class
-    made = type(base.__name__, (base,), namespace)
-    _register_key_mapping(made)
-    return made
+    return type(base.__name__, (base,), namespace)
 
 
 # The Auto classes a converted model is most often loaded through, most specific first.
@@ -146,23 +153,6 @@ def auto_class_name(base: type) -> str:
         if found == base.__name__ or (isinstance(found, (list, tuple)) and base.__name__ in found):
             return auto
     return "AutoModel"
-
-
-def _register_key_mapping(made: type) -> None:
-    """Transformers applies `conversion_mapping` (checkpoint key renamings, in on load and back on save) to
-    custom classes only when their name or model type was registered: register the original type's."""
-    try:
-        from transformers import conversion_mapping
-    except ImportError:
-        return
-    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
-    lookup = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
-    registered = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)
-    if register is None or lookup is None or registered is None or made.__name__ in registered:
-        return
-    mapping = lookup(made.__name__) or lookup(getattr(made.config_class, "model_type", None))
-    if mapping:
-        register(made.__name__, mapping, overwrite=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -184,9 +184,9 @@ def test_converting_to_the_same_kind_keeps_the_outputs(name, same_kind):
     torch.testing.assert_close(outputs(model, inputs), expected, atol=1e-5, rtol=1e-5)
 
 
-class _DoubledLayerNorm(nn.LayerNorm):
+class _TripledLayerNorm(nn.LayerNorm):
     def forward(self, hidden_states):
-        return 2 * super().forward(hidden_states)
+        return 3 * super().forward(hidden_states)  # neither w nor 1 + w (w = 1) gives it
 
 
 class _OffsetRMSNorm(nn.Module):
@@ -220,8 +220,8 @@ def test_structural_rule_on_transformers_norm_classes():
 
 def test_a_norm_that_cannot_convert_is_named():
     model = _bert()
-    model.encoder.layer[1].output.LayerNorm = _DoubledLayerNorm(HIDDEN)
-    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.output\.LayerNorm.*_DoubledLayerNorm"):
+    model.encoder.layer[1].output.LayerNorm = _TripledLayerNorm(HIDDEN)
+    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.output\.LayerNorm.*_TripledLayerNorm"):
         hf_powernorm.convert_norms(model)
     model = _bert()
     model.pooler.LayerNorm = nn.LayerNorm(HIDDEN)

@@ -29,7 +29,18 @@ FAMILIES = {
     "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**DECODER_ONLY, head_dim=HEAD_DIM)),
     "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**DECODER_ONLY, head_dim=HEAD_DIM)),
     "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**DECODER_ONLY)),
+    # Qwen3.5 and Gemma 4: a linear-attention layer beside a full one; Gemma 4's value norms and
+    # per-layer input norm too.
+    "qwen3_5": lambda: tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+        **DECODER_ONLY, head_dim=HEAD_DIM, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)),
+    "gemma4": lambda: tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**DECODER_ONLY, head_dim=HEAD_DIM)),
+    # Falcon-H1 sets a non-persistent buffer of its Mamba mixers in its model's `_init_weights`.
+    "falcon_h1": lambda: tf.FalconH1ForCausalLM(tf.FalconH1Config(
+        **DECODER_ONLY, head_dim=HEAD_DIM, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+        mamba_chunk_size=8)),
     "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**DECODER_ONLY)),
+    "nemotron": lambda: tf.NemotronForCausalLM(tf.NemotronConfig(**DECODER_ONLY)),  # LN(x) * (1 + w) + b
     "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=37,
         max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1,
@@ -50,8 +61,11 @@ FAMILIES = {
         decoder_start_token_id=2, forced_eos_token_id=None)),
 }
 AUTO_CLASSES = {"bert": tf.AutoModelForMaskedLM, "t5": tf.AutoModelForSeq2SeqLM, "bart": tf.AutoModelForSeq2SeqLM}
-QK_NORMS = {"qwen3", "gemma3", "olmo2"}  # carry q_norm / k_norm in each attention block
-LAYERNORM_SOURCES = ("gpt_neox", "gpt2", "bert", "bart")
+QK_NORMS = {"qwen3", "gemma3", "olmo2", "qwen3_5", "gemma4"}  # carry q_norm / k_norm in each attention block
+# The norms a default conversion keeps besides QK-norms: Gemma 4's per-head value norms and the norm of
+# its per-layer inputs (over their own size).
+ALSO_KEPT = {"gemma4": ("v_norm", "per_layer_projection_norm")}
+LAYERNORM_SOURCES = ("gpt_neox", "gpt2", "bert", "bart", "nemotron")
 RMSNORM_SOURCES = tuple(name for name in FAMILIES if name not in LAYERNORM_SOURCES)
 
 
@@ -62,7 +76,7 @@ def build(name: str, seed: int = 0):
     model = FAMILIES[name]()
     with torch.no_grad():
         for _, module in model.named_modules():
-            if is_norm_candidate(module):
+            if is_norm_candidate(module) and getattr(module, "weight", None) is not None:
                 if module.weight.abs().max() == 0:  # Gemma's (1 + w) starts at w = 0
                     module.weight.normal_(0.0, 0.3)
                 else:
@@ -107,8 +121,9 @@ def test_default_conversion_trains_saves_and_reloads(name, tmp_path):
     kept = {path for path, _, _ in report.kept}
     assert report.replaced and all(model.get_submodule(path).norm.hidden_size == hidden for path in report.modules)
     if name in QK_NORMS:
-        assert kept and all(path.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for path in kept)
-        assert all("QK-norm" in reason for _, _, reason in report.kept)
+        qk = {path for path in kept if path.rsplit(".", 1)[-1] in ("q_norm", "k_norm")}
+        assert qk and all(path.rsplit(".", 1)[-1] in ALSO_KEPT.get(name, ()) for path in kept - qk)
+        assert all("QK-norm" in reason for path, _, reason in report.kept if path in qk)
         assert all(path in str(report) for path in kept)
     else:
         assert not kept
