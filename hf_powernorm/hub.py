@@ -100,6 +100,14 @@ def _elementwise_norms(positions: list[tuple[str, str]]) -> list[str]:
     return sorted({norm for _, norm in positions if NORM_CLASSES[norm].site_options})
 
 
+def _running_statistics(model: Any) -> tuple[list[str], bool]:
+    """The float32 buffers the model's norms keep for eval (`float32_buffers` of each), in the
+    order met, and whether those norms count their steps (`num_batches_tracked`)."""
+    norms = [m for m in model.modules() if isinstance(m, tuple(NORM_CLASSES.values())) and m.float32_buffers()]
+    names = dict.fromkeys(name for norm in norms for name in norm.float32_buffers())
+    return list(names), any(hasattr(norm, "num_batches_tracked") for norm in norms)
+
+
 def _causal_leak(config: PowerNormTransformerConfig) -> list[str]:
     """The decoder's norm, named for the card, when its training statistics mix the positions of a
     batch (`mixes_positions`, with the config's options): a causal model trained with it saw the future."""
@@ -182,6 +190,7 @@ def render_model_card(
     auto_class = auto_class_name(model)
     card_data = _card_data(repo_id, task, pipeline_tag, license, language, datasets, results, tags)
     causal_leak = _causal_leak(config) if head == "PowerNormTransformerForCausalLM" else []
+    statistics, counted = _running_statistics(model)
     template = Path(template_path) if template_path is not None else TEMPLATE_PATH
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} not found; pass template_path=")
@@ -199,6 +208,8 @@ def render_model_card(
         norm_options=_norm_options(config, _norm_positions(config, head)),
         elementwise_norms=", ".join(f"`{norm}`" for norm in _elementwise_norms(_norm_positions(config, head))),
         norms_folded=config.norms_folded,
+        running_statistics=", ".join(f"`{name}`" for name in statistics),
+        step_counters=counted,
         architecture=_architecture(model, config, head),
         causal_leak=", ".join(causal_leak),
         causal_norms=causal_norms(),

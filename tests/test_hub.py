@@ -112,6 +112,12 @@ def test_causal_card_warns_when_training_sees_the_future(norm, overrides):
     card = render_model_card(model, repo_id="org/lm")
     warns = "mix\nfuture tokens" in card.text
     assert warns is training_sees_the_future(model)
+    statistics = NORM_CLASSES[norm].float32_buffers()
+    if statistics:
+        listed = ", ".join(f"`{name}`" for name in statistics)
+        assert f"the running statistics of the norms ({listed};\nfloat32) and their step counters" in card.text
+    else:
+        assert "The norms keep no running statistic: the checkpoint holds weights only." in card.text
     assert "encoder (" not in card.text and front_matter(card)["pipeline_tag"] == "text-generation"
 
 
