@@ -105,10 +105,10 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS + MODEL_TESTS, "PN's eval forward updates running_phi and the counter (output unchanged)"),
     Mutation(
         "pn-group-scaling-off-in-eval", NORMALIZATION,
-        "                z0 = group_scale(flat, self.group_num).to(dtype)\n"
-        "                out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
-        "                z0 = flat.to(dtype)\n"
-        "                out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
+        "            z0 = group_scale(flat, self.group_num, self.group_eps).to(dtype)\n"
+        "            out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
+        "            z0 = flat.to(dtype)\n"
+        "            out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
         NORM_TESTS, "PN's eval forward skips group scaling (training keeps it)"),
     Mutation(
         "pn-v-eval-without-eps", NORMALIZATION,
@@ -137,12 +137,12 @@ NORMALIZATION_MUTATIONS = [
 MODELING_MUTATIONS = [
     Mutation(
         "post-norm-order", MODELING,
-        "        hidden_states = residual + F.dropout(hidden_states, p=self.dropout, training=self.training)\n"
+        "        hidden_states = residual + apply_dropout(hidden_states, self.dropout, self.training)\n"
         "        if not self.normalize_before:\n"
         "            hidden_states = norm(hidden_states, padding_mask)\n",
         "        if not self.normalize_before:\n"
         "            hidden_states = norm(hidden_states, padding_mask)\n"
-        "        hidden_states = residual + F.dropout(hidden_states, p=self.dropout, training=self.training)\n",
+        "        hidden_states = residual + apply_dropout(hidden_states, self.dropout, self.training)\n",
         MODEL_TESTS, "a post-norm layer normalizes the sub-layer output before the residual add"),
     Mutation(
         "encoder-attention-ignores-mask", MODELING,
@@ -183,10 +183,10 @@ MODELING_MUTATIONS = [
         MODEL_TESTS, "the translation model's output projection is not tied to the embeddings"),
     Mutation(
         "bf16-buffers-on-load", MODELING,
-        "    _keep_in_fp32_modules_strict = [",
-        "    _keep_in_fp32_modules_strict = [] and [",
+        "    _keep_in_fp32_modules_strict = _Float32Buffers()\n",
+        "    _keep_in_fp32_modules_strict = []\n",
         MODEL_TESTS, "from_pretrained(dtype=torch.bfloat16) rounds the running statistics to bfloat16",
-        reason="equivalent under transformers 5.23: without the list the loaded statistics stay float32 and "
+        reason="equivalent under transformers 5.23 and 5.24: without the list the loaded statistics stay float32 and "
                "bit-identical (the norms create them float32 and keep them so when the model is cast); "
                "the list guards loaders that cast buffers, and bf16-buffers-on-cast is killed"),
     Mutation(
@@ -221,8 +221,8 @@ DATA_TESTS = ("tests/test_training_data.py",)
 TRAINING_MUTATIONS: list[Mutation] = [
     Mutation(
         "label-smoothing-ignored", LOSSES,
-        "                           ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)\n",
-        "                           ignore_index=IGNORE_INDEX)\n",
+        "                                       float(label_smoothing))\n",
+        "                                       0.0)\n",
         TRAINING_TESTS, "the translation loss ignores --label_smoothing"),
     Mutation(
         "inverse-sqrt-decays-linearly", OPTIMIZATION,
