@@ -13,8 +13,9 @@ saved converted model with its running statistics.
 Which modules are norms (found by structure, not by a list of classes): a module that is a
 `torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`
 or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). Which convert (`select_norms`): by default
-those over the model's hidden size outside attention blocks (the residual stream); QK-norms and
-per-head norms are kept and reported; `modules=` (a regular expression or a predicate) selects
+those over the model's hidden size outside attention blocks (the residual stream), in a composite
+model those of its language model only; QK-norms, per-head norms and a vision tower's are kept and
+reported; `modules=` (a regular expression or a predicate) selects
 among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
 and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
 `epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `LN(x) * (1 + w) + b`
@@ -51,6 +52,7 @@ CONVERSION_CONFIG_KEY = "powernorm_conversion"
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
 NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
 ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
+UNMASKED = "unmasked"  # a norm outside a composite model's language model: the mask is not of its positions
 # The targets `preserve_function=True` supports: options it fixes (`group_eps` is set per norm to the
 # source's epsilon) and the source kinds it can reproduce (PN: LayerNorm sources as closely as it can).
 PRESERVING = {
@@ -321,8 +323,9 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     """Replace the per-token norms of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
 
     Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
-    the hidden size, not inside an attention block) and keeps QK-norms and per-head norms, listed in
-    `report.kept` with the reason; a string is a regular expression searched in each candidate
+    the hidden size, not inside an attention block, inside the language model of a composite model
+    such as Gemma 3's) and keeps QK-norms, per-head norms and those of a vision tower or projector,
+    listed in `report.kept` with the reason; a string is a regular expression searched in each candidate
     norm's module path, a callable `(name, module) -> bool` a predicate: either selects among every
     candidate norm, QK-norms included where `norm_type` can be built over their size.
 
@@ -406,11 +409,14 @@ def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict
     """The candidate norms that convert, `{module path: size}`, and those kept, `[(path, class, reason)]`.
 
     `modules=None`: a norm converts when it normalizes over `hidden_size` (its 1-D weight, bias or
-    `normalized_shape`) and is not a child of an attention block (a module whose class is named
-    `*Attention*` and holds `nn.Linear` projections, as OLMo2's `q_norm` over all heads is); a
-    string or a callable selects among every candidate (see `convert_norms`).
+    `normalized_shape`), is not a child of an attention block (a module whose class is named
+    `*Attention*` and holds `nn.Linear` projections, as OLMo2's `q_norm` over all heads is) and, in
+    a composite model (Gemma 3's, LLaVA's), lies in its language model (`_language_model_prefixes`:
+    a vision tower's norms see patches, not the tokens the padding mask describes); a string or a
+    callable selects among every candidate (see `convert_norms`).
     """
     selector = _selector(modules)
+    language = _language_model_prefixes(model)
     selected, kept = {}, []
     for name, module in model.named_modules():
         if not name or not is_norm_candidate(module):
@@ -422,7 +428,7 @@ def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict
             else:
                 kept.append((name, type(module).__name__, f"not selected by modules={_selector_name(modules)}"))
             continue
-        reason = _kept_by_default(model, name, size, hidden_size)
+        reason = _kept_by_default(model, name, size, hidden_size, language)
         if reason is None:
             selected[name] = hidden_size
         else:
@@ -462,8 +468,12 @@ def _selector_name(modules) -> str:
     return repr(modules) if isinstance(modules, str) else getattr(modules, "__qualname__", repr(modules))
 
 
-def _kept_by_default(model: nn.Module, name: str, size: int | None, hidden_size: int) -> str | None:
+def _kept_by_default(model: nn.Module, name: str, size: int | None, hidden_size: int,
+                     language: tuple[str, ...] | None) -> str | None:
     """Why the default rule keeps a norm (off the residual stream), or None when it converts."""
+    if language is not None and not _inside(name, language):
+        return (f"outside the language model ({', '.join(language)}): it does not normalize the tokens "
+                "the padding mask describes")
     if size is not None and size != hidden_size:
         return f"normalizes {size} channels, not the hidden size {hidden_size}: a per-head or QK-norm"
     parent = model.get_submodule(name.rpartition(".")[0])
@@ -526,12 +536,13 @@ def apply_conversion(model: nn.Module, conversion: dict) -> ConversionReport:
     norm_type = record["norm_type"]
     context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
     encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    language = _language_model_prefixes(model)
     report = ConversionReport(norm_type, dict(record["options"]), preserve_function=record["preserve_function"])
     for name in record["modules"]:
         old, entry = model.get_submodule(name), record["norms"][name]
         norm = _placed_like(build_norm(norm_type, entry["size"], **entry["options"]), old)
-        _set_submodule(model, name, MaskAwareNorm(norm, context, _role(name, encoder_prefix, context.encoder_decoder),
-                                                  name))
+        role = _role(name, encoder_prefix, context.encoder_decoder, language)
+        _set_submodule(model, name, MaskAwareNorm(norm, context, role, name))
         report.replaced.append((name, type(old).__name__, type(norm).__name__))
     report.kept = [(name, type(module).__name__, "not in the recorded conversion")
                    for name, module in model.named_modules() if name and is_norm_candidate(module)]
@@ -645,8 +656,9 @@ def _calibrate(model: nn.Module, plans: dict[str, _Plan], batches: Iterable[dict
     encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
     moments = {name: _Moments() for name in plans}
     handles = _hook_stacks(model, context, encoder_prefix)
+    language = _language_model_prefixes(model)
     for name, plan in plans.items():
-        role = _role(name, encoder_prefix, context.encoder_decoder)
+        role = _role(name, encoder_prefix, context.encoder_decoder, language)
         hook = _CalibrationHook(moments[name], plan, context, role, name)
         handles.append(model.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
     training, first = model.training, None
@@ -784,10 +796,39 @@ def _encoder_prefix(model: nn.Module) -> str:
     raise ValueError(f"cannot find the encoder of encoder-decoder model {type(model).__name__} (get_encoder())")
 
 
-def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool) -> str:
+def _language_model_prefixes(model: nn.Module) -> tuple[str, ...] | None:
+    """The module paths of a composite model's language model: the outermost sub-models built from
+    its text config (`config.get_text_config()`, a config of another class than the model's), such
+    as Gemma 3's or LLaVA's `model.language_model`; None for a model that is its own language model
+    (or whose language model is not a sub-model of its own)."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config or type(text) is type(config):
+        return None
+    prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if (name and isinstance(module, PreTrainedModel) and type(module.config) is type(text)
+                and not _inside(name, tuple(prefixes))):
+            prefixes.append(name)
+    return tuple(prefixes) or None
+
+
+def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool,
+          language: tuple[str, ...] | None = None) -> str:
+    """Which of the call's masks a norm reads: none outside a composite model's language model
+    (every position of a vision tower's input is real), else the encoder's or the decoder's, or the
+    one mask of a decoder-only model."""
+    if language is not None and not _inside(name, language):
+        return UNMASKED
     if not encoder_decoder:
         return MAIN
-    return ENCODER if name == encoder_prefix or name.startswith(encoder_prefix + ".") else DECODER
+    return ENCODER if _inside(name, (encoder_prefix,)) else DECODER
 
 
 def _install_hooks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> None:

@@ -253,6 +253,55 @@ def test_modules_regex_converts_qk_norms_too(tmp_path):
         torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), atol=0, rtol=0)
 
 
+def _gemma3_with_vision(seed: int = 0):
+    """A tiny Gemma 3 with its vision tower as wide as its language model (so width alone does not
+    tell their norms apart), and a batch of text with 4 image tokens per image."""
+    torch.manual_seed(seed)
+    text = dict(DECODER_ONLY, vocab_size=VOCAB + 3, head_dim=HEAD_DIM)
+    vision = dict(hidden_size=HIDDEN, intermediate_size=37, num_hidden_layers=1, num_attention_heads=HEADS,
+                  image_size=28, patch_size=7)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=VOCAB,
+        eoi_token_index=VOCAB + 1, image_token_index=VOCAB + 2))
+    inputs = batch("gemma3")
+    inputs["input_ids"][:, 1:5] = VOCAB + 2  # the image's 4 tokens, real in every row
+    inputs["labels"] = inputs["labels"].masked_fill(inputs["input_ids"] == VOCAB + 2, -100)
+    inputs["token_type_ids"] = (inputs["input_ids"] == VOCAB + 2).long()
+    inputs["pixel_values"] = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(seed))
+    return model, inputs
+
+
+def test_a_composite_model_converts_its_language_model_only_by_default(tmp_path):
+    """Gemma 3's vision tower sees 16 patches per image, which the tokens' padding mask does not
+    describe: by default its norms (and the projector's) are kept; selected by `modules=`, they
+    convert and take every patch as real."""
+    model, inputs = _gemma3_with_vision()
+    report = convert(model)
+    assert report.modules and all(path.startswith("model.language_model.") for path in report.modules)
+    outside = {path for path, _, reason in report.kept if "outside the language model" in reason}
+    assert {path.split(".")[1] for path in outside} == {"vision_tower", "multi_modal_projector"}
+    model.train()
+    loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(m.norm.num_batches_tracked == 1 for m in model.modules() if isinstance(m, MaskAwareNorm))
+
+    model, inputs = _gemma3_with_vision()
+    report = convert(model, modules=r"vision_tower\.|language_model\.norm$")
+    vision = [path for path in report.modules if ".vision_tower." in path or path.startswith("model.vision_tower")]
+    assert vision and "model.language_model.norm" in report.modules
+    assert {model.get_submodule(path).role for path in vision} == {"unmasked"}
+    assert model.get_submodule("model.language_model.norm").role == "main"
+    model.train()
+    model(**inputs).loss.backward()  # the patches' norms run without the tokens' mask
+    model.save_pretrained(tmp_path)
+    loaded = hf_powernorm.load_converted(tmp_path, tf.AutoModelForImageTextToText)
+    assert {loaded.get_submodule(path).role for path in vision} == {"unmasked"}
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(loaded, inputs), logits(model, inputs), atol=0, rtol=0)
+
+
 def test_modules_regex_selects_the_encoder_only():
     model = build("bart")
     report = convert(model, modules=r"^model\.encoder\.")
