@@ -810,12 +810,12 @@ def _language_model_prefixes(model: nn.Module) -> tuple[str, ...] | None:
     prefixes: list[str] = []
     for name, module in model.named_modules():
         if (name and isinstance(module, PreTrainedModel) and type(module.config) is type(text)
-                and not _inside(name, tuple(prefixes))):
+                and not _inside(name, prefixes)):
             prefixes.append(name)
     return tuple(prefixes) or None
 
 
-def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
+def _inside(name: str, prefixes: Iterable[str]) -> bool:
     return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
 

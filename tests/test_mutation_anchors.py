@@ -13,20 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "mutation" / "run_mutations.py"
 
 
-def _mutations():
+def _script():
     spec = importlib.util.spec_from_file_location("run_mutations", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.MUTATIONS
+    return module
 
 
-MUTATIONS = _mutations()
+RUN_MUTATIONS = _script()
+MUTATIONS = RUN_MUTATIONS.MUTATIONS
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
 def test_each_anchor_occurs_once_and_the_mutation_changes_it(mutation):
-    source = (ROOT / mutation.path).read_text(encoding="utf-8")
-    assert source.count(mutation.anchor) == 1, f"{mutation.name}: stale anchor in {mutation.path}"
+    assert RUN_MUTATIONS._anchor_count(mutation, ROOT) == 1, f"{mutation.name}: stale anchor in {mutation.path}"
     assert mutation.replacement != mutation.anchor
     assert all((ROOT / test.split("::")[0]).is_file() for test in mutation.tests)
