@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # A range-satisfying torch is installed first so that pip does not pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 # Tests keep every cache and temporary file inside the working tree and never touch the network.
+# The suite runs on TEST_WORKERS processes (pytest-xdist), one test file to a process.
+TEST_WORKERS ?= 2
+TEST_ARGS = -q -p randomly --randomly-seed=$${TEST_SEED:-1234} -n $(TEST_WORKERS) --dist loadfile
 TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_POWERNORM_CACHE=$(CURDIR)/.cache/kernels HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 .PHONY: install train demo test test-oldest bench clean
@@ -29,7 +32,7 @@ demo: install
 
 test: install
 	mkdir -p .cache/hf .cache/tmp
-	$(TEST_ENV) $(PY) -m pytest -q -p randomly --randomly-seed=$${TEST_SEED:-1234} tests
+	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) tests
 
 # The same suite on the oldest versions setup.cfg allows (constraints-oldest.txt), in its own venv.
 OLDEST_VENV := .venv-oldest
@@ -43,7 +46,7 @@ $(OLDEST_VENV)/.installed: setup.cfg pyproject.toml constraints-oldest.txt
 test-oldest: $(OLDEST_VENV)/.installed
 	mkdir -p .cache/hf .cache/tmp
 	$(OLDEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|datasets|peft) '
-	$(TEST_ENV) $(OLDEST_VENV)/bin/python -m pytest -q -p randomly --randomly-seed=$${TEST_SEED:-1234} tests
+	$(TEST_ENV) $(OLDEST_VENV)/bin/python -m pytest $(TEST_ARGS) tests
 
 bench: install
 	$(PY) -m hf_powernorm.benchmarks

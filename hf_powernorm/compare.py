@@ -606,13 +606,23 @@ def continue_or_clear(folder: Path, checkpoint_runs: bool) -> None:
     write_json_atomically(folder / STARTED_NAME, _saved(folder)["fingerprint"])
 
 
-def _quiet_libraries() -> None:
-    """One progress bar per run: no bars of Transformers' shard writing or of `datasets`' passes."""
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """One progress bar per run: no bars of Transformers' shard writing or of `datasets`' passes
+    while the comparison runs; the caller's settings come back after it."""
     import datasets
     import transformers
 
+    shown = transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown[0]:
+            transformers.utils.logging.enable_progress_bar()
+        if shown[1]:
+            datasets.enable_progress_bars()
 
 
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
@@ -629,7 +639,6 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
         continue_or_clear(folder, _saved(folder)["args"].get("checkpoint_runs", False))
     args = run_args(cell, folder)
     task = task_of(args)
-    _quiet_libraries()
     if args.embedded_default:
         import torch
 
@@ -1180,7 +1189,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     Interrupted (Ctrl-C), it writes the report of the runs finished so far and raises
     KeyboardInterrupt with a line that says so; the same command resumes."""
     args = parse_args(argv)
-    _quiet_libraries()
+    with _quiet_libraries():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`main` once the arguments are read, with the libraries' progress bars off."""
     if _world_size() > 1:
         from accelerate import PartialState
 
