@@ -219,7 +219,9 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
     """Check the structure of a candidate norm and probe what it computes; ValueError if it cannot map."""
     where = f"norm {name!r} ({type(module).__name__})"
     if any(True for _ in module.children()):
-        raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer")
+        held = held_norms(module)
+        inside = f" (select the norm it holds: {', '.join(f'{name}.{h}' for h in held)})" if held else ""
+        raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer{inside}")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
     eps = _epsilon(module, weight)
     if eps is None:
@@ -231,6 +233,12 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
             "RMS(x) * (1 + w) over the last dimension"
         )
     return SourceNorm(kind, weight, bias, eps)
+
+
+def held_norms(module: nn.Module) -> list[str]:
+    """The candidate norms inside `module` (paths relative to it): a norm-named wrapper's own norm,
+    as in AXK2's `AXK2GatedRMSNorm` (an RMSNorm, then a gate computed from its output)."""
+    return [name for name, inner in module.named_modules() if name and is_norm_candidate(inner)]
 
 
 def _epsilon(module: nn.Module, weight: torch.Tensor | None) -> float | None:
@@ -324,8 +332,8 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
 
     Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
     the hidden size, not inside an attention block, inside the language model of a composite model
-    such as Gemma 3's) and keeps QK-norms, per-head norms and those of a vision tower or projector,
-    listed in `report.kept` with the reason; a string is a regular expression searched in each candidate
+    such as Gemma 3's) and keeps QK-norms, per-head norms, those of a vision tower or projector and
+    norm-named wrappers around a norm (whose norm converts), listed in `report.kept` with the reason; a string is a regular expression searched in each candidate
     norm's module path, a callable `(name, module) -> bool` a predicate: either selects among every
     candidate norm, QK-norms included where `norm_type` can be built over their size.
 
@@ -408,8 +416,9 @@ def _refuse_converted(model: nn.Module, config) -> None:
 def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict[str, int], list[tuple[str, str, str]]]:
     """The candidate norms that convert, `{module path: size}`, and those kept, `[(path, class, reason)]`.
 
-    `modules=None`: a norm converts when it normalizes over `hidden_size` (its 1-D weight, bias or
-    `normalized_shape`), is not a child of an attention block (a module whose class is named
+    `modules=None`: a norm converts when it is a norm layer, not a wrapper holding one (AXK2's gated
+    RMSNorm: the RMSNorm inside converts, its gate stays), normalizes over `hidden_size` (its 1-D
+    weight, bias or `normalized_shape`), is not a child of an attention block (a module whose class is named
     `*Attention*` and holds `nn.Linear` projections, as OLMo2's `q_norm` over all heads is) and, in
     a composite model (Gemma 3's, LLaVA's), lies in its language model (`_language_model_prefixes`:
     a vision tower's norms see patches, not the tokens the padding mask describes); a string or a
@@ -474,6 +483,10 @@ def _kept_by_default(model: nn.Module, name: str, size: int | None, hidden_size:
     if language is not None and not _inside(name, language):
         return (f"outside the language model ({', '.join(language)}): it does not normalize the tokens "
                 "the padding mask describes")
+    held = held_norms(model.get_submodule(name))
+    if held:
+        return (f"a wrapper around the norm {', '.join(f'{name}.{h}' for h in held)} (a gate or other layers "
+                "beside it): the norm inside converts by the same rule, the wrapper's other layers stay")
     if size is not None and size != hidden_size:
         return f"normalizes {size} channels, not the hidden size {hidden_size}: a per-head or QK-norm"
     parent = model.get_submodule(name.rpartition(".")[0])

@@ -39,6 +39,13 @@ FAMILIES = {
     "falcon_h1": lambda: tf.FalconH1ForCausalLM(tf.FalconH1Config(
         **DECODER_ONLY, head_dim=HEAD_DIM, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
         mamba_chunk_size=8)),
+    # AXK2: gated RMSNorms (an RMSNorm, then a gate computed from its output) before attention and
+    # the MoE FFN, latent norms of its multi-head latent attention, a LayerNorm in its indexer.
+    "axk2": lambda: tf.AXK2ForCausalLM(tf.AXK2Config(
+        **{**DECODER_ONLY, "num_key_value_heads": HEADS}, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=HEAD_DIM, head_dim=HEAD_DIM, index_topk=8, index_head_dim=8, index_n_heads=2,
+        gated_norm_rank=4)),
     "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**DECODER_ONLY)),
     "nemotron": lambda: tf.NemotronForCausalLM(tf.NemotronConfig(**DECODER_ONLY)),  # LN(x) * (1 + w) + b
     "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
@@ -65,6 +72,10 @@ QK_NORMS = {"qwen3", "gemma3", "olmo2", "qwen3_5", "gemma4"}  # carry q_norm / k
 # The norms a default conversion keeps besides QK-norms: Gemma 4's per-head value norms and the norm of
 # its per-layer inputs (over their own size).
 ALSO_KEPT = {"gemma4": ("v_norm", "per_layer_projection_norm")}
+# Families whose default conversion keeps other norms: the kept norms' last names, each with a word
+# of the reason the report must give.
+KEPT = {"axk2": {"input_layernorm": "wrapper", "post_attention_layernorm": "wrapper", "q_a_layernorm": "16 channels",
+                 "kv_a_layernorm": "8 channels", "k_norm": "8 channels"}}
 LAYERNORM_SOURCES = ("gpt_neox", "gpt2", "bert", "bart", "nemotron")
 RMSNORM_SOURCES = tuple(name for name in FAMILIES if name not in LAYERNORM_SOURCES)
 
@@ -125,6 +136,11 @@ def test_default_conversion_trains_saves_and_reloads(name, tmp_path):
         assert qk and all(path.rsplit(".", 1)[-1] in ALSO_KEPT.get(name, ()) for path in kept - qk)
         assert all("QK-norm" in reason for path, _, reason in report.kept if path in qk)
         assert all(path in str(report) for path in kept)
+    elif name in KEPT:
+        assert {path.rsplit(".", 1)[-1] for path in kept} == set(KEPT[name])
+        assert all(KEPT[name][path.rsplit(".", 1)[-1]] in reason for path, _, reason in report.kept)
+        wrappers = [path for path, _, reason in report.kept if "wrapper" in reason]
+        assert all(f"{path}.norm" in report.modules for path in wrappers)  # the norm inside converts
     else:
         assert not kept
     assert not any(is_norm_candidate(m) and n not in kept for n, m in model.named_modules() if n)
@@ -316,6 +332,15 @@ def test_modules_predicate_selects_layers_from_one_on():
     assert report.modules == ["model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm"]
     assert [path for path, _, _ in report.kept] == ["model.layers.0.input_layernorm",
                                                     "model.layers.0.post_attention_layernorm", "model.norm"]
+
+
+def test_a_selected_wrapper_names_the_norm_it_holds():
+    """`modules=` that picks AXK2's gated RMSNorm itself (not its RMSNorm) is refused with the path to select."""
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.input_layernorm' \(AXK2GatedRMSNorm\): it has "
+                                         r"submodules.*select the norm it holds: model\.layers\.0\.input_layernorm\.norm\)"):
+        convert(build("axk2"), modules=r"input_layernorm$")
+    report = convert(build("axk2"), modules=r"input_layernorm\.norm$")
+    assert report.modules == ["model.layers.0.input_layernorm.norm", "model.layers.1.input_layernorm.norm"]
 
 
 def test_bad_modules_raise():
