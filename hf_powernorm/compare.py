@@ -628,7 +628,13 @@ def _quiet_libraries() -> Iterator[None]:
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     """Fine-tune and score one (norm, seed, learning rate) of the comparison in `folder`: the
     validation score right after conversion, the training, the scores of the best validated model,
-    the time it took and, for seq2seq, three sample outputs."""
+    the time it took and, for seq2seq, three sample outputs. The libraries' progress bars are off
+    while it runs, in `main`'s process or in a fresh one of `--jobs`."""
+    with _quiet_libraries():
+        return _run_cell(cell, folder)
+
+
+def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     from .training.checkpoints import remove_checkpoints
     from .training.evaluation import score_splits
     from .training.loop import fit, make_accelerator, prepare_eval_loaders

@@ -333,9 +333,10 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
     the hidden size, not inside an attention block, inside the language model of a composite model
     such as Gemma 3's) and keeps QK-norms, per-head norms, those of a vision tower or projector and
-    norm-named wrappers around a norm (whose norm converts), listed in `report.kept` with the reason; a string is a regular expression searched in each candidate
-    norm's module path, a callable `(name, module) -> bool` a predicate: either selects among every
-    candidate norm, QK-norms included where `norm_type` can be built over their size.
+    norm-named wrappers around a norm (whose norm converts), listed in `report.kept` with the reason;
+    a string is a regular expression searched in each candidate norm's module path, a callable
+    `(name, module) -> bool` a predicate: either selects among every candidate norm, QK-norms
+    included where `norm_type` can be built over their size.
 
     Weights map where both norms have them (`weight`, `bias`; `1 + w` for norms that scale by it),
     the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's

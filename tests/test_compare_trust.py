@@ -501,6 +501,19 @@ def test_runs_write_one_progress_bar_each_not_nested_ones(gpt2_case, tmp_path, c
     assert transformers.utils.logging.is_progress_bar_enabled() and datasets.is_progress_bar_enabled()
 
 
+def test_a_run_in_a_fresh_process_of_jobs_has_the_library_bars_off(monkeypatch, tmp_path):
+    """`--jobs` runs `run_cell` in fresh processes, not under `main`: it quiets the libraries itself."""
+    import datasets
+    import transformers
+
+    seen = []
+    monkeypatch.setattr(compare, "_run_cell", lambda cell, folder: seen.append(
+        (transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())) or {})
+    assert compare.run_cell(None, tmp_path) == {}
+    assert seen == [(False, False)]
+    assert transformers.utils.logging.is_progress_bar_enabled() and datasets.is_progress_bar_enabled()
+
+
 def test_a_message_over_several_lines_is_printed_as_one(capsys):
     def entry(argv):
         raise ValueError("the data cannot be read:\n  line 2 of the library's message\n")

@@ -336,8 +336,9 @@ def test_modules_predicate_selects_layers_from_one_on():
 
 def test_a_selected_wrapper_names_the_norm_it_holds():
     """`modules=` that picks AXK2's gated RMSNorm itself (not its RMSNorm) is refused with the path to select."""
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.input_layernorm' \(AXK2GatedRMSNorm\): it has "
-                                         r"submodules.*select the norm it holds: model\.layers\.0\.input_layernorm\.norm\)"):
+    refused = (r"'model\.layers\.0\.input_layernorm' \(AXK2GatedRMSNorm\): it has submodules.*"
+               r"select the norm it holds: model\.layers\.0\.input_layernorm\.norm\)")
+    with pytest.raises(ValueError, match=refused):
         convert(build("axk2"), modules=r"input_layernorm$")
     report = convert(build("axk2"), modules=r"input_layernorm\.norm$")
     assert report.modules == ["model.layers.0.input_layernorm.norm", "model.layers.1.input_layernorm.norm"]
