@@ -219,8 +219,8 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
     """Check the structure of a candidate norm and probe what it computes; ValueError if it cannot map."""
     where = f"norm {name!r} ({type(module).__name__})"
     if any(True for _ in module.children()):
-        held = held_norms(module)
-        inside = f" (select the norm it holds: {', '.join(f'{name}.{h}' for h in held)})" if held else ""
+        held = held_norms(module, name)
+        inside = f" (select the norm it holds: {', '.join(held)})" if held else ""
         raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer{inside}")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
     eps = _epsilon(module, weight)
@@ -235,10 +235,11 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
     return SourceNorm(kind, weight, bias, eps)
 
 
-def held_norms(module: nn.Module) -> list[str]:
-    """The candidate norms inside `module` (paths relative to it): a norm-named wrapper's own norm,
-    as in AXK2's `AXK2GatedRMSNorm` (an RMSNorm, then a gate computed from its output)."""
-    return [name for name, inner in module.named_modules() if name and is_norm_candidate(inner)]
+def held_norms(module: nn.Module, name: str) -> list[str]:
+    """The paths of the candidate norms inside `module`, the module at path `name`: a norm-named
+    wrapper's own norm, as in AXK2's `AXK2GatedRMSNorm` (an RMSNorm, then a gate computed from its output)."""
+    return [f"{name}.{inner_name}" for inner_name, inner in module.named_modules()
+            if inner_name and is_norm_candidate(inner)]
 
 
 def _epsilon(module: nn.Module, weight: torch.Tensor | None) -> float | None:
@@ -438,7 +439,7 @@ def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict
             else:
                 kept.append((name, type(module).__name__, f"not selected by modules={_selector_name(modules)}"))
             continue
-        reason = _kept_by_default(model, name, size, hidden_size, language)
+        reason = _kept_by_default(model, name, module, size, hidden_size, language)
         if reason is None:
             selected[name] = hidden_size
         else:
@@ -478,15 +479,16 @@ def _selector_name(modules) -> str:
     return repr(modules) if isinstance(modules, str) else getattr(modules, "__qualname__", repr(modules))
 
 
-def _kept_by_default(model: nn.Module, name: str, size: int | None, hidden_size: int,
+def _kept_by_default(model: nn.Module, name: str, module: nn.Module, size: int | None, hidden_size: int,
                      language: tuple[str, ...] | None) -> str | None:
-    """Why the default rule keeps a norm (off the residual stream), or None when it converts."""
+    """Why the default rule keeps the norm `module` at path `name` (off the residual stream), or None
+    when it converts."""
     if language is not None and not _inside(name, language):
         return (f"outside the language model ({', '.join(language)}): it does not normalize the tokens "
                 "the padding mask describes")
-    held = held_norms(model.get_submodule(name))
+    held = held_norms(module, name)
     if held:
-        return (f"a wrapper around the norm {', '.join(f'{name}.{h}' for h in held)} (a gate or other layers "
+        return (f"a wrapper around the norm {', '.join(held)} (a gate or other layers "
                 "beside it): the norm inside converts by the same rule, the wrapper's other layers stay")
     if size is not None and size != hidden_size:
         return f"normalizes {size} channels, not the hidden size {hidden_size}: a per-head or QK-norm"
