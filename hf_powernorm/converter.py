@@ -366,9 +366,10 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
       becomes the weight).
     Without `calibration_batches`, `running_phi` stays 1 (the function is kept all the same).
     `calibration_batches` is an iterable of model-input dicts (`input_ids`, `attention_mask`, ...),
-    run in eval mode without gradients; `report.start_gap` is the largest change of the first
-    output (logits) on the first of them. Without `preserve_function` the batches only measure that
-    gap (a plain conversion's handicap). Step counters start at zero either way.
+    run in eval mode without gradients, under Transformers' progress bar (off with
+    `transformers.utils.logging.disable_progress_bar()`); `report.start_gap` is the largest change
+    of the first output (logits) on the first of them. Without `preserve_function` the batches only
+    measure that gap (a plain conversion's handicap). Step counters start at zero either way.
     """
     config = _model_config(model)
     _refuse_converted(model, config)
@@ -667,6 +668,8 @@ class _Calibration:
 def _calibrate(model: nn.Module, plans: dict[str, _Plan], batches: Iterable[dict]) -> _Calibration:
     """Run the source model in eval mode on `batches`, collecting each planned norm's `_Moments`
     (masked with the batch's padding masks, as the converted norms will be)."""
+    from transformers.utils import logging as hf_logging
+
     config = _model_config(model)
     context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
     encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
@@ -679,13 +682,16 @@ def _calibrate(model: nn.Module, plans: dict[str, _Plan], batches: Iterable[dict
         handles.append(model.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
     training, first = model.training, None
     model.eval()
+    # Transformers' bar: `transformers.utils.logging.disable_progress_bar()` silences it, as `compare` does.
+    bar = hf_logging.tqdm(batches, desc="Calibrating the converted norms", leave=False)
     try:
-        for batch in batches:
+        for batch in bar:
             batch = _model_inputs(model, batch)
             output = _first_output(model(**batch))
             if first is None:
                 first = (batch, output)
     finally:
+        bar.close()
         for handle in handles:
             handle.remove()
         model.train(training)

@@ -233,6 +233,21 @@ def test_preserve_function_refuses_what_it_cannot_keep():
         convert(build("llama"), preserve_function=True, calibration_batches=[])
 
 
+def test_calibration_counts_its_batches_under_the_transformers_bar(capsys):
+    """The calibration pass shows Transformers' bar, which Transformers' own switch turns off."""
+    shown = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.enable_progress_bar()
+    try:
+        convert(build("qwen3"), preserve_function=True, calibration_batches=[batch("qwen3", s) for s in (2, 3)])
+        err = capsys.readouterr().err
+        assert "Calibrating the converted norms" in err and "2/2" in err
+        tf.utils.logging.disable_progress_bar()
+        convert(build("qwen3"), preserve_function=True, calibration_batches=[batch("qwen3", 2)])
+        assert "Calibrating" not in capsys.readouterr().err
+    finally:
+        (tf.utils.logging.enable_progress_bar if shown else tf.utils.logging.disable_progress_bar)()
+
+
 def test_preserve_function_reloads_with_its_statistics(tmp_path):
     model = build("qwen3")
     convert(model, preserve_function=True, calibration_batches=[batch("qwen3", 2)])
