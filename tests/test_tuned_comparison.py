@@ -503,6 +503,40 @@ def test_finals_are_runs_of_their_own_on_the_whole_splits(tmp_path):
     assert len({cell.name for cell in cells}) == len(cells)
 
 
+def test_every_tasks_finals_are_queued_as_one_grid_in_task_order(tmp_path, monkeypatch):
+    """A task's last finals and the next task's first run side by side: one grid, PTB's cells first."""
+    grids = []
+
+    def run_grid(cells, run_cell, output_dir, **options):
+        grids.append(([cell.name for cell in cells], options))
+        return [{"cell": cell.name} for cell in cells]
+
+    monkeypatch.setattr(tuned_comparison, "run_grid", run_grid)
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2],
+                                               long_seeds=[1, 2, 3], jobs=2, report_only=False)
+    protocols = [tuned_comparison.Protocol(task, args, {}, tmp_path) for task in ("ptb", "multi30k")]
+    for protocol in protocols:
+        for norm in (*tuned_comparison.RECHECKED, tuned_comparison.ALPHA_ARM):
+            for updates in (protocol.short, protocol.long):
+                protocol.picks[f"{norm}@{updates}"] = tuned_comparison.setting(norm, 6e-3, 600)
+    tuned_comparison.run_finals_together(protocols, extras=False)
+    expected = [cell.name for protocol in protocols for cell in protocol.final_cells(extras=False)]
+    assert grids[0] == (expected, {"jobs": 2, "desc": "finals", "resume_cells": True})
+    assert expected[0].startswith("ptb-") and expected[-1].startswith("multi30k-")
+    # then each task's stage reads its own finals, all of them done
+    for protocol in protocols:
+        assert [result["cell"] for _, result in protocol.stages["final"]] == [
+            cell.name for cell in protocol.final_cells(extras=False)]
+    grids.clear()
+    tuned_comparison.run_finals_together(protocols, extras=True)
+    assert set(grids[0][0]) == {cell.name for protocol in protocols for cell in protocol.final_cells(extras=True)}
+    args.report_only = True  # a report runs nothing
+    monkeypatch.setattr(tuned_comparison, "finished_results", lambda cells, output_dir: [])
+    grids.clear()
+    tuned_comparison.run_finals_together(protocols, extras=True)
+    assert grids == []
+
+
 def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):
     args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2])
     protocol = tuned_comparison.Protocol("ptb", args, {}, tmp_path)

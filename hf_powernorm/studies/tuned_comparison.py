@@ -1066,6 +1066,18 @@ def _inputs(task: str, args: argparse.Namespace, output_dir: Path) -> dict[str, 
     return {"files": files, "model_size": model_size, "tokenizer": tokenizer}
 
 
+def run_finals_together(protocols: list[Protocol], extras: bool) -> None:
+    """Each protocol's `run_finals(extras)`, their runs queued as one grid in task order: with
+    `--jobs 2` a core that finishes one task's last run starts the next task's first rather than
+    waiting for the other core (no task's finals depend on another's)."""
+    if protocols and not protocols[0].args.report_only:
+        first = protocols[0]
+        cells = list({cell.name: cell for protocol in protocols for cell in protocol.final_cells(extras)}.values())
+        run_grid(cells, run_cell, first.output_dir, jobs=first.args.jobs, desc="finals", resume_cells=True)
+    for protocol in protocols:
+        protocol.run_finals(extras)
+
+
 def _protocol(task: str, args: argparse.Namespace, output_dir: Path, made: dict[str, Protocol]) -> Protocol:
     inputs = _inputs(task, args, output_dir)
     if task in TRANSFER_FROM:
@@ -1086,9 +1098,8 @@ def main(argv: list[str] | None = None) -> list[Protocol]:
     tuned = [protocol for protocol in protocols if protocol.tune()]
     write_outputs(protocols, args, output_dir)
     for extras in (False, True):
-        for protocol in tuned:
-            protocol.run_finals(extras)
-            write_outputs(protocols, args, output_dir)
+        run_finals_together(tuned, extras)
+        write_outputs(protocols, args, output_dir)
     # DyT and Derf once every other final has run: a task's tuning, then its finals, task by task.
     for protocol in tuned if args.elementwise else []:
         if protocol.tune_elementwise():
