@@ -6,6 +6,7 @@ import json
 import shutil
 
 import math
+import types
 
 import pytest
 
@@ -535,6 +536,18 @@ def test_every_tasks_finals_are_queued_as_one_grid_in_task_order(tmp_path, monke
     grids.clear()
     tuned_comparison.run_finals_together(protocols, extras=True)
     assert grids == []
+
+
+def test_the_summary_says_its_verdicts_are_interim_until_every_final_is_in(tmp_path):
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2)
+    ptb, multi30k = (tuned_comparison.Protocol(task, args, {}, tmp_path) for task in ("ptb", "multi30k"))
+    cell = lambda name: types.SimpleNamespace(name=name)  # noqa: E731
+    ptb.stages["final"] = [(cell("a"), {"cell": "a"}), (cell("b"), None)]
+    assert "1 of the 2 finals" in tuned_comparison.interim_note([ptb])[0]
+    ptb.stages["final"][1] = (cell("b"), {"cell": "b"})
+    assert tuned_comparison.interim_note([ptb]) == []
+    multi30k.stages["lr"] = [(cell("c"), None)]  # a task still tuning: its finals are still to come
+    assert "2 of the 2 finals" in tuned_comparison.interim_note([ptb, multi30k])[0]
 
 
 def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):

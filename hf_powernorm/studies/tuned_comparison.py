@@ -873,6 +873,19 @@ def cpu_hours(protocols: list[Protocol]) -> str:
     return "; ".join(parts) or "no run records it yet"
 
 
+def interim_note(protocols: list[Protocol]) -> list[str]:
+    """A warning above the headline while any task's finals are unfinished: the adjustment covers
+    the comparisons made so far, so a verdict can still change; nothing once every final is in."""
+    finals = [(cell.name, result) for protocol in protocols for cell, result in protocol.stages.get("final", [])]
+    done = len({name for name, result in finals if result is not None})
+    total = len({name for name, _ in finals})
+    if total and done == total and all("final" in protocol.stages for protocol in protocols):
+        return []
+    return [f"**Interim:** {done} of the {total} finals queued so far have finished. Holm's adjustment covers "
+            "the comparisons they allow, not those of the finished study, so a verdict below can change as the "
+            "rest come in.", ""]
+
+
 def _progress(protocol: Protocol) -> str:
     parts = []
     for stage, cells in protocol.stages.items():
@@ -911,7 +924,7 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
              "against LayerNorm (DyT and Derf also against PN) over the seeds both have: the mean of the per-seed "
              f"differences with its 95% t interval, Holm's adjustment over the {len(comparisons(protocols))} comparisons below; an arm is better "
              f"or worse when the adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under "
-             f"{MIN_PAIRS} paired seeds, no verdict.", "", *headline(protocols), "",
+             f"{MIN_PAIRS} paired seeds, no verdict.", "", *interim_note(protocols), *headline(protocols), "",
              "Per seed (the finals):", "", *per_seed(protocols), "",
              f"BLEU per seed, sacreBLEU's paired bootstrap over the test sentences ({BOOTSTRAP_SAMPLES} resamples): "
              "how far a seed's difference stands from what resampling the sentences gives. Descriptive, per seed, "
