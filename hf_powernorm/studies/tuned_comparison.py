@@ -876,9 +876,7 @@ def cpu_hours(protocols: list[Protocol]) -> str:
 def interim_note(protocols: list[Protocol]) -> list[str]:
     """A warning above the headline while any task's finals are unfinished: the adjustment covers
     the comparisons made so far, so a verdict can still change; nothing once every final is in."""
-    finals = [(cell.name, result) for protocol in protocols for cell, result in protocol.stages.get("final", [])]
-    done = len({name for name, result in finals if result is not None})
-    total = len({name for name, _ in finals})
+    done, total = _finished_of([entry for protocol in protocols for entry in protocol.stages.get("final", [])])
     if total and done == total and all("final" in protocol.stages for protocol in protocols):
         return []
     return [f"**Interim:** {done} of the {total} finals queued so far have finished. Holm's adjustment covers "
@@ -886,11 +884,16 @@ def interim_note(protocols: list[Protocol]) -> list[str]:
             "rest come in.", ""]
 
 
+def _finished_of(cells: list[tuple[Cell, dict[str, Any] | None]]) -> tuple[int, int]:
+    """How many of the distinct cells in a stage's `(cell, result)` pairs have finished, and of how many."""
+    return len({cell.name for cell, result in cells if result is not None}), len({cell.name for cell, _ in cells})
+
+
 def _progress(protocol: Protocol) -> str:
     parts = []
     for stage, cells in protocol.stages.items():
-        done = len({cell.name for cell, result in cells if result is not None})
-        parts.append(f"{stage} {done}/{len({cell.name for cell, _ in cells})}")
+        done, total = _finished_of(cells)
+        parts.append(f"{stage} {done}/{total}")
     return f"{protocol.task}: " + (", ".join(parts) or "nothing run")
 
 
