@@ -46,3 +46,24 @@ def test_without_a_gpu_it_stops_at_once_and_says_why(tmp_path, capsys):
     assert gpu_check.main(["--out", str(out)]) == 2
     assert "no CUDA device here" in capsys.readouterr().err
     assert not out.exists()  # nothing ran
+
+
+def test_budget_caps_the_run_and_reports_the_steps_it_left_out(tmp_path, monkeypatch, capsys):
+    sleep = [gpu_check.sys.executable, "-c", "import time; time.sleep(30)"]
+    quick = [gpu_check.sys.executable, "-c", "print('done')"]
+    monkeypatch.setattr(gpu_check, "refuse_without_gpu", lambda: None)
+    monkeypatch.setattr(gpu_check, "_machine", lambda: "no device (test)")
+    monkeypatch.setattr(gpu_check, "steps", lambda *args: [("tests", quick, 600), ("host_cost", sleep, 600),
+                                                            ("suite", quick, 600)])
+    assert gpu_check.main(["--out", str(tmp_path), "--budget", "13"]) == 1
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "## tests: exit status 0" in report and "done" in report
+    assert "## host_cost: exit status timed out" in report  # stopped at what was left, not its own 600 s
+    assert "## suite: not run, the budget of 13 s was spent" in report
+    assert "failed: host_cost, suite" in capsys.readouterr().out
+
+
+def test_budget_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--budget", "0"])
+    assert "--budget must be a positive number of seconds, got 0.0" in capsys.readouterr().err

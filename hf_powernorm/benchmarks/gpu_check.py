@@ -1,7 +1,7 @@
 """Every GPU check of PN's fused operator in one command, with one report for BENCHMARKS.md.
 
     python -m hf_powernorm.benchmarks.gpu_check [--out gpu_check] [--repeats 7] [--quick] [--only STEP ...]
-                                                [--dry_run]
+                                                [--budget SECONDS] [--no_suite_compile] [--dry_run]
 
 Run from the repository root on a machine with a CUDA device and Triton. In order, each step a
 fresh process with its own time limit, its output kept in `OUT/<step>.log`:
@@ -14,7 +14,9 @@ fresh process with its own time limit, its output kept in `OUT/<step>.log`:
 5. `recipe`: `accelerate launch recipes/train_wmt.py` in bf16 for a few hundred updates on the
    embedded corpus, validation and test BLEU printed.
 `OUT/gpu_check.md` gathers the machine, each step's command, exit status, seconds and the tables
-(the tail of each log); a failed step is reported and the next one runs. Without a CUDA device, or
+(the tail of each log); a failed step is reported and the next one runs. `--budget` caps the whole
+run: each step gets its own limit or what is left of the budget, whichever is less, so a lease of a
+few minutes ends with a report of every step that fitted. Without a CUDA device, or
 without Triton, it stops at once with exit status 2 and says why. The targets it checks against
 (issue "PN as cheap as LayerNorm on the GPU"): eager layer step <= 1.5x `F.layer_norm`, model step
 eager <= 1.05x and compiled <= 1.0x the LayerNorm model's.
@@ -36,7 +38,7 @@ TAIL_CHARS = 12000
 STEPS = ("tests", "host_cost", "suite", "compiled", "recipe")
 
 
-def steps(out: Path, repeats: int, quick: bool) -> list[tuple[str, list[str], int]]:
+def steps(out: Path, repeats: int, quick: bool, suite_compile: bool = True) -> list[tuple[str, list[str], int]]:
     """`(name, command, seconds allowed)` of every check, in the order they run."""
     python = sys.executable
     bench = ["--device", "cuda", "--repeats", str(repeats), "--warmup", "3"] + (["--quick"] if quick else [])
@@ -47,9 +49,10 @@ def steps(out: Path, repeats: int, quick: bool) -> list[tuple[str, list[str], in
                    "cuda or triton or interpreter or operator"], 600),
         ("host_cost", [python, "-m", "hf_powernorm.benchmarks.host_cost", "--device", "cuda"]
          + (["--quick"] if quick else []), 300),
-        ("suite", [python, "-m", "hf_powernorm.benchmarks", *bench, "--compile"], 900),
+        ("suite", [python, "-m", "hf_powernorm.benchmarks", *bench] + (["--compile"] if suite_compile else []), 900),
         ("compiled", [python, "-m", "hf_powernorm.benchmarks.compiled", *bench], 600),
-        ("recipe", ["accelerate", "launch", "--num_processes", "1", "--mixed_precision", "bf16",
+        # Accelerate's launcher through this Python: no `accelerate` on PATH needed, the same environment
+        ("recipe", [python, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "bf16",
                     "recipes/train_wmt.py", "--mixed_precision", "bf16", "--max_train_steps", updates,
                     "--eval_steps", updates, "--output_dir", str(out / "train_wmt"), "--overwrite_output_dir"], 900),
     ]
@@ -97,9 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats of every timing")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and a 30-update recipe: checks the script")
     parser.add_argument("--only", nargs="+", choices=STEPS, help="these steps only (default: all, in order)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run; each step gets at most what is left (default: no cap)")
+    parser.add_argument("--no_suite_compile", dest="suite_compile", action="store_false",
+                        help="leave the suite's torch.compile rows out (the `compiled` step times whole models)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
-    plan = [step for step in steps(args.out, args.repeats, args.quick) if not args.only or step[0] in args.only]
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    plan = [step for step in steps(args.out, args.repeats, args.quick, args.suite_compile)
+            if not args.only or step[0] in args.only]
     if args.dry_run:
         for name, command, limit in plan:
             print(f"{name} ({limit} s): {' '.join(command)}")
@@ -111,13 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = [f"# GPU check of PN's operator\n\nMachine: {_machine()}.\n"]
     failed = []
+    deadline = None if args.budget is None else time.monotonic() + args.budget
     for name, command, limit in plan:
-        print(f"gpu_check: {name} ...", flush=True)
-        status, seconds, tail = run_step(name, command, limit, args.out)
-        if status != 0:
+        left = None if deadline is None else int(deadline - time.monotonic())
+        if left is not None and left < 10:
             failed.append(name)
-        report.append(f"## {name}: exit status {status}, {seconds:.0f} s\n\nCommand: `{' '.join(command)}`\n\n"
-                      f"```\n{tail.strip()}\n```\n")
+            report.append(f"## {name}: not run, the budget of {args.budget:.0f} s was spent\n")
+        else:
+            print(f"gpu_check: {name} ...", flush=True)
+            status, seconds, tail = run_step(name, command, limit if left is None else min(limit, left), args.out)
+            if status != 0:
+                failed.append(name)
+            report.append(f"## {name}: exit status {status}, {seconds:.0f} s\n\nCommand: `{' '.join(command)}`\n\n"
+                          f"```\n{tail.strip()}\n```\n")
         (args.out / "gpu_check.md").write_text("\n".join(report))  # what ran so far, if a later step hangs
     print(f"gpu_check: report in {args.out / 'gpu_check.md'}; "
           + (f"failed: {', '.join(failed)}" if failed else "every step passed"))
