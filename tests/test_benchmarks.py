@@ -75,3 +75,16 @@ def test_host_cost_times_each_norm_against_layer_norm_on_the_device():
         step, host = float(row[2]), float(row[4])
         assert 0 < host <= step, row
         assert float(row[3].split()[0]) > 0 and row[5].strip() == "-"  # no device ops off CUDA
+
+
+def test_host_cost_profiles_pn_steps_on_the_host():
+    """`--profile N`: PN's steps under cProfile, its own functions among the rows, N steps' calls."""
+    from hf_powernorm.benchmarks import host_cost
+
+    text = host_cost.main(["--device", "cpu", "--quick", "--profile", "4"])
+    profile = text[text.index("Host profile of 4 steps of powernorm G=4"):]
+    assert "tottime" in profile and "normalization.py" in profile
+    calls = [line.split()[0] for line in profile.splitlines() if "(forward)" in line and "normalization.py" in line]
+    assert calls and all(count == "4" for count in calls), profile  # one forward per step, 4 steps
+    with pytest.raises(SystemExit):
+        host_cost.main(["--device", "cpu", "--quick", "--profile", "-1"])

@@ -1,6 +1,6 @@
 """A norm layer's eager training step: what the device spends on it against what the host does.
 
-    python -m hf_powernorm.benchmarks.host_cost [--device cuda] [--quick]
+    python -m hf_powernorm.benchmarks.host_cost [--device cuda] [--quick] [--profile STEPS]
 
 On a GPU a layer's step is bounded by whichever is slower: the device running its kernels, or the
 host issuing them (Python, autograd, dispatch, `torch.compile`'s guards and wrappers, launches).
@@ -14,12 +14,18 @@ For each norm and shape this prints one markdown table:
 Norms: `F.layer_norm`, the registry's LayerNorm module, PN on its path for the device (CUDA: its
 `hf_powernorm::pn_step_*` operators on the Triton kernels; eager CPU: direct calls of the C
 kernels), PN in torch ops (`kernel_backend("torch")`), masked BatchNorm.
+`--profile STEPS` then runs that many of PN's steps (G=4, its path for the device, the first shape)
+under `cProfile` and prints the functions the host spends them in, by their own time: where the
+host's time per step goes, function by function (the profiler's own cost inflates every row).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -111,6 +117,31 @@ def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[lis
     return header, rows
 
 
+def profile(shape: tuple[int, int], device: str, steps: int, warmup: int, top: int = 30) -> str:
+    """`cProfile` of `steps` eager training steps of PN (G=4, its path for the device): the `top`
+    functions by their own time, with the calls per step, as `pstats` prints them."""
+    tokens, hidden = shape
+    x, dy, mask = layer_inputs(tokens, hidden, device)
+    x.requires_grad_()
+    name, options, kernels = CASES["powernorm G=4"]
+    module = build_norm(name, hidden, **options).to(device).train()
+    step = _step(module, x, dy, mask, list(module.parameters()), kernels)
+    for _ in range(warmup):
+        step()
+    _synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    _synchronize(device)
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    return (f"Host profile of {steps} steps of powernorm G=4 at ({tokens}, {hidden}) on {device}, "
+            f"by own time (divide by {steps} for a step):\n\n```\n{out.getvalue().strip()}\n```\n")
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -118,12 +149,16 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=20, help="steps per batch")
     parser.add_argument("--warmup", type=int, default=20, help="steps before timing (compiling included)")
     parser.add_argument("--quick", action="store_true", help="one tiny shape, 3 batches of 2 steps: checks that it runs")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="then profile this many of PN's steps on the host (cProfile; default: none)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     for option in ("repeats", "steps"):
         if getattr(args, option) < 1:
             parser.error(f"--{option} must be at least 1; got {getattr(args, option)}")
+    if args.profile < 0:
+        parser.error(f"--profile must be a number of steps (0: none); got {args.profile}")
     shapes, repeats, steps, warmup = ((QUICK_SHAPES, 3, 2, 1) if args.quick
                                       else (SHAPES, args.repeats, args.steps, args.warmup))
     command = "python -m hf_powernorm.benchmarks.host_cost " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -131,6 +166,8 @@ def main(argv: list[str] | None = None) -> str:
     header, rows = run(shapes, args.device, repeats, steps, warmup)
     text = machine_line(args.device, command.strip(), (start_load, os.getloadavg()[0])) + "\n\n"
     text += markdown("Eager layer training step: device and host, median (25-75%)", header, rows)
+    if args.profile:
+        text += "\n" + profile(shapes[0], args.device, args.profile, warmup)
     print(text)
     return text
 
