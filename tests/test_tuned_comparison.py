@@ -542,6 +542,8 @@ def test_the_summary_says_its_verdicts_are_interim_until_every_final_is_in(tmp_p
     args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2)
     ptb, multi30k = (tuned_comparison.Protocol(task, args, {}, tmp_path) for task in ("ptb", "multi30k"))
     cell = lambda name: types.SimpleNamespace(name=name)  # noqa: E731
+    ptb.stages["lr"] = [(cell("t"), None)]  # tuning, no final queued yet
+    assert "no final has been queued: no test score exists" in tuned_comparison.interim_note([ptb])[0]
     ptb.stages["final"] = [(cell("a"), {"cell": "a"}), (cell("b"), None)]
     assert "1 of the 2 finals" in tuned_comparison.interim_note([ptb])[0]
     ptb.stages["final"][1] = (cell("b"), {"cell": "b"})

@@ -879,6 +879,9 @@ def interim_note(protocols: list[Protocol]) -> list[str]:
     done, total = _finished_of([entry for protocol in protocols for entry in protocol.stages.get("final", [])])
     if total and done == total and all("final" in protocol.stages for protocol in protocols):
         return []
+    if not total:
+        return ["**Interim:** the tuning is still running and no final has been queued: no test score exists "
+                "yet, so no verdict below.", ""]
     return [f"**Interim:** {done} of the {total} finals queued so far have finished. Holm's adjustment covers "
             "the comparisons they allow, not those of the finished study, so a verdict below can change as the "
             "rest come in.", ""]
