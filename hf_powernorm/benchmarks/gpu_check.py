@@ -36,6 +36,7 @@ import torch
 
 TAIL_CHARS = 12000
 STEPS = ("tests", "host_cost", "suite", "compiled", "recipe")
+MIN_STEP_SECONDS = 10  # under `--budget`, a step with less left than this is not started
 
 
 def steps(out: Path, repeats: int, quick: bool, suite_compile: bool = True) -> list[tuple[str, list[str], int]]:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None if args.budget is None else time.monotonic() + args.budget
     for name, command, limit in plan:
         left = None if deadline is None else int(deadline - time.monotonic())
-        if left is not None and left < 10:
+        if left is not None and left < MIN_STEP_SECONDS:
             failed.append(name)
             report.append(f"## {name}: not run, the budget of {args.budget:.0f} s was spent\n")
         else:

@@ -85,6 +85,13 @@ def device_ops(step, device: str, steps: int = 5) -> float | None:
                if event.device_type == torch.autograd.DeviceType.CUDA) / steps
 
 
+def _case_step(label: str, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor | None):
+    """The training step of `CASES[label]`'s norm, built fresh on `x`'s device, on these inputs."""
+    name, options, kernels = CASES[label]
+    module = build_norm(name, x.shape[-1], **options).to(x.device).train()
+    return _step(module, x, dy, mask, list(module.parameters()), kernels)
+
+
 def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[list[str], list[list[str]]]:
     header = ["norm", "shape", "step, ms", "step / F.layer_norm's", "host issue, ms", "device ops per step"]
     rows = []
@@ -95,9 +102,8 @@ def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[lis
         bias = torch.zeros(hidden, device=device, requires_grad=True)
         baseline = _step(None, x, dy, mask, [weight, bias], True)
         candidates = {"F.layer_norm": baseline}
-        for label, (name, options, kernels) in CASES.items():
-            module = build_norm(name, hidden, **options).to(device).train()
-            candidates[label] = _step(module, x, dy, mask, list(module.parameters()), kernels)
+        for label in CASES:
+            candidates[label] = _case_step(label, x, dy, mask)
         for label, step in candidates.items():
             progress(f"host cost, {device}, ({tokens}, {hidden}), {label}")
             for _ in range(warmup):  # compiles PN's functions on CUDA
@@ -119,13 +125,10 @@ def run(shapes, device: str, repeats: int, steps: int, warmup: int) -> tuple[lis
 
 def profile(shape: tuple[int, int], device: str, steps: int, warmup: int, top: int = 30) -> str:
     """`cProfile` of `steps` eager training steps of PN (G=4, its path for the device): the `top`
-    functions by their own time, with the calls per step, as `pstats` prints them."""
+    functions by their own time, with their calls over all `steps`, as `pstats` prints them."""
     tokens, hidden = shape
     x, dy, mask = layer_inputs(tokens, hidden, device)
-    x.requires_grad_()
-    name, options, kernels = CASES["powernorm G=4"]
-    module = build_norm(name, hidden, **options).to(device).train()
-    step = _step(module, x, dy, mask, list(module.parameters()), kernels)
+    step = _case_step("powernorm G=4", x.requires_grad_(), dy, mask)
     for _ in range(warmup):
         step()
     _synchronize(device)
