@@ -1,4 +1,4 @@
-"""Fused CPU kernels for PowerNorm and its relatives (float32, contiguous `(tokens, C)` inputs).
+"""Fused CPU kernels for PowerNorm, its relatives, DyT and Derf (float32, contiguous `(tokens, C)` inputs).
 
 A composition of torch ops takes about ten passes over memory per training step; on a CPU, where
 each elementwise pass costs about as much as a whole `layer_norm`, that is several times LayerNorm.
@@ -11,7 +11,9 @@ updates and parameter gradients included, the attention mask read as it is); `pn
 PN-V's step likewise (two passes each way: its exact gradient needs a batch sum first);
 `bn_step_*` (masked BN and BRN) and `mabn_step_*` (MABN, its moving averages included) the same
 way, two passes each way (`bn_moments`, then `affine_backward_rows`); `norm_eval` is
-every eval-mode norm in one pass, with streaming stores for outputs of `STREAM_BYTES` and more.
+every eval-mode norm in one pass, with streaming stores for outputs of `STREAM_BYTES` and more;
+`elementwise_forward`/`elementwise_backward` DyT and Derf, one pass each way (their tanh and erf in
+arithmetic the compiler vectorises: libm's are scalar calls), saving `x` alone.
 `torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
 measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
 
@@ -854,13 +856,120 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
     free(sums);
     return status;
 }
+
+/* DyT's and Derf's squashing functions in arithmetic the compiler vectorises (libm's tanhf, erff
+   and expf are scalar calls here). vexp: Cephes expf's range reduction and polynomial, relative
+   error about 1e-7 on [-87.3, 88.3], the argument clamped to that range (exp(-87.3) is the
+   smallest normal float). */
+static inline float vexp(float v) {
+    v = v < -87.3f ? -87.3f : v;  /* selects, not fminf/fmaxf, whose NaN rules do not vectorise */
+    v = v > 88.3f ? 88.3f : v;
+    float n = floorf(v * 1.44269504088896341f + 0.5f);
+    float r = v - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};  /* 2^n */
+    return p * scale.f;
+}
+
+/* f(z) and f'(z) from one shared value k = CORE(z), without branches (selects only), so that the
+   loops below vectorise. tanh as 2 sigmoid(2z) - 1 (k = sigmoid(2z), tanh' = 4 k (1 - k)), the torch
+   path's formula; erf (k = exp(-z^2), erf' = 2 / sqrt(pi) k) below |z| = 0.5 by its Taylor series to
+   z^13 (error below 1e-9), above it by Abramowitz and Stegun 7.1.26 (error at most 1.5e-7; 3.5e-7 in
+   float32 arithmetic). */
+static inline float tanh_core(float z) { return 1.0f / (1.0f + vexp(-2.0f * z)); }
+static inline float tanh_value(float z, float k) { (void)z; return 2.0f * k - 1.0f; }
+static inline float tanh_slope(float k) { return 4.0f * k * (1.0f - k); }
+static inline float erf_core(float z) { return vexp(-z * z); }
+static inline float erf_slope(float k) { return 1.12837916709551257f * k; }
+static inline float erf_value(float z, float k) {
+    float a = fabsf(z), q = z * z;
+    float series = z * (1.12837916709551257f + q * (-0.37612638903183752f + q * (0.11283791670955126f
+                   + q * (-0.02686617064513125f + q * (0.00522397762544219f + q * (-0.00085483270234508f
+                   + q * 0.00012055332981789f))))));
+    float t = 1.0f / (1.0f + 0.3275911f * a);
+    float tail = 1.0f - t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f
+                 + t * 1.061405429f)))) * k;
+    return a < 0.5f ? series : copysignf(tail, z);
+}
+
+/* One row of the forward (F: tanh or erf), and of the backward with or without dx. */
+#define FORWARD_ROW(F) \
+    _Pragma("omp simd") \
+    for (long c = 0; c < C; c++) { \
+        float z = alpha * xt[c] + shift; \
+        yt[c] = weight[c] * F##_value(z, F##_core(z)) + bias[c]; \
+    }
+#define BACKWARD_ROW(F, STORE) \
+    _Pragma("omp simd") \
+    for (long c = 0; c < C; c++) { \
+        float z = alpha * xt[c] + shift, k = F##_core(z), g = dyt[c] * weight[c] * F##_slope(k); \
+        acc[c] += dyt[c] * F##_value(z, k); \
+        acc_b[c] += dyt[c]; \
+        acc_a[c] += g * xt[c]; \
+        acc_s[c] += g; \
+        STORE; \
+    }
+
+/* DyT (fn 0) and Derf (fn 1) forward in one pass over x (T x C): y = weight f(alpha x + shift) + bias. */
+void elementwise_forward(const float *x, long T, long C, int fn, float alpha, float shift, const float *weight,
+                         const float *bias, int threads, float *y) {
+    #pragma omp parallel for num_threads(team(threads, T * C)) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float *xt = x + t * C;
+        float *yt = y + t * C;
+        if (fn == 0) { FORWARD_ROW(tanh) } else { FORWARD_ROW(erf) }
+    }
+}
+
+/* Their backward in one pass over dy and x (f(z) recomputed from x): with g = dy weight f'(z),
+   dx = g alpha (dx may be NULL: the sums only); sums (2C + 2, double): dweight = sum_t dy f(z),
+   dbias = sum_t dy, then dalpha = sum g x and dshift = sum g over every element. */
+void elementwise_backward(const float *dy, const float *x, long T, long C, int fn, float alpha, float shift,
+                          const float *weight, int threads, float *dx, double *sums) {
+    memset(sums, 0, sizeof(double) * (2 * C + 2));
+    #pragma omp parallel num_threads(team(threads, T * C))
+    {
+        float *acc = calloc(4 * C, sizeof(float)), *acc_b = acc + C, *acc_a = acc + 2 * C, *acc_s = acc + 3 * C;
+        double *dacc = calloc(4 * C, sizeof(double));
+        long rows = 0;
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            const float *dyt = dy + t * C, *xt = x + t * C;
+            float *dxt = dx ? dx + t * C : NULL;
+            if (fn == 0 && dxt) { BACKWARD_ROW(tanh, dxt[c] = g * alpha) }
+            else if (fn == 0) { BACKWARD_ROW(tanh, (void)0) }
+            else if (dxt) { BACKWARD_ROW(erf, dxt[c] = g * alpha) }
+            else { BACKWARD_ROW(erf, (void)0) }
+            if (++rows % FLUSH == 0) add_to(dacc, acc, 4 * C);
+        }
+        add_to(dacc, acc, 4 * C);
+        double a = 0.0, b = 0.0;
+        for (long c = 0; c < C; c++) { a += dacc[2 * C + c]; b += dacc[3 * C + c]; }
+        #pragma omp critical
+        {
+            for (long c = 0; c < 2 * C; c++) sums[c] += dacc[c];
+            sums[2 * C] += a;
+            sums[2 * C + 1] += b;
+        }
+        free(acc);
+        free(dacc);
+    }
+}
 """
 
 # -march=native: the vector width of this CPU (AVX2/AVX-512), as torch's own kernels dispatch to it.
 # The library is then specific to the CPU, whose identity is part of the digest that names it.
 # -fno-math-errno: nothing here reads errno, and with it sqrtf vectorises (the same correctly
 # rounded results); a small eval call's per-channel scale took 0.6 us of its 3.1 without it.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+# -fno-trapping-math: nothing here reads the floating-point exception flags either, and with it
+# floorf and the selects of DyT's and Derf's functions vectorise (the same results).
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
 _tried = False
 GROUP_SCALE_EPS = 1e-5  # group scaling's epsilon, the reference code's (PN's `group_eps` default)
@@ -960,6 +1069,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.pn_rows, lib.pn_backward):
         fn.restype = None
     lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
+    lib.elementwise_forward.argtypes = [p, n, n, i, f, f, p, p, i, p]
+    lib.elementwise_backward.argtypes = [p, p, n, n, i, f, f, p, i, p, p]
+    lib.elementwise_forward.restype = lib.elementwise_backward.restype = None
     return lib
 
 
@@ -1061,6 +1173,32 @@ def pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor |
     _library.pn_backward(_ptr(dy), _ptr(x), *_mask_args(token_weights), tokens, channels, group_num or 0, eps,
                          torch.get_num_threads(), *map(_ptr, vectors), _ptr(dx), _ptr(sums[0]), _ptr(sums[1]),
                          _ptr(sums[2]))
+    return dx, sums
+
+
+SQUASH = {"tanh": 0, "erf": 1}  # DyT's and Derf's functions, as `elementwise_*` name them
+
+
+def elementwise_forward(x: torch.Tensor, function: str, alpha: float, shift: float, weight: torch.Tensor,
+                        bias: torch.Tensor) -> torch.Tensor:
+    """DyT (`function="tanh"`) or Derf (`"erf"`) of contiguous float32 `x` (tokens, C) in one pass:
+    `weight * f(alpha * x + shift) + bias`, `weight` and `bias` float32 and contiguous."""
+    tokens, channels = x.shape
+    y = torch.empty_like(x)
+    _library.elementwise_forward(x.data_ptr(), tokens, channels, SQUASH[function], alpha, shift, weight.data_ptr(),
+                                 bias.data_ptr(), torch.get_num_threads(), y.data_ptr())
+    return y
+
+
+def elementwise_backward(dy: torch.Tensor, x: torch.Tensor, function: str, alpha: float, shift: float,
+                         weight: torch.Tensor, input_gradient: bool = True):
+    """Their backward in one pass over contiguous float32 `dy` and `x` (tokens, C): `(dx, sums)`, `dx`
+    None without `input_gradient`; `sums` float64 (2C + 2): dweight, dbias, dalpha, dshift."""
+    tokens, channels = x.shape
+    dx = torch.empty_like(x) if input_gradient else None
+    sums = torch.empty(2 * channels + 2, dtype=torch.float64)
+    _library.elementwise_backward(dy.data_ptr(), x.data_ptr(), tokens, channels, SQUASH[function], alpha, shift,
+                                  weight.data_ptr(), torch.get_num_threads(), _ptr(dx), sums.data_ptr())
     return dx, sums
 
 

@@ -35,6 +35,25 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     assert "| powernorm G=4 |" in capsys.readouterr().out
 
 
+def test_norms_narrows_the_suite_to_those_rows_of_the_layer_tables():
+    tables = benchmarks.main(["--quick", "--norms", "dyt", "derf"])
+    assert [title.split(" / ")[0] for title, _, _ in tables] == [
+        "Layer training step (forward + backward)", "Layer eval forward (no_grad)"]
+    for _, header, rows in tables:
+        assert [row[0] for row in rows] == ["dyt", "derf"]
+        assert all(len(row) == len(header) and row[1].endswith(" ms") for row in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--norms", "dyt", "tanh"], "--norms tanh: not a norm of the layer tables; expected some of"),
+    (["--norms", "dyt", "--write", "BENCHMARKS.md"], "--norms with --write"),
+])
+def test_norms_refuses_unknown_names_and_a_partial_write(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        benchmarks.main(["--quick", *argv])
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_compiled_model_table_traces_every_model_in_one_graph(capsys):
     """`benchmarks.compiled` at its quick size with `aot_eager` (tracing, no code generated): one graph and

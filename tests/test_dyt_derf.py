@@ -21,8 +21,9 @@ from hf_powernorm import (
     build_norm,
     normalize_norm_name,
 )
+from hf_powernorm import kernels_cpu
 from hf_powernorm.hub import render_model_card
-from hf_powernorm.normalization import Derf, DyT
+from hf_powernorm.normalization import Derf, DyT, kernel_backend
 from hf_powernorm.training import add_recipe_args, check_args
 from hf_powernorm.training.models import powernorm_overrides
 
@@ -61,11 +62,15 @@ def inputs(dtype=torch.float32, seed: int = 1, scale: float = 3.0) -> torch.Tens
 # The classes against their formula
 
 
+@pytest.mark.parametrize("backend", ["c", "torch"])
 @pytest.mark.parametrize("name", NAMES)
-def test_forward_and_gradients_match_the_formula(name):
+def test_forward_and_gradients_match_the_formula(name, backend):
+    """Both paths of float32 on the CPU: the C kernels' one pass each way, and the torch ops."""
+    assert kernels_cpu.load() is not None, "a C compiler is expected on this machine"
     norm = random_norm(name)
     x = inputs().requires_grad_(True)
-    out = norm(x)
+    with kernel_backend(backend):
+        out = norm(x)
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     out.backward(dy)
     expected_params = {key: value.requires_grad_(True) for key, value in params_of(norm).items()}
@@ -76,6 +81,87 @@ def test_forward_and_gradients_match_the_formula(name):
     torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)  # float32 against float64
     for key, parameter in norm.named_parameters():
         torch.testing.assert_close(parameter.grad.double(), expected_params[key].grad, atol=1e-4, rtol=1e-5)
+
+
+def saved_bytes(norm: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors of more than a few elements that autograd saves for `norm(x)`'s backward."""
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel() * tensor.element_size() if tensor.numel() > HIDDEN else 0)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        norm(x)
+    return sum(sizes)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_c_kernels_save_only_the_input_as_layer_norm_does(name):
+    """The C path recomputes f(z) in its backward: it saves `x` alone, where the torch ops save `x`
+    and f(z) (or sigmoid(2z)) too."""
+    norm, x = random_norm(name), inputs().requires_grad_(True)
+    with kernel_backend("c"):
+        assert saved_bytes(norm, x) == x.numel() * 4
+    with kernel_backend("torch"):
+        assert saved_bytes(norm, x) == 2 * x.numel() * 4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_c_squashing_function_is_within_float32_error_over_its_whole_range(name):
+    """The C kernels' tanh (2 sigmoid(2z) - 1, as the torch path) and erf (a series below |z| = 0.5,
+    Abramowitz and Stegun 7.1.26 above) against float64, on a dense grid and at the special values."""
+    assert kernels_cpu.load() is not None, "a C compiler is expected on this machine"
+    z = torch.linspace(-12.0, 12.0, 200_200).reshape(-1, 1001)
+    ones, zeros = torch.ones(1001), torch.zeros(1001)
+    function = "tanh" if name == "dyt" else "erf"
+    got = kernels_cpu.elementwise_forward(z, function, 1.0, 0.0, ones, zeros).double()
+    assert (got - SQUASH[name](z.double())).abs().max() < 3.5e-7
+    tiny = torch.logspace(-30, -0.5, 1001).reshape(1, -1)  # erf is exact to float32 in relative terms there
+    if name == "derf":
+        got = kernels_cpu.elementwise_forward(tiny, function, 1.0, 0.0, ones, zeros).double()
+        assert ((got - torch.erf(tiny.double())) / torch.erf(tiny.double())).abs().max() < 3e-7
+    special = torch.tensor([[math.inf, -math.inf, 0.0, -0.0, 100.0, -100.0, math.nan]])
+    got = kernels_cpu.elementwise_forward(special, function, 1.0, 0.0, torch.ones(7), torch.zeros(7))
+    assert got[0, :6].tolist() == [1.0, -1.0, 0.0, 0.0, 1.0, -1.0] and math.isnan(got[0, 6])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_c_backward_without_input_gradient_and_for_a_strided_input(name):
+    """Frozen input (parameter gradients only: the kernel skips dx) and a transposed input give the
+    torch ops' gradients."""
+    norm = random_norm(name)
+    x = inputs().transpose(0, 1)  # (SEQ, BATCH, HIDDEN), not contiguous
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for backend in ("c", "torch"):
+        for requires_grad in (False, True):
+            norm.zero_grad(set_to_none=True)
+            xi = x.detach().clone().transpose(0, 1).transpose(0, 1).requires_grad_(requires_grad)
+            assert not xi.is_contiguous()
+            with kernel_backend(backend):
+                out = norm(xi)
+                out.backward(dy)
+            grads[backend, requires_grad] = [out.detach(), xi.grad, *(p.grad for p in norm.parameters())]
+    for requires_grad in (False, True):
+        for got, expected in zip(grads["c", requires_grad], grads["torch", requires_grad]):
+            if expected is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_c_forward_keeps_the_gradient_differentiable(name):
+    """create_graph=True through the C forward: the second derivative is the torch ops' one."""
+    norm, x = random_norm(name), inputs(scale=1.0)
+    second = {}
+    for backend in ("c", "torch"):
+        xi = x.clone().requires_grad_(True)
+        with kernel_backend(backend):
+            (grad,) = torch.autograd.grad(norm(xi).square().sum(), xi, create_graph=True)
+            (second[backend],) = torch.autograd.grad(grad.sum(), xi)
+    torch.testing.assert_close(second["c"], second["torch"], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -175,9 +175,11 @@ def _build(name: str, hidden: int, options: dict, device: str):
     return build_norm(name, hidden, **options).to(device)
 
 
-def layer_table(shapes, threads, repeats, warmup, device, train: bool,
-                compiled: bool = False) -> tuple[list[str], list[list[str]]]:
-    cases = dict(LAYER_CASES if train else EVAL_CASES)
+def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled: bool = False,
+                norms: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
+    """The layer rows against `F.layer_norm`; with `norms`, only the rows of those registry names."""
+    cases = {label: case for label, case in (LAYER_CASES if train else EVAL_CASES).items()
+             if norms is None or case[0] in norms}
     if train and compiled:  # PN's compiled pure functions on this device (CUDA's path); minutes to build on a CPU
         cases["powernorm G=4, torch.compile"] = ("powernorm", {"group_num": GROUP_NUM}, "compile")
     header = ["norm"] + [f"{t} thr, ({n}, {c})" for t in threads for n, c in shapes]
@@ -535,6 +537,11 @@ def allocator_table(shapes, repeats, warmup, device) -> tuple[list[str], list[li
 def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]]:
     shapes = QUICK_SHAPES if args.quick else LAYER_SHAPES
     repeats, warmup = (3, 1) if args.quick else (args.repeats, args.warmup)
+    if args.norms:  # the layer tables' rows of these norms, nothing else
+        control_allocator()
+        return [(f"Layer {what} / F.layer_norm's: median (25-75%), candidate ms",
+                 *layer_table(shapes, args.threads, repeats, warmup, args.device, train=train, norms=args.norms))
+                for what, train in (("training step (forward + backward)", True), ("eval forward (no_grad)", False))]
     tables = [("Allocator effect: F.layer_norm forward + backward, 1 thread, median ms",
                *allocator_table(shapes, repeats, warmup, args.device))]
     control_allocator()
@@ -578,7 +585,18 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[
     parser.add_argument("--compile", action="store_true",
                         help="also time PN's torch.compile path (CUDA's; on a CPU it needs a C++ compiler and minutes)")
     parser.add_argument("--write", type=Path, default=None, help="rewrite the measured section of this file")
+    parser.add_argument("--norms", nargs="+", default=None, metavar="NAME",
+                        help="only the layer tables' rows of these registry names (e.g. dyt derf layernorm): "
+                             "no allocator, memory or model table; not with --write")
     args = parser.parse_args(argv)
+    if args.norms:
+        known = sorted({case[0] for case in LAYER_CASES.values()} & set(NORM_CLASSES))
+        unknown = [name for name in args.norms if name not in known]
+        if unknown:
+            parser.error(f"--norms {' '.join(unknown)}: not a norm of the layer tables; "
+                         f"expected some of {', '.join(known)}")
+        if args.write is not None:
+            parser.error("--norms with --write: the section holds every table; print the rows instead")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.device == "cuda":
