@@ -2271,6 +2271,12 @@ class _ElementwiseNorm(_Norm):
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         dtype = _stat_dtype(hidden_states)
         shift = getattr(self, "shift", None)
+        if (not torch.is_grad_enabled() and self.weight.dtype == self.bias.dtype == self.alpha.dtype == torch.float32
+                and _fused_kernels_usable(hidden_states)):  # inference (a decoding step): the C pass, no autograd
+            flat = hidden_states.reshape(-1, self.hidden_size).contiguous()
+            out = elementwise_forward(flat, self._squash, float(self.alpha), 0.0 if shift is None else float(shift),
+                                      self.weight.contiguous(), self.bias.contiguous())
+            return out.view(hidden_states.shape)
         with _float32(hidden_states.device):
             out = _ElementwiseNormFunction.apply(
                 _cast(hidden_states, dtype), _cast(self.alpha, dtype), None if shift is None else _cast(shift, dtype),

@@ -127,6 +127,19 @@ def test_c_squashing_function_is_within_float32_error_over_its_whole_range(name)
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_inference_takes_the_c_pass_and_matches_the_formula(name):
+    """Under `no_grad` (a decoding step) the module calls the C forward directly: the formula's
+    output, and no autograd function on the way (the torch ops' path is patched to fail)."""
+    norm, x = random_norm(name), inputs()
+    expected = reference(name, x.double(), **params_of(norm))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_powernorm.normalization._ElementwiseNormFunction, "apply", None)
+        got = norm(x)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_c_backward_without_input_gradient_and_for_a_strided_input(name):
     """Frozen input (parameter gradients only: the kernel skips dx) and a transposed input give the
     torch ops' gradients."""
