@@ -282,3 +282,29 @@ def test_every_offered_schedule_builds_and_warms_up(name):
     assert all(0 <= lr <= 1e-3 + 1e-12 for lr in lrs)
     if name not in ("constant",):
         assert lrs[0] < lrs[10]  # a warmup
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_only_the_local_main_process_shows_library_bars_and_warnings(main):
+    """Every rank converts and tokenizes alike; Transformers' and Datasets' bars (the calibration of
+    `convert_norms`, a tokenizer's map) and warnings come from one of them."""
+    import datasets
+    import transformers
+
+    from hf_powernorm.training.loop import quiet_other_processes
+
+    hf_logging = transformers.utils.logging
+    before = (hf_logging.get_verbosity(), datasets.utils.logging.get_verbosity())
+    try:
+        hf_logging.enable_progress_bar()
+        datasets.enable_progress_bars()
+        quiet_other_processes(argparse.Namespace(is_local_main_process=main))
+        assert hf_logging.is_progress_bar_enabled() is main
+        assert datasets.is_progress_bar_enabled() is main
+        after = (hf_logging.get_verbosity(), datasets.utils.logging.get_verbosity())
+        assert after == (before if main else (hf_logging.ERROR, hf_logging.ERROR))
+    finally:
+        hf_logging.set_verbosity(before[0])
+        datasets.utils.logging.set_verbosity(before[1])
+        hf_logging.enable_progress_bar()
+        datasets.enable_progress_bars()

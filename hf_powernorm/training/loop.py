@@ -83,8 +83,23 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
                               log_with=args.report_to if args.with_tracking else None, project_dir=args.output_dir,
                               kwargs_handlers=handlers)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    quiet_other_processes(accelerator)
     set_seed(args.seed)
     return accelerator
+
+
+def quiet_other_processes(accelerator: Accelerator) -> None:
+    """Transformers' and Datasets' warnings and progress bars (a tokenizer's map, `convert_norms`'
+    calibration) on one process per machine, not once per rank, as Transformers' example scripts do."""
+    if accelerator.is_local_main_process:
+        return
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
 
 
 def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace,
