@@ -71,13 +71,27 @@ def test_study_step_times_and_profiles_the_study_lm_step(capsys):
     from hf_powernorm.benchmarks import study_step
 
     assert study_step.main(["--norm", "layernorm", "--steps", "1"])["step"] > 0
-    totals = study_step.main(["--norm", "powernorm", "--steps", "1", "--profile"])
+    totals = study_step.main(["--norm", "dyt", "--steps", "1", "--profile"])
     assert set(totals) == {*study_step.CATEGORIES, "step"}
     assert totals["step"] == sum(totals[name] for name in study_step.CATEGORIES) > 0
     assert totals[study_step.CATEGORIES[0]] > 0 and totals[study_step.CATEGORIES[1]] > 0  # matmuls and the loss
+    assert totals[study_step.CATEGORIES[4]] > 0  # DyT's autograd function, in the norms' category
     with pytest.raises(SystemExit):
         study_step.main(["--steps", "0"])
     assert "--steps must be at least 1; got 0" in capsys.readouterr().err
+
+
+def test_study_step_against_another_norm_interleaves_the_two_models(capsys):
+    from hf_powernorm.benchmarks import study_step
+
+    result = study_step.main(["--norm", "dyt", "--against", "layernorm", "--steps", "2"])
+    assert result["ratio"] > 0 and result["low"] <= result["ratio"] <= result["high"] and result["ms"] > 0
+    assert capsys.readouterr().out.startswith("dyt / layernorm: ")
+    for argv, message in ((["--against", "tanh"], "--against: unknown norm 'tanh'"),
+                          (["--profile", "--against", "layernorm"], "one at a time")):
+        with pytest.raises(SystemExit):
+            study_step.main(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_host_cost_times_each_norm_against_layer_norm_on_the_device():

@@ -1,12 +1,14 @@
 """The studies' language model's training step on the CPU: its median time, or where the time goes.
 
-    python -m hf_powernorm.benchmarks.study_step [--norm powernorm] [--steps 15] [--profile]
+    python -m hf_powernorm.benchmarks.study_step [--norm powernorm] [--steps 15] [--profile | --against layernorm]
 
 The model of the LM studies (`studies.runs.STUDY_LM`, PTB's vocabulary of 4,000) in the tuned
 comparison's regime (dropout 0.3, label smoothing 0.1, 2,048 tokens a step as 16 blocks of 128), one
 thread, random tokens; a step is forward, the studies' loss (`training.losses.causal_lm_loss`),
 backward and AdamW. Without `--profile` it prints the median step time after warm-up steps; with it,
-`torch.profiler`'s self time per step by category. To compare two versions of the code, run it from
+`torch.profiler`'s self time per step by category; with `--against NORM`, the ratio of the step's time
+to the same model's with NORM, the two steps interleaved in one process (the suite's protocol: median
+and 25-75% of the per-pair ratios), which the machine's load moves far less than two runs' times. To compare two versions of the code, run it from
 each checkout in turn, alternating, since the machine's load moves: `PYTHONPATH=<checkout> python
 hf_powernorm/benchmarks/study_step.py` times that checkout's library with this file.
 """
@@ -82,7 +84,7 @@ def category(name: str, shapes: str) -> str:
     if name in ("aten::bmm", "aten::_softmax", "aten::_softmax_backward_data", "aten::all", "aten::where",
                 "aten::_safe_softmax") or attention in shapes:
         return CATEGORIES[3]
-    if any(key in name for key in ("PowerNorm", "LayerNorm", "layer_norm")):
+    if "Norm" in name or "layer_norm" in name:  # the norms' autograd functions and torch's layer_norm
         return CATEGORIES[4]
     if "Optimizer" in name or "foreach" in name or name in ("aten::lerp_", "aten::addcdiv_", "aten::addcmul_", "aten::sqrt"):
         return CATEGORIES[5]
@@ -109,9 +111,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--norm", default="powernorm", help="the LM's norm (a name of NORM_CLASSES)")
     parser.add_argument("--steps", type=int, default=15, help="timed (or profiled) steps, after 3 warm-up steps")
     parser.add_argument("--profile", action="store_true", help="self time by category instead of the median step")
+    parser.add_argument("--against", default=None, metavar="NORM",
+                        help="the step's time over the same model's with NORM, interleaved (e.g. layernorm)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1; got {args.steps}")
+    if args.profile and args.against:
+        parser.error("--profile and --against: one at a time")
+    from hf_powernorm.normalization import normalize_norm_name
+
+    for option in ("norm", "against"):
+        if getattr(args, option) is not None:
+            try:
+                normalize_norm_name(getattr(args, option))
+            except ValueError as error:
+                parser.error(f"--{option}: {error}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -122,6 +136,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 def _measure(args: argparse.Namespace) -> dict[str, float]:
     step = build_step(args.norm)
+    if args.against:
+        from hf_powernorm.benchmarks.timing import cell, interleaved
+
+        result = interleaved(step, build_step(args.against), args.steps, 3, "cpu")
+        print(f"{args.norm} / {args.against}: {cell(result)} over {args.steps} pairs of steps")
+        return result
     for _ in range(3):
         step()
     if args.profile:
