@@ -2173,6 +2173,15 @@ def _elementwise_formula(x, alpha, shift, weight, bias, function: str) -> torch.
     return torch.addcmul(bias, torch.tanh(z) if function == "tanh" else torch.erf(z), weight)
 
 
+def _elementwise_c_pass(x: torch.Tensor, function: str, alpha: torch.Tensor, shift: torch.Tensor | None,
+                        weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`weight * f(alpha * x + shift) + bias` in the C kernel's one forward pass (float32 on the CPU)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = elementwise_forward(flat, function, float(alpha), 0.0 if shift is None else float(shift),
+                              weight.contiguous(), bias.contiguous())
+    return out.view(x.shape)
+
+
 class _ElementwiseNormFunction(torch.autograd.Function):
     """`y = weight * f(z) + bias`, `z = alpha * x (+ shift)`, f = tanh or erf, with the backward
     written out in a few passes over the tokens. With `g = dy * f'(z)`: `dx = g * weight * alpha`,
@@ -2190,12 +2199,9 @@ class _ElementwiseNormFunction(torch.autograd.Function):
         ctx.function = function
         vectors = (alpha, shift, weight, bias)
         if _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in vectors):
-            channels = x.shape[-1]
             ctx.alpha, ctx.shift = float(alpha), 0.0 if shift is None else float(shift)
-            flat = x.reshape(-1, channels).contiguous()
-            out = elementwise_forward(flat, function, ctx.alpha, ctx.shift, weight.contiguous(), bias.contiguous())
             ctx.save_for_backward(x, None, alpha, shift, weight, bias)
-            return out.view(x.shape)
+            return _elementwise_c_pass(x, function, alpha, shift, weight, bias)
         if function == "tanh":
             saved = torch.sigmoid_(x * (2.0 * alpha))
             out = torch.addcmul(bias - weight, saved, 2.0 * weight)  # weight * (2p - 1) + bias
@@ -2273,10 +2279,7 @@ class _ElementwiseNorm(_Norm):
         shift = getattr(self, "shift", None)
         if (not torch.is_grad_enabled() and self.weight.dtype == self.bias.dtype == self.alpha.dtype == torch.float32
                 and _fused_kernels_usable(hidden_states)):  # inference (a decoding step): the C pass, no autograd
-            flat = hidden_states.reshape(-1, self.hidden_size).contiguous()
-            out = elementwise_forward(flat, self._squash, float(self.alpha), 0.0 if shift is None else float(shift),
-                                      self.weight.contiguous(), self.bias.contiguous())
-            return out.view(hidden_states.shape)
+            return _elementwise_c_pass(hidden_states, self._squash, self.alpha, shift, self.weight, self.bias)
         with _float32(hidden_states.device):
             out = _ElementwiseNormFunction.apply(
                 _cast(hidden_states, dtype), _cast(self.alpha, dtype), None if shift is None else _cast(shift, dtype),
