@@ -1,4 +1,5 @@
-"""Fused Triton kernels of PowerNorm's training step (Shen et al., 2020, Algorithm 2, eqs. 11-13).
+"""Fused Triton kernels of PowerNorm's training step (Shen et al., 2020, Algorithm 2, eqs. 11-13), and of
+DyT's and Derf's.
 
 The CUDA implementation of the `hf_powernorm::pn_step_forward` and `pn_step_backward` operators
 (`normalization.py`), with the arithmetic of its pure tensor functions `_pn_train_forward` and
@@ -11,6 +12,10 @@ The CUDA implementation of the `hf_powernorm::pn_step_forward` and `pn_step_back
   group-scaling backward, with the sums `sum(dY z0)`, `sum_V(dY z0)`, `sum(dY)` (`_backward_sums`);
   in one program, the parameter gradients and the in-place update of `running_nu`
   (`_backward_statistics`).
+DyT and Derf on CUDA (`normalization._ElementwiseNormFunction`), `y = weight * f(alpha x + shift) +
+bias`: one launch forward (`_elementwise_forward`), two backward (`_elementwise_backward_sums`, `dx`
+and the per-program sums, `f(z)` recomputed from `x`; `_elementwise_backward_statistics`, the
+parameter gradients), `alpha` and `shift` read on the device.
 Statistics are float32 whatever the input dtype (float32, bfloat16, float16); every guard (no real
 token, non-finite statistics) and the warmup switch are decided on the device, so no launch waits
 for the host. The per-program partial sums are added in a fixed order: the same input gives the
@@ -222,6 +227,87 @@ if AVAILABLE:
         tl.store(grads_ptr + C + channels, sum_dy, mask=valid)
 
 
+    @triton.jit
+    def _squash(z, ERF: tl.constexpr):
+        """`f(z)` and `f'(z)`: erf, or tanh as `2 sigmoid(2z) - 1` (the torch path's formula)."""
+        if ERF:
+            return tl.math.erf(z), 1.1283791670955126 * tl.exp(-z * z)
+        p = tl.sigmoid(2.0 * z)
+        return 2.0 * p - 1.0, 4.0 * p * (1.0 - p)
+
+    @triton.jit
+    def _elementwise_tile(x_ptr, alpha_ptr, shift_ptr, tile, T, C, HAS_SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+        """Rows `tile * BLOCK_T ...` of `x` (T, C) as float32, `z = alpha x (+ shift)`, offsets, mask."""
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        channels = tl.arange(0, BLOCK_C)
+        valid = (rows[:, None] < T) & (channels[None, :] < C)
+        offsets = rows[:, None].to(tl.int64) * C + channels[None, :]
+        x = tl.load(x_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        z = tl.load(alpha_ptr).to(tl.float32) * x
+        if HAS_SHIFT:
+            z += tl.load(shift_ptr).to(tl.float32)
+        return x, z, offsets, valid
+
+    @triton.jit
+    def _elementwise_forward(x_ptr, alpha_ptr, shift_ptr, weight_ptr, bias_ptr, y_ptr, T, C, ERF: tl.constexpr,
+                             HAS_SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        _, z, offsets, valid = _elementwise_tile(x_ptr, alpha_ptr, shift_ptr, tl.program_id(0), T, C, HAS_SHIFT,
+                                                 BLOCK_T, BLOCK_C)
+        f, _ = _squash(z, ERF)
+        channels = tl.arange(0, BLOCK_C)
+        weight = tl.load(weight_ptr + channels, mask=channels < C, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + channels, mask=channels < C, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offsets, (weight[None, :] * f + bias[None, :]).to(y_ptr.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _elementwise_backward_sums(dy_ptr, x_ptr, alpha_ptr, shift_ptr, weight_ptr, dx_ptr, sums_ptr, T, C, num_tiles,
+                                   programs, ERF: tl.constexpr, HAS_SHIFT: tl.constexpr, NEED_DX: tl.constexpr,
+                                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid = tl.program_id(0)
+        channels = tl.arange(0, BLOCK_C)
+        vector = channels < C
+        # with g = dy f'(z): dx = g weight alpha; per channel sum(dy f), sum(dy), sum(g x), sum(g)
+        scale = tl.load(weight_ptr + channels, mask=vector, other=0.0).to(tl.float32) * tl.load(alpha_ptr).to(
+            tl.float32)
+        sum_dy_f = tl.zeros((BLOCK_C,), tl.float32)
+        sum_dy = tl.zeros((BLOCK_C,), tl.float32)
+        sum_g_x = tl.zeros((BLOCK_C,), tl.float32)
+        sum_g = tl.zeros((BLOCK_C,), tl.float32)
+        for tile in range(pid, num_tiles, programs):
+            x, z, offsets, valid = _elementwise_tile(x_ptr, alpha_ptr, shift_ptr, tile, T, C, HAS_SHIFT, BLOCK_T,
+                                                     BLOCK_C)
+            dy = tl.load(dy_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+            f, slope = _squash(z, ERF)
+            g = dy * slope
+            if NEED_DX:
+                tl.store(dx_ptr + offsets, (g * scale[None, :]).to(dx_ptr.dtype.element_ty), mask=valid)
+            sum_dy_f += tl.sum(dy * f, axis=0)
+            sum_dy += tl.sum(dy, axis=0)
+            sum_g_x += tl.sum(g * x, axis=0)
+            sum_g += tl.sum(g, axis=0)
+        base = sums_ptr + pid * 4 * C + channels
+        tl.store(base, sum_dy_f, mask=vector)
+        tl.store(base + C, sum_dy, mask=vector)
+        tl.store(base + 2 * C, sum_g_x, mask=vector)
+        tl.store(base + 3 * C, sum_g, mask=vector)
+
+    @triton.jit
+    def _elementwise_backward_statistics(sums_ptr, programs, weight_ptr, grads_ptr, C, BLOCK_C: tl.constexpr,
+                                         BLOCK_P: tl.constexpr):
+        """`grads` (2C + 2): dweight, dbias, then dalpha = sum(weight sum_t(g x)), dshift = sum(weight sum_t(g))."""
+        channels = tl.arange(0, BLOCK_C)
+        valid = channels < C
+        weight = tl.load(weight_ptr + channels, mask=valid, other=0.0).to(tl.float32)
+        tl.store(grads_ptr + channels, _reduce_rows(sums_ptr, programs, 4 * C, C, BLOCK_C, BLOCK_P), mask=valid)
+        tl.store(grads_ptr + C + channels, _reduce_rows(sums_ptr + C, programs, 4 * C, C, BLOCK_C, BLOCK_P),
+                 mask=valid)
+        sum_g_x = _reduce_rows(sums_ptr + 2 * C, programs, 4 * C, C, BLOCK_C, BLOCK_P)
+        sum_g = _reduce_rows(sums_ptr + 3 * C, programs, 4 * C, C, BLOCK_C, BLOCK_P)
+        tl.store(grads_ptr + 2 * C, tl.sum(weight * sum_g_x, axis=0))
+        tl.store(grads_ptr + 2 * C + 1, tl.sum(weight * sum_g, axis=0))
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *buffers: torch.Tensor) -> bool:
     """Whether the kernels take this step: float32/bfloat16/float16 `x` (tokens, C), parameters of
     a floating dtype, float32 running statistics, and a hidden size one program holds."""
@@ -295,3 +381,52 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
     _backward_statistics[(1,)](sums, programs, weight, stats, info, running_nu, grads, channels, 1.0 - alpha_bkw,
                                BLOCK_C=block_c, BLOCK_P=max(1, min(16, 16384 // block_c)))
     return dx, grads if weight.dtype == torch.float32 else grads.to(weight.dtype)
+
+
+def elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
+    """Whether DyT's and Derf's kernels take `x` (..., C): float32 with float32 parameters (what their
+    autograd function is given whatever the model's dtype), a hidden size one program holds."""
+    return (AVAILABLE and x.dtype == torch.float32 and x.dim() >= 1 and 0 < x.shape[-1] <= 16384
+            and all(p is None or p.dtype == torch.float32 for p in parameters))
+
+
+def _elementwise_layout(tokens: int, channels: int) -> dict:
+    """Tile sizes: channels padded to a power of two, tokens per tile."""
+    block_c = triton.next_power_of_2(channels)
+    block_t = max(1, min(TILE_ELEMENTS // block_c, triton.next_power_of_2(max(tokens, 1))))
+    return {"BLOCK_C": block_c, "BLOCK_T": block_t}
+
+
+def elementwise_forward(x: torch.Tensor, function: str, alpha: torch.Tensor, shift: torch.Tensor | None,
+                        weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`weight * f(alpha * x + shift) + bias` of contiguous `x` (tokens, C), f = "tanh" or "erf"."""
+    tokens, channels = x.shape
+    y = torch.empty_like(x)
+    if tokens:
+        layout = _elementwise_layout(tokens, channels)
+        _elementwise_forward[(triton.cdiv(tokens, layout["BLOCK_T"]),)](
+            x, alpha, alpha if shift is None else shift, weight.contiguous(), bias.contiguous(), y, tokens, channels,
+            ERF=function == "erf", HAS_SHIFT=shift is not None, **layout)
+    return y
+
+
+def elementwise_backward(dy: torch.Tensor, x: torch.Tensor, function: str, alpha: torch.Tensor,
+                         shift: torch.Tensor | None, weight: torch.Tensor, need_dx: bool):
+    """Their backward of contiguous `dy`, `x` (tokens, C), `f(z)` recomputed from `x`: `(dx or None,
+    sums)`, `sums` (2C + 2, float32) = `(dweight, dbias, dalpha, dshift)`, as `kernels_cpu`'s."""
+    tokens, channels = x.shape
+    layout = _elementwise_layout(tokens, channels)
+    num_tiles = triton.cdiv(tokens, layout["BLOCK_T"])
+    programs = max(1, min(num_tiles, MAX_PROGRAMS))
+    sums = torch.zeros(programs, 4, channels, device=x.device, dtype=torch.float32)
+    grads = torch.empty(2 * channels + 2, device=x.device, dtype=torch.float32)
+    dx = torch.empty_like(x) if need_dx else None
+    weight = weight.contiguous()
+    if tokens:
+        _elementwise_backward_sums[(programs,)](
+            dy, x, alpha, alpha if shift is None else shift, weight, x if dx is None else dx, sums, tokens, channels,
+            num_tiles, programs, ERF=function == "erf", HAS_SHIFT=shift is not None, NEED_DX=need_dx, **layout)
+    block_c = layout["BLOCK_C"]
+    _elementwise_backward_statistics[(1,)](sums, programs, weight, grads, channels, BLOCK_C=block_c,
+                                           BLOCK_P=max(1, min(16, 16384 // block_c)))
+    return dx, grads

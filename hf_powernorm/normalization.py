@@ -66,6 +66,9 @@ from .kernels_cpu import (
 )
 from .kernels_cpu import load as kernels_cpu_load
 from .kernels_triton import AVAILABLE as TRITON_AVAILABLE
+from .kernels_triton import elementwise_backward as triton_elementwise_backward
+from .kernels_triton import elementwise_forward as triton_elementwise_forward
+from .kernels_triton import elementwise_usable as triton_elementwise_usable
 from .kernels_triton import pn_step_backward as triton_step_backward
 from .kernels_triton import pn_step_forward as triton_step_forward
 from .kernels_triton import usable as triton_usable
@@ -291,10 +294,12 @@ def current_kernel_backend() -> str:
 def kernel_backend(name: str):
     """Run the norms on one backend within the block, the public switch of their fast paths:
 
-    - `"auto"` (the default): the C kernels for CPU float32 inputs, PN's step in the Triton kernels
-      on CUDA, the torch ops elsewhere (compiled on CUDA under `HF_POWERNORM_COMPILE`'s rule);
+    - `"auto"` (the default): the C kernels for CPU float32 inputs, PN's step and DyT and Derf in the
+      Triton kernels on CUDA, the torch ops elsewhere (compiled on CUDA under `HF_POWERNORM_COMPILE`'s
+      rule);
     - `"c"`: the C kernels where they apply (CPU float32), the torch ops elsewhere;
-    - `"triton"`: PN's step in the Triton kernels where they apply (CUDA), the torch ops elsewhere;
+    - `"triton"`: PN's step and DyT and Derf in the Triton kernels where they apply (CUDA), the torch
+      ops elsewhere;
     - `"compile"`: the torch ops, PN's step as `torch.compile`d pure tensor functions on any device;
     - `"torch"`: the torch ops everywhere, eager (what runs without a C compiler or Triton).
 
@@ -2173,6 +2178,12 @@ def _elementwise_formula(x, alpha, shift, weight, bias, function: str) -> torch.
     return torch.addcmul(bias, torch.tanh(z) if function == "tanh" else torch.erf(z), weight)
 
 
+def _triton_elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
+    """DyT's and Derf's Triton kernels run eagerly on CUDA only: a graph being compiled takes the torch ops."""
+    return (x.device.type == "cuda" and _KERNEL_BACKEND[0] in ("auto", "triton") and not torch.compiler.is_compiling()
+            and triton_elementwise_usable(x, *parameters))
+
+
 def _elementwise_c_pass(x: torch.Tensor, function: str, alpha: torch.Tensor, shift: torch.Tensor | None,
                         weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """`weight * f(alpha * x + shift) + bias` in the C kernel's one forward pass (float32 on the CPU)."""
@@ -2192,16 +2203,25 @@ class _ElementwiseNormFunction(torch.autograd.Function):
     `erf'(z) = 2 / sqrt(pi) * exp(-z^2)`. On the CPU in float32 the C kernels take each way in one
     pass (`kernels_cpu.elementwise_forward`, `elementwise_backward`: `f(z)` recomputed from `x`, so
     only `x` is saved, as LayerNorm saves it); their tanh is this same formula and their erf within
-    3.5e-7 of float64 erf (torch's float32 erf: 3.2e-8; the C source says how)."""
+    3.5e-7 of float64 erf (torch's float32 erf: 3.2e-8; the C source says how). On CUDA the Triton
+    kernels (`kernels_triton.elementwise_forward`, `elementwise_backward`) take float32 steps in one
+    launch forward and two backward, `x` alone saved, `alpha` and `shift` read on the device (no
+    step waits for the host); their tanh is this formula too, their erf Triton's."""
 
     @staticmethod
     def forward(ctx, x, alpha, shift, weight, bias, function):
-        ctx.function = function
+        ctx.function, ctx.kernels = function, None
         vectors = (alpha, shift, weight, bias)
         if _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in vectors):
+            ctx.kernels = "c"
             ctx.alpha, ctx.shift = float(alpha), 0.0 if shift is None else float(shift)
             ctx.save_for_backward(x, None, alpha, shift, weight, bias)
             return _elementwise_c_pass(x, function, alpha, shift, weight, bias)
+        if _triton_elementwise_usable(x, *vectors):
+            ctx.kernels = "triton"
+            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return triton_elementwise_forward(flat, function, alpha, shift, weight, bias).view(x.shape)
         if function == "tanh":
             saved = torch.sigmoid_(x * (2.0 * alpha))
             out = torch.addcmul(bias - weight, saved, 2.0 * weight)  # weight * (2p - 1) + bias
@@ -2221,10 +2241,14 @@ class _ElementwiseNormFunction(torch.autograd.Function):
                 grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True, allow_unused=True))
             return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None)
         channels = x.shape[-1]
-        if saved is None:  # the C kernels' forward: their backward, one pass
-            grad_x, sums = elementwise_backward(grad_output.reshape(-1, channels).contiguous(),
-                                                x.reshape(-1, channels).contiguous(), ctx.function,
-                                                ctx.alpha, ctx.shift, weight.contiguous(), ctx.needs_input_grad[0])
+        if ctx.kernels:  # the kernels' forward: their backward, one pass (C) or two launches (Triton)
+            dy, flat = grad_output.reshape(-1, channels).contiguous(), x.reshape(-1, channels).contiguous()
+            if ctx.kernels == "c":
+                grad_x, sums = elementwise_backward(dy, flat, ctx.function, ctx.alpha, ctx.shift, weight.contiguous(),
+                                                    ctx.needs_input_grad[0])
+            else:
+                grad_x, sums = triton_elementwise_backward(dy, flat, ctx.function, alpha, shift, weight,
+                                                           ctx.needs_input_grad[0])
             grad_shift = None if shift is None else sums[2 * channels + 1:].to(shift.dtype).reshape(shift.shape)
             return (None if grad_x is None else grad_x.view(grad_output.shape),
                     sums[2 * channels:2 * channels + 1].to(alpha.dtype).reshape(alpha.shape), grad_shift,

@@ -1,7 +1,7 @@
 """PN's Triton kernels (`kernels_triton.py`, the CUDA implementation of the `hf_powernorm::pn_step_*`
-operators) run through Triton's interpreter (`TRITON_INTERPRET=1`) on CPU tensors, against the
-float64 reference of `test_normalization.py` and the operators' torch ops, at small odd shapes;
-skipped where Triton is not installed.
+operators) and DyT's and Derf's run through Triton's interpreter (`TRITON_INTERPRET=1`) on CPU
+tensors, against float64 references and the torch ops, at small odd shapes; skipped where Triton is
+not installed. The tests named `cuda` run on a CUDA device only, without the interpreter.
 
 Triton reads `TRITON_INTERPRET` when it is imported (its own library functions are built then), and
 the package imports it with `normalization.py`: so, unless this process was started with it, one
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_kernels_through_the_interpreter_in_a_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
-               "-k", "not fresh_process", __file__]
+               "-k", "not fresh_process and not cuda", __file__]
     run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and " failed" not in run.stdout and " skipped" not in run.stdout, run.stdout
@@ -179,3 +179,112 @@ def test_kernels_are_only_offered_what_they_take(kernels):
     assert not kernels.usable(x, weight, weight, phi.bfloat16())  # buffers cast away from float32
     assert not kernels.usable(x.reshape(1, 5, HIDDEN), weight, weight, phi)
     assert kernels.AVAILABLE
+
+
+# ----------------------------------------------------------------------------------------------
+# DyT's and Derf's kernels (what `_ElementwiseNormFunction` runs on CUDA)
+
+def _elementwise_reference(function, x, alpha, shift, weight, bias, dy):
+    """Output and gradients of `weight * f(alpha x + shift) + bias` in float64 autograd."""
+    leaves = [t.double().requires_grad_(True) if t is not None else None for t in (x, alpha, shift, weight, bias)]
+    x64, alpha64, shift64, weight64, bias64 = leaves
+    z = alpha64 * x64 + (0.0 if shift64 is None else shift64)
+    y = weight64 * (torch.tanh(z) if function == "tanh" else torch.erf(z)) + bias64
+    y.backward(dy.double())
+    return y.detach(), {name: t.grad for name, t in zip(("x", "alpha", "shift", "weight", "bias"), leaves)
+                        if t is not None}
+
+
+@pytest.mark.parametrize("function", ["tanh", "erf"])
+@pytest.mark.parametrize("tokens, hidden, shifted, programs", [
+    (13, 12, False, None), (13, 12, True, None), (600, 40, True, None), (600, 40, False, 3), (1, 5, True, None)])
+def test_triton_dyt_derf_match_the_float64_formula(kernels, monkeypatch, function, tokens, hidden, shifted, programs):
+    if programs:  # fewer programs than tiles: each adds up several tiles
+        monkeypatch.setattr(kernels, "MAX_PROGRAMS", programs)
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x, dy = torch.randn(tokens, hidden, generator=gen) * 2, torch.randn(tokens, hidden, generator=gen)
+    alpha, shift = torch.tensor([0.7]), torch.tensor([-0.3]) if shifted else None
+    weight, bias = torch.linspace(0.5, 1.5, hidden), torch.linspace(-0.2, 0.3, hidden)
+    want, grads = _elementwise_reference(function, x, alpha, shift, weight, bias, dy)
+
+    y = kernels.elementwise_forward(x, function, alpha, shift, weight, bias)
+    dx, sums = kernels.elementwise_backward(dy, x, function, alpha, shift, weight, True)
+    assert y.dtype == dx.dtype == sums.dtype == torch.float32 and sums.shape == (2 * hidden + 2,)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx.double(), grads["x"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums[:hidden].double(), grads["weight"], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sums[hidden:2 * hidden].double(), grads["bias"], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sums[2 * hidden:2 * hidden + 1].double(), grads["alpha"], rtol=1e-5, atol=1e-3)
+    if shifted:
+        torch.testing.assert_close(sums[2 * hidden + 1:].double(), grads["shift"], rtol=1e-5, atol=1e-3)
+    no_dx, same = kernels.elementwise_backward(dy, x, function, alpha, shift, weight, False)
+    assert no_dx is None and torch.equal(same, sums)
+
+
+@pytest.mark.parametrize("name", ["dyt", "derf"])
+def test_dyt_derf_modules_train_through_the_triton_kernels_as_through_the_torch_ops(kernels, monkeypatch, name):
+    """The module's autograd function on the Triton kernels (offered CPU tensors here, where only CUDA
+    takes them) against its torch ops: output and every gradient, a bfloat16 model included."""
+    from hf_powernorm import normalization
+
+    offered = []
+
+    def usable(x, *parameters):
+        offered.append(x.shape)
+        return kernels.elementwise_usable(x, *parameters)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        runs = []
+        for backend in ("triton", "torch"):
+            torch.manual_seed(0)
+            norm = normalization.build_norm(name, HIDDEN).to(dtype)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+            x = (torch.randn(3, 5, HIDDEN) * 2).to(dtype).requires_grad_(True)
+            with monkeypatch.context() as patch, normalization.kernel_backend(backend):
+                if backend == "triton":
+                    patch.setattr(normalization, "_triton_elementwise_usable", usable)
+                y = norm(x)
+                y.backward(torch.randn(3, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype))
+            runs.append([y, x.grad] + [p.grad for p in norm.parameters()])
+            assert len(offered) == (2 if dtype == torch.bfloat16 else 1)  # the triton run's step, not the other
+        for got, want in zip(*runs):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                                       atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_dyt_derf_kernels_are_only_offered_float32(kernels):
+    x, weight = torch.randn(5, HIDDEN), torch.ones(HIDDEN)
+    assert kernels.elementwise_usable(x, weight, None, torch.ones(1))
+    assert kernels.elementwise_usable(x.reshape(1, 5, HIDDEN), weight)
+    assert not kernels.elementwise_usable(x.double(), weight)  # float64: the torch ops
+    assert not kernels.elementwise_usable(x.bfloat16(), weight)  # the module casts to float32 first
+    assert not kernels.elementwise_usable(x, weight.double())
+    assert not kernels.elementwise_usable(torch.randn(2, 20000), torch.ones(20000))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["dyt", "derf"])
+def test_cuda_dyt_derf_take_the_triton_kernels_and_match_cpu(monkeypatch, name):
+    from hf_powernorm import normalization
+
+    calls = []
+    forward = normalization.triton_elementwise_forward
+    monkeypatch.setattr(normalization, "triton_elementwise_forward", lambda *a: calls.append(1) or forward(*a))
+    runs = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        norm = normalization.build_norm(name, 96).to(device)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+        gen = torch.Generator().manual_seed(1)
+        x = (torch.randn(4, 33, 96, generator=gen) * 2).to(device).requires_grad_(True)
+        y = norm(x)
+        y.backward(torch.randn(4, 33, 96, generator=gen).to(device))
+        runs.append([t.detach().cpu() for t in [y, x.grad] + [p.grad for p in norm.parameters()]])
+    assert calls == [1]
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
