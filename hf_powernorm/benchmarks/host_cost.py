@@ -13,7 +13,8 @@ For each norm and shape this prints one markdown table:
 - `device ops`: kernels and copies the device runs per step (`torch.profiler`, CUDA only).
 Norms: `F.layer_norm`, the registry's LayerNorm module, PN on its path for the device (CUDA: its
 `hf_powernorm::pn_step_*` operators on the Triton kernels; eager CPU: direct calls of the C
-kernels), PN in torch ops (`kernel_backend("torch")`), masked BatchNorm.
+kernels), PN in torch ops (`kernel_backend("torch")`), masked BatchNorm, DyT and Derf on their path
+for the device (the Triton kernels on CUDA, the C kernels on the CPU) and DyT in torch ops.
 `--profile STEPS` then runs that many of PN's steps (G=4, its path for the device, the first shape)
 under `cProfile` and prints the functions the host spends them in, by their own time: where the
 host's time per step goes, function by function (the profiler's own cost inflates every row).
@@ -42,6 +43,9 @@ CASES = {
     "powernorm G=4, torch ops": ("powernorm", {"group_num": 4}, False),
     "layernorm (registry)": ("layernorm", {}, True),
     "batchnorm (masked)": ("batchnorm", {}, True),
+    "dyt": ("dyt", {}, True),
+    "dyt, torch ops": ("dyt", {}, False),
+    "derf": ("derf", {}, True),
 }
 SHAPES = ((4096, 512), (16384, 1024))
 QUICK_SHAPES = ((64, 32),)
