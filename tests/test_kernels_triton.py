@@ -1,7 +1,9 @@
 """PN's Triton kernels (`kernels_triton.py`, the CUDA implementation of the `hf_powernorm::pn_step_*`
 operators) and DyT's and Derf's run through Triton's interpreter (`TRITON_INTERPRET=1`) on CPU
 tensors, against float64 references and the torch ops, at small odd shapes; skipped where Triton is
-not installed. The tests named `cuda` run on a CUDA device only, without the interpreter.
+not installed. The tests named `cuda` run on a CUDA device only, without the interpreter; without a
+GPU, every kernel is also compiled for one (sm_90) through Triton's compiler, which catches what
+the interpreter lets through (types that change in a loop, say).
 
 Triton reads `TRITON_INTERPRET` when it is imported (its own library functions are built then), and
 the package imports it with `normalization.py`: so, unless this process was started with it, one
@@ -30,6 +32,43 @@ def test_kernels_through_the_interpreter_in_a_fresh_process():
     run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and " failed" not in run.stdout and " skipped" not in run.stdout, run.stdout
+
+
+# Each kernel with constexprs of a real launch (hidden 512, G = 4): compiled for an H100 (sm_90)
+# without a GPU, through Triton's own compiler down to the cubin, which the interpreter never runs.
+AOT_KERNELS = [
+    ("_forward_sums", {"G": 4, "GROUPED": True, "HAS_MASK": True, "BLOCK_T": 8, "GP": 4, "KP": 128}),
+    ("_forward_statistics", {"REFERENCE": True, "BATCH_BACKWARD": False, "BLOCK_C": 512, "BLOCK_P": 16}),
+    ("_forward_output", {"G": 4, "GROUPED": True, "BLOCK_T": 8, "GP": 4, "KP": 128}),
+    ("_backward_sums", {"G": 4, "GROUPED": False, "HAS_MASK": False, "BLOCK_T": 8, "GP": 1, "KP": 512}),
+    ("_backward_statistics", {"BLOCK_C": 512, "BLOCK_P": 16}),
+    ("_elementwise_forward", {"ERF": False, "HAS_SHIFT": False, "BLOCK_T": 8, "BLOCK_C": 512}),
+    ("_elementwise_forward", {"ERF": True, "HAS_SHIFT": True, "BLOCK_T": 8, "BLOCK_C": 512}),
+    ("_elementwise_backward_sums", {"ERF": False, "HAS_SHIFT": False, "NEED_DX": True, "BLOCK_T": 8, "BLOCK_C": 512}),
+    ("_elementwise_backward_sums", {"ERF": True, "HAS_SHIFT": True, "NEED_DX": False, "BLOCK_T": 8, "BLOCK_C": 512}),
+    ("_elementwise_backward_statistics", {"BLOCK_C": 512, "BLOCK_P": 16}),
+]
+FLOAT_ARGUMENTS = {"group_eps", "eps", "warmup", "ramp", "ema_rate", "rate"}
+INTEGER_POINTERS = {"mask_ptr", "counter_ptr"}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the compiler")
+@pytest.mark.parametrize("name, constants", AOT_KERNELS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(AOT_KERNELS)])
+def test_triton_kernels_compile_to_a_cuda_binary_without_a_gpu(monkeypatch, tmp_path, name, constants):
+    compiler = pytest.importorskip("triton.compiler")
+    from triton.backends.compiler import GPUTarget
+
+    import hf_powernorm.kernels_triton as module
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel = getattr(module, name)
+    signature = {p.name: "constexpr" if p.is_constexpr else "*i64" if p.name in INTEGER_POINTERS
+                 else "*fp32" if p.name.endswith("_ptr") else "fp32" if p.name in FLOAT_ARGUMENTS else "i32"
+                 for p in kernel.params}
+    assert {n for n, kind in signature.items() if kind == "constexpr"} == set(constants)
+    built = compiler.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                             target=GPUTarget("cuda", 90, 32))
+    assert f".entry {name}" in built.asm["ptx"] and len(built.asm["cubin"]) > 1000
 
 
 @pytest.fixture(scope="module")
