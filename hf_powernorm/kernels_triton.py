@@ -418,7 +418,8 @@ def elementwise_backward(dy: torch.Tensor, x: torch.Tensor, function: str, alpha
     layout = _elementwise_layout(tokens, channels)
     num_tiles = triton.cdiv(tokens, layout["BLOCK_T"])
     programs = max(1, min(num_tiles, MAX_PROGRAMS))
-    sums = torch.zeros(programs, 4, channels, device=x.device, dtype=torch.float32)
+    # every program writes its row; without tokens no program runs, and the sums are zero
+    sums = (torch.empty if tokens else torch.zeros)(programs, 4, channels, device=x.device, dtype=torch.float32)
     grads = torch.empty(2 * channels + 2, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if need_dx else None
     weight = weight.contiguous()

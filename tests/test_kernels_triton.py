@@ -327,3 +327,10 @@ def test_cuda_dyt_derf_take_the_triton_kernels_and_match_cpu(monkeypatch, name):
     assert calls == [1]
     for got, want in zip(runs[1], runs[0]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_dyt_derf_without_tokens(kernels):
+    x, weight = torch.empty(0, HIDDEN), torch.linspace(0.5, 1.5, HIDDEN)
+    assert kernels.elementwise_forward(x, "erf", torch.ones(1), torch.zeros(1), weight, weight).shape == (0, HIDDEN)
+    dx, sums = kernels.elementwise_backward(x, x, "erf", torch.ones(1), torch.zeros(1), weight, True)
+    assert dx.shape == (0, HIDDEN) and torch.equal(sums, torch.zeros(2 * HIDDEN + 2))
