@@ -381,8 +381,6 @@ def check_model(args: argparse.Namespace) -> dict[str, int]:
     """The model fits `--task` (a causal LM for `causal-lm`) and has norms that `convert_norms`
     knows; returns its norm classes and counts (for the report). Builds the model from its config
     only (random weights)."""
-    import torch
-    import transformers
     from transformers import AutoConfig
 
     from .converter import find_norms
