@@ -384,10 +384,12 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
 
 
 def elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
-    """Whether DyT's and Derf's kernels take `x` (..., C): float32 with float32 parameters (what their
-    autograd function is given whatever the model's dtype), a hidden size one program holds."""
-    return (AVAILABLE and x.dtype == torch.float32 and x.dim() >= 1 and 0 < x.shape[-1] <= 16384
-            and all(p is None or p.dtype == torch.float32 for p in parameters))
+    """Whether DyT's and Derf's kernels take `x` (..., C): float32, bfloat16 or float16, parameters of
+    any floating dtype (every value is read as float32, the output and `dx` written in `x`'s dtype),
+    a hidden size one program holds."""
+    return (AVAILABLE and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() >= 1
+            and 0 < x.shape[-1] <= 16384 and all(p is None or p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                                                  for p in parameters))
 
 
 def _elementwise_layout(tokens: int, channels: int) -> dict:

@@ -2204,9 +2204,11 @@ class _ElementwiseNormFunction(torch.autograd.Function):
     pass (`kernels_cpu.elementwise_forward`, `elementwise_backward`: `f(z)` recomputed from `x`, so
     only `x` is saved, as LayerNorm saves it); their tanh is this same formula and their erf within
     3.5e-7 of float64 erf (torch's float32 erf: 3.2e-8; the C source says how). On CUDA the Triton
-    kernels (`kernels_triton.elementwise_forward`, `elementwise_backward`) take float32 steps in one
-    launch forward and two backward, `x` alone saved, `alpha` and `shift` read on the device (no
-    step waits for the host); their tanh is this formula too, their erf Triton's."""
+    kernels (`kernels_triton.elementwise_forward`, `elementwise_backward`) take the step in one launch
+    forward and two backward, `x` alone saved, `alpha` and `shift` read on the device (no step waits
+    for the host); the module hands them float32, bfloat16 or float16 tensors as they are (each value
+    read as float32, the output and `dx` written in the input's dtype: no cast launched). Their tanh
+    is this formula too, their erf Triton's."""
 
     @staticmethod
     def forward(ctx, x, alpha, shift, weight, bias, function):
@@ -2299,8 +2301,12 @@ class _ElementwiseNorm(_Norm):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        dtype = _stat_dtype(hidden_states)
         shift = getattr(self, "shift", None)
+        if _triton_elementwise_usable(hidden_states, self.alpha, shift, self.weight, self.bias):
+            # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
+            return _ElementwiseNormFunction.apply(hidden_states, self.alpha, shift, self.weight, self.bias,
+                                                  self._squash)
+        dtype = _stat_dtype(hidden_states)
         if (not torch.is_grad_enabled() and self.weight.dtype == self.bias.dtype == self.alpha.dtype == torch.float32
                 and _fused_kernels_usable(hidden_states)):  # inference (a decoding step): the C pass, no autograd
             return _elementwise_c_pass(hidden_states, self._squash, self.alpha, shift, self.weight, self.bias)

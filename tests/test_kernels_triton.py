@@ -48,13 +48,23 @@ AOT_KERNELS = [
     ("_elementwise_backward_sums", {"ERF": True, "HAS_SHIFT": True, "NEED_DX": False, "BLOCK_T": 8, "BLOCK_C": 512}),
     ("_elementwise_backward_statistics", {"BLOCK_C": 512, "BLOCK_P": 16}),
 ]
+# a bfloat16 model's DyT / Derf: its tensors as they are
+BF16 = {"x_ptr": "*bf16", "y_ptr": "*bf16", "dy_ptr": "*bf16", "dx_ptr": "*bf16", "alpha_ptr": "*bf16",
+        "shift_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16"}
+AOT_KERNELS = [(name, constants, {}) for name, constants in AOT_KERNELS] + [
+    ("_elementwise_forward", {"ERF": True, "HAS_SHIFT": True, "BLOCK_T": 8, "BLOCK_C": 512}, BF16),
+    ("_elementwise_backward_sums", {"ERF": False, "HAS_SHIFT": False, "NEED_DX": True, "BLOCK_T": 8, "BLOCK_C": 512},
+     BF16),
+    ("_elementwise_backward_statistics", {"BLOCK_C": 512, "BLOCK_P": 16}, BF16),
+]
 FLOAT_ARGUMENTS = {"group_eps", "eps", "warmup", "ramp", "ema_rate", "rate"}
 INTEGER_POINTERS = {"mask_ptr", "counter_ptr"}
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the compiler")
-@pytest.mark.parametrize("name, constants", AOT_KERNELS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(AOT_KERNELS)])
-def test_triton_kernels_compile_to_a_cuda_binary_without_a_gpu(monkeypatch, tmp_path, name, constants):
+@pytest.mark.parametrize("name, constants, pointers", AOT_KERNELS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(AOT_KERNELS)])
+def test_triton_kernels_compile_to_a_cuda_binary_without_a_gpu(monkeypatch, tmp_path, name, constants, pointers):
     compiler = pytest.importorskip("triton.compiler")
     from triton.backends.compiler import GPUTarget
 
@@ -62,9 +72,15 @@ def test_triton_kernels_compile_to_a_cuda_binary_without_a_gpu(monkeypatch, tmp_
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     kernel = getattr(module, name)
-    signature = {p.name: "constexpr" if p.is_constexpr else "*i64" if p.name in INTEGER_POINTERS
-                 else "*fp32" if p.name.endswith("_ptr") else "fp32" if p.name in FLOAT_ARGUMENTS else "i32"
-                 for p in kernel.params}
+
+    def kind(name: str) -> str:
+        if name in pointers:
+            return pointers[name]
+        if name.endswith("_ptr"):
+            return "*i64" if name in INTEGER_POINTERS else "*fp32"
+        return "fp32" if name in FLOAT_ARGUMENTS else "i32"
+
+    signature = {p.name: "constexpr" if p.is_constexpr else kind(p.name) for p in kernel.params}
     assert {n for n, kind in signature.items() if kind == "constexpr"} == set(constants)
     built = compiler.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants),
                              target=GPUTarget("cuda", 90, 32))
@@ -263,15 +279,13 @@ def test_triton_dyt_derf_match_the_float64_formula(kernels, monkeypatch, functio
 @pytest.mark.parametrize("name", ["dyt", "derf"])
 def test_dyt_derf_modules_train_through_the_triton_kernels_as_through_the_torch_ops(kernels, monkeypatch, name):
     """The module's autograd function on the Triton kernels (offered CPU tensors here, where only CUDA
-    takes them) against its torch ops: output and every gradient, a bfloat16 model included."""
+    takes them) against its torch ops: output and every gradient, a bfloat16 model included (its
+    tensors handed to the kernels as they are)."""
     from hf_powernorm import normalization
 
-    offered = []
-
-    def usable(x, *parameters):
-        offered.append(x.shape)
-        return kernels.elementwise_usable(x, *parameters)
-
+    taken, forward = [], normalization.triton_elementwise_forward
+    monkeypatch.setattr(normalization, "triton_elementwise_forward",
+                        lambda x, *args: taken.append(x.dtype) or forward(x, *args))
     for dtype in (torch.float32, torch.bfloat16):
         runs = []
         for backend in ("triton", "torch"):
@@ -283,23 +297,24 @@ def test_dyt_derf_modules_train_through_the_triton_kernels_as_through_the_torch_
             x = (torch.randn(3, 5, HIDDEN) * 2).to(dtype).requires_grad_(True)
             with monkeypatch.context() as patch, normalization.kernel_backend(backend):
                 if backend == "triton":
-                    patch.setattr(normalization, "_triton_elementwise_usable", usable)
+                    patch.setattr(normalization, "_triton_elementwise_usable", kernels.elementwise_usable)
                 y = norm(x)
                 y.backward(torch.randn(3, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype))
             runs.append([y, x.grad] + [p.grad for p in norm.parameters()])
-            assert len(offered) == (2 if dtype == torch.bfloat16 else 1)  # the triton run's step, not the other
+        # the triton run's step alone, a bfloat16 model's tensors as they are (no cast to float32 and back)
+        assert taken == [torch.float32] if dtype == torch.float32 else taken == [torch.float32, torch.bfloat16]
         for got, want in zip(*runs):
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2,
                                        atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
-def test_dyt_derf_kernels_are_only_offered_float32(kernels):
+def test_dyt_derf_kernels_are_only_offered_what_they_take(kernels):
     x, weight = torch.randn(5, HIDDEN), torch.ones(HIDDEN)
     assert kernels.elementwise_usable(x, weight, None, torch.ones(1))
     assert kernels.elementwise_usable(x.reshape(1, 5, HIDDEN), weight)
+    assert kernels.elementwise_usable(x.bfloat16(), weight.bfloat16(), None, torch.ones(1, dtype=torch.float16))
     assert not kernels.elementwise_usable(x.double(), weight)  # float64: the torch ops
-    assert not kernels.elementwise_usable(x.bfloat16(), weight)  # the module casts to float32 first
     assert not kernels.elementwise_usable(x, weight.double())
     assert not kernels.elementwise_usable(torch.randn(2, 20000), torch.ones(20000))
 
