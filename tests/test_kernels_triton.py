@@ -321,27 +321,32 @@ def test_dyt_derf_kernels_are_only_offered_what_they_take(kernels):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["dyt", "derf"])
-def test_cuda_dyt_derf_take_the_triton_kernels_and_match_cpu(monkeypatch, name):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_dyt_derf_take_the_triton_kernels_and_match_cpu(monkeypatch, name, dtype):
+    """The CUDA step (on the kernels, a bfloat16 model's tensors as they are) against the CPU's in float32."""
     from hf_powernorm import normalization
 
     calls = []
     forward = normalization.triton_elementwise_forward
-    monkeypatch.setattr(normalization, "triton_elementwise_forward", lambda *a: calls.append(1) or forward(*a))
+    monkeypatch.setattr(normalization, "triton_elementwise_forward",
+                        lambda x, *args: calls.append(x.dtype) or forward(x, *args))
     runs = []
-    for device in ("cpu", "cuda"):
+    for device, model_dtype in (("cpu", torch.float32), ("cuda", dtype)):
         torch.manual_seed(0)
-        norm = normalization.build_norm(name, 96).to(device)
+        norm = normalization.build_norm(name, 96)
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5)
             norm.bias.uniform_(-0.5, 0.5)
+        norm.to(device, model_dtype)
         gen = torch.Generator().manual_seed(1)
-        x = (torch.randn(4, 33, 96, generator=gen) * 2).to(device).requires_grad_(True)
+        x = (torch.randn(4, 33, 96, generator=gen) * 2).to(device, model_dtype).requires_grad_(True)
         y = norm(x)
-        y.backward(torch.randn(4, 33, 96, generator=gen).to(device))
-        runs.append([t.detach().cpu() for t in [y, x.grad] + [p.grad for p in norm.parameters()]])
-    assert calls == [1]
+        y.backward(torch.randn(4, 33, 96, generator=gen).to(device, model_dtype))
+        runs.append([t.detach().cpu().float() for t in [y, x.grad] + [p.grad for p in norm.parameters()]])
+    assert calls == [dtype]
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for got, want in zip(runs[1], runs[0]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_triton_dyt_derf_without_tokens(kernels):
