@@ -295,13 +295,21 @@ def test_export_is_a_record_that_resumes_the_study_elsewhere(ptb_smoke, tmp_path
     stale = tmp_path / "export" / "cells" / "a-run-since-removed"
     stale.mkdir(parents=True)
     (tmp_path / "export" / "curves_ptb_8.png").write_bytes(b"a figure the outputs no longer have")
+    finished = sorted(path.parent.name for path in (tmp_path / "out").glob("cells/*/result.json"))
+    # the CPU seconds of a run under way travel with the record; a finished run's old record does not
+    under_way = tuned_comparison.cpu_record(tmp_path / "out" / "cells" / "ptb-layernorm-a-run-under-way")
+    under_way.write_text('{"cpu_seconds": 812.5}')
+    done = tuned_comparison.cpu_record(tmp_path / "export" / "cells" / finished[0])
+    done.write_text('{"cpu_seconds": 3.0}')
     tuned_comparison.main([*argv, "--output_dir", str(tmp_path / "out"), "--report_only",
                            "--export_dir", str(tmp_path / "export")])
     export = tmp_path / "export"
-    assert not stale.exists()
+    assert not stale.exists() and not done.exists()
+    assert (export / "cells" / under_way.name).read_text() == '{"cpu_seconds": 812.5}'
+    under_way.unlink()
+    (export / "cells" / under_way.name).unlink()
     for name in (*tuned_comparison.OUTPUT_FILES, "curves_ptb_6.png"):
         assert (export / name).read_bytes() == (tmp_path / "out" / name).read_bytes(), name
-    finished = sorted(path.parent.name for path in (tmp_path / "out").glob("cells/*/result.json"))
     assert sorted(path.parent.name for path in export.glob("cells/*/result.json")) == finished
     # Only validation records are kept: no checkpoints, no training-loss lines.
     assert {path.name for path in export.rglob("*") if path.is_file()} == {

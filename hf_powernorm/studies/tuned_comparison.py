@@ -1008,10 +1008,12 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
     """Copy the outputs and each finished run's `result.json` and validation records (the lines of
     its log that `validation_curve` reads, as they are), and a translation final's test translations
     with their references (`bootstraps` reads them), into `export_dir`; a run folder there that
-    is no longer a finished run is removed. Returns the number of runs exported. Copied into an
-    output folder, `cells/` resumes the study: the grid never reruns a run with a result, and the
-    report reads the same curves from it."""
-    export_dir.mkdir(parents=True, exist_ok=True)
+    is no longer a finished run is removed. An unfinished run's `cpu_record` (the CPU seconds its
+    attempts have cost so far) is copied too, not its checkpoints. Returns the number of runs
+    exported. Copied into an output folder, `cells/` resumes the study: the grid never reruns a run
+    with a result, the report reads the same curves from it, and a run that was under way starts
+    again from its beginning with the CPU seconds already spent on it in its account."""
+    (export_dir / "cells").mkdir(parents=True, exist_ok=True)
     figures = sorted(output_dir.glob("curves_*.png"))
     for path in [output_dir / name for name in OUTPUT_FILES] + figures:
         shutil.copyfile(path, export_dir / path.name)
@@ -1032,8 +1034,12 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
         lines = (log_folder(output_dir, result) / LOG_NAME).read_text(encoding="utf-8").splitlines(keepends=True)
         records = [line for line in lines if line.strip() and "validation" in json.loads(line)]
         (target / LOG_NAME).write_text("".join(records), encoding="utf-8")
+    records = {path.name for path in (output_dir / "cells").glob(".*.cpu_seconds.json")
+               if path.name[1:-len(".cpu_seconds.json")] not in results}
+    for name in records:
+        shutil.copyfile(output_dir / "cells" / name, export_dir / "cells" / name)
     for folder in (export_dir / "cells").iterdir():
-        if folder.name not in results:
+        if folder.name not in results and folder.name not in records:
             remove_path(folder)
     return len(results)
 
