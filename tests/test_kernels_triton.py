@@ -83,7 +83,7 @@ def test_triton_kernels_compile_to_a_cuda_binary_without_a_gpu(monkeypatch, tmp_
     signature = {p.name: "constexpr" if p.is_constexpr else kind(p.name) for p in kernel.params}
     assert {n for n, kind in signature.items() if kind == "constexpr"} == set(constants)
     built = compiler.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                             target=GPUTarget("cuda", 90, 32))
+                             target=GPUTarget("cuda", 90, 32), options=module.LAUNCH)
     assert f".entry {name}" in built.asm["ptx"] and len(built.asm["cubin"]) > 1000
 
 
