@@ -1,4 +1,5 @@
-"""Every GPU check of PN's fused operator in one command, with one report for BENCHMARKS.md.
+"""Every GPU check of PN's fused operator (and of DyT's and Derf's kernels) in one command, with one report
+for BENCHMARKS.md.
 
     python -m hf_powernorm.benchmarks.gpu_check [--out gpu_check] [--repeats 7] [--quick] [--only STEP ...]
                                                 [--budget SECONDS] [--no_suite_compile] [--dry_run]
@@ -6,8 +7,10 @@
 Run from the repository root on a machine with a CUDA device and Triton. In order, each step a
 fresh process with its own time limit, its output kept in `OUT/<step>.log`:
 1. `tests`: the CUDA tests (`tests/test_compile.py -k cuda`: no step waits for the device, CUDA
-   steps equal the CPU's, buffers included) and the Triton kernel tests;
-2. `host_cost`: the eager layer step, host time and device operations per step, PN / `F.layer_norm`;
+   steps equal the CPU's, buffers included) and the Triton kernel tests (DyT's and Derf's CUDA
+   steps against the CPU's among them);
+2. `host_cost`: the eager layer step, host time and device operations per step, PN, DyT and Derf /
+   `F.layer_norm`;
 3. `suite`: the benchmark suite on the device (layer training step and eval forward / `F.layer_norm`,
    memory, the model training step eager, `generate` tokens/s, folding);
 4. `compiled`: the model training step compiled, PN in the encoder and in every layer / LayerNorm;
