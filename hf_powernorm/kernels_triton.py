@@ -330,6 +330,12 @@ def _layout(tokens: int, channels: int, group_num: int) -> dict:
             "num_tiles": num_tiles, "programs": max(1, min(num_tiles, MAX_PROGRAMS))}
 
 
+def _statistics_blocks(channels: int) -> dict:
+    """Block sizes of a one-program statistics kernel: all channels, and rows of partial sums a loop step."""
+    block_c = triton.next_power_of_2(channels)
+    return {"BLOCK_C": block_c, "BLOCK_P": max(1, min(16, 16384 // block_c))}
+
+
 def _mask_pointer(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """The mask as a tensor the kernels read (`!= 0` = real), or `x` as a placeholder without one."""
     if mask is None:
@@ -355,11 +361,10 @@ def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Te
     y = torch.empty_like(x)
     _forward_sums[(programs,)](x, _mask_pointer(mask, x), sums, counts, tokens, channels, k, group_eps, num_tiles,
                                programs, HAS_MASK=mask is not None, **layout, **LAUNCH)
-    block_c = triton.next_power_of_2(channels)
     _forward_statistics[(1,)](sums, counts, programs, running_phi, counter, weight.contiguous(), stats, info, scale,
                               channels, eps, float(warmup_steps), float(ramp_steps), 1.0 - alpha_fwd,
-                              REFERENCE=reference, BATCH_BACKWARD=batch_backward, BLOCK_C=block_c,
-                              BLOCK_P=max(1, min(16, 16384 // block_c)), **LAUNCH)
+                              REFERENCE=reference, BATCH_BACKWARD=batch_backward, **_statistics_blocks(channels),
+                              **LAUNCH)
     _forward_output[(num_tiles,)](x, y, scale, bias.contiguous(), tokens, channels, k, group_eps, **layout, **LAUNCH)
     return y, stats, info
 
@@ -380,9 +385,8 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
     _backward_sums[(programs,)](dy.contiguous(), x, _mask_pointer(mask, x), weight, running_nu, stats, dx, sums,
                                 tokens, channels, k, group_eps, num_tiles, programs, HAS_MASK=mask is not None,
                                 **layout, **LAUNCH)
-    block_c = triton.next_power_of_2(channels)
     _backward_statistics[(1,)](sums, programs, weight, stats, info, running_nu, grads, channels, 1.0 - alpha_bkw,
-                               BLOCK_C=block_c, BLOCK_P=max(1, min(16, 16384 // block_c)), **LAUNCH)
+                               **_statistics_blocks(channels), **LAUNCH)
     return dx, grads if weight.dtype == torch.float32 else grads.to(weight.dtype)
 
 
@@ -395,11 +399,10 @@ def elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> boo
                                                   for p in parameters))
 
 
-def _elementwise_layout(tokens: int, channels: int) -> dict:
-    """Tile sizes: channels padded to a power of two, tokens per tile."""
-    block_c = triton.next_power_of_2(channels)
-    block_t = max(1, min(TILE_ELEMENTS // block_c, triton.next_power_of_2(max(tokens, 1))))
-    return {"BLOCK_C": block_c, "BLOCK_T": block_t}
+def _elementwise_layout(tokens: int, channels: int) -> tuple[dict, int, int]:
+    """PN's tiles without groups (`_layout`): `({BLOCK_T, BLOCK_C}, tiles, programs)`."""
+    layout = _layout(tokens, channels, 0)
+    return {"BLOCK_T": layout["BLOCK_T"], "BLOCK_C": layout["KP"]}, layout["num_tiles"], layout["programs"]
 
 
 def elementwise_forward(x: torch.Tensor, function: str, alpha: torch.Tensor, shift: torch.Tensor | None,
@@ -408,8 +411,8 @@ def elementwise_forward(x: torch.Tensor, function: str, alpha: torch.Tensor, shi
     tokens, channels = x.shape
     y = torch.empty_like(x)
     if tokens:
-        layout = _elementwise_layout(tokens, channels)
-        _elementwise_forward[(triton.cdiv(tokens, layout["BLOCK_T"]),)](
+        layout, num_tiles, _ = _elementwise_layout(tokens, channels)
+        _elementwise_forward[(num_tiles,)](
             x, alpha, alpha if shift is None else shift, weight.contiguous(), bias.contiguous(), y, tokens, channels,
             ERF=function == "erf", HAS_SHIFT=shift is not None, **layout, **LAUNCH)
     return y
@@ -420,9 +423,7 @@ def elementwise_backward(dy: torch.Tensor, x: torch.Tensor, function: str, alpha
     """Their backward of contiguous `dy`, `x` (tokens, C), `f(z)` recomputed from `x`: `(dx or None,
     sums)`, `sums` (2C + 2, float32) = `(dweight, dbias, dalpha, dshift)`, as `kernels_cpu`'s."""
     tokens, channels = x.shape
-    layout = _elementwise_layout(tokens, channels)
-    num_tiles = triton.cdiv(tokens, layout["BLOCK_T"])
-    programs = max(1, min(num_tiles, MAX_PROGRAMS))
+    layout, num_tiles, programs = _elementwise_layout(tokens, channels)
     # every program writes its row; without tokens no program runs, and the sums are zero
     sums = (torch.empty if tokens else torch.zeros)(programs, 4, channels, device=x.device, dtype=torch.float32)
     grads = torch.empty(2 * channels + 2, device=x.device, dtype=torch.float32)
@@ -433,7 +434,6 @@ def elementwise_backward(dy: torch.Tensor, x: torch.Tensor, function: str, alpha
             dy, x, alpha, alpha if shift is None else shift, weight, x if dx is None else dx, sums, tokens, channels,
             num_tiles, programs, ERF=function == "erf", HAS_SHIFT=shift is not None, NEED_DX=need_dx, **layout,
             **LAUNCH)
-    block_c = layout["BLOCK_C"]
-    _elementwise_backward_statistics[(1,)](sums, programs, weight, grads, channels, BLOCK_C=block_c,
-                                           BLOCK_P=max(1, min(16, 16384 // block_c)), **LAUNCH)
+    _elementwise_backward_statistics[(1,)](sums, programs, weight, grads, channels, **_statistics_blocks(channels),
+                                           **LAUNCH)
     return dx, grads
