@@ -2211,19 +2211,20 @@ class _ElementwiseNormFunction(torch.autograd.Function):
     is this formula too, their erf Triton's."""
 
     @staticmethod
-    def forward(ctx, x, alpha, shift, weight, bias, function):
+    def forward(ctx, x, alpha, shift, weight, bias, function, triton):
+        """`triton`: the caller found the Triton kernels usable (`_triton_elementwise_usable`)."""
         ctx.function, ctx.kernels = function, None
+        if triton:
+            ctx.kernels = "triton"
+            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return triton_elementwise_forward(flat, function, alpha, shift, weight, bias).view(x.shape)
         vectors = (alpha, shift, weight, bias)
         if _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in vectors):
             ctx.kernels = "c"
             ctx.alpha, ctx.shift = float(alpha), 0.0 if shift is None else float(shift)
             ctx.save_for_backward(x, None, alpha, shift, weight, bias)
             return _elementwise_c_pass(x, function, alpha, shift, weight, bias)
-        if _triton_elementwise_usable(x, *vectors):
-            ctx.kernels = "triton"
-            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            return triton_elementwise_forward(flat, function, alpha, shift, weight, bias).view(x.shape)
         if function == "tanh":
             saved = torch.sigmoid_(x * (2.0 * alpha))
             out = torch.addcmul(bias - weight, saved, 2.0 * weight)  # weight * (2p - 1) + bias
@@ -2241,7 +2242,7 @@ class _ElementwiseNormFunction(torch.autograd.Function):
             with torch.enable_grad():
                 y = _elementwise_formula(x, alpha, shift, weight, bias, ctx.function)
                 grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True, allow_unused=True))
-            return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None)
+            return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None, None)
         channels = x.shape[-1]
         if ctx.kernels:  # the kernels' forward: their backward, one pass (C) or two launches (Triton)
             dy, flat = grad_output.reshape(-1, channels).contiguous(), x.reshape(-1, channels).contiguous()
@@ -2254,7 +2255,7 @@ class _ElementwiseNormFunction(torch.autograd.Function):
             grad_shift = None if shift is None else sums[2 * channels + 1:].to(shift.dtype).reshape(shift.shape)
             return (None if grad_x is None else grad_x.view(grad_output.shape),
                     sums[2 * channels:2 * channels + 1].to(alpha.dtype).reshape(alpha.shape), grad_shift,
-                    sums[:channels].to(weight.dtype), sums[channels:2 * channels].to(bias.dtype), None)
+                    sums[:channels].to(weight.dtype), sums[channels:2 * channels].to(bias.dtype), None, None)
         dy = grad_output.reshape(-1, channels)
         s, xf = saved.reshape(-1, channels), x.reshape(-1, channels)  # (tokens, hidden)
         dy_s = dy * s
@@ -2269,7 +2270,7 @@ class _ElementwiseNormFunction(torch.autograd.Function):
         grad_alpha = torch.dot((v * xf).sum(0), scale).reshape(alpha.shape)
         grad_shift = None if shift is None else torch.dot(v.sum(0), scale).reshape(shift.shape)
         grad_x = (v * (scale * alpha)).view_as(x) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_alpha, grad_shift, grad_weight, grad_bias, None
+        return grad_x, grad_alpha, grad_shift, grad_weight, grad_bias, None, None
 
 
 class _ElementwiseNorm(_Norm):
@@ -2305,7 +2306,7 @@ class _ElementwiseNorm(_Norm):
         if _triton_elementwise_usable(hidden_states, self.alpha, shift, self.weight, self.bias):
             # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
             return _ElementwiseNormFunction.apply(hidden_states, self.alpha, shift, self.weight, self.bias,
-                                                  self._squash)
+                                                  self._squash, True)
         dtype = _stat_dtype(hidden_states)
         if (not torch.is_grad_enabled() and self.weight.dtype == self.bias.dtype == self.alpha.dtype == torch.float32
                 and _fused_kernels_usable(hidden_states)):  # inference (a decoding step): the C pass, no autograd
@@ -2313,7 +2314,7 @@ class _ElementwiseNorm(_Norm):
         with _float32(hidden_states.device):
             out = _ElementwiseNormFunction.apply(
                 _cast(hidden_states, dtype), _cast(self.alpha, dtype), None if shift is None else _cast(shift, dtype),
-                _cast(self.weight, dtype), _cast(self.bias, dtype), self._squash)
+                _cast(self.weight, dtype), _cast(self.bias, dtype), self._squash, False)
         return _cast(out, hidden_states.dtype)
 
     def extra_repr(self) -> str:
