@@ -12,14 +12,23 @@ TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_POWERNORM
 
 .PHONY: install train demo test test-oldest bench clean
 
+# Exits 0 when the venv's torch satisfies TORCH_SPEC (a local build tag such as +cpu ignored).
+TORCH_CHECK = $(PY) -c "import sys, torch; from packaging.requirements import Requirement; \
+	r = Requirement(sys.argv[1]); \
+	sys.exit(r.name != 'torch' or not r.specifier.contains(torch.__version__.split('+')[0], prereleases=True))" \
+	"$(TORCH_SPEC)" 2>/dev/null
+TORCH_INSTALL = $(TORCH_CHECK) || $(PY) -m pip install -q "$(TORCH_SPEC)"
+
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(TORCH_INSTALL)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# An existing venv whose torch is not TORCH_SPEC's (make TORCH_SPEC=... test) gets it installed.
 install: $(VENV)/.installed
+	@$(TORCH_INSTALL)
 
 # The main job: train a PowerNorm Transformer on the embedded translation corpus, evaluate, export.
 train: install

@@ -84,6 +84,7 @@ HELP = {"train_file": "training data: .txt (causal-lm), .csv/.json/.jsonl (any t
         "model_name_or_path": "the model to compare norms on: a folder or a Hub id (offline: from the cache); "
                               "default: a tiny GPT-2 on the embedded corpus",
         "eval_batch_size": "examples per evaluation batch",
+        "eval_steps": "validate every N updates; default: --max_train_steps / 8 when it is given, else each epoch",
         "hub_model_id": "with --push_to_hub: ORG/NAME, each norm's kept model going to ORG/NAME-<norm>",
         "dataset_name": "a Hub dataset (needs network, or the datasets cache), a local folder of data files, "
                         "or a folder of Dataset.save_to_disk / DatasetDict.save_to_disk"}
@@ -195,7 +196,7 @@ def _add_data_column_args(group: argparse._ArgumentGroup) -> None:
 
 def _add_kept_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--checkpoint_runs", action="store_true",
-                       help="checkpoint each run at each validation (--eval_steps, else each epoch): a "
+                       help="checkpoint each run at each validation (see --eval_steps): a "
                             "comparison stopped mid-run then goes on from the run's last checkpoint, with the "
                             "scores of an unbroken run, instead of starting the run again; a run's checkpoint "
                             "(its optimizer state too) is removed when the run has finished")
