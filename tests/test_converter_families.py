@@ -444,3 +444,10 @@ def test_recipe_conversion_options_need_convert_norms(tmp_path):
     with pytest.raises(ValueError, match=r"--convert_modules '\(' is not a regular expression"):
         parse_args(["--model_name_or_path", str(tmp_path), "--convert_norms", "powernorm", "--convert_modules", "(",
                     "--output_dir", str(tmp_path)])
+    converting = ["--model_name_or_path", str(tmp_path), "--convert_norms", "powernorm", "--preserve_function",
+                  "--output_dir", str(tmp_path)]
+    for flag, value in (("--powernorm_warmup_steps", "100"), ("--powernorm_warmup_ramp_steps", "10"),
+                        ("--powernorm_group_num", "4")):
+        with pytest.raises(ValueError, match=rf"--preserve_function converts to powernorm .*leave out {flag} {value}"):
+            parse_args([*converting, flag, value])
+    assert parse_args([*converting, "--powernorm_warmup_steps", "0", "--powernorm_group_num", "1"]).preserve_function

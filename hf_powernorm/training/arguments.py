@@ -304,6 +304,21 @@ def _check_conversion_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--calibration_batches must be a count >= 0, got {batches!r}")
 
 
+def _check_preserved_options(args: argparse.Namespace) -> None:
+    """`--preserve_function` fixes some of PN's options (`converter.PRESERVING`): one given against
+    them is refused here, before any work, rather than by `convert_norms` once the model is loaded."""
+    from ..converter import PRESERVING
+
+    if not getattr(args, "preserve_function", False) or args.convert_norms not in PRESERVING:
+        return
+    for option, value in PRESERVING[args.convert_norms]["options"].items():
+        flag = NORM_CLASSES[args.convert_norms].config_options.get(option)
+        given = getattr(args, flag, None) if flag else None
+        if given is not None and given != value:
+            raise ValueError(f"--preserve_function converts to {args.convert_norms} with {option}={value!r} (the "
+                             f"function kept from the first update); leave out --{flag} {given!r}")
+
+
 def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -> None:
     """`--model_name_or_path` brings its own architecture; building options would contradict it."""
     if args.preset is not None and args.config_name is not None:
@@ -317,6 +332,7 @@ def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -
         if args.model_name_or_path is None:
             raise ValueError(f"--convert_norms {args.convert_norms} converts an existing Transformers model: "
                              f"give --model_name_or_path")
+        _check_preserved_options(args)
     if args.model_name_or_path is None:
         if not args.do_train:
             raise ValueError("--no-do_train scores an existing model: give --model_name_or_path")
