@@ -12,10 +12,11 @@ TEST_ENV := HF_HOME=$(CURDIR)/.cache/hf TMPDIR=$(CURDIR)/.cache/tmp HF_POWERNORM
 
 .PHONY: install train demo test test-oldest bench clean
 
-# Exits 0 when the venv's torch satisfies TORCH_SPEC (a local build tag such as +cpu ignored).
-TORCH_CHECK = $(PY) -c "import sys, torch; from packaging.requirements import Requirement; \
-	r = Requirement(sys.argv[1]); \
-	sys.exit(r.name != 'torch' or not r.specifier.contains(torch.__version__.split('+')[0], prereleases=True))" \
+# Exits 0 when the venv's torch satisfies TORCH_SPEC (a local build tag such as +cpu ignored); reads
+# the installed version's metadata rather than importing torch, so every target pays milliseconds.
+TORCH_CHECK = $(PY) -c "import sys; from importlib.metadata import version; \
+	from packaging.requirements import Requirement; r = Requirement(sys.argv[1]); \
+	sys.exit(r.name != 'torch' or not r.specifier.contains(version('torch').split('+')[0], prereleases=True))" \
 	"$(TORCH_SPEC)" 2>/dev/null
 TORCH_INSTALL = $(TORCH_CHECK) || $(PY) -m pip install -q "$(TORCH_SPEC)"
 
