@@ -322,7 +322,7 @@ def test_a_sound_comparison_gets_its_verdict_named_by_the_models_norm(tmp_path):
     half, p_value = math.tan(math.pi * 0.475) * error, 1 - 2 / math.pi * math.atan(abs(mean) / error)
     assert (f"| powernorm | 2 | {mean:+.3f} | [{mean - half:+.3f}, {mean + half:+.3f}] | {p_value:.3f} | PN better |"
             in report)
-    assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s)" in report
+    assert "Every check passed" in report and "Holm-adjusted over the 1 comparison(s) with an interval" in report
     assert "| 1.5 |" in report  # minutes per run
     assert "LN better" not in report and "against LlamaRMSNorm" in report
 
@@ -335,7 +335,7 @@ def test_holm_over_the_comparisons_made_can_take_a_verdict_back(tmp_path):
     rmsnorm = [_result("rmsnorm", 1, 19.0), _result("rmsnorm", 2, 18.7)]  # differences -1.0, -1.5
     both = _report(base + powernorm + rmsnorm, tmp_path, ("layernorm", "powernorm", "rmsnorm"))
     assert "PN better" not in both and both.count("| tie |") == 2
-    assert "Holm-adjusted over the 2 comparison(s)" in both
+    assert "Holm-adjusted over the 2 comparison(s) with an interval" in both
 
 
 @pytest.mark.parametrize("case, flag", [

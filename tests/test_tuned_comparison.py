@@ -3,6 +3,7 @@ validation only, the CSV's columns, resuming and reporting."""
 
 import csv
 import json
+import re
 import shutil
 
 import math
@@ -278,6 +279,13 @@ def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
     assert {row["alpha_init_other"] for row in rows if row["norm"] == "layernorm"} == {""}
     summary = (output / "summary.md").read_text()
     assert "| DyT | PN (its picks) |" in summary and "| Derf | LayerNorm |" in summary
+    # Holm's count is of the comparisons it adjusts (those with an interval), not of every row.
+    adjusted, made = map(int, re.search(r"Holm's adjustment over the (\d+) comparisons below that have 3 or more "
+                                        r"paired seeds \(of (\d+)\)", summary).groups())
+    lines = summary.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("| task | updates | score | arm | baseline |")))
+    headline = [line.split(" | ") for line in lines[start + 2:lines.index("", start)]]
+    assert made == len(headline) and adjusted == sum(row[9] != "-" for row in headline)
 
 
 def test_elementwise_budgets_both_on_ptb_the_short_one_on_multi30k(tmp_path):
