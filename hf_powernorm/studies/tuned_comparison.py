@@ -45,7 +45,7 @@ sentences; the finals validate and test on the whole splits (PTB: always the who
 
 Verdicts (`reports.paired_verdicts`): per headline score, each arm against LayerNorm (DyT and Derf
 also against PN, `COMPARED`) over the seeds both have (at least 3): the mean paired difference with its 95% t interval; Holm's adjustment over
-every comparison the summary makes; an arm is better or worse when its adjusted p-value is below
+every comparison that has one; an arm is better or worse when its adjusted p-value is below
 0.05, else no difference is shown.
 
 Outputs in `--output_dir`: `results.csv` (one row per run, stage and evaluation: the `COLUMNS`, with
