@@ -962,8 +962,7 @@ def _verdict_lines(results, chosen, args: argparse.Namespace, facts: dict[str, A
     lines += ["", f"Rule: each seed's test {task.metric} of a norm minus {first}'s at the same seed; a norm is "
                   f"better or worse than {first} only when the 95% t interval of these differences excludes zero "
                   f"and the p-value, Holm-adjusted over the {len(intervals)} comparison(s) with an interval, is below "
-                  f"0.05; otherwise it "
-                  f"is a tie. Under two paired seeds there is no interval and no verdict, and a comparison whose "
+                  f"0.05; otherwise it is a tie. Under two paired seeds there is no interval and no verdict, and a comparison whose "
                   f"runs fail a check below gets none."]
     return lines + ["", "## Checks", ""] + (checks or ["Every check passed: no degenerate or identical scores, "
                                                        "every best model before the last update, every model "

@@ -283,7 +283,7 @@ def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
     adjusted, made = map(int, re.search(r"Holm's adjustment over the (\d+) comparisons below that have 3 or more "
                                         r"paired seeds \(of (\d+)\)", summary).groups())
     lines = summary.splitlines()
-    start = lines.index(next(line for line in lines if line.startswith("| task | updates | score | arm | baseline |")))
+    start = next(i for i, line in enumerate(lines) if line.startswith("| task | updates | score | arm | baseline |"))
     headline = [line.split(" | ") for line in lines[start + 2:lines.index("", start)]]
     assert made == len(headline) and adjusted == sum(row[9] != "-" for row in headline)
 

@@ -772,11 +772,6 @@ def comparisons(protocols: list[Protocol]) -> list[dict[str, Any]]:
     return [{**c, "verdict": v} for c, v in zip(found, verdicts)]
 
 
-def _adjusted_count(protocols: list[Protocol]) -> int:
-    """How many comparisons Holm's adjustment covers: those with an interval (enough paired seeds)."""
-    return sum(c["verdict"].interval is not None for c in comparisons(protocols))
-
-
 def _verdict_words(norm: str, against: str, verdict: PairedVerdict) -> str:
     if verdict.better is None:
         return f"no verdict (fewer than {MIN_PAIRS} paired seeds)"
@@ -928,13 +923,15 @@ def write_outputs(protocols: list[Protocol], args: argparse.Namespace, output_di
     picks = {protocol.task: protocol.picks for protocol in protocols}
     (output_dir / PICKS_JSON).write_text(json.dumps(picks, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     corpora = "smoke sizes" if args.smoke else "PTB, Multi30k, tinyshakespeare"
+    made = comparisons(protocols)
+    adjusted = sum(c["verdict"].interval is not None for c in made)  # Holm covers those with an interval
     lines = [f"# LayerNorm, PN, RMSNorm, DyT and Derf, tuned alike ({corpora})", "",
              "Headline scores (finals only; whole test splits): test perplexity per BPE token of the best validated "
              "model (PTB; tinyshakespeare with PTB's picks unchanged); Multi30k test BLEU of the average of the last "
              "checkpoints (beam 5; the paper's inference) and of the best validated checkpoint (beam 5). Each arm "
              "against LayerNorm (DyT and Derf also against PN) over the seeds both have: the mean of the per-seed "
-             f"differences with its 95% t interval, Holm's adjustment over the {_adjusted_count(protocols)} comparisons "
-             f"below that have {MIN_PAIRS} or more paired seeds (of {len(comparisons(protocols))}); an arm is better "
+             f"differences with its 95% t interval, Holm's adjustment over the {adjusted} comparisons below that have "
+             f"{MIN_PAIRS} or more paired seeds (of {len(made)}); an arm is better "
              f"or worse when the adjusted p-value is below {SIGNIFICANCE}, else no difference is shown; under "
              f"{MIN_PAIRS} paired seeds, no verdict.", "", *interim_note(protocols), *headline(protocols), "",
              "Per seed (the finals):", "", *per_seed(protocols), "",
