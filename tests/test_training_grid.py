@@ -3,6 +3,11 @@ in parallel fresh processes with the same results as in one process."""
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +87,64 @@ def test_report_only_returns_the_finished_cells_and_runs_nothing(tmp_path):
     run_grid(cells[1:2], square, tmp_path)
     assert [r["square"] for r in run_grid(cells, square, tmp_path, report_only=True)] == [1]
     assert _calls(tmp_path) == ["x1"]
+
+
+def test_a_record_copied_without_its_cells_folder_is_refused_not_rerun(tmp_path):
+    cells = [Cell(f"x{x}", {"x": x}) for x in range(2)]
+    run_grid(cells[:1], square, tmp_path / "old")
+    moved = tmp_path / "new"
+    shutil.copytree(tmp_path / "old" / "cells", moved)  # the cells' folders, not `cells/` itself
+    for report_only in (False, True):
+        with pytest.raises(ValueError, match=r"holds 1 finished run\(s\) of this grid at its top level .*x0.*move them"):
+            run_grid(cells, square, moved, report_only=report_only)
+    assert not (moved / "cells").exists() and _calls(tmp_path / "old") == ["x0"]
+
+
+def sleeper(cell: Cell, folder: Path) -> dict:
+    """A cell that says which process runs it, then outlasts any test."""
+    (folder.parents[1] / f"{cell.name}.pid").write_text(str(os.getpid()))
+    time.sleep(120)
+    return {}
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (an exited process nobody has reaped yet, a zombie, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # no /proc (macOS), or it exited meanwhile
+        return True
+    return not any(line.split()[1:2] == ["Z"] for line in status.splitlines() if line.startswith("State:"))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_workers_of_a_killed_grid_end_themselves(tmp_path):
+    # A grid killed outright (the queue stopped, a session's end) cannot close its pool; its
+    # workers must not go on writing cells that the resumed grid runs again.
+    driver = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "from test_training_grid import sleeper\n"
+              "from hf_powernorm.training.grid import Cell, run_grid\n"
+              f"run_grid([Cell('a', {{'x': 1}}), Cell('b', {{'x': 2}})], sleeper, {str(tmp_path)!r}, jobs=2)\n")
+    grid = subprocess.Popen([sys.executable, "-c", driver])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"{name}.pid").is_file() for name in "ab"):
+            assert grid.poll() is None and time.monotonic() < deadline, "the grid's workers never started"
+            time.sleep(0.2)
+        workers = [int((tmp_path / f"{name}.pid").read_text()) for name in "ab"]
+        assert all(_alive(pid) for pid in workers) and grid.pid not in workers
+        grid.send_signal(signal.SIGKILL)
+        grid.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in workers), "a worker outlived its killed grid"
+    finally:
+        grid.kill()
+        for name in "ab":
+            pid_file = tmp_path / f"{name}.pid"
+            if pid_file.is_file() and _alive(int(pid_file.read_text())):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -7,16 +7,20 @@ skips the cells whose `result.json` exists, clears and reruns the others (a cell
 no result; with `resume_cells`, its folder is kept instead, for a `run_cell` that continues from the
 checkpoints it finds there), runs them in `jobs` fresh processes at once (or in this process with
 `jobs=1`), and writes each result atomically, so that a grid stopped at any moment (a session ends, a machine goes
-away) starts again where it stopped without redoing a finished cell. A finished cell whose saved
-options differ from the cell asked for (another budget in the same output folder) is an error, not
-a result: a grid never mixes runs of different settings.
+away) starts again where it stopped without redoing a finished cell; a worker whose grid was killed
+ends itself within a second, so that no orphan goes on writing a cell the resumed grid runs again.
+A finished cell whose saved options differ from the cell asked for (another budget in the same
+output folder) is an error, not a result: a grid never mixes runs of different settings.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +83,18 @@ def _run_one(run_cell: Callable[[Cell, Path], dict], cell: Cell, folder: Path,
     return result
 
 
+def _follow_parent(parent: int, every: float = 0.5) -> None:
+    """Pool initializer: the worker ends itself once the grid's process is gone. A grid killed by a
+    signal never closes its pool, and a worker left running would go on writing its cell's folder
+    beside the resumed grid's worker for the same cell (and take a core the queue counts as free)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)  # as if killed with the grid: what a killed cell leaves, the resumed grid handles
+
+    threading.Thread(target=watch, name="follow-grid-process", daemon=True).start()
+
+
 def reset_accelerate() -> None:
     """Accelerate keeps one state per process; the next in-process cell starts afresh."""
     from accelerate.state import AcceleratorState
@@ -99,6 +115,12 @@ def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], outp
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1; got {jobs}")
     root = Path(output_dir) / "cells"
+    if not root.is_dir():
+        misplaced = [name for name in names if (Path(output_dir) / name / RESULT_NAME).is_file()]
+        if misplaced:  # a record copied in without its `cells/` folder would silently run again
+            raise ValueError(f"{output_dir} holds {len(misplaced)} finished run(s) of this grid at its top level "
+                             f"(e.g. {Path(output_dir) / misplaced[0]}); a grid keeps them in {root}: move them "
+                             f"there to resume")
     if report_only:
         results = finished_results(cells, output_dir)
         if not results:
@@ -115,7 +137,7 @@ def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], outp
     else:
         # Fresh processes, one cell each: no state (threads, Accelerate, caches) crosses cells.
         context = multiprocessing.get_context("spawn")
-        with context.Pool(jobs, maxtasksperchild=1) as pool:
+        with context.Pool(jobs, maxtasksperchild=1, initializer=_follow_parent, initargs=(os.getpid(),)) as pool:
             pending = [pool.apply_async(_run_one, (run_cell, cell, root / cell.name, resume_cells)) for cell in todo]
             for result in pending:
                 result.get()
