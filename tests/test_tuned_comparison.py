@@ -560,12 +560,19 @@ def test_the_summary_says_its_verdicts_are_interim_until_every_final_is_in(tmp_p
     cell = lambda name: types.SimpleNamespace(name=name)  # noqa: E731
     ptb.stages["lr"] = [(cell("t"), None)]  # tuning, no final queued yet
     assert "no final has been queued: no test score exists" in tuned_comparison.interim_note([ptb])[0]
+    ptb.stages["lr"] = [(cell("t"), {"cell": "t"})]  # tuned: finals queued
     ptb.stages["final"] = [(cell("a"), {"cell": "a"}), (cell("b"), None)]
     assert "1 of the 2 finals" in tuned_comparison.interim_note([ptb])[0]
     ptb.stages["final"][1] = (cell("b"), {"cell": "b"})
     assert tuned_comparison.interim_note([ptb]) == []
     multi30k.stages["lr"] = [(cell("c"), None)]  # a task still tuning: its finals are still to come
     assert "2 of the 2 finals" in tuned_comparison.interim_note([ptb, multi30k])[0]
+    # every queued final in, but an arm added later still tuning on a task: its finals are to come
+    ptb.stages["lr-elementwise"] = [(cell("d"), {"cell": "d"}), (cell("e"), None)]
+    note = tuned_comparison.interim_note([ptb])[0]
+    assert "2 of the 2 finals" in note and "Still tuning, their finals to come: ptb lr-elementwise." in note
+    ptb.stages["lr-elementwise"][1] = (cell("e"), {"cell": "e"})
+    assert tuned_comparison.interim_note([ptb]) == []
 
 
 def test_the_summary_gives_each_finals_score_seed_by_seed(tmp_path):

@@ -874,17 +874,21 @@ def cpu_hours(protocols: list[Protocol]) -> str:
 
 
 def interim_note(protocols: list[Protocol]) -> list[str]:
-    """A warning above the headline while any task's finals are unfinished: the adjustment covers
-    the comparisons made so far, so a verdict can still change; nothing once every final is in."""
+    """A warning above the headline while any task's finals are unfinished or any of its arms is
+    still tuning (its finals are still to come): the adjustment covers the comparisons made so far,
+    so a verdict can still change; nothing once every stage and every final is in."""
     done, total = _finished_of([entry for protocol in protocols for entry in protocol.stages.get("final", [])])
-    if total and done == total and all("final" in protocol.stages for protocol in protocols):
+    tuning = [f"{protocol.task} {stage}" for protocol in protocols for stage, cells in protocol.stages.items()
+              if stage != "final" and _finished_of(cells)[0] < _finished_of(cells)[1]]
+    if total and done == total and not tuning and all("final" in protocol.stages for protocol in protocols):
         return []
     if not total:
         return ["**Interim:** the tuning is still running and no final has been queued: no test score exists "
                 "yet, so no verdict below.", ""]
-    return [f"**Interim:** {done} of the {total} finals queued so far have finished. Holm's adjustment covers "
-            "the comparisons they allow, not those of the finished study, so a verdict below can change as the "
-            "rest come in.", ""]
+    still = f" Still tuning, their finals to come: {', '.join(tuning)}." if tuning else ""
+    return [f"**Interim:** {done} of the {total} finals queued so far have finished.{still} Holm's adjustment "
+            "covers the comparisons they allow, not those of the finished study, so a verdict below can change "
+            "as the rest come in.", ""]
 
 
 def _finished_of(cells: list[tuple[Cell, dict[str, Any] | None]]) -> tuple[int, int]:
