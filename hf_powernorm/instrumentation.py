@@ -14,7 +14,11 @@ norm layer with:
   layer's input, the gradient of its output and the mask, independently of the layer's backward;
 - the gradient norms of the layer's weight and bias;
 - Lemma 2's condition: the fraction of channels with `|gamma_i| <= (psi_B)_i` and the range of
-  `|gamma_i| / (psi_B)_i` (below 1, PN-V lowers the Lipschitz constant of the loss).
+  `|gamma_i| / (psi_B)_i` (below 1, PN-V lowers the Lipschitz constant of the loss);
+- for DyT and Derf, where their squash works: `alpha` (and Derf's `shift`) and the fractions of
+  the real tokens' elements whose argument `z = alpha x (+ shift)` has `|z| > 1` and `|z| > 2`
+  (`squash_beyond_1`, `squash_beyond_2`): near 0 the squash is about linear, a per-channel scale
+  of `x` that normalizes nothing; near 1 it maps `x` to about its sign (None for other norms).
 
 Gradient contributions, per real token i and channel c, with `g = dL/dy` over the real tokens,
 `gamma` the layer's weight (1 without one) and `N` real tokens:
@@ -39,7 +43,15 @@ from functools import partial
 import torch
 from torch import nn
 
-from .normalization import NORM_CLASSES, Identity, PowerNorm, PowerNormV, _in_recomputation, group_scale
+from .normalization import (
+    NORM_CLASSES,
+    Identity,
+    PowerNorm,
+    PowerNormV,
+    _ElementwiseNorm,
+    _in_recomputation,
+    group_scale,
+)
 
 RECORDED_NORMS = tuple(cls for cls in dict.fromkeys(NORM_CLASSES.values()) if cls is not Identity)
 RUNNING_STATISTICS = ("running_mean", "running_var", "running_phi", "running_nu")
@@ -185,6 +197,7 @@ class NormStatisticsRecorder:
         row["weight_grad_norm"] = _norm_of(getattr(weight, "grad", None))
         row["bias_grad_norm"] = _norm_of(getattr(getattr(layer, "bias", None), "grad", None))
         row.update(lemma2_condition(gamma, batch["psi2"]))
+        row.update(squash_range(x, layer))
         if self.per_channel:
             row.update({f"batch_{key}": value.tolist() for key, value in batch.items()})
             row.update({key: value.tolist() for key, value in captured["running"].items()})
@@ -271,6 +284,24 @@ def lemma2_condition(gamma: torch.Tensor, psi2: torch.Tensor) -> dict[str, float
 
 # ----------------------------------------------------------------------------------------------
 # Reading the rows back
+
+
+SQUASH_THRESHOLDS = (1, 2)
+
+
+def squash_range(x: torch.Tensor, layer: nn.Module) -> dict[str, float | None]:
+    """DyT's and Derf's `alpha`, Derf's `shift`, and the fractions of `x`'s elements whose squash
+    argument `alpha x + shift` lies beyond each of `SQUASH_THRESHOLDS` in absolute value; None for
+    a norm without a squash."""
+    keys = ["alpha", "shift"] + [f"squash_beyond_{t}" for t in SQUASH_THRESHOLDS]
+    if not isinstance(layer, _ElementwiseNorm):
+        return dict.fromkeys(keys)
+    alpha = float(layer.alpha.detach().float())
+    shift = getattr(layer, "shift", None)
+    shift = None if shift is None else float(shift.detach().float())
+    z = (alpha * x.double() + (shift or 0.0)).abs()
+    return {"alpha": alpha, "shift": shift,
+            **{f"squash_beyond_{t}": (z > t).double().mean().item() for t in SQUASH_THRESHOLDS}}
 
 
 def read_norm_statistics(path: str | os.PathLike) -> list[dict]:

@@ -97,6 +97,30 @@ def test_every_quantity_for_every_norm_layer_and_step(tmp_path):
     assert {row["tokens"] for row in encoder_rows} == {3 * 7 - 3 - 1}  # padding left out
 
 
+@pytest.mark.parametrize("name", ["dyt", "derf"])
+def test_dyt_and_derf_rows_say_where_their_squash_works(tmp_path, name):
+    torch.manual_seed(0)
+    squash = build_norm(name, HIDDEN, alpha_init=0.7)
+    if name == "derf":
+        nn.init.constant_(squash.shift, 0.3)
+    model = nn.Sequential(squash, LayerNorm(HIDDEN))
+    x = (torch.randn(2, 20, HIDDEN) * torch.linspace(0.1, 4.0, HIDDEN)).requires_grad_()
+    recorder = NormStatisticsRecorder(model, every_n_steps=1, output_file=tmp_path / "stats.jsonl")
+    recorder.before_forward(0)
+    model(x).square().sum().backward()
+    recorder.after_backward(0)
+    recorder.close()
+    squash_row, layernorm_row = read_norm_statistics(tmp_path / "stats.jsonl")
+    shift = 0.3 if name == "derf" else 0.0
+    z = (0.7 * x.detach().double() + shift).abs()
+    assert squash_row["alpha"] == pytest.approx(0.7)
+    assert squash_row["shift"] == (pytest.approx(0.3) if name == "derf" else None)
+    beyond = [(z > t).double().mean().item() for t in (1, 2)]
+    assert 0.05 < beyond[1] < beyond[0] < 0.95  # the input reaches both regimes
+    assert [squash_row["squash_beyond_1"], squash_row["squash_beyond_2"]] == pytest.approx(beyond, abs=1e-12)
+    assert [layernorm_row[key] for key in ("alpha", "shift", "squash_beyond_1", "squash_beyond_2")] == [None] * 4
+
+
 def test_recorded_values_match_a_float64_batch_norm(tmp_path):
     model = make_model(encoder_norm="batchnorm", decoder_norm="powernorm")
     name = "model.encoder.layers.1.ffn_norm"
