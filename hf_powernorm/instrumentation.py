@@ -282,10 +282,6 @@ def lemma2_condition(gamma: torch.Tensor, psi2: torch.Tensor) -> dict[str, float
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading the rows back
-
-
 SQUASH_THRESHOLDS = (1, 2)
 
 
@@ -302,6 +298,10 @@ def squash_range(x: torch.Tensor, layer: nn.Module) -> dict[str, float | None]:
     z = (alpha * x.double() + (shift or 0.0)).abs()
     return {"alpha": alpha, "shift": shift,
             **{f"squash_beyond_{t}": (z > t).double().mean().item() for t in SQUASH_THRESHOLDS}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the rows back
 
 
 def read_norm_statistics(path: str | os.PathLike) -> list[dict]:

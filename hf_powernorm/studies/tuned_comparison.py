@@ -879,7 +879,7 @@ def interim_note(protocols: list[Protocol]) -> list[str]:
     so a verdict can still change; nothing once every stage and every final is in."""
     done, total = _finished_of([entry for protocol in protocols for entry in protocol.stages.get("final", [])])
     tuning = [f"{protocol.task} {stage}" for protocol in protocols for stage, cells in protocol.stages.items()
-              if stage != "final" and _finished_of(cells)[0] < _finished_of(cells)[1]]
+              if stage != "final" and _unfinished(cells)]
     if total and done == total and not tuning and all("final" in protocol.stages for protocol in protocols):
         return []
     if not total:
@@ -894,6 +894,11 @@ def interim_note(protocols: list[Protocol]) -> list[str]:
 def _finished_of(cells: list[tuple[Cell, dict[str, Any] | None]]) -> tuple[int, int]:
     """How many of the distinct cells in a stage's `(cell, result)` pairs have finished, and of how many."""
     return len({cell.name for cell, result in cells if result is not None}), len({cell.name for cell, _ in cells})
+
+
+def _unfinished(cells: list[tuple[Cell, dict[str, Any] | None]]) -> bool:
+    done, total = _finished_of(cells)
+    return done < total
 
 
 def _progress(protocol: Protocol) -> str:
