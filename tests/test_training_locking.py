@@ -1,0 +1,88 @@
+"""`hold_output_folder`: one live process per output folder, a killed holder's lock taken over, the
+lock released on exit and on an exception."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_powernorm.training.locking import LOCK_NAME, FolderInUse, hold_output_folder, read_lock
+
+# A second process that holds `folder` until its stdin closes, saying "held" once it does.
+HOLDER = """
+import sys
+from hf_powernorm.training.locking import hold_output_folder
+with hold_output_folder(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _start_holder(folder: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_second_start_on_a_live_folder(tmp_path):
+    folder = tmp_path / "run"
+    holder = _start_holder(folder)
+    try:
+        assert read_lock(folder)["pid"] == holder.pid
+        with pytest.raises(FolderInUse) as error:
+            with hold_output_folder(folder):
+                pass
+        message = str(error.value)
+        assert isinstance(error.value, RuntimeError) and "\n" not in message
+        assert str(folder) in message and f"process {holder.pid}" in message
+        assert read_lock(folder)["pid"] == holder.pid  # the refused start left the holder's lock alone
+    finally:
+        holder.stdin.close()
+        assert holder.wait(timeout=30) == 0
+    # Released by its holder: the folder (which it created, left empty) is gone, and free again.
+    assert not folder.exists()
+    with hold_output_folder(folder):
+        assert read_lock(folder)["pid"] == os.getpid()
+
+
+def test_killed_holder_is_taken_over(tmp_path):
+    folder = tmp_path / "run"
+    holder = _start_holder(folder)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert read_lock(folder)["pid"] == holder.pid  # the killed process left its lock file
+    with hold_output_folder(folder):
+        assert read_lock(folder)["pid"] == os.getpid()
+    assert not (folder / LOCK_NAME).exists()
+
+
+def test_stale_lock_file_is_taken_over(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 2 ** 22 + 1, "host": "elsewhere", "started": "x"}))
+    with hold_output_folder(tmp_path):
+        assert read_lock(tmp_path)["pid"] == os.getpid()
+    assert tmp_path.is_dir() and not (tmp_path / LOCK_NAME).exists()  # a folder it did not create stays
+
+
+def test_released_on_exception_and_outputs_kept(tmp_path):
+    folder = tmp_path / "run"
+    with pytest.raises(KeyError):
+        with hold_output_folder(folder):
+            raise KeyError("boom")
+    assert not folder.exists()  # created by the failed start, empty: nothing blocks the next one
+    with hold_output_folder(folder):
+        (folder / "results.json").write_text("{}")
+        with pytest.raises(FolderInUse, match=f"process {os.getpid()}"):  # one holder even within a process
+            with hold_output_folder(folder):
+                pass
+    assert sorted(p.name for p in folder.iterdir()) == ["results.json"]
+
+
+def test_disabled_takes_nothing(tmp_path):
+    with hold_output_folder(tmp_path / "run", enabled=False) as folder:
+        assert not folder.exists()
