@@ -149,8 +149,9 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     from ..converter import convert_norms, load_converted, load_converted_config
 
     path = args.model_name_or_path
-    # A converted folder's config is read with this package's code; another's may need its own.
-    config = load_converted_config(path, **({"trust_remote_code": True} if getattr(args, "trust_remote_code", False) else {}))
+    # Never None: Transformers would ask on the terminal whether to run a folder's own code.
+    trust_remote_code = bool(getattr(args, "trust_remote_code", False))
+    config = load_converted_config(path, trust_remote_code=trust_remote_code)
     conversion = getattr(config, "powernorm_conversion", None)
     if conversion:
         if conversion["norm_type"] != args.convert_norms:
@@ -161,7 +162,7 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
         # A classification head of another size than the data's classes is rebuilt.
         task = {k: v for k, v in fields.items()
                 if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
-        model = auto_class.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False), **task)
+        model = auto_class.from_pretrained(path, trust_remote_code=trust_remote_code, **task)
         report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
                                preserve_function=getattr(args, "preserve_function", False),
                                calibration_batches=calibration_batches(args, calibration),

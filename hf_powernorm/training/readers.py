@@ -282,9 +282,12 @@ def read_table(path: str) -> Dataset:
         return datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
     except datasets.exceptions.DatasetGenerationError as error:
         line = _first_line_not_utf8(Path(path))
-        if line is None:
-            raise
-        raise ValueError(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
+        if line is not None:
+            raise ValueError(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
+        cause = error
+        while cause.__cause__ is not None:  # the parser's own error, under the generation's
+            cause = cause.__cause__
+        raise ValueError(f"{path} cannot be read as {builder.upper()} ({type(cause).__name__}: {cause})") from error
 
 
 def _first_line_not_utf8(path: Path) -> tuple[int, str] | None:
