@@ -121,6 +121,16 @@ def test_bad_data_is_one_line_and_leaves_nothing_behind(csv_files, tmp_path, cap
     assert results["train_steps"] == 1 and (out / "model.safetensors").is_file()
 
 
+def test_labels_of_a_file_without_any(csv_files):
+    """The class names read from the data before a pretrained classifier is loaded (`data_labels`)."""
+    task = train_classification.Classification.from_options(train_file=str(csv_files["plain"]))
+    with pytest.raises(ValueError, match=f"^{csv_files['plain']}: no label was found: expected 'sentence@label'"):
+        task.data_labels()
+    task = train_classification.Classification.from_options(train_file=str(csv_files["unlabelled"]))
+    with pytest.raises(ValueError, match="^no label was found: --task classification needs .* 'stars'"):
+        task.data_labels()
+
+
 def test_a_live_output_folder_is_refused_and_a_killed_holders_lock_taken_over(lm_files, tmp_path, capsys,
                                                                               monkeypatch):
     out = tmp_path / "out"

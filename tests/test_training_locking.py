@@ -86,6 +86,13 @@ def test_released_on_exception_and_outputs_kept(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["results.json"]
 
 
+def test_a_file_is_no_output_folder(tmp_path):
+    (tmp_path / "run").write_text("")
+    with pytest.raises(ValueError, match=f"^output folder {tmp_path / 'run'} is a file, not a folder$"):
+        with hold_output_folder(tmp_path / "run"):
+            pass
+
+
 def test_disabled_takes_nothing(tmp_path):
     with hold_output_folder(tmp_path / "run", enabled=False) as folder:
         assert not folder.exists()
