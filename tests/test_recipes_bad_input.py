@@ -131,6 +131,18 @@ def test_labels_of_a_file_without_any(csv_files):
         task.data_labels()
 
 
+def test_a_named_column_that_is_missing():
+    from datasets import Dataset
+
+    from hf_powernorm.training.readers import rename_columns
+
+    part = Dataset.from_dict({"review": ["good"], "stars": [5]})
+    assert rename_columns(part, {"text": "review", "label": None}, "train.csv").column_names == ["text", "stars"]
+    with pytest.raises(ValueError, match=r"^--text_column 'body': no such column in train.csv; expected one of "
+                                         r"\['review', 'stars'\]$"):
+        rename_columns(part, {"text": "body"}, "train.csv")
+
+
 def test_a_live_output_folder_is_refused_and_a_killed_holders_lock_taken_over(lm_files, tmp_path, capsys,
                                                                               monkeypatch):
     out = tmp_path / "out"

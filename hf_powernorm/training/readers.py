@@ -19,6 +19,7 @@ from typing import Any
 import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
 
+from .checks import check_columns
 from .corpora import (
     SENTIMENT_LABELS,
     synthetic_classification_corpus,
@@ -75,8 +76,7 @@ def rename_columns(part: Dataset, columns: dict[str, str] | None, origin: str) -
     for standard, given in (columns or {}).items():
         if given is None or given == standard:
             continue
-        if given not in part.column_names:
-            raise ValueError(f"{origin} has no column {given!r} (--{standard}_column); found {part.column_names}")
+        check_columns(part.column_names, {f"--{standard}_column": given}, origin)
         if standard in part.column_names:
             part = part.remove_columns(standard)
         part = part.rename_column(given, standard)
