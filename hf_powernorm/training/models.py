@@ -69,6 +69,7 @@ def check_config_options(args: argparse.Namespace, default_size: dict[str, Any],
 
 def _config_of(args: argparse.Namespace, token_ids: dict[str, Any], num_processes: int,
                default_size: dict[str, Any], max_length: int, **fields: Any) -> PowerNormTransformerConfig:
+    """`build_config` with the vocabulary's size and special ids given as `token_ids`."""
     norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
     overrides = {**fields, **powernorm_overrides(args), **norms, **token_ids}
     if args.config_name:
