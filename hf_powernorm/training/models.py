@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..normalization import NORM_CLASSES
-from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS, check_model_folder
+from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
 
 logger = get_logger(__name__)
 
@@ -202,6 +202,16 @@ def resolve_model_path(name_or_path: str) -> str:
         raise ValueError(f"--model_name_or_path {name_or_path!r} is neither a folder nor a Hub repository that "
                          f"can be reached or is in the cache ({type(error).__name__}: {error})") from error
     return check_model_folder(folder, name_or_path)
+
+
+def check_model_folder(folder: str, name: str | None = None) -> str:
+    """`folder` (the local folder of `--model_name_or_path` `name`) when it holds a model's
+    `config.json`; a ValueError saying that it does not otherwise."""
+    if not (Path(folder) / "config.json").is_file():
+        shown = folder if name is None or name == folder else f"{name!r} ({folder})"
+        raise ValueError(f"--model_name_or_path {shown} holds no config.json: expected a model folder written "
+                         f"by save_pretrained (an export or a step_<N> checkpoint of a recipe)")
+    return folder
 
 
 def model_tokenizer_path(args: argparse.Namespace) -> str | None:
