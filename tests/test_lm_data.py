@@ -195,7 +195,8 @@ TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nS
 @pytest.fixture(scope="module")
 def tokenizers():
     texts = shakespeare_like(300).splitlines() + TEXT.splitlines()
-    return {"byte-level": byte_level_tokenizer(texts), "bpe": training.train_bpe_tokenizer(texts, 199)}
+    return {"byte-level": byte_level_tokenizer(texts), "bpe": training.train_bpe_tokenizer(texts, 199),
+            "byte-level-bos": byte_level_tokenizer(texts, bos=True)}
 
 
 def _stream_of(blocks) -> list[int]:
@@ -207,7 +208,7 @@ def _stream_of(blocks) -> list[int]:
 def _decoded(tokenizer, stream: list[int]) -> str:
     """The text of a stream: the text line breaks decoded, or an EOS read as the line break it stands for."""
     if tokenization.writes_line_breaks(tokenizer):
-        return tokenizer.decode(stream)
+        return tokenizer.decode(stream, skip_special_tokens=True)
     lines, line = [], []
     for token in stream:
         if token == tokenizer.eos_token_id:
@@ -228,20 +229,24 @@ def _text_file_blocks(path: Path, tokenizer, **options):
     return task, raw, lines
 
 
-@pytest.mark.parametrize("kind", ["byte-level", "bpe"])
+@pytest.mark.parametrize("kind", ["byte-level", "byte-level-bos", "bpe"])
 def test_text_file_stream_keeps_its_line_breaks_and_blank_lines(kind, tokenizers, tmp_path):
     """A GPT-2-style tokenizer writes each line break as text, this package's BPE (no line break in
     its vocabulary) as `</s>`; blank lines are part of the stream, a batch of rows may start after
-    one, and the stream decodes to the file's text."""
+    one, and the stream decodes to the file's text. A tokenizer that puts a BOS before a text (as
+    Llama's) opens the file's stream with it, once."""
     tokenizer = tokenizers[kind]
     path = tmp_path / "speech.txt"
     path.write_text(TEXT, encoding="utf-8")
     task, raw, lines = _text_file_blocks(path, tokenizer)
     assert raw["train"][2]["text"] == ""
     eos_in_stream = [tokenizer.eos_token_id in ids for ids in lines["train"]["input_ids"]]
-    assert all(eos_in_stream) if kind == "bpe" else not any(eos_in_stream)
+    assert all(eos_in_stream) if kind == "bpe" else not any(eos_in_stream[1:])  # (a BOS may open row 0)
     blocks = training.lm_blocks(lines, block_size=8, lines_per_batch=3)["train"]
-    assert _decoded(tokenizer, _stream_of(blocks)) == TEXT
+    stream = _stream_of(blocks)
+    assert _decoded(tokenizer, stream) == TEXT
+    starts = [tokenizer.bos_token_id] if kind == "byte-level-bos" else []
+    assert stream[:len(starts)] == starts and stream.count(tokenizer.bos_token_id) == len(starts)
     # The task's own pass gives those blocks.
     assert list(task.tokenize(raw, tokenizer)["train"]["input_ids"]) == list(
         training.lm_blocks(lines, block_size=8)["train"]["input_ids"])

@@ -235,19 +235,23 @@ def tokenize_lines(dataset: DatasetDict, tokenizer, *, documents: Collection[str
     - the rows of a split not in `documents` are lines of a text file, each ending with its line
       break: the text `\\n` where the tokenizer writes one (`writes_line_breaks`: GPT-2's, Llama's),
       else its EOS token (this package's BPE: fairseq's `</s>` at every line end); none with
-      `keep_linebreaks=False`;
+      `keep_linebreaks=False`. The first line starts with what the tokenizer puts before a text;
     - the rows of a split in `documents` (a `datasets` dataset's) are documents, enclosed by
       `sequence_ends`: what the tokenizer puts before a text (Llama's BOS), and EOS after it.
     """
     line_end = _line_end(tokenizer, keep_linebreaks)
     document_ends = sequence_ends(tokenizer)
+    file_start = document_ends[0]  # Llama's BOS opens a file's stream
 
-    def encode_lines(batch: dict[str, list]) -> dict[str, list]:
+    def encode_lines(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         texts = [text + line_end for text in batch["text"]] if isinstance(line_end, str) else batch["text"]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"input_ids": ids if isinstance(line_end, str) else [[*row, *line_end] for row in ids]}
+        ids = ids if isinstance(line_end, str) else [[*row, *line_end] for row in ids]
+        if indices and indices[0] == 0:
+            ids[0] = [*file_start, *ids[0]]
+        return {"input_ids": ids}
 
-    def encode_documents(batch: dict[str, list]) -> dict[str, list]:
+    def encode_documents(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         prefix, suffix = document_ends
         return {"input_ids": [[*prefix, *row, *suffix]
                               for row in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]}
@@ -260,6 +264,7 @@ def tokenize_lines(dataset: DatasetDict, tokenizer, *, documents: Collection[str
         function, ends = (encode_documents, document_ends) if split in documents else (encode_lines, line_end)
         out[split] = cached_map(DatasetDict({split: part}), function, (tokenizer_fingerprint(tokenizer), ends),
                                 num_proc=num_proc, overwrite_cache=overwrite_cache, remove_columns=["text"],
+                                with_indices=True,
                                 desc="Tokenizing lines" if function is encode_lines else "Tokenizing documents")[split]
     return out
 
