@@ -35,7 +35,9 @@ _HEADS: dict[str, tuple[str, str | None, str]] = {
     ),
     "PowerNormTransformerForCausalLM": (
         "text-generation", "text-generation",
-        "```python\ngenerated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=50)\n```",
+        "```python\nfrom transformers import pipeline\n\ngenerator = pipeline(\"text-generation\", model=model, "
+        "tokenizer=tokenizer)\ngenerator(\"The old teacher\", max_new_tokens=50)[0][\"generated_text\"]  "
+        "# the prompt, continued\n```",
     ),
     "PowerNormTransformerForSequenceClassification": (
         "text-classification", "text-classification",

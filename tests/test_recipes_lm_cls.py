@@ -94,7 +94,7 @@ def _cls_args(files: dict[str, str], output_dir: Path, *extra: str) -> list[str]
 
 def _stream_blocks(tokenizer, path: str, block_size: int) -> list[list[int]]:
     lines = Path(path).read_text(encoding="utf-8").splitlines()
-    stream = [token for ids in tokenizer(lines)["input_ids"] for token in ids]
+    stream = [token for ids in tokenizer(lines)["input_ids"] for token in [*ids, tokenizer.eos_token_id]]
     return [stream[s:s + block_size] for s in range(0, len(stream) - 1, block_size - 1)]
 
 
@@ -109,7 +109,7 @@ def test_lm_embedded_default_learns_and_scores_the_whole_stream(tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=False)
     validation = training.synthetic_lm_corpus()["validation"]
-    stream = [token for line in validation["text"] for token in tokenizer(line)["input_ids"]]
+    stream = [token for line in validation["text"] for token in [*tokenizer(line)["input_ids"], tokenizer.eos_token_id]]
     assert results["validation_tokens"] == len(stream) - 1  # every token after the first, once
     words = sum(len(line.split()) + 1 for line in validation["text"])
     assert results["validation_word_perplexity"] == pytest.approx(math.exp(results["validation_nll"] / words))
@@ -147,7 +147,7 @@ def _unigram_perplexity(tokenizer, train_file: str, test_file: str) -> float:
     what a model scores that learned which tokens are common, and nothing of their context."""
     def stream(path: str) -> list[int]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
-        return [token for ids in tokenizer(lines)["input_ids"] for token in ids]
+        return [token for ids in tokenizer(lines)["input_ids"] for token in [*ids, tokenizer.eos_token_id]]
 
     train, test = stream(train_file), stream(test_file)
     counts = collections.Counter(train)
@@ -317,8 +317,8 @@ def test_exports_load_as_remote_code_in_a_fresh_process(lm_run, cls_run, text_fi
     line = Path(text_files["validation"]).read_text().splitlines()[0]
     data = {"lm_blocks": _stream_blocks(lm_tokenizer, text_files["validation"], 16),
             "lm_line": line, "lm_line_ids": lm_tokenizer(line)["input_ids"],
-            "cls_ids": cls_tokenizer(list(validation["validation"]["text"]), max_length=128,
-                                     truncation=True)["input_ids"],
+            "cls_ids": [ids + [cls_tokenizer.eos_token_id] for ids in cls_tokenizer(
+                list(validation["validation"]["text"]), max_length=127, truncation=True)["input_ids"]],
             "cls_labels": list(validation["validation"]["label"])}
     (tmp_path / "data.json").write_text(json.dumps(data))
     child = run_without_the_package(

@@ -1,7 +1,8 @@
 """The language-modelling task `causal-lm` of `recipes/train_lm.py` (the paper's Section 5.2): its
-arguments, its data (fixed-length blocks of the token stream), its loss (next-token cross-entropy,
-label-smoothed with `args.label_smoothing` where a study sets it), and perplexity per token and per
-word. The recipe and `hf_powernorm.studies.converted_models` run it through `run_task` with
+arguments, its data (fixed-length blocks of the token stream: the lines of text files with their
+line breaks unless `--no_keep_linebreaks`, the rows of a dataset as documents; `tokenize_lines`),
+its loss (next-token cross-entropy, label-smoothed with `args.label_smoothing` where a study sets
+it), and perplexity per token and per word. The recipe and `hf_powernorm.studies.converted_models` run it through `run_task` with
 `main(argv)`, the studies' language models through `train_and_score`, `hf-powernorm compare` on a
 pretrained causal LM.
 """
@@ -20,7 +21,7 @@ from .arguments import RecipeParser, add_recipe_args, check_args
 from .evaluation import evaluate_perplexity
 from .losses import causal_lm_loss
 from .metrics import count_words
-from .readers import data_files_from_args, limit_splits, load_lm_dataset, split_train
+from .readers import data_files_from_args, limit_splits, lm_document_splits, load_lm_dataset, split_train
 from .tasks import Task, register_task, run_task
 from .tokenization import column_texts, lm_blocks, tokenize_lines
 
@@ -37,7 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = RecipeParser(description="Train a PowerNorm Transformer language model.")
     add_recipe_args(p, learning_rate=2e-3, num_warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training/evaluation block")
+    add_data_args(p)
     return p
+
+
+def add_data_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How the text becomes a token stream (`keep_linebreaks`, as in Transformers' `run_clm.py`)."""
+    parser.add_argument("--keep_linebreaks", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the line breaks of text files in the token stream: the text '\\n' where the "
+                             "tokenizer writes it, else its end-of-sequence token; --no_keep_linebreaks (or "
+                             "--no-keep_linebreaks) joins the lines without them")
+    parser.add_argument("--no_keep_linebreaks", dest="keep_linebreaks", action="store_false", help=argparse.SUPPRESS)
 
 
 def check_options(args: argparse.Namespace) -> argparse.Namespace:
@@ -64,7 +75,8 @@ class LanguageModelling(Task):
     needed_columns = "'text' (or 'sentence')"
     column_options = ("text_column",)
     length_option, length_cap = "block_size", 1024
-    own_options = ("block_size",)
+    own_options = ("block_size", "keep_linebreaks")
+    add_data_args = staticmethod(add_data_args)  # the options `own_options` names besides the length
     words: dict[str, int] = {}  # words per split, set where the raw splits are tokenized
 
     def load_data(self, accelerator: Accelerator) -> dict:
@@ -88,9 +100,14 @@ class LanguageModelling(Task):
                                columns={"text": getattr(args, "text_column", None)})
 
     def tokenize(self, raw, tokenizer):
-        """Cached token ids per line, then cached blocks of `block_size` tokens."""
-        options = self.tokenize_options()
-        return lm_blocks(tokenize_lines(raw, tokenizer, **options), self.args.block_size, **options)
+        """Cached token ids per line or document (`tokenize_lines`), then cached blocks of
+        `block_size` tokens."""
+        args, options = self.args, self.tokenize_options()
+        files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
+        documents = lm_document_splits(raw, dataset_name=args.dataset_name, data_files=files)
+        lines = tokenize_lines(raw, tokenizer, documents=documents,
+                               keep_linebreaks=getattr(args, "keep_linebreaks", True), **options)
+        return lm_blocks(lines, args.block_size, **options)
 
     def keep_split_facts(self, raw) -> None:
         """The number of words per split, end of line counted as one (PTB's word perplexity)."""

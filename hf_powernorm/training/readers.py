@@ -12,7 +12,7 @@ With no data given, the embedded corpora of `corpora.py` are used.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +211,9 @@ def _pairs_from_columns(part: Dataset, columns: dict[str, str], languages: tuple
 
 def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
                     data_files: dict[str, str] | None = None, columns: dict[str, str] | None = None) -> DatasetDict:
-    """Language-modelling text as a `DatasetDict` with one `text` column (one line per row).
-
-    Local files are plain text (`.txt`, `.raw`, `.tokens`, ...) or JSON lines with a `text` field.
+    """Language-modelling text as a `DatasetDict` with one `text` column: a line per row (its line
+    break left out) of a plain-text file (`.txt`, `.raw`, `.tokens`, ...), a document per row of
+    JSON lines with a `text` field or of a dataset (`lm_document_splits` tells which).
     Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`; `columns`
     (`{"text": name}`) names another column.
     """
@@ -229,6 +229,17 @@ def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | No
     dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin)
                            for s, d in dataset.items()})
     return _check_splits(DatasetDict({s: d.select_columns(["text"]) for s, d in dataset.items()}), origin)
+
+
+def lm_document_splits(splits: Iterable[str], *, dataset_name: str | None = None,
+                       data_files: dict[str, str] | None = None) -> list[str]:
+    """The splits among `splits` whose rows `load_lm_dataset` reads as documents: those of a
+    dataset (`dataset_name`, JSON lines, the embedded corpus), not lines of a plain-text file. A
+    split carved out of train (`split_train`) is read as train is."""
+    if dataset_name or not data_files:
+        return list(splits)
+    return [split for split in splits
+            if str(data_files.get(split, data_files.get("train", ""))).endswith(_JSON_SUFFIXES)]
 
 
 def _rename_text_column(dataset: Dataset, origin: str) -> Dataset:

@@ -1,10 +1,15 @@
 """Tokenization: the joint BPE of the paper's recipes and the cached `Dataset.map` passes.
 
 `train_bpe_tokenizer` trains a fairseq-style joint BPE with `tokenizers` (special tokens `<s>`,
-`<pad>`, `</s>`, `<unk>` as ids 0-3, `</s>` appended to every sequence) and wraps it as a
-Transformers fast tokenizer that `AutoTokenizer` loads without remote code. The `tokenize_*`
-functions and `lm_blocks` are batched `Dataset.map` passes whose cache key is the input dataset's
-fingerprint, the pass's own code, the tokenizer's serialisation and the pass's parameters: a second run over the same
+`<pad>`, `</s>`, `<unk>` as ids 0-3) and wraps it as a Transformers fast tokenizer that
+`AutoTokenizer` loads without remote code; like GPT-2's and Llama's, it leaves a prompt open (no
+`</s>` appended). The data passes add what a sequence needs themselves, after asking the tokenizer
+what it adds by itself (`special_tokens_added`: BOS, EOS, `[CLS] ... [SEP]`, or nothing), never
+assuming it: a source, target or sentence ends in the tokenizer's end token (`sequence_ends`), and a
+language-model stream keeps the line breaks of a text file and separates a dataset's documents by
+EOS (`tokenize_lines`), as Transformers' `run_clm.py` reads text. The `tokenize_*` functions and
+`lm_blocks` are batched `Dataset.map` passes whose cache key is the input dataset's fingerprint, the
+pass's own code, the tokenizer's serialisation and the pass's parameters: a second run over the same
 data with the same tokenizer reads the Arrow cache instead of tokenizing again
 (`overwrite_cache=True` forces the work), and `num_proc` spreads the work over processes.
 """
@@ -15,7 +20,7 @@ import hashlib
 import json
 import sys
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +36,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
 
     NFKC normalisation, whitespace kept as `▁` (Metaspace) so decoding restores the text, special
     tokens `<s>` (0), `<pad>` (1), `</s>` (2), `<unk>` (3) as in fairseq's dictionaries and the
-    model config's defaults, and `</s>` appended to every sequence (as fairseq appends EOS to
+    model config's defaults. Nothing is added to an encoded text, so that a prompt stays open for
+    generation; the data passes end each sequence with `</s>` themselves (as fairseq appends EOS to
     source, target and language-model lines).
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= len(SPECIAL_TOKENS):
@@ -46,9 +52,6 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress)
     tokenizer.train_from_iterator(texts, trainer)
-    eos_id = tokenizer.token_to_id("</s>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos_id)])
     extra = {"model_max_length": model_max_length} if model_max_length else {}
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>", **extra)
@@ -106,6 +109,53 @@ def column_texts(dataset: Dataset, column: str = "text", batch_size: int = 1000)
         yield from dataset[start:start + batch_size][column]
 
 
+def special_tokens_added(tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids `tokenizer` puts before and after a text by itself (`add_special_tokens=True`):
+    `((), ())` for GPT-2's, `((bos,), ())` for Llama's, `((cls,), (sep,))` for BERT's, `((), (eos,))`
+    for one whose post-processor appends `</s>` (this package's tokenizers saved with one)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(full[:start]), tuple(full[start + len(plain):])
+    raise ValueError(f"{type(tokenizer).__name__} encodes 'a' as {full} with its special tokens and as {plain} "
+                     f"without: expected the second inside the first")
+
+
+def sequence_ends(tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What encloses one sequence (a source, a target, a sentence, a document): the tokens the
+    tokenizer adds before a text by itself, and after it those it adds, else its EOS token (none
+    where it has none)."""
+    prefix, suffix = special_tokens_added(tokenizer)
+    if not suffix and tokenizer.eos_token_id is not None:
+        suffix = (tokenizer.eos_token_id,)
+    return prefix, suffix
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str],
+                 max_length: int | None = None) -> list[list[int]]:
+    """The ids of each text enclosed by `sequence_ends`, truncated to `max_length` ids in all (the
+    end tokens kept), as a tokenizer that adds them itself gives them with `truncation=True`."""
+    prefix, suffix = sequence_ends(tokenizer)
+    if max_length is None:
+        rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        room = max_length - len(prefix) - len(suffix)
+        if room < 1:
+            raise ValueError(f"max_length {max_length} leaves no room for a token between the "
+                             f"{len(prefix) + len(suffix)} tokens that enclose a sequence")
+        rows = tokenizer(texts, add_special_tokens=False, max_length=room, truncation=True)["input_ids"]
+    return [[*prefix, *row, *suffix] for row in rows]
+
+
+def writes_line_breaks(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` encodes a line break as text that decodes back to it (GPT-2's byte-level
+    BPE, Llama's byte fallback), unlike a vocabulary without one (this package's BPE, trained on
+    lines), which would make it unknown or drop it."""
+    ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    return bool(ids) and tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == "\n"
+
+
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A hash of what the tokenizer does (its `tokenizer.json` and special tokens)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -151,13 +201,13 @@ def cached_map(dataset: DatasetDict, function: Callable, key: Sequence[Any], *, 
 def tokenize_translation(dataset: DatasetDict, tokenizer, source_lang: str, target_lang: str,
                          max_source_length: int = 256, max_target_length: int = 256, *,
                          num_proc: int | None = None, overwrite_cache: bool = False) -> DatasetDict:
-    """`input_ids` from the source and `labels` from the target (both end in `</s>`, truncated),
-    and `length`, the longer of the two (for token-budget batching)."""
+    """`input_ids` from the source and `labels` from the target (both enclosed by `sequence_ends`:
+    ending in `</s>`; truncated), and `length`, the longer of the two (for token-budget batching)."""
     def encode(batch: dict[str, list]) -> dict[str, list]:
         sources = [pair[source_lang] for pair in batch["translation"]]
         targets = [pair[target_lang] for pair in batch["translation"]]
-        inputs = tokenizer(sources, max_length=max_source_length, truncation=True)["input_ids"]
-        labels = tokenizer(targets, max_length=max_target_length, truncation=True)["input_ids"]
+        inputs = encode_texts(tokenizer, sources, max_source_length)
+        labels = encode_texts(tokenizer, targets, max_target_length)
         return {"input_ids": inputs, "labels": labels, "length": [max(len(a), len(b)) for a, b in zip(inputs, labels)]}
 
     key = (tokenizer_fingerprint(tokenizer), source_lang, target_lang, max_source_length, max_target_length)
@@ -167,34 +217,78 @@ def tokenize_translation(dataset: DatasetDict, tokenizer, source_lang: str, targ
 
 def tokenize_classification(dataset: DatasetDict, tokenizer, max_length: int = 256, *,
                             num_proc: int | None = None, overwrite_cache: bool = False) -> DatasetDict:
-    """`input_ids` of each sentence (ending in `</s>`, truncated), its integer `label` and `length`."""
+    """`input_ids` of each sentence (enclosed by `sequence_ends`: ending in `</s>`, or BERT's
+    `[CLS] ... [SEP]`; truncated), its integer `label` and `length`."""
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        ids = tokenizer(batch["text"], max_length=max_length, truncation=True)["input_ids"]
+        ids = encode_texts(tokenizer, batch["text"], max_length)
         return {"input_ids": ids, "label": batch["label"], "length": [len(row) for row in ids]}
 
     return cached_map(dataset, encode, (tokenizer_fingerprint(tokenizer), max_length), num_proc=num_proc,
                       overwrite_cache=overwrite_cache, remove_columns=["text"], desc="Tokenizing sentences")
 
 
-def tokenize_lines(dataset: DatasetDict, tokenizer, *, num_proc: int | None = None,
-                   overwrite_cache: bool = False) -> DatasetDict:
-    """`input_ids` of every text line, each ending in `</s>`: the pieces of a language-model stream."""
-    def encode(batch: dict[str, list]) -> dict[str, list]:
-        return {"input_ids": tokenizer(batch["text"])["input_ids"]}
+def tokenize_lines(dataset: DatasetDict, tokenizer, *, documents: Collection[str] = (), keep_linebreaks: bool = True,
+                   num_proc: int | None = None, overwrite_cache: bool = False) -> DatasetDict:
+    """`input_ids` of every row of each split, with what follows the row in the language-model
+    stream, as Transformers' `run_clm.py` reads text (blank rows included):
 
-    return cached_map(dataset, encode, (tokenizer_fingerprint(tokenizer),), num_proc=num_proc,
-                      overwrite_cache=overwrite_cache, remove_columns=["text"], desc="Tokenizing lines")
+    - the rows of a split not in `documents` are lines of a text file, each ending with its line
+      break: the text `\\n` where the tokenizer writes one (`writes_line_breaks`: GPT-2's, Llama's),
+      else its EOS token (this package's BPE: fairseq's `</s>` at every line end); none with
+      `keep_linebreaks=False`. The first line starts with what the tokenizer puts before a text;
+    - the rows of a split in `documents` (a `datasets` dataset's) are documents, enclosed by
+      `sequence_ends`: what the tokenizer puts before a text (Llama's BOS), and EOS after it.
+    """
+    line_end = _line_end(tokenizer, keep_linebreaks)
+    document_ends = sequence_ends(tokenizer)
+    file_start = document_ends[0]  # Llama's BOS opens a file's stream
+
+    def encode_lines(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        texts = [text + line_end for text in batch["text"]] if isinstance(line_end, str) else batch["text"]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = ids if isinstance(line_end, str) else [[*row, *line_end] for row in ids]
+        if indices and indices[0] == 0:
+            ids[0] = [*file_start, *ids[0]]
+        return {"input_ids": ids}
+
+    def encode_documents(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        prefix, suffix = document_ends
+        return {"input_ids": [[*prefix, *row, *suffix]
+                              for row in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]}
+
+    unknown = sorted(set(documents) - set(dataset))
+    if unknown:
+        raise ValueError(f"documents names splits {unknown} that are not among {list(dataset)}")
+    out = DatasetDict()
+    for split, part in dataset.items():
+        function, ends = (encode_documents, document_ends) if split in documents else (encode_lines, line_end)
+        out[split] = cached_map(DatasetDict({split: part}), function, (tokenizer_fingerprint(tokenizer), ends),
+                                num_proc=num_proc, overwrite_cache=overwrite_cache, remove_columns=["text"],
+                                with_indices=True,
+                                desc="Tokenizing lines" if function is encode_lines else "Tokenizing documents")[split]
+    return out
+
+
+def _line_end(tokenizer: PreTrainedTokenizerBase, keep_linebreaks: bool) -> str | tuple[int, ...]:
+    """What ends a line of a text file in the stream: the text "\\n" where the tokenizer writes it,
+    else the ids of its EOS token (none without one, or without `keep_linebreaks`)."""
+    if not keep_linebreaks:
+        return ()
+    if writes_line_breaks(tokenizer):
+        return "\n"
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
 
 
 def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None = None,
               overwrite_cache: bool = False, lines_per_batch: int = 1000) -> DatasetDict:
-    """Fixed-length blocks of each split's token stream (the lines of `tokenize_lines`, in order),
+    """Fixed-length blocks of each split's token stream (the rows of `tokenize_lines`, in order),
     for a causal LM that shifts its labels internally.
 
     Consecutive blocks overlap by one token, so every token after the first of the split is a
     prediction target exactly once: the mean NLL over all blocks is the NLL of the whole stream.
-    The map works on `lines_per_batch` lines at a time and starts each batch's stream with the
-    last token of the line before it (context only), so the batches join without a gap; the last
+    The map works on `lines_per_batch` rows at a time and starts each batch's stream with the
+    last token of the stream before it (context only; rows without a token, such as blank lines
+    where line breaks are dropped, are passed over), so the batches join without a gap; the last
     block of a batch may be shorter (the collator pads it and masks its labels).
     """
     if block_size < 2:
@@ -203,7 +297,7 @@ def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None =
 
     def blocks_of(part: Dataset) -> Callable:
         def cut(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-            stream = [part[indices[0] - 1]["input_ids"][-1]] if indices[0] > 0 else []
+            stream = _token_before(part, indices[0])
             for ids in batch["input_ids"]:
                 stream.extend(ids)
             blocks = [stream[s:s + block_size] for s in range(0, len(stream) - 1, stride)]
@@ -213,8 +307,7 @@ def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None =
     out = DatasetDict()
     for split, part in tokenized.items():
         cut = blocks_of(part)
-        # Every line holds at least its `</s>`: two lines, or one of two tokens, make a target.
-        if len(part) == 0 or (len(part) == 1 and len(part[0]["input_ids"]) < 2):
+        if _count_tokens(part, at_most=2) < 2:
             raise ValueError(f"the token stream of split {split!r} has fewer than 2 tokens")
         out[split] = part.map(cut, batched=True, batch_size=lines_per_batch, with_indices=True,
                               num_proc=num_proc, remove_columns=part.column_names,
@@ -222,6 +315,26 @@ def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None =
                               new_fingerprint=_fingerprint(part, cut, "blocks", block_size, lines_per_batch),
                               desc=f"Cutting {block_size}-token blocks ({split})")
     return out
+
+
+def _token_before(part: Dataset, index: int) -> list[int]:
+    """The last token of the stream before row `index` (`[]` at its start), past rows without one."""
+    while index > 0:
+        index -= 1
+        ids = part[index]["input_ids"]
+        if ids:
+            return [ids[-1]]
+    return []
+
+
+def _count_tokens(part: Dataset, at_most: int, batch_size: int = 1000) -> int:
+    """The tokens of a split's stream, counted until `at_most` are found."""
+    total = 0
+    for start in range(0, len(part), batch_size):
+        total += sum(map(len, part[start:start + batch_size]["input_ids"]))
+        if total >= at_most:
+            return total
+    return total
 
 
 def sequence_lengths(dataset: Dataset, columns: Sequence[str] = ("input_ids", "labels")) -> list[int]:

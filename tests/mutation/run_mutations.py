@@ -236,7 +236,7 @@ TRAINING_MUTATIONS: list[Mutation] = [
         DATA_TESTS, "consecutive LM blocks do not overlap: one token in every block is never a target"),
     Mutation(
         "lm-blocks-drop-the-carried-token", TOKENIZATION,
-        '            stream = [part[indices[0] - 1]["input_ids"][-1]] if indices[0] > 0 else []\n',
+        "            stream = _token_before(part, indices[0])\n",
         "            stream = []\n",
         DATA_TESTS, "the first token of each map batch of lines is never a target"),
     Mutation(
