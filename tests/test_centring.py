@@ -172,3 +172,14 @@ def test_the_calibrated_statistic_is_the_mean_over_real_tokens_only():
     for extra, pad_id in ((9, 0), (9, 77)):  # more padding, another pad id
         for name, phi in _calibrated(_padded(extra, pad_id)).items():
             torch.testing.assert_close(phi, calibrated[name], atol=1e-6, rtol=1e-5)
+
+
+def test_the_families_table_lists_each_family_with_its_result():
+    """docs/conversion_families.md holds the table `python -m hf_powernorm.benchmarks.conversion_families`
+    prints: a row per family, its result the one the tests above check."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "conversion_families.md").read_text(encoding="utf-8")
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "|---" not in line]
+    results = {cells[0].strip(): cells[2].strip() for cells in rows if len(cells) == 8 and cells[0].strip() != "family"}
+    assert results == {name: "exact" if family.exact else "approximate" for name, family in FAMILIES.items()}
