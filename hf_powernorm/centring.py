@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its tensors have no truth value
 class Writer:
     """A candidate writer into the residual stream: `tensors` are `(parameter, channel dimension)`
     pairs; `module` (None for a free parameter) writes its output's `output_dim` channels."""
@@ -117,7 +117,9 @@ def centre_residual_stream(model: nn.Module, hidden_size: int, norms: dict[str, 
     change = _change(run(), reference)
     if change > tolerance(dtype):
         raise RuntimeError(f"centring the residual stream of {type(model).__name__} changed its output by {change:.3g} "
-                           f"of its RMS (writers: {', '.join(centring.writers)})")
+                           f"of its RMS, more than rounding explains ({tolerance(dtype):.3g}); its writers "
+                           f"({', '.join(centring.writers)}) are centred now: load the model again, and convert it "
+                           "with centre_stream=False")
     return centring
 
 
