@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .centring import Centring, centre_residual_stream
 from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
 
 CONVERSION_CONFIG_KEY = "powernorm_conversion"
@@ -54,13 +55,17 @@ NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
 ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
 UNMASKED = "unmasked"  # a norm outside a composite model's language model: the mask is not of its positions
 # The targets `preserve_function=True` supports: options it fixes (`group_eps` is set per norm to the
-# source's epsilon) and the source kinds it can reproduce (PN: LayerNorm sources as closely as it can).
+# source's epsilon), the source kinds it can reproduce, and whether LayerNorm sources need the residual
+# stream centred (`centring.py`; where it is not, they are fitted as closely as the norm can come).
 PRESERVING = {
     "powernorm": {"options": {"group_num": 1, "warmup_steps": 0, "warmup_ramp_steps": 0}, "group_eps": True,
-                  "sources": ("rmsnorm", "rmsnorm_offset", "layernorm", "layernorm_offset")},
-    "rmsnorm": {"options": {}, "sources": ("rmsnorm", "rmsnorm_offset")},
+                  "sources": ("rmsnorm", "rmsnorm_offset", "layernorm", "layernorm_offset"), "centring": True},
+    "rmsnorm": {"options": {}, "sources": ("rmsnorm", "rmsnorm_offset", "layernorm", "layernorm_offset"),
+                "centring": True},
     "layernorm": {"options": {}, "sources": ("layernorm", "layernorm_offset")},
 }
+# A LayerNorm converts exactly when its input's |mean| / RMS stays below this on every real calibration token.
+CENTRED_TOLERANCE = 1e-5
 # The source kinds whose weight is `1 + w` (the new norm's weight is the stored `w` plus one) and
 # those that centre (LayerNorm's function, which PN, not centring, can only fit).
 OFFSET_KINDS = ("rmsnorm_offset", "layernorm_offset")
@@ -302,7 +307,10 @@ class ConversionReport:
     `kept` `(module path, class, reason)` per norm left as it was, the options, whether it kept the
     model's function, and `start_gap`: the largest absolute difference of the model's first output
     (logits) between the source and the converted model on the first calibration batch (None
-    without calibration batches)."""
+    without calibration batches). Under `preserve_function`, `centring` says which writers of the
+    residual stream were centred (`centring.py`) and `approximate` lists `(module path, mean / RMS)`
+    per LayerNorm whose input is not centred, fitted instead (mean / RMS the largest over the real
+    calibration tokens; None without calibration batches)."""
 
     norm_type: str
     options: dict
@@ -310,6 +318,13 @@ class ConversionReport:
     kept: list[tuple[str, str, str]] = field(default_factory=list)
     preserve_function: bool = False
     start_gap: float | None = None
+    approximate: list[tuple[str, float | None]] = field(default_factory=list)
+    centring: Centring | None = None
+
+    @property
+    def preserves_function(self) -> bool:
+        """True when every converted norm computes its source exactly (up to rounding)."""
+        return self.preserve_function and not self.approximate
 
     @property
     def modules(self) -> list[str]:
@@ -319,6 +334,13 @@ class ConversionReport:
         preserving = ", keeping the function" if self.preserve_function else ""
         lines = [f"{len(self.replaced)} norms converted to {self.norm_type} {self.options}{preserving}"]
         lines += [f"  {name}: {old} -> {new}" for name, old, new in self.replaced]
+        if self.centring is not None:
+            untied = f"; head {self.centring.untied} untied" if self.centring.untied else ""
+            lines.append(f"residual stream centred: {len(self.centring.writers)} writers{untied}")
+        if self.approximate:
+            lines.append(f"{len(self.approximate)} norms approximate (input not centred, least-squares fit)")
+            lines += [f"  {name}: mean / RMS " + ("not measured" if ratio is None else f"{ratio:.3g}")
+                      for name, ratio in self.approximate]
         if self.start_gap is not None:
             lines.append(f"largest output change on the first calibration batch: {self.start_gap:.3g}")
         if self.kept:
@@ -328,7 +350,8 @@ class ConversionReport:
 
 
 def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=None, preserve_function: bool = False,
-                  calibration_batches: Iterable[dict] | None = None, **options) -> ConversionReport:
+                  calibration_batches: Iterable[dict] | None = None, centre_stream: bool = True,
+                  **options) -> ConversionReport:
     """Replace the per-token norms of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
 
     Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
@@ -356,12 +379,20 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
       weight is `w * sqrt(running_phi + eps)`, which cancels PN's division by it; `warmup_steps=0`
       and `warmup_ramp_steps=0` so that training divides by that running statistic from the first
       step (a warmup would divide by the batch statistic, then switch). Exact, up to rounding.
-    - LayerNorm sources (`LN(x) * w + b`, Nemotron's `LN(x) * (1 + w) + b`) to PN, which does not
-      centre: the same one-group scaling, then per channel the least-squares affine map from
-      `RMS(x)` to the source's output over the calibration batches' real tokens (weight and bias,
-      the weight again times `sqrt(running_phi + eps)`): the closest PN's eval map comes to the
-      source on that data. Without calibration batches, `w` (or `1 + w`) and `b` (exact where the
-      tokens have zero mean).
+    - LayerNorm sources (`LN(x) * w + b`, Nemotron's `LN(x) * (1 + w) + b`) to PN or RMSNorm, which
+      do not centre: first the writers of the residual stream are centred (`centring.py`: embeddings,
+      output projections and their biases, a tied head untied, found from the model on the first
+      calibration batch), so that a pre-LN model's norms see inputs of mean 0, where LN is RMSNorm;
+      each norm whose input the calibration finds centred (`CENTRED_TOLERANCE`) then converts as an
+      RMSNorm source, LN's bias kept (RMSNorm gets `bias=True`). A norm whose input is not centred
+      (post-LN models such as BERT and BART, an embedding norm, a writer that is not linear) takes
+      per channel the least-squares affine map from `RMS(x)` to the source's output over the
+      calibration batches' real tokens (weight and bias, PN's weight again times
+      `sqrt(running_phi + eps)`), and `report.approximate` names it with its measured mean / RMS;
+      `report.preserves_function` is true only when no norm is approximate. Without calibration
+      batches, or with `centre_stream=False` (the model's weights left as they are), nothing is
+      centred: every LayerNorm source is fitted (`w` or `1 + w`, and `b` without calibration batches,
+      reported approximate and unmeasured).
     - A source to a norm of its own kind (`rmsnorm`, `layernorm`): the weights map exactly (`1 + w`
       becomes the weight).
     Without `calibration_batches`, `running_phi` stays 1 (the function is kept all the same).
@@ -384,15 +415,21 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
                          + (f"; kept: {kept + unbuildable}" if kept or unbuildable else ""))
     if preserve_function:
         _check_preservable(norm_type, plans)
+    centring = None
+    if preserve_function and centre_stream and calibration_batches is not None and _needs_centring(norm_type, plans):
+        calibration_batches = list(calibration_batches)
+        centring = _centre_stream(model, hidden_size, calibration_batches)
     calibration = None if calibration_batches is None else _calibrate(model, plans, calibration_batches)
+    approximate = _settle_centred(norm_type, plans, calibration) if preserve_function else []
     report = apply_conversion(model, _conversion_record(norm_type, options, plans, preserve_function))
+    report.approximate, report.centring = approximate, centring
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     report.kept = sorted(kept + unbuildable, key=lambda entry: order.get(entry[0], len(order)))
     for name, plan in plans.items():
         norm = model.get_submodule(name).norm
         _copy_source(norm, plan.source)
-        if preserve_function and "running_phi" in norm._buffers:
-            _compensate(norm, plan.source, calibration.moments.get(name) if calibration else None)
+        if preserve_function and ("running_phi" in norm._buffers or plan.fit):
+            _compensate(norm, plan, calibration.moments.get(name) if calibration else None)
     if calibration is not None:
         report.start_gap = _start_gap(model, calibration)
     _warn_position_mixing(model, config, norm_type, options)
@@ -409,6 +446,7 @@ class _Plan:
     source: SourceNorm
     size: int
     options: dict
+    fit: bool = False  # a LayerNorm source whose input is not centred: its new norm takes the least-squares fit
 
 
 def _refuse_converted(model: nn.Module, config) -> None:
@@ -636,13 +674,55 @@ def _check_preservable(norm_type: str, plans: dict[str, _Plan]) -> None:
                              f"with {norm_type}: it reproduces {', '.join(sources)} sources")
 
 
+def _needs_centring(norm_type: str, plans: dict[str, _Plan]) -> bool:
+    return bool(PRESERVING[norm_type].get("centring")) and any(p.source.kind in CENTRED_KINDS for p in plans.values())
+
+
+def _centre_stream(model: nn.Module, hidden_size: int, batches: list) -> Centring | None:
+    """Centre the writers of `model`'s residual stream (`centring.py`), probed on the first batch in
+    eval mode; None without batches."""
+    if not batches:
+        return None
+    first = _model_inputs(model, batches[0])
+    norms = {name: module for name, module in model.named_modules() if name and is_norm_candidate(module)}
+    training = model.training
+    model.eval()
+    try:
+        return centre_residual_stream(model, hidden_size, norms, lambda: _first_output(model(**first)))
+    finally:
+        model.train(training)
+
+
+def _settle_centred(norm_type: str, plans: dict[str, _Plan], calibration: _Calibration | None) -> list:
+    """Mark each LayerNorm source whose input was not centred on every real calibration token for the
+    least-squares fit (`_Plan.fit`) and return those, `(path, largest mean / RMS or None)`; the others
+    convert exactly, as RMSNorm sources. An RMSNorm target gets a bias where the source has one or is fitted."""
+    if not PRESERVING[norm_type].get("centring"):
+        return []
+    takes_bias = "bias" in inspect.signature(NORM_CLASSES[norm_type].__init__).parameters
+    approximate = []
+    for name, plan in plans.items():
+        if plan.source.kind not in CENTRED_KINDS:
+            continue
+        moments = calibration.moments.get(name) if calibration is not None else None
+        offcentre = moments.offcentre if moments is not None and moments.count > 0 else None
+        plan.fit = offcentre is None or offcentre > CENTRED_TOLERANCE
+        if plan.fit:
+            approximate.append((name, offcentre))
+        if takes_bias:
+            plan.options["bias"] = plan.source.bias is not None or plan.fit
+    return approximate
+
+
 class _Moments:
     """Per-channel sums over real tokens of one norm's calibration inputs: `z = RMS(x)` (group
-    scaling over one group with the source's epsilon) and the source's output `y`, float64."""
+    scaling over one group with the source's epsilon) and the source's output `y`, float64; and
+    `offcentre`, the largest `|mean(x)| / RMS(x)` of a real token."""
 
     def __init__(self) -> None:
         self.count = 0.0
         self.sums: dict[str, torch.Tensor] = {}
+        self.offcentre = 0.0
 
     def add(self, z: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None) -> None:
         """`z`, `y`: `(tokens, C)`; `weights`: `(tokens,)` 0/1 or None (every token real)."""
@@ -652,6 +732,8 @@ class _Moments:
             total = w @ value
             self.sums[key] = total if key not in self.sums else self.sums[key] + total
         self.count += float(w.sum())
+        if z.shape[0]:
+            self.offcentre = max(self.offcentre, float((z.mean(-1).abs() * w).max()))
 
     def means(self) -> dict[str, torch.Tensor]:
         return {key: value / self.count for key, value in self.sums.items()}
@@ -734,23 +816,25 @@ def _first_output(output) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _compensate(norm: nn.Module, source: SourceNorm, moments: _Moments | None) -> None:
-    """Set a running-statistics norm (PN, one group scaling with the source's epsilon) so that its
-    eval map and first training forward compute the source: `running_phi` from the calibration
-    (1 without), the weight times `sqrt(running_phi + eps)`; for a LayerNorm source the per-channel
-    least-squares fit of the source's output on `RMS(x)`."""
+def _compensate(norm: nn.Module, plan: _Plan, moments: _Moments | None) -> None:
+    """Set a norm (PN, one group scaling with the source's epsilon; RMSNorm) so that its eval map and
+    first training forward compute the source: PN's `running_phi` from the calibration (1 without),
+    its weight times `sqrt(running_phi + eps)`; for a LayerNorm source whose input is not centred
+    (`_Plan.fit`) the per-channel least-squares fit of the source's output on `RMS(x)`."""
     scale = norm.weight.detach().double().clone()  # the source's w (or 1 + w), copied already
     shift = norm.bias.detach().double().clone()
+    running = norm._buffers.get("running_phi")
     if moments is not None and moments.count > 0:
         means = moments.means()
-        norm.running_phi.copy_(means["zz"].float())
-        if source.kind in CENTRED_KINDS:
+        if running is not None:
+            running.copy_(means["zz"].float())
+        if plan.fit:
             variance = means["zz"] - means["z"].square()
             slope = (means["zy"] - means["z"] * means["y"]) / variance.clamp_min(1e-12)
             fitted = variance > 1e-12  # a channel constant over the calibration tokens keeps w
             scale = torch.where(fitted, slope, scale)
             shift = torch.where(fitted, means["y"] - slope * means["z"], shift)
-    compensation = torch.sqrt(norm.running_phi.double() + norm.eps)
+    compensation = 1.0 if running is None else torch.sqrt(running.double() + norm.eps)
     norm.weight.copy_((scale * compensation).to(norm.weight.dtype))
     norm.bias.copy_(shift.to(norm.bias.dtype))
 

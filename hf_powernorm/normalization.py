@@ -2093,17 +2093,24 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(_Norm):
-    """Root-mean-square normalization over channels, per token (no mean, no bias)."""
+    """Root-mean-square normalization over channels, per token (no mean); a per-channel bias with
+    `bias=True` (a LayerNorm converted on a centred residual stream keeps its bias: `converter.py`)."""
 
     mixes_positions = False
     has_running_stats = False
     foldable = False
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = False):
         super().__init__(hidden_size, eps)
-        self._add_affine_parameters(bias=False)
+        self._add_affine_parameters(bias=bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._scaled(hidden_states, attention_mask)
+        bias = self._parameters.get("bias")
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def _scaled(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """`x / sqrt(mean(x^2) + eps) * weight`."""
         _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
         weight = self._parameters["weight"]
         if weight.dtype == torch.float32 and weight.is_contiguous() and _fused_kernels_usable(hidden_states):
