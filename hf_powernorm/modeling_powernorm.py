@@ -242,7 +242,10 @@ def eager_attention_forward(
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (batch, heads, q, k)
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    # At least float32, not exactly float32: float64's mask value of a padded query's fully masked
+    # row would be -inf in float32, and the row's softmax NaN (spreading to the real tokens' values).
+    softmax_dtype = torch.promote_types(attn_weights.dtype, torch.float32)
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=softmax_dtype).to(query.dtype)
     attn_weights = apply_dropout(attn_weights, dropout, module.training)
     attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
     return attn_output, attn_weights
