@@ -14,7 +14,7 @@ way, two passes each way (`bn_moments`, then `affine_backward_rows`); `norm_eval
 every eval-mode norm in one pass, with streaming stores for outputs of `STREAM_BYTES` and more;
 `elementwise_forward`/`elementwise_backward` DyT and Derf, one pass each way (their tanh and erf in
 arithmetic the compiler vectorises: libm's are scalar calls), saving `x` alone.
-`torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
+`torch.compile` of the same arithmetic (`norm_dispatch.py`'s pure tensor functions, inductor's C++)
 measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
 
 The C source below is compiled on first use with the system C compiler into a cache directory
@@ -1334,7 +1334,7 @@ def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
 def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor, counter: torch.Tensor,
                   eps: float, warmup_steps: int, ramp_steps: int, ema_rate: float, reference: bool,
                   batch_backward: bool):
-    """PowerNorm's step statistics on the CPU (what `normalization._pn_denominators` computes):
+    """PowerNorm's step statistics on the CPU (what `norm_dispatch._pn_denominators` computes):
     `(status, v, 1/s, 1/s_backward)`, updating float32 `running_phi` and the int64 `counter` in
     place for a usable batch; status 1 usable, 0 no real token, -1 non-finite statistics."""
     channels = sum_sq.shape[0]
