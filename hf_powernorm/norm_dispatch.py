@@ -422,6 +422,22 @@ def _operator_step(norm, function, hidden_states: torch.Tensor, attention_mask: 
     return y if flat is hidden_states else y.view_as(hidden_states)
 
 
+def _statistics_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, c_step,
+                     torch_ops) -> torch.Tensor:
+    """A running-statistics norm's forward: a training step through `c_step` (an autograd function
+    of the C kernels, None where they do not apply), the eval map in one C pass where it applies,
+    else `torch_ops(norm, x, token_weights)` on `(tokens, hidden)`, in the statistics' dtype."""
+    if c_step is not None:
+        return _c_step(norm, c_step, hidden_states, attention_mask)
+    flat, token_weights = _flatten(hidden_states, attention_mask, norm.hidden_size, norm.training)
+    out = _eval_in_c(norm, hidden_states)
+    if out is not None:
+        return out
+    with _float32(flat.device):
+        out = torch_ops(norm, flat, token_weights)
+    return out.to(flat.dtype).view_as(hidden_states)
+
+
 # ----------------------------------------------------------------------------------------------
 # PowerNorm
 
@@ -595,7 +611,7 @@ class _PowerNormFunction(torch.autograd.Function):
 
 class _PowerNormCStepFunction(torch.autograd.Function):
     """PN's eager CPU float32 training step in two direct C calls, `kernels_cpu.pn_step_forward` and
-    `pn_step_backward` (`PowerNorm._step_in_c` says when): the kernels of the operators' CPU
+    `pn_step_backward` (`_pn_step_in_c` says when): the kernels of the operators' CPU
     implementation without the operators' dispatch and wrapping, which cost more than a small step
     (about 0.1 ms, 1.3x the whole step at (64, 32)); compiled graphs and CUDA take the operators.
     A checkpointing recomputation reuses its step's statistics and updates nothing (the output pass
@@ -627,28 +643,6 @@ class _PowerNormCStepFunction(torch.autograd.Function):
                                                     count, usable)
         _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
         return grad_x, grads[0], grads[1], None, None
-
-
-# PN's training step as two operators of the `hf_powernorm` namespace (`torch.library`), one per
-# direction, so that `torch.compile` sees one node each (no guard of ours inside) and eager code one
-# dispatched call each (eager CPU float32 steps call the same C kernels directly instead:
-# `_PowerNormCStepFunction`). The buffer updates happen inside them, declared as mutated arguments in
-# the schemas: `pn_step_forward` writes `running_phi` and the step counter, `pn_step_backward`
-# writes `running_nu`. Kernels: the C kernels for CPU float32 (`kernels_cpu`), the Triton kernels
-# for CUDA (`kernels_triton`, where Triton is installed), the pure tensor functions above elsewhere
-# (`torch.compile`d where `HF_POWERNORM_COMPILE` asks); fake kernels for tracing. Registered with
-# `Library.impl` rather than `custom_op`, whose Python wrappers cost more than a small step (about
-# 0.4 ms a call), and which refuses an autograd formula on an operator that mutates its arguments:
-# `_PowerNormStepFunction` links the two.
-# Returned statistics: `stats` (3, C) = `(v, 1/s, 1/s_backward)` and `info` (3,) = `(real-token
-# count, usable, non-finite)` in the statistics' dtype; `group_num` 0 is no group scaling.
-PN_STEP_SCHEMAS = {
-    "pn_step_forward": "pn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_phi, "
-                       "Tensor(b!) counter, int group_num, float eps, int warmup_steps, int ramp_steps, "
-                       "float alpha_fwd, bool reference, bool batch_backward, float group_eps) -> (Tensor, Tensor, Tensor)",
-    "pn_step_backward": "pn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor(a!) running_nu, "
-                        "Tensor stats, Tensor info, int group_num, float alpha_bkw, float group_eps) -> (Tensor, Tensor)",
-}
 
 
 def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward) -> tuple:
@@ -771,12 +765,9 @@ def _register_step_operators(schemas: dict[str, str]) -> torch.library.Library |
     return library
 
 
-_PN_STEP_LIBRARY = _register_step_operators(PN_STEP_SCHEMAS)  # kept: the registrations live as long as it does
-
-
 class _PowerNormStepFunction(torch.autograd.Function):
-    """PN's training step through the two operators above, which take the statistics and update the
-    buffers (`PowerNorm._in_one_operator` says when: compiled graphs, CUDA, and eager steps the C
+    """PN's training step through its two operators (`STEP_SCHEMAS`), which take the statistics and
+    update the buffers (`_pn_in_one_operator` says when: compiled graphs, CUDA, and eager steps the C
     kernels do not take). A checkpointing recomputation reuses its step's
     statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
 
@@ -1121,27 +1112,26 @@ def _pnv_step_in_c(norm, x: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
-def forward_power_norm_v(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """`PowerNormV.forward`: the C step or the C eval map where they apply, else the torch ops
-    (training: the batch statistic where usable, `running_phi` otherwise, and its EMA update)."""
-    if norm.training and _pnv_step_in_c(norm, hidden_states):
-        return _c_step(norm, _PowerNormVFunction, hidden_states, attention_mask)
-    flat, token_weights = _flatten(hidden_states, attention_mask, norm.hidden_size, norm.training)
-    out = _eval_in_c(norm, hidden_states)
-    if out is not None:
-        return out
+def _pnv_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    """PN-V in torch ops (training: the batch statistic where usable, `running_phi` otherwise, and
+    its EMA update)."""
     dtype = _stat_dtype(flat)
-    with _float32(flat.device):
-        z0 = group_scale(flat, norm.group_num).to(dtype)
-        phi = norm.running_phi.to(dtype)
-        if norm.training:
-            count = _token_count(z0, token_weights)
-            v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
-            usable = norm._usable(count, v)
-            phi = torch.where(usable, v, phi)  # the running statistic for an unusable batch
-            norm._update(v, usable)
-        out = torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps), norm.weight.to(dtype))
-    return out.to(flat.dtype).view_as(hidden_states)
+    z0 = group_scale(flat, norm.group_num).to(dtype)
+    phi = norm.running_phi.to(dtype)
+    if norm.training:
+        count = _token_count(z0, token_weights)
+        v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
+        usable = norm._usable(count, v)
+        phi = torch.where(usable, v, phi)  # the running statistic for an unusable batch
+        norm._update(v, usable)
+    return torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps), norm.weight.to(dtype))
+
+
+def forward_power_norm_v(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`PowerNormV.forward`: the C step or the C eval map where they apply, else the torch ops."""
+    in_c = norm.training and _pnv_step_in_c(norm, hidden_states)
+    return _statistics_norm(norm, hidden_states, attention_mask, _PowerNormVFunction if in_c else None,
+                            _pnv_torch_ops)
 
 
 class _BatchNormFunction(torch.autograd.Function):
@@ -1186,22 +1176,6 @@ class _BatchNormFunction(torch.autograd.Function):
                     None, None)
         grad_x, grads = bn_step_backward(grad_output.float().contiguous(), x, mask, weight, out, count, usable)
         return grad_x, grads[0], grads[1], None, None
-
-
-# Masked BN's (and BRN's) training step as two operators of the `hf_powernorm` namespace, as PN's:
-# one node per direction for `torch.compile`, one dispatched call per direction in eager code that
-# the direct C calls of `_BatchNormFunction` do not take (other dtypes, devices, the torch backend).
-# `bn_step_forward` updates `running_mean`, `running_var` and the step counter (mutated arguments of
-# the schema). Returned statistics: `out` (4, C) = `(mean, 1/sigma, r, d)` of the step (an unusable
-# batch: the running mean and 1/sigma, r = 1, d = 0) and `info` (3,) = `(real-token count, usable,
-# non-finite)`, in the statistics' dtype; `renorm` false is masked BN (r = 1, d = 0).
-BN_STEP_SCHEMAS = {
-    "bn_step_forward": "bn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_mean, "
-                       "Tensor(b!) running_var, Tensor(c!) counter, float eps, float momentum, bool renorm, "
-                       "float rmax, float dmax) -> (Tensor, Tensor, Tensor)",
-    "bn_step_backward": "bn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor out, "
-                        "Tensor info) -> (Tensor, Tensor)",
-}
 
 
 def _bn_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -1301,12 +1275,40 @@ def _bn_step_backward_fake(dy, x, mask, weight, out, info):
     return x.new_empty(x.shape), weight.new_empty((2, weight.shape[0]))
 
 
-_BN_STEP_LIBRARY = _register_step_operators(BN_STEP_SCHEMAS)  # kept: the registrations live as long as it does
+# The training steps of PN and of masked BN (and BRN) as operators of the `hf_powernorm` namespace
+# (`torch.library`), two each, one per direction, so that `torch.compile` sees one node each (no
+# guard of ours inside) and eager code one dispatched call each (eager CPU float32 steps call the
+# same C kernels directly instead: `_PowerNormCStepFunction`, `_BatchNormFunction`). The buffer
+# updates happen inside them, declared as mutated arguments in the schemas: `pn_step_forward` writes
+# `running_phi` and the step counter, `pn_step_backward` `running_nu`, `bn_step_forward`
+# `running_mean`, `running_var` and the step counter. Kernels: the C kernels for CPU float32
+# (`kernels_cpu`), the Triton kernels for PN on CUDA (`kernels_triton`, where Triton is installed),
+# the pure tensor functions elsewhere (PN's `torch.compile`d where `_compile_wanted` says); fake
+# kernels for tracing. Registered with `Library.impl` rather than `custom_op`, whose Python wrappers
+# cost more than a small step (about 0.4 ms a call), and which refuses an autograd formula on an
+# operator that mutates its arguments: `_PowerNormStepFunction` and `_BatchNormStepFunction` link
+# each pair. Returned statistics, in the statistics' dtype: PN's `stats` (3, C) = `(v, 1/s,
+# 1/s_backward)`, BN's `out` (4, C) = `(mean, 1/sigma, r, d)` of the step (an unusable batch: the
+# running mean and 1/sigma, r = 1, d = 0), and both `info` (3,) = `(real-token count, usable,
+# non-finite)`. PN's `group_num` 0 is no group scaling; BN's `renorm` false is masked BN (r = 1, d = 0).
+STEP_SCHEMAS = {
+    "pn_step_forward": "pn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_phi, "
+                       "Tensor(b!) counter, int group_num, float eps, int warmup_steps, int ramp_steps, "
+                       "float alpha_fwd, bool reference, bool batch_backward, float group_eps) -> (Tensor, Tensor, Tensor)",
+    "pn_step_backward": "pn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor(a!) running_nu, "
+                        "Tensor stats, Tensor info, int group_num, float alpha_bkw, float group_eps) -> (Tensor, Tensor)",
+    "bn_step_forward": "bn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_mean, "
+                       "Tensor(b!) running_var, Tensor(c!) counter, float eps, float momentum, bool renorm, "
+                       "float rmax, float dmax) -> (Tensor, Tensor, Tensor)",
+    "bn_step_backward": "bn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor out, "
+                        "Tensor info) -> (Tensor, Tensor)",
+}
+_STEP_LIBRARY = _register_step_operators(STEP_SCHEMAS)  # kept: the registrations live as long as it does
 
 
 class _BatchNormStepFunction(torch.autograd.Function):
-    """Masked BN's and BRN's training step through the two operators above
-    (`MaskedBatchNorm._in_one_operator` says when). A checkpointing recomputation reuses its step's
+    """Masked BN's and BRN's training step through their two operators (`STEP_SCHEMAS`)
+    (`_bn_in_one_operator` says when). A checkpointing recomputation reuses its step's
     statistics and updates nothing (the output pass alone, the same bits). Saves `x`; create_graph=True
     takes the torch ops' differentiable gradient, as `_BatchNormFunction` does."""
 
@@ -1385,20 +1387,17 @@ def _bn_in_one_operator(norm, x: torch.Tensor) -> bool:
 def forward_batch_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`MaskedBatchNorm.forward` (and BRN's): the C step, the operators, or the module's torch ops
     (`_affine_in_torch_ops`); in eval the C eval map where it applies."""
-    if norm.training and _bn_step_in_c(norm, hidden_states):
-        return _c_step(norm, _BatchNormFunction, hidden_states, attention_mask)
-    if norm.training and _bn_in_one_operator(norm, hidden_states):
+    in_c = norm.training and _bn_step_in_c(norm, hidden_states)
+    if norm.training and not in_c and _bn_in_one_operator(norm, hidden_states):
         return _operator_step(norm, _BatchNormStepFunction, hidden_states, attention_mask)
-    if norm.training and not _in_recomputation():
+    if norm.training and not in_c and not _in_recomputation():
         norm.__dict__["_last_step"] = None  # this step's statistics are neither path's above
-    flat, token_weights = _flatten(hidden_states, attention_mask, norm.hidden_size, norm.training)
-    out = _eval_in_c(norm, hidden_states)
-    if out is not None:
-        return out
-    dtype = _stat_dtype(flat)
-    with _float32(flat.device):
-        out = norm._affine_in_torch_ops(flat.to(dtype), token_weights)
-    return out.to(flat.dtype).view_as(hidden_states)
+    return _statistics_norm(norm, hidden_states, attention_mask, _BatchNormFunction if in_c else None,
+                            _bn_torch_ops)
+
+
+def _bn_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    return norm._affine_in_torch_ops(flat.to(_stat_dtype(flat)), token_weights)
 
 
 class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
@@ -1489,22 +1488,20 @@ def forward_moving_average_batch_norm(norm, hidden_states: torch.Tensor,
                                       attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`MovingAverageBatchNorm.forward`: the C step or the C eval map where they apply, else the
     torch ops with the module's moving-average statistics (`_forward_statistics`)."""
-    if norm.training and _mabn_step_in_c(norm, hidden_states):
-        return _c_step(norm, _MovingAverageBatchNormStepFunction, hidden_states, attention_mask)
-    flat, token_weights = _flatten(hidden_states, attention_mask, norm.hidden_size, norm.training)
-    out = _eval_in_c(norm, hidden_states)
-    if out is not None:
-        return out
+    in_c = norm.training and _mabn_step_in_c(norm, hidden_states)
+    return _statistics_norm(norm, hidden_states, attention_mask,
+                            _MovingAverageBatchNormStepFunction if in_c else None, _mabn_torch_ops)
+
+
+def _mabn_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    """MABN in torch ops: its autograd function in training, the running statistic's map in eval."""
     dtype = _stat_dtype(flat)
-    with _float32(flat.device):
-        xf = flat.to(dtype)
-        weight, bias = norm.weight.to(dtype), norm.bias.to(dtype)
-        if norm.training:
-            statistics = norm._forward_statistics(xf, token_weights)
-            out = _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, norm, *statistics)
-        else:
-            out = torch.addcmul(bias, xf, weight * torch.rsqrt(norm.running_phi.to(dtype) + norm.eps))
-    return out.to(flat.dtype).view_as(hidden_states)
+    xf = flat.to(dtype)
+    weight, bias = norm.weight.to(dtype), norm.bias.to(dtype)
+    if norm.training:
+        statistics = norm._forward_statistics(xf, token_weights)
+        return _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, norm, *statistics)
+    return torch.addcmul(bias, xf, weight * torch.rsqrt(norm.running_phi.to(dtype) + norm.eps))
 
 
 # ----------------------------------------------------------------------------------------------

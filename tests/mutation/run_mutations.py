@@ -113,9 +113,8 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS, "PN's eval forward skips group scaling (training keeps it)"),
     Mutation(
         "pn-v-eval-without-eps", DISPATCH,
-        "        out = torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps), "
-        "norm.weight.to(dtype))\n",
-        "        out = torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps * norm.training), "
+        "    return torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps), norm.weight.to(dtype))\n",
+        "    return torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps * norm.training), "
         "norm.weight.to(dtype))\n",
         NORM_TESTS, "PN-V's eval forward divides by sqrt(phi) instead of sqrt(phi + eps)"),
     Mutation(
