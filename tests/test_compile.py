@@ -215,6 +215,37 @@ def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
     _assert_same_traces(fallback, eager)
 
 
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_an_explicit_kernel_backend_wins_over_the_compile_variable(monkeypatch, setting):
+    """`kernel_backend("compile")` compiles PN's pure functions under `HF_POWERNORM_COMPILE=0`, and
+    `"torch"` or `"c"` never compiles under `=1`; without a block the variable decides (`"auto"`:
+    CUDA only). bfloat16 steps, which the C kernels leave to the operators' torch ops."""
+    from hf_powernorm import norm_dispatch
+
+    compiled = []
+    monkeypatch.setattr(norm_dispatch, "_compiled", lambda fn: compiled.append(fn.__name__) or fn)
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", setting)
+    batches = [tuple(t if t is None or not t.is_floating_point() else t.bfloat16() for t in batch)
+               for batch in _steps()[:2]]
+    backends = [("compile", True), ("torch", False), ("auto", setting == "1")]
+    backends += [("c", False)] if "c" in available_kernel_backends() else []
+    for backend, compiles in backends:
+        compiled.clear()
+        norm = _norm("powernorm").to(torch.bfloat16)
+        with kernel_backend(backend):
+            _train(norm, norm, batches)
+        assert compiled == (["_pn_train_forward", "_pn_train_backward"] * 2 if compiles else []), backend
+
+
+def test_a_compile_variable_outside_its_values_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", "yes")
+    x, mask, _ = _steps()[0]
+    norm = _norm("powernorm").to(torch.bfloat16)
+    with kernel_backend("torch"):  # an explicit backend never reads it
+        norm(x.bfloat16(), mask)
+    with pytest.raises(ValueError, match=r"HF_POWERNORM_COMPILE must be one of \('auto', '0', '1'\), got 'yes'"):
+        norm(x.bfloat16(), mask)
+
 def _train_warning_visible(norm, batches):
     trace = []
     for x, mask, dy in batches:
