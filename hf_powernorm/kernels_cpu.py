@@ -633,7 +633,8 @@ void bn_step_backward(const float *dy, const float *x, const void *m, int kind, 
     free(v);
 }
 
-/* One training step's statistics from the (reduced) sums, on C channels (PowerNorm._denominators):
+/* One training step's statistics from the (reduced) sums, on C channels
+   (norm_dispatch._pn_step_denominators):
    v = sum_sq / max(count, 1); usable = count > 0 and v finite; 1/s from the warmup weight
    r = clamp((t - W) / (K + 1), 0, 1) (the batch, the running or the blended denominator);
    1/s_b = 1/s (backward "running") or the batch one; phi (float32 buffer) and the counter (int64)
@@ -689,7 +690,7 @@ int pn_gradient_statistics(const double *s_all, const double *s_real, const floa
     return 1;
 }
 
-/* PowerNorm's whole training forward in one call (PowerNorm._denominators with the passes):
+/* PowerNorm's whole training forward in one call (norm_dispatch._pn_step_denominators with the passes):
    once the denominator is the running statistic whatever the batch (t > W + K), statistics and
    output in one pass with scale = weight / sqrt(phi + eps), phi before this step's update; else a
    statistics pass, the step's statistics, then the output pass with scale = weight / s.

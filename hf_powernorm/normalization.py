@@ -32,7 +32,7 @@ import re
 import torch
 from torch import nn
 
-from .norm_dispatch import (  # noqa: F401 - re-exported: `_BROADCAST_WARNED`, `_in_recomputation`
+from .norm_dispatch import (  # noqa: F401 - re-exported: the backend switch, `group_scale`, `_BROADCAST_WARNED`
     _BROADCAST_WARNED,
     GROUP_SCALE_EPS,
     KERNEL_BACKENDS,

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import kernels_cpu
+from ..norm_dispatch import pn_step_backward, pn_step_forward
 from ..normalization import NORM_CLASSES, available_kernel_backends, build_norm, kernel_backend
 from .timing import cell, clock, control_allocator, interleaved, machine_line, markdown, num_threads, progress
 
@@ -152,12 +152,12 @@ class _PowerNormCalls(torch.nn.Module):
     def training_step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
         norm = self.norm
         weight, bias, x = norm.weight.detach(), norm.bias.detach(), x.detach()
-        status, _, stats, count = kernels_cpu.pn_step_forward(
+        status, _, stats, count = pn_step_forward(
             x, mask, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
             norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd, norm.warmup_statistic == "reference",
             norm.backward_denominator == "batch", norm.group_eps)
-        kernels_cpu.pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count, status == 1,
-                                     1.0 - norm.alpha_bkw, norm.group_eps)
+        pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count, status == 1,
+                         1.0 - norm.alpha_bkw, norm.group_eps)
 
 
 def _build(name: str, hidden: int, options: dict, device: str):
