@@ -13,8 +13,9 @@ PN-V's step likewise (two passes each way: its exact gradient needs a batch sum 
 way, two passes each way (`bn_moments`, then `affine_backward_rows`); `norm_eval` is
 every eval-mode norm in one pass, with streaming stores for outputs of `STREAM_BYTES` and more;
 `elementwise_forward`/`elementwise_backward` DyT and Derf, one pass each way (their tanh and erf in
-arithmetic the compiler vectorises: libm's are scalar calls), saving `x` alone.
-`torch.compile` of the same arithmetic (`normalization.py`'s pure tensor functions, inductor's C++)
+arithmetic the compiler vectorises: libm's are scalar calls; built with multiply-adds and the widest
+vectors), saving `x` alone.
+`torch.compile` of the same arithmetic (`norm_dispatch.py`'s pure tensor functions, inductor's C++)
 measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
 
 The C source below is compiled on first use with the system C compiler into a cache directory
@@ -632,7 +633,8 @@ void bn_step_backward(const float *dy, const float *x, const void *m, int kind, 
     free(v);
 }
 
-/* One training step's statistics from the (reduced) sums, on C channels (PowerNorm._denominators):
+/* One training step's statistics from the (reduced) sums, on C channels
+   (norm_dispatch._pn_step_denominators):
    v = sum_sq / max(count, 1); usable = count > 0 and v finite; 1/s from the warmup weight
    r = clamp((t - W) / (K + 1), 0, 1) (the batch, the running or the blended denominator);
    1/s_b = 1/s (backward "running") or the batch one; phi (float32 buffer) and the counter (int64)
@@ -688,7 +690,7 @@ int pn_gradient_statistics(const double *s_all, const double *s_real, const floa
     return 1;
 }
 
-/* PowerNorm's whole training forward in one call (PowerNorm._denominators with the passes):
+/* PowerNorm's whole training forward in one call (norm_dispatch._pn_step_denominators with the passes):
    once the denominator is the running statistic whatever the batch (t > W + K), statistics and
    output in one pass with scale = weight / sqrt(phi + eps), phi before this step's update; else a
    statistics pass, the step's statistics, then the output pass with scale = weight / s.
@@ -857,11 +859,23 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
     return status;
 }
 
+/* DyT's and Derf's code, and theirs alone, is built with contracted multiply-adds (one rounding
+   where ISO C's default, off, rounds twice) and, on x86-64, the CPU's widest vectors (GCC's default
+   for AVX-512 is 256 bits): it is arithmetic-bound where LayerNorm's passes are memory-bound (about
+   0.6x the time of the default build, 2026-12-03). The other kernels keep their bits. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SQUASH_CODE __attribute__((optimize("fp-contract=fast"), target("prefer-vector-width=512")))
+#elif defined(__GNUC__) && !defined(__clang__)
+#define SQUASH_CODE __attribute__((optimize("fp-contract=fast")))
+#else
+#define SQUASH_CODE
+#endif
+
 /* DyT's and Derf's squashing functions in arithmetic the compiler vectorises (libm's tanhf, erff
    and expf are scalar calls here). vexp: Cephes expf's range reduction and polynomial, relative
    error about 1e-7 on [-87.3, 88.3], the argument clamped to that range (exp(-87.3) is the
    smallest normal float). */
-static inline float vexp(float v) {
+SQUASH_CODE static inline float vexp(float v) {
     v = v < -87.3f ? -87.3f : v;  /* selects, not fminf/fmaxf, whose NaN rules do not vectorise */
     v = v > 88.3f ? 88.3f : v;
     float n = floorf(v * 1.44269504088896341f + 0.5f);
@@ -878,16 +892,28 @@ static inline float vexp(float v) {
 }
 
 /* f(z) and f'(z) from one shared value k = CORE(z), without branches (selects only), so that the
-   loops below vectorise. tanh as 2 sigmoid(2z) - 1 (k = sigmoid(2z), tanh' = 4 k (1 - k)), the torch
-   path's formula; erf (k = exp(-z^2), erf' = 2 / sqrt(pi) k) below |z| = 0.5 by its Taylor series to
-   z^13 (error below 1e-9), above it by Abramowitz and Stegun 7.1.26 (error at most 1.5e-7; 3.5e-7 in
-   float32 arithmetic). */
-static inline float tanh_core(float z) { return 1.0f / (1.0f + vexp(-2.0f * z)); }
-static inline float tanh_value(float z, float k) { (void)z; return 2.0f * k - 1.0f; }
-static inline float tanh_slope(float k) { return 4.0f * k * (1.0f - k); }
-static inline float erf_core(float z) { return vexp(-z * z); }
-static inline float erf_slope(float k) { return 1.12837916709551257f * k; }
-static inline float erf_value(float z, float k) {
+   loops below vectorise. tanh (k = tanh z, tanh' = 1 - k^2) as Eigen's rational approximation
+   (`generic_fast_tanh_float`: an odd polynomial of degree 13 over an even one of degree 6, the
+   argument clamped to +-7.905, where tanh rounds to +-1 in float32): at most 2.8e-7 from float64
+   tanh, about half the arithmetic of 2 sigmoid(2z) - 1 through exp (no range reduction); erf
+   (k = exp(-z^2), erf' = 2 / sqrt(pi) k) below |z| = 0.5 by its Taylor series to z^13 (error below
+   1e-9), above it by Abramowitz and Stegun 7.1.26 (error at most 1.5e-7; 3.5e-7 in float32 arithmetic). */
+SQUASH_CODE static inline float tanh_core(float z) {
+    float x = z < -7.90531110763549805f ? -7.90531110763549805f : z;  /* NaN stays NaN */
+    x = x > 7.90531110763549805f ? 7.90531110763549805f : x;
+    float q = x * x;
+    float p = x * (4.89352455891786e-03f + q * (6.37261928875436e-04f + q * (1.48572235717979e-05f
+              + q * (5.12229709037114e-08f + q * (-8.60467152213735e-11f + q * (2.00018790482477e-13f
+              + q * -2.76076847742355e-16f))))));
+    float d = 4.89352518554385e-03f + q * (2.26843463243900e-03f + q * (1.18534705686654e-04f
+              + q * 1.19825839466702e-06f));
+    return p / d;
+}
+SQUASH_CODE static inline float tanh_value(float z, float k) { (void)z; return k; }
+SQUASH_CODE static inline float tanh_slope(float k) { return 1.0f - k * k; }
+SQUASH_CODE static inline float erf_core(float z) { return vexp(-z * z); }
+SQUASH_CODE static inline float erf_slope(float k) { return 1.12837916709551257f * k; }
+SQUASH_CODE static inline float erf_value(float z, float k) {
     float a = fabsf(z), q = z * z;
     float series = z * (1.12837916709551257f + q * (-0.37612638903183752f + q * (0.11283791670955126f
                    + q * (-0.02686617064513125f + q * (0.00522397762544219f + q * (-0.00085483270234508f
@@ -906,19 +932,19 @@ static inline float erf_value(float z, float k) {
         yt[c] = weight[c] * F##_value(z, F##_core(z)) + bias[c]; \
     }
 #define BACKWARD_ROW(F, STORE) \
-    _Pragma("omp simd") \
+    _Pragma("omp simd reduction(+:row_a, row_s)") \
     for (long c = 0; c < C; c++) { \
         float z = alpha * xt[c] + shift, k = F##_core(z), g = dyt[c] * weight[c] * F##_slope(k); \
         acc[c] += dyt[c] * F##_value(z, k); \
         acc_b[c] += dyt[c]; \
-        acc_a[c] += g * xt[c]; \
-        acc_s[c] += g; \
+        row_a += g * xt[c]; \
+        row_s += g; \
         STORE; \
     }
 
 /* DyT (fn 0) and Derf (fn 1) forward in one pass over x (T x C): y = weight f(alpha x + shift) + bias. */
-void elementwise_forward(const float *x, long T, long C, int fn, float alpha, float shift, const float *weight,
-                         const float *bias, int threads, float *y) {
+SQUASH_CODE void elementwise_forward(const float *x, long T, long C, int fn, float alpha, float shift,
+                                     const float *weight, const float *bias, int threads, float *y) {
     #pragma omp parallel for num_threads(team(threads, T * C)) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *xt = x + t * C;
@@ -930,27 +956,29 @@ void elementwise_forward(const float *x, long T, long C, int fn, float alpha, fl
 /* Their backward in one pass over dy and x (f(z) recomputed from x): with g = dy weight f'(z),
    dx = g alpha (dx may be NULL: the sums only); sums (2C + 2, double): dweight = sum_t dy f(z),
    dbias = sum_t dy, then dalpha = sum g x and dshift = sum g over every element. */
-void elementwise_backward(const float *dy, const float *x, long T, long C, int fn, float alpha, float shift,
-                          const float *weight, int threads, float *dx, double *sums) {
+SQUASH_CODE void elementwise_backward(const float *dy, const float *x, long T, long C, int fn, float alpha,
+                                      float shift, const float *weight, int threads, float *dx, double *sums) {
     memset(sums, 0, sizeof(double) * (2 * C + 2));
     #pragma omp parallel num_threads(team(threads, T * C))
     {
-        float *acc = calloc(4 * C, sizeof(float)), *acc_b = acc + C, *acc_a = acc + 2 * C, *acc_s = acc + 3 * C;
-        double *dacc = calloc(4 * C, sizeof(double));
+        /* per channel: dweight and dbias; dalpha and dshift are sums over every element, per row in
+           float (a vector reduction), over the rows in double */
+        float *acc = calloc(2 * C, sizeof(float)), *acc_b = acc + C;
+        double *dacc = calloc(2 * C, sizeof(double)), a = 0.0, b = 0.0;
         long rows = 0;
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             const float *dyt = dy + t * C, *xt = x + t * C;
-            float *dxt = dx ? dx + t * C : NULL;
+            float *dxt = dx ? dx + t * C : NULL, row_a = 0.0f, row_s = 0.0f;
             if (fn == 0 && dxt) { BACKWARD_ROW(tanh, dxt[c] = g * alpha) }
             else if (fn == 0) { BACKWARD_ROW(tanh, (void)0) }
             else if (dxt) { BACKWARD_ROW(erf, dxt[c] = g * alpha) }
             else { BACKWARD_ROW(erf, (void)0) }
-            if (++rows % FLUSH == 0) add_to(dacc, acc, 4 * C);
+            a += row_a;
+            b += row_s;
+            if (++rows % FLUSH == 0) add_to(dacc, acc, 2 * C);
         }
-        add_to(dacc, acc, 4 * C);
-        double a = 0.0, b = 0.0;
-        for (long c = 0; c < C; c++) { a += dacc[2 * C + c]; b += dacc[3 * C + c]; }
+        add_to(dacc, acc, 2 * C);
         #pragma omp critical
         {
             for (long c = 0; c < 2 * C; c++) sums[c] += dacc[c];
@@ -1334,7 +1362,7 @@ def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
 def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor, counter: torch.Tensor,
                   eps: float, warmup_steps: int, ramp_steps: int, ema_rate: float, reference: bool,
                   batch_backward: bool):
-    """PowerNorm's step statistics on the CPU (what `normalization._pn_denominators` computes):
+    """PowerNorm's step statistics on the CPU (what `norm_dispatch._pn_denominators` computes):
     `(status, v, 1/s, 1/s_backward)`, updating float32 `running_phi` and the int64 `counter` in
     place for a usable batch; status 1 usable, 0 no real token, -1 non-finite statistics."""
     channels = sum_sq.shape[0]

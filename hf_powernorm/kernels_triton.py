@@ -2,7 +2,7 @@
 DyT's and Derf's.
 
 The CUDA implementation of the `hf_powernorm::pn_step_forward` and `pn_step_backward` operators
-(`normalization.py`), with the arithmetic of its pure tensor functions `_pn_train_forward` and
+(`norm_dispatch.py`), with the arithmetic of its pure tensor functions `_pn_train_forward` and
 `_pn_train_backward` (`powernorm-notes.md`):
 - forward, three launches: per program, over its tiles of tokens, group scaling `z0 = GS(x)` and
   the masked sums of `z0^2` (`_forward_sums`); in one program, the step's statistics `v`, `1/s`,
@@ -12,7 +12,7 @@ The CUDA implementation of the `hf_powernorm::pn_step_forward` and `pn_step_back
   group-scaling backward, with the sums `sum(dY z0)`, `sum_V(dY z0)`, `sum(dY)` (`_backward_sums`);
   in one program, the parameter gradients and the in-place update of `running_nu`
   (`_backward_statistics`).
-DyT and Derf on CUDA (`normalization._ElementwiseNormFunction`), `y = weight * f(alpha x + shift) +
+DyT and Derf on CUDA (`norm_dispatch._ElementwiseNormFunction`), `y = weight * f(alpha x + shift) +
 bias`: one launch forward (`_elementwise_forward`), two backward (`_elementwise_backward_sums`, `dx`
 and the per-program sums, `f(z)` recomputed from `x`; `_elementwise_backward_statistics`, the
 parameter gradients), `alpha` and `shift` read on the device.

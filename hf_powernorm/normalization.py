@@ -17,364 +17,54 @@ statistics compute them over real tokens only and in float32 whatever the input 
 never changes a statistic (as long as its values are finite), nor the output or gradient of a real
 token. The output has the input's dtype.
 
-A training step never waits for the device: the guards (no real token, non-finite statistics),
-PN's warmup switch and the step counters are decided on the device with `torch.where`, so
-`torch.compile` traces a step in one graph. Only eager code on the CPU, where reading a value
-costs nothing, reads one (a non-finite warning's flag, the C kernels' step counter).
-On CPU float32 inputs the training steps of PN, PN-V, BN, BRN, MABN and RMSNorm, and every eval-mode
-norm's affine map, run in the C kernels of `kernels_cpu.py` (each batch-statistic norm's step in two C calls, forward
-and backward, its statistics and buffer updates included). PN's step is two operators, `hf_powernorm::pn_step_forward`
-and `pn_step_backward` (`torch.library`): the C kernels on the CPU, the Triton kernels of `kernels_triton.py` on
-CUDA, the torch ops elsewhere. `kernel_backend(name)` chooses the backend for a block (C kernels, Triton
-kernels, compiled or plain torch ops).
+This file holds what each norm computes: its options and their checks, its traits, its parameters
+and running statistics and how a step updates them. How a step runs (the C kernels, the Triton
+kernels, the `torch.library` operators, compiled or plain torch ops, chosen by `kernel_backend`) is
+`norm_dispatch.py`'s: each module's `forward` is one call into it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 import inspect
 import math
-import os
 import re
-import warnings
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from .kernels_cpu import (
+from .norm_dispatch import (  # noqa: F401 - re-exported: the backend switch, `group_scale`, `_BROADCAST_WARNED`
+    _BROADCAST_WARNED,
     GROUP_SCALE_EPS,
-    bn_step_backward,
-    bn_step_forward,
-    elementwise_backward,
-    elementwise_forward,
-    kernels_usable,
-    mabn_step_backward,
-    mabn_step_forward,
-    norm_eval,
-    pn_backward,
-    pn_gradient_statistics,
-    pn_rows,
-    pn_statistics,
-    pn_step_backward,
-    pn_step_forward,
-    pnv_step_backward,
-    pnv_step_forward,
+    KERNEL_BACKENDS,
+    _all_finite,
+    _all_reduce_,
+    _host_readable,
+    _in_recomputation,
+    _lerp_,
+    _mask_weights,
+    _sync_enabled,
+    _token_count,
+    _token_sum,
+    _warn_if_ddp_overwrites_statistics,
+    _warn_non_finite,
+    _write_row_,
+    available_kernel_backends,
+    current_kernel_backend,
+    forward_batch_norm,
+    forward_elementwise,
+    forward_group_norm,
+    forward_identity,
+    forward_layer_norm,
+    forward_moving_average_batch_norm,
+    forward_power_norm,
+    forward_power_norm_v,
+    forward_rms_norm,
+    group_scale,
+    kernel_backend,
 )
-from .kernels_cpu import load as kernels_cpu_load
-from .kernels_triton import AVAILABLE as TRITON_AVAILABLE
-from .kernels_triton import elementwise_backward as triton_elementwise_backward
-from .kernels_triton import elementwise_forward as triton_elementwise_forward
-from .kernels_triton import elementwise_usable as triton_elementwise_usable
-from .kernels_triton import pn_step_backward as triton_step_backward
-from .kernels_triton import pn_step_forward as triton_step_forward
-from .kernels_triton import usable as triton_usable
 
 BACKWARD_DENOMINATORS = ("running", "batch")
 WARMUP_STATISTICS = ("cumulative", "reference")
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers: shapes, masks, masked sums, process-group reduction
-
-
-def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, hidden_size: int,
-             weights: bool = True):
-    """Return hidden states as `(tokens, hidden)` and float32 token weights `(tokens,)` or None
-    (always None without `weights`: an eval map or a per-token norm, which checks the mask's shape
-    and ignores it)."""
-    if not isinstance(hidden_states, torch.Tensor):
-        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
-    if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != hidden_size:
-        raise ValueError(
-            f"hidden_states must have shape (batch, seq, {hidden_size}) or (tokens, {hidden_size}), "
-            f"got {tuple(hidden_states.shape)}"
-        )
-    flat = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, hidden_size)
-    if attention_mask is None:
-        return flat, None
-    if attention_mask.shape != hidden_states.shape[:-1]:
-        raise ValueError(
-            f"attention_mask must have shape {tuple(hidden_states.shape[:-1])} to match hidden_states "
-            f"{tuple(hidden_states.shape)}, got {tuple(attention_mask.shape)}"
-        )
-    if not weights:
-        return flat, None
-    # Always the weights, even when every token is real: asking would synchronise with the device.
-    real = attention_mask.reshape(-1).to(flat.device) != 0
-    return flat, real.to(_stat_dtype(flat))
-
-
-def _token_sum(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Sum `(tokens, C)` over real tokens with the 0/1 weights, no gather: eagerly a matrix-vector
-    product; in a compiled graph a weighted sum, which the compiler fuses with what computes `values`."""
-    if weights is None:
-        return values.sum(0)
-    if torch.compiler.is_compiling():
-        return (values * weights[:, None]).sum(0)
-    return weights @ values
-
-
-def _token_count(flat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    if weights is None:  # a fill on the device, not a copy from the host
-        return torch.full((), flat.shape[0], device=flat.device, dtype=_stat_dtype(flat))
-    return weights.sum()
-
-
-def _sync_enabled(sync_stats: bool, process_group) -> bool:
-    return (
-        sync_stats
-        and dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size(process_group) > 1
-    )
-
-
-def _all_reduce_(tensor: torch.Tensor, process_group) -> torch.Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
-    return tensor
-
-
-_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _in_recomputation() -> bool:
-    """True while autograd runs a backward pass: activation checkpointing recomputes forwards there.
-
-    False while `torch.compile` traces: the query would break the graph, and a compiled graph
-    recomputes checkpointed regions inside its own backward, without running this forward again."""
-    if torch.compiler.is_compiling():
-        return False
-    return _GRAPH_TASK_ID() != -1
-
-
-def _host_readable(flag: torch.Tensor) -> bool:
-    """Whether reading `flag` costs no synchronisation and no graph break: eager, on the CPU."""
-    return not torch.compiler.is_compiling() and flag.device.type == "cpu"
-
-
-def _refuse_double_backward(name: str) -> None:
-    """Autograd runs a backward with grad mode on only under `create_graph=True`: an approximate
-    backward has no derivative of its own, so refuse instead of returning a constant gradient."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{name}'s approximate backward is not twice differentiable: create_graph=True (a gradient "
-            "penalty, double backward) is not supported through it"
-        )
-
-
-def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float | torch.Tensor,
-           keep: torch.Tensor | None = None) -> torch.Tensor:
-    """`buffer += weight * (end - buffer)` in place, where the device flag `keep` holds (always
-    without one), computed in `end`'s dtype also when someone else has cast the buffer (FSDP v1's
-    `MixedPrecision(buffer_dtype=torch.bfloat16)`). `weight` may be a 0-dim tensor on the device."""
-    start = buffer if buffer.dtype == end.dtype else buffer.to(end.dtype)
-    if isinstance(weight, torch.Tensor):
-        weight = weight.to(end.dtype)
-    updated = torch.lerp(start, end, weight)
-    if keep is not None:
-        updated = torch.where(keep, updated, start)
-    return buffer.copy_(updated)
-
-
-_BROADCAST_WARNED = []  # one warning per process
-
-
-def _warn_if_ddp_overwrites_statistics(module: nn.Module) -> None:
-    """Called where a norm takes a statistic: DDP syncing buffers (`broadcast_buffers`, the default,
-    Trainer's too) overwrites every rank's running statistics with rank 0's at each forward."""
-    if torch.compiler.is_compiling():
-        return
-    ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
-    if ddp is None or not module.training or _BROADCAST_WARNED or getattr(module, "sync_stats", False):
-        return
-    if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", False)):
-        return
-    _BROADCAST_WARNED.append(True)
-    warnings.warn(
-        f"{type(module).__name__} trains under DistributedDataParallel with broadcast_buffers=True: at every "
-        "forward DDP overwrites each rank's running statistics with rank 0's, so the other ranks' batches "
-        "never reach them. Wrap with broadcast_buffers=False (Trainer: ddp_broadcast_buffers=False), and "
-        "sync_stats=True (powernorm_sync_stats) for statistics over the whole global batch.",
-        UserWarning,
-        stacklevel=2,
-    )
-
-
-def _stat_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """Statistics are float32, or float64 for float64 inputs (so `gradcheck` can run)."""
-    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor.to(dtype)` without the call where it would return `tensor` (it costs a small norm's work)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-def _float32(device: torch.device):
-    """Statistics stay float32 under autocast: matrix products would otherwise run in half precision.
-    Outside autocast nothing to undo (entering `torch.autocast` costs more than a small norm's work)."""
-    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _warn_non_finite(name: str, what: str, skipped: torch.Tensor | bool) -> None:
-    """Warn when the device flag `skipped` says a finite-statistics guard held back an update.
-
-    Only where the flag can be read for free (eager, CPU): elsewhere the update is still skipped on
-    the device, silently, because reading the flag would wait for the device or break the graph."""
-    if skipped if isinstance(skipped, bool) else _host_readable(skipped) and bool(skipped):
-        warnings.warn(
-            f"{name}: non-finite {what} (NaN or inf in the input or gradient); the running statistics "
-            "were not updated for this batch",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def _all_finite(*statistics: torch.Tensor) -> torch.Tensor:
-    """One boolean 0-dim tensor on the device: every value of every statistic is finite."""
-    finite = torch.isfinite(statistics[0]).all()
-    for statistic in statistics[1:]:
-        finite = finite & torch.isfinite(statistic).all()
-    return finite
-
-
-def _select_row(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`table[index]` for a 0-dim index tensor, without reading the index on the host."""
-    return table.index_select(0, index.view(1))[0]
-
-
-def _write_row_(table: torch.Tensor, index: torch.Tensor, row: torch.Tensor, keep: torch.Tensor) -> None:
-    """`table[index] = row` where `keep` holds, on the device (row left as it was otherwise)."""
-    current = _select_row(table, index)
-    table.index_copy_(0, index.view(1), torch.where(keep, row.to(table.dtype), current).unsqueeze(0))
-
-
-def group_scale(hidden_states: torch.Tensor, group_num: int | None,
-                group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
-    """Per token, divide each of `group_num` channel groups by its root mean square (+`group_eps`, 1e-5).
-
-    The parameter-free "layer-scale" step of the reference PN code; ordinary autograd, computed in
-    float32, applied to padding too. `group_num=None` returns the input unchanged.
-    """
-    if group_num is None:
-        return hidden_states
-    channels = hidden_states.shape[-1]
-    if channels % group_num != 0:
-        raise ValueError(f"group_num={group_num} must divide the hidden size {channels}")
-    if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
-        return norm_eval(hidden_states.contiguous(), group_num, group_eps=group_eps)
-    # RMSNorm without a weight over each group: torch's fused kernel where it has one (CUDA)
-    grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
-    return F.rms_norm(grouped, (channels // group_num,), None, group_eps).flatten(-2)
-
-
-KERNEL_BACKENDS = ("auto", "c", "triton", "compile", "torch")
-_KERNEL_BACKEND = ["auto"]
-
-
-def available_kernel_backends() -> tuple[str, ...]:
-    """The backends of `KERNEL_BACKENDS` this machine has: `"c"` where the C kernels build, `"triton"`
-    where Triton is installed; `"auto"`, `"compile"` and `"torch"` everywhere."""
-    have = {"c": kernels_cpu_load() is not None, "triton": TRITON_AVAILABLE}
-    return tuple(name for name in KERNEL_BACKENDS if have.get(name, True))
-
-
-def current_kernel_backend() -> str:
-    """The backend the norms run on now (`"auto"` outside any `kernel_backend` block)."""
-    return _KERNEL_BACKEND[0]
-
-
-@contextlib.contextmanager
-def kernel_backend(name: str):
-    """Run the norms on one backend within the block, the public switch of their fast paths:
-
-    - `"auto"` (the default): the C kernels for CPU float32 inputs, PN's step and DyT and Derf in the
-      Triton kernels on CUDA, the torch ops elsewhere (compiled on CUDA under `HF_POWERNORM_COMPILE`'s
-      rule);
-    - `"c"`: the C kernels where they apply (CPU float32), the torch ops elsewhere;
-    - `"triton"`: PN's step and DyT and Derf in the Triton kernels where they apply (CUDA), the torch
-      ops elsewhere;
-    - `"compile"`: the torch ops, PN's step as `torch.compile`d pure tensor functions on any device;
-    - `"torch"`: the torch ops everywhere, eager (what runs without a C compiler or Triton).
-
-    `"c"` and `"triton"` need what they name (`available_kernel_backends()`); a name outside
-    `KERNEL_BACKENDS`, or a backend this machine lacks, raises ValueError. Blocks nest; the previous
-    backend comes back on leaving one.
-
-    ```python
-    >>> with kernel_backend("torch"):
-    ...     loss = model(**batch).loss
-    ```
-    """
-    if name not in KERNEL_BACKENDS:
-        raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {name!r}")
-    if name in ("c", "triton") and name not in available_kernel_backends():
-        what = "the C kernels did not build (no C compiler?)" if name == "c" else "Triton is not installed"
-        raise ValueError(f"kernel backend {name!r} is not available here: {what}; "
-                         f"available: {available_kernel_backends()}")
-    previous, _KERNEL_BACKEND[0] = _KERNEL_BACKEND[0], name
-    try:
-        yield
-    finally:
-        _KERNEL_BACKEND[0] = previous
-
-
-def _fused_kernels_usable(x: torch.Tensor) -> bool:
-    """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
-    return _KERNEL_BACKEND[0] in ("auto", "c") and not torch.compiler.is_compiling() and kernels_usable(x)
-
-
-# PN's training step as two pure tensor functions compiled by `torch.compile` (inductor: Triton
-# kernels on CUDA, C++ on CPU), the way PN runs where the C kernels do not (accelerators).
-# `HF_POWERNORM_COMPILE`: "auto" (default) compiles on CUDA with Triton installed, "1" on any device,
-# "0" never. Compiled lazily, on the first training step that needs it; a function that fails to
-# compile is run eagerly from then on (with a warning), as it is wherever compilation is off.
-_COMPILED: dict = {}
-
-
-def _compile_wanted(x: torch.Tensor) -> bool:
-    setting = os.environ.get("HF_POWERNORM_COMPILE", "auto")
-    backend = _KERNEL_BACKEND[0]
-    if setting == "0" or backend in ("torch", "c", "triton") or torch.compiler.is_compiling() \
-            or x.dtype == torch.float64:
-        return False
-    if setting == "1" or backend == "compile":
-        return True
-    return x.device.type == "cuda" and _triton_installed()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _compiled(fn):
-    """`fn` through `torch.compile` (built on first use, dynamic shapes), or `fn` itself if that failed."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = _CompiledOrEager(fn)
-    return _COMPILED[fn]
-
-
-class _CompiledOrEager:
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as err:  # noqa: BLE001 - no compiler, a backend error: fall back, say so once
-                warnings.warn(f"torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); "
-                              "PowerNorm runs its torch ops eagerly", RuntimeWarning, stacklevel=2)
-                self.compiled = None
-        return self.fn(*args)
 
 
 def _check_group_num(group_num: int | None, hidden_size: int, allow_none: bool = True) -> None:
@@ -519,38 +209,6 @@ class _RunningStatsNorm(_Norm):
         """`(mean, var, group_num)` of the eval map `GS(x) * weight / sqrt(var + eps) + bias - mean * scale`."""
         return None, self._buffers["running_phi"], self.__dict__.get("group_num")
 
-    def _eval_in_c(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The eval forward of `hidden_states` in one C pass (`_eval_map`), or None where the C
-        kernels do not apply."""
-        if self.training:
-            return None
-        weight, bias = self._parameters["weight"], self._parameters["bias"]
-        mean, var, group_num = self._eval_statistics()
-        if not _eval_map_usable(hidden_states, weight, bias, mean, var):
-            return None
-        return _eval_map(hidden_states, group_num, weight, bias, mean, var, self.eps,
-                         self.__dict__.get("group_eps", GROUP_SCALE_EPS))
-
-    def _c_step(self, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """A training step in the C kernels through `function` (an autograd function taking `x`, the
-        weight, the bias, the mask as the kernels read it and the module): no view node where the
-        input is already `(tokens, hidden)`."""
-        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        parameters = self._parameters
-        y = function.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask), self)
-        return y if flat is hidden_states else y.view_as(hidden_states)
-
-    def _operator_step(self, function, hidden_states: torch.Tensor,
-                       attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """A training step through `function`, an autograd function around this norm's `hf_powernorm`
-        operators, the mask as `(tokens,)` on the input's device: no view node where the input is
-        already `(tokens, hidden)`."""
-        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        mask = None if attention_mask is None else attention_mask.reshape(-1).to(flat.device)
-        parameters = self._parameters
-        y = function.apply(flat.contiguous(), parameters["weight"], parameters["bias"], mask, self)
-        return y if flat is hidden_states else y.view_as(hidden_states)
-
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in self.float32_buffers()}
         super()._apply(fn, recurse)
@@ -559,518 +217,6 @@ class _RunningStatsNorm(_Norm):
             if new is not None and new.dtype != torch.float32:
                 self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
         return self
-
-
-# ----------------------------------------------------------------------------------------------
-# PowerNorm
-
-
-def _grouped(values: torch.Tensor, group_num: int | None) -> torch.Tensor:
-    """`(tokens, C)` as `(tokens, G, C/G)`; one group without group scaling."""
-    return values.unflatten(-1, (group_num or 1, -1))
-
-
-def _pn_group_scaled(xf: torch.Tensor, group_num: int | None,
-                     group_eps: float = GROUP_SCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`z0 = GS(x)` of float `(tokens, C)` and the per-token group scales `r` (tokens, G, 1)."""
-    if group_num is None:
-        return xf, None
-    grouped = _grouped(xf, group_num)
-    r = torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)
-    return (grouped * r).flatten(-2), r
-
-
-def _pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,
-             group_eps: float = GROUP_SCALE_EPS):
-    """`z0 = GS(x)`, `sum_V z0^2` per channel and the real-token count (pure tensor code)."""
-    z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num, group_eps)
-    return z0, _token_sum(z0.square(), token_weights), _token_count(z0, token_weights)
-
-
-def _pn_denominators(sum_sq: torch.Tensor, count: torch.Tensor, phi: torch.Tensor, step: torch.Tensor,
-                     options: tuple) -> tuple[torch.Tensor, ...]:
-    """The step's statistics from the (reduced) sums, decided on the device (pure tensor code).
-
-    Returns `v`, `1/s`, `1/s_backward`, `usable`, `non_finite` (a batch with real tokens and
-    non-finite statistics: worth a warning) and the next `running_phi`; an unusable batch (no real
-    token, non-finite `v`) divides by the running statistic and leaves `running_phi` as it was.
-    `options`: `(eps, warmup_steps, warmup_ramp_steps, alpha_fwd, warmup_statistic, backward_denominator)`.
-    """
-    eps, warmup, ramp, _, _, backward = options
-    v = sum_sq / count.clamp_min(1.0)
-    has_tokens, finite = count > 0, _all_finite(v)
-    usable = has_tokens & finite
-    phi_v = phi.to(v.dtype)
-    running, batch = torch.rsqrt(phi_v + eps), torch.rsqrt(v + eps)
-    # s^2 = (1 - r) * (v + eps) + r * (phi + eps), r = clamp((t - W) / (K + 1), 0, 1): exactly the
-    # batch (r = 0) or the running (r = 1) denominator at the ends.
-    weight = ((step - warmup) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)
-    blended = torch.rsqrt((1.0 - weight) * v + weight * phi_v + eps)
-    inv_s = torch.where(weight == 0.0, batch, torch.where(weight == 1.0, running, blended))
-    inv_s_b = inv_s if backward == "running" else batch
-    inv_s, inv_s_b = torch.where(usable, inv_s, running), torch.where(usable, inv_s_b, running)
-    return v, inv_s, inv_s_b, usable, has_tokens & ~finite, _pn_next_phi(phi, v.float(), step, usable, options)
-
-
-def _pn_next_phi(phi: torch.Tensor, v: torch.Tensor, step: torch.Tensor, usable: torch.Tensor,
-                 options: tuple) -> torch.Tensor:
-    """`running_phi` after step t, per `warmup_statistic` (see `PowerNorm`), float32."""
-    _, warmup, _, alpha_fwd, statistic, _ = options
-    ema_rate, cumulative_rate = 1.0 - alpha_fwd, 1.0 / step.to(v.dtype)
-    phi = phi.to(v.dtype)
-    if statistic == "cumulative":
-        updated = torch.lerp(phi, v, torch.where(step <= warmup, cumulative_rate, ema_rate))
-    else:  # phi * (t - 1) / t + v / t while t < W, then the EMA step
-        updated = torch.lerp(torch.where(step < warmup, torch.lerp(phi, v, cumulative_rate), phi), v, ema_rate)
-    return torch.where(usable, updated, phi)
-
-
-def _pn_output(z0: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(shift.to(z0.dtype), z0, scale.to(z0.dtype))
-
-
-def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, weight: torch.Tensor,
-                 nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None,
-                 group_eps: float = GROUP_SCALE_EPS):
-    """Input gradient and batch sums of PN's approximate backward (pure tensor code).
-
-    With `Z = z0 / s`, `g = weight * dY`: `dz0 = dY * a - (real) * c * z0`, `a = weight / s_b`,
-    `c = nu / (s * s_b)` (eqs. 11-12), then the exact group-scaling backward
-    `dx = r * (dz0 - z0 * mean_group(dz0 * z0))`; `z0` and `r` are recomputed from `x`. Returns
-    `dx`, `sum_all(dY * z0)`, `sum_V(dY * z0)` and `sum_all(dY)`.
-    """
-    dtype = _stat_dtype(x)
-    z0, r = _pn_group_scaled(x.to(dtype), group_num, group_eps)
-    dy = dy.to(dtype)
-    dy_z0 = dy * z0
-    sums = dy_z0.sum(0), _token_sum(dy_z0, token_weights), dy.sum(0)
-    a, c = weight.to(dtype) * inv_s_b, nu.to(dtype) * inv_s * inv_s_b
-    correction = z0 * c if token_weights is None else z0 * c * token_weights[:, None]
-    grad_z0 = dy * a - correction
-    if r is None:
-        return grad_z0, *sums
-    dz, z = _grouped(grad_z0, group_num), _grouped(z0, group_num)
-    grad_x = r * (dz - z * (dz * z).mean(-1, keepdim=True))
-    return grad_x.flatten(-2), *sums
-
-
-def _pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, options, group_eps=GROUP_SCALE_EPS):
-    """A whole training forward as one pure function (what `_compiled` compiles): `(y, 1/s,
-    1/s_backward, v, count, usable, non_finite, next_phi)`; the caller writes the buffers."""
-    z0, sum_sq, count = _pn_sums(x, token_weights, group_num, group_eps)
-    v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(sum_sq, count, phi, step, options)
-    return _pn_output(z0, weight * inv_s, bias).to(x.dtype), inv_s, inv_s_b, v, count, usable, non_finite, next_phi
-
-
-def _pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, group_num, rate,
-                       group_eps=GROUP_SCALE_EPS):
-    """A whole backward as one pure function: `(dx, dweight, dbias, next_nu, non_finite)`, with
-    `nu <- nu * (1 - rate * Gamma) + rate * Lambda` (eq. 13) where the step is usable and Lambda finite."""
-    grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, group_num,
-                                                         group_eps)
-    lam = weight.to(inv_s.dtype) * inv_s * real_dy_z0 / count.clamp_min(1.0)
-    has_tokens, finite = count > 0, _all_finite(lam)
-    updated = nu * (1.0 - rate * (v * inv_s.square()).float()) + rate * lam.float()
-    next_nu = torch.where(usable & has_tokens & finite, updated, nu)
-    grad_weight, grad_bias = (inv_s * sum_dy_z0).to(weight.dtype), sum_dy.to(weight.dtype)
-    return grad_x.to(dy.dtype), grad_weight, grad_bias, next_nu, usable & has_tokens & ~finite
-
-
-class _PowerNormFunction(torch.autograd.Function):
-    """Group scaling, PN forward and the approximate backward of eqs. (11)-(13).
-
-    PN's step where the operators below do not serve: statistics summed over a process group
-    (`sync_stats`), running buffers cast away from float32. Saves the input `x` only: `z0 = GS(x)`
-    is recomputed in the backward, which needs one batch reduction, `sum(dY * z0)` (`Gamma =
-    mean_V(Z^2) = v / s^2` is known from the forward). On CPU float32 inputs the work runs in the
-    fused kernels of `kernels_cpu.py`; elsewhere, and in a graph being compiled, in the pure tensor
-    functions above.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, token_weights, norm):
-        ctx.fused = _fused_kernels_usable(x)
-        with _float32(x.device):
-            if ctx.fused:
-                x = x.contiguous()
-                y, stats = _pn_fused_forward(x, weight, bias, token_weights, norm)
-            else:
-                z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num, norm.group_eps)
-                stats = norm._denominators(sum_sq, count)
-                y = _pn_output(z0, weight * stats[0], bias)
-        ctx.save_for_backward(x, token_weights, weight)
-        ctx.stats = stats
-        ctx.norm = norm
-        ctx.input_dtype = x.dtype
-        return y.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_double_backward("PowerNorm")
-        x, token_weights, weight = ctx.saved_tensors
-        inv_s, inv_s_b, v, count, usable = ctx.stats
-        norm = ctx.norm
-        nu = norm.running_nu  # nu of the previous step (eq. 11): read before `_update_nu` writes it
-        with _float32(grad_output.device):
-            if ctx.fused:
-                grad_x, sums = pn_backward(grad_output.float().contiguous(), x, token_weights, norm.group_num,
-                                           weight, nu, inv_s, inv_s_b, eps=norm.group_eps)
-                if not isinstance(count, torch.Tensor):  # the step's statistics were taken on the host
-                    grad_weight, grad_bias = norm._host_gradient_statistics(sums, weight, v, inv_s, count, usable)
-                    return (grad_x.to(ctx.input_dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype),
-                            None, None)
-                sum_dy_z0, real_dy_z0, sum_dy = sums.float()
-            else:
-                grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(
-                    grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num, norm.group_eps)
-            # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
-            w = weight.to(inv_s.dtype)
-            norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count, usable)
-        grad_weight = (inv_s * sum_dy_z0).to(weight.dtype)
-        grad_bias = sum_dy.to(weight.dtype)
-        return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
-
-
-class _PowerNormCStepFunction(torch.autograd.Function):
-    """PN's eager CPU float32 training step in two direct C calls, `kernels_cpu.pn_step_forward` and
-    `pn_step_backward` (`PowerNorm._step_in_c` says when): the kernels of the operators' CPU
-    implementation without the operators' dispatch and wrapping, which cost more than a small step
-    (about 0.1 ms, 1.3x the whole step at (64, 32)); compiled graphs and CUDA take the operators.
-    A checkpointing recomputation reuses its step's statistics and updates nothing (the output pass
-    alone, the same bits). Saves `x`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        x = x.contiguous()
-        if _in_recomputation():
-            stats, count, usable = norm._last_step
-            y = _pn_output_pass(x, weight, bias, stats[1], norm.group_num, norm.group_eps)
-        else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            status, y, stats, count = norm._c_step_forward(x, mask, weight, bias)
-            _warn_non_finite("PowerNorm", "batch statistic", status < 0)
-            usable = status == 1
-            # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
-            norm.__dict__.update(_last_step=(stats, count, usable), _last_denominators=None)
-        ctx.save_for_backward(x, mask, weight)
-        ctx.step = (norm, stats, count, usable)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_double_backward("PowerNorm")
-        x, mask, weight = ctx.saved_tensors
-        norm, stats, count, usable = ctx.step
-        status, grad_x, grads = norm._c_step_backward(grad_output.float().contiguous(), x, mask, weight, stats, count,
-                                                      usable)
-        _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
-        return grad_x, grads[0], grads[1], None, None
-
-
-# PN's training step as two operators of the `hf_powernorm` namespace (`torch.library`), one per
-# direction, so that `torch.compile` sees one node each (no guard of ours inside) and eager code one
-# dispatched call each (eager CPU float32 steps call the same C kernels directly instead:
-# `_PowerNormCStepFunction`). The buffer updates happen inside them, declared as mutated arguments in
-# the schemas: `pn_step_forward` writes `running_phi` and the step counter, `pn_step_backward`
-# writes `running_nu`. Kernels: the C kernels for CPU float32 (`kernels_cpu`), the Triton kernels
-# for CUDA (`kernels_triton`, where Triton is installed), the pure tensor functions above elsewhere
-# (`torch.compile`d where `HF_POWERNORM_COMPILE` asks); fake kernels for tracing. Registered with
-# `Library.impl` rather than `custom_op`, whose Python wrappers cost more than a small step (about
-# 0.4 ms a call), and which refuses an autograd formula on an operator that mutates its arguments:
-# `_PowerNormStepFunction` links the two.
-# Returned statistics: `stats` (3, C) = `(v, 1/s, 1/s_backward)` and `info` (3,) = `(real-token
-# count, usable, non-finite)` in the statistics' dtype; `group_num` 0 is no group scaling.
-PN_STEP_SCHEMAS = {
-    "pn_step_forward": "pn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_phi, "
-                       "Tensor(b!) counter, int group_num, float eps, int warmup_steps, int ramp_steps, "
-                       "float alpha_fwd, bool reference, bool batch_backward, float group_eps) -> (Tensor, Tensor, Tensor)",
-    "pn_step_backward": "pn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor(a!) running_nu, "
-                        "Tensor stats, Tensor info, int group_num, float alpha_bkw, float group_eps) -> (Tensor, Tensor)",
-}
-
-
-def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward) -> tuple:
-    """The operator's scalar arguments as `_pn_denominators`' options."""
-    return (eps, warmup_steps, ramp_steps, alpha_fwd, "reference" if reference else "cumulative",
-            "batch" if batch_backward else "running")
-
-
-def _c_step_usable(x: torch.Tensor, vectors: tuple[torch.Tensor, ...], counter: torch.Tensor | None = None) -> bool:
-    """The C step: CPU float32 `x` with the kernels, contiguous float32 vectors, an int64 counter."""
-    return (_fused_kernels_usable(x) and all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors)
-            and (counter is None or counter.dtype == torch.int64))
-
-
-def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
-                           alpha_fwd, reference, batch_backward, group_eps):
-    """The forward operator in the pure tensor functions (compiled where `_compile_wanted`)."""
-    options = _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward)
-    forward = _compiled(_pn_train_forward) if _compile_wanted(x) else _pn_train_forward
-    with _float32(x.device):
-        y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = forward(
-            x, _mask_weights(mask, _stat_dtype(x)), weight, bias, running_phi, counter + 1, group_num or None, options,
-            group_eps)
-    _warn_non_finite("PowerNorm", "batch statistic", non_finite)
-    running_phi.copy_(next_phi)
-    counter.add_(usable.to(counter.dtype))
-    return y, torch.stack([v, inv_s, inv_s_b]), torch.stack([count, usable, non_finite]).to(v.dtype)
-
-
-def _pn_step_forward_cpu(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
-                         alpha_fwd, reference, batch_backward, group_eps):
-    """The forward operator on the CPU: one C call (`kernels_cpu.pn_step_forward`) where it applies."""
-    if not _c_step_usable(x, (weight, bias, running_phi), counter):
-        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
-                                      ramp_steps, alpha_fwd, reference, batch_backward, group_eps)
-    status, y, stats, count = pn_step_forward(
-        x.contiguous(), _kernel_mask(mask), group_num, weight, bias, running_phi, counter, eps, warmup_steps,
-        ramp_steps, 1.0 - alpha_fwd, reference, batch_backward, group_eps)
-    _warn_non_finite("PowerNorm", "batch statistic", status < 0)
-    return y, stats, torch.tensor([count, float(status == 1), float(status < 0)])
-
-
-def _pn_step_forward_cuda(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
-                          alpha_fwd, reference, batch_backward, group_eps):
-    """The forward operator on CUDA: the Triton kernels where they apply."""
-    if not (_triton_step_usable(x, weight, bias, running_phi) and counter.dtype == torch.int64):
-        return _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
-                                      ramp_steps, alpha_fwd, reference, batch_backward, group_eps)
-    return triton_step_forward(x.contiguous(), mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps,
-                               ramp_steps, alpha_fwd, reference, batch_backward, group_eps)
-
-
-def _pn_step_forward_fake(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
-                          alpha_fwd, reference, batch_backward, group_eps):
-    dtype = _stat_dtype(x)
-    return x.new_empty(x.shape), x.new_empty((3, x.shape[1]), dtype=dtype), x.new_empty((3,), dtype=dtype)
-
-
-def _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
-    """The backward operator in the pure tensor functions (compiled where `_compile_wanted`): `(dx,
-    grads)`, `grads` (2, C) = `(dweight, dbias)` in the weight's dtype."""
-    v, inv_s, inv_s_b = stats.unbind(0)
-    count, usable = info[0], info[1] != 0
-    backward = _compiled(_pn_train_backward) if _compile_wanted(x) else _pn_train_backward
-    with _float32(x.device):
-        grad_x, grad_weight, grad_bias, next_nu, non_finite = backward(
-            dy, x, _mask_weights(mask, _stat_dtype(x)), weight, running_nu, inv_s, inv_s_b, v, count, usable,
-            group_num or None, 1.0 - alpha_bkw, group_eps)
-    _warn_non_finite("PowerNorm", "gradient statistic", non_finite)
-    running_nu.copy_(next_nu)
-    return grad_x.to(x.dtype), torch.stack([grad_weight, grad_bias.to(grad_weight.dtype)])
-
-
-def _pn_step_backward_cpu(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
-    """The backward operator on the CPU: one C call (`kernels_cpu.pn_step_backward`) where it applies."""
-    if not _c_step_usable(x, (weight, running_nu, stats)):
-        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw,
-                                       group_eps)
-    count, usable, _ = info.tolist()
-    status, grad_x, grads = pn_step_backward(dy.float().contiguous(), x.contiguous(), _kernel_mask(mask), group_num,
-                                             weight, running_nu, stats, count, usable == 1.0, 1.0 - alpha_bkw,
-                                             group_eps)
-    _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
-    return grad_x, grads
-
-
-def _pn_step_backward_cuda(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
-    """The backward operator on CUDA: the Triton kernels where they apply."""
-    if not _triton_step_usable(x, weight, weight, running_nu, stats):
-        return _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw,
-                                       group_eps)
-    return triton_step_backward(dy, x.contiguous(), mask, weight, running_nu, stats, info, group_num, alpha_bkw,
-                                group_eps)
-
-
-def _pn_step_backward_fake(dy, x, mask, weight, running_nu, stats, info, group_num, alpha_bkw, group_eps):
-    return x.new_empty(x.shape), weight.new_empty((2, weight.shape[0]))
-
-
-def _triton_step_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *buffers: torch.Tensor) -> bool:
-    return _KERNEL_BACKEND[0] in ("auto", "triton") and triton_usable(x, weight, bias, *buffers)
-
-
-def _register_step_operators(schemas: dict[str, str]) -> torch.library.Library | None:
-    """Define the `hf_powernorm` operators of `schemas` with their kernels, the functions of this file
-    named `_<name>_torch` (any device), `_<name>_cpu`, `_<name>_fake` and, where Triton is installed and
-    one exists, `_<name>_cuda`; None when they are defined already (this file imported twice: the
-    package and a checkpoint's copy of it)."""
-    if hasattr(torch.ops.hf_powernorm, next(iter(schemas))):
-        return None
-    library = torch.library.Library("hf_powernorm", "FRAGMENT")
-    kernels = globals()
-    for name, schema in schemas.items():
-        library.define(schema)
-        library.impl(name, kernels[f"_{name}_torch"], "CompositeExplicitAutograd")
-        library.impl(name, kernels[f"_{name}_cpu"], "CPU")
-        if TRITON_AVAILABLE and f"_{name}_cuda" in kernels:
-            library.impl(name, kernels[f"_{name}_cuda"], "CUDA")
-        torch.library.register_fake(f"hf_powernorm::{name}", kernels[f"_{name}_fake"], lib=library)
-    return library
-
-
-_PN_STEP_LIBRARY = _register_step_operators(PN_STEP_SCHEMAS)  # kept: the registrations live as long as it does
-
-
-class _PowerNormStepFunction(torch.autograd.Function):
-    """PN's training step through the two operators above, which take the statistics and update the
-    buffers (`PowerNorm._in_one_operator` says when: compiled graphs, CUDA, and eager steps the C
-    kernels do not take). A checkpointing recomputation reuses its step's
-    statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        if _in_recomputation():
-            stats, info = norm._last_step
-            y = _pn_output_pass(x, weight, bias, stats[1], norm.group_num, norm.group_eps)
-        else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            buffers = norm._buffers
-            y, stats, info = torch.ops.hf_powernorm.pn_step_forward(
-                x, mask, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.group_num or 0,
-                norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd,
-                norm.warmup_statistic == "reference", norm.backward_denominator == "batch", norm.group_eps)
-            if not torch.compiler.is_compiling():  # for a recomputation; plain attributes (cheaper)
-                norm.__dict__.update(_last_step=(stats, info), _last_denominators=None)
-        ctx.save_for_backward(x, mask, weight, stats, info)
-        ctx.norm = norm
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_double_backward("PowerNorm")
-        x, mask, weight, stats, info = ctx.saved_tensors
-        norm = ctx.norm
-        grad_x, grads = torch.ops.hf_powernorm.pn_step_backward(
-            grad_output, x, mask, weight, norm._buffers["running_nu"], stats, info, norm.group_num or 0,
-            norm.alpha_bkw, norm.group_eps)
-        return grad_x, grads[0], _cast(grads[1], norm.bias.dtype), None, None
-
-
-def _pn_output_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, inv_s: torch.Tensor,
-                    group_num: int | None, group_eps: float) -> torch.Tensor:
-    """`y = weight * GS(x) / s + bias` with a known `1/s` (one C pass where the kernels apply)."""
-    scale = weight.detach().to(inv_s.dtype) * inv_s
-    if _fused_kernels_usable(x) and inv_s.dtype == torch.float32:
-        y, _, _ = pn_rows(x.contiguous(), None, group_num, scale, bias, statistics=False, eps=group_eps)
-        return y
-    with _float32(x.device):
-        z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num, group_eps)
-        return _pn_output(z0, scale, bias.detach()).to(x.dtype)
-
-
-def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The attention mask as `(tokens,)` for the C kernels: as it is when int64, bool or uint8 (read
-    as nonzero = real), else converted to float 0/1 weights."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask if attention_mask.dim() == 1 else attention_mask.reshape(-1)
-    mask = mask if mask.device.type == "cpu" else mask.cpu()
-    if mask.dtype in (torch.int64, torch.bool, torch.uint8):
-        return mask.contiguous()
-    return (mask != 0).float()
-
-
-def _mask_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A kernel mask (`_kernel_mask`) as the 0/1 token weights of the torch ops, in `dtype`."""
-    return None if mask is None else (mask != 0).to(dtype)
-
-
-def _eval_map_usable(x: torch.Tensor, *vectors: torch.Tensor | None) -> bool:
-    """Whether an eval map runs in `kernels_cpu.norm_eval`: C kernels for `x`, contiguous float32
-    vectors. (Inference calls this once per norm and token batch: written for a few microseconds.)"""
-    if not _fused_kernels_usable(x):
-        return False
-    for vector in vectors:
-        if vector is not None and (vector.dtype != torch.float32 or not vector.is_contiguous()):
-            return False
-    return True
-
-
-def _eval_map(x: torch.Tensor, group_num: int | None, weight, bias, mean, var, eps: float,
-              group_eps: float = GROUP_SCALE_EPS) -> torch.Tensor:
-    """An eval-mode norm `y = GS(x) * scale + shift` of float32 `(..., C)` in one C pass, shaped as
-    `x`, with `scale = weight / sqrt(var + eps)`, `shift = bias - mean * scale` computed in C from the
-    parameters and running statistics as they are now (nothing cached, so nothing goes stale).
-    Called directly when no gradient is wanted; through `_EvalMapFunction`, with the same bits,
-    otherwise."""
-    x = x.contiguous()
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
-                                    or (bias is not None and bias.requires_grad)):
-        flat = x if x.dim() == 2 else x.view(-1, x.shape[-1])
-        out = _EvalMapFunction.apply(flat, group_num, weight, bias, mean, var, eps, group_eps)
-        return out if flat is x else out.view_as(x)
-    return norm_eval(x, group_num, weight, bias, mean, var, eps, group_eps)  # reads the data, no autograd
-
-
-def _eval_map_torch(x, group_num, weight, bias, mean, var, eps, group_eps):
-    """`_eval_map` in torch ops (differentiable, for a gradient that must be differentiable in turn)."""
-    if group_num is not None:
-        grouped = x.unflatten(-1, (group_num, -1))
-        x = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)).flatten(-2)
-    scale = weight if weight is not None else torch.ones_like(x[0])
-    if var is not None:
-        scale = scale * torch.rsqrt(var + eps)
-    shift = bias if bias is not None else torch.zeros_like(scale)
-    if mean is not None:
-        shift = shift - mean * scale
-    return torch.addcmul(shift, x, scale)
-
-
-class _EvalMapFunction(torch.autograd.Function):
-    """`_eval_map` with its gradient: `dx` is the group-scaling backward of `dY * scale`
-    (`pn_backward` with a = scale, c = 0); `dweight = (sum(dY * GS(x)) - mean * sum(dY)) / sqrt(var + eps)`,
-    `dbias = sum(dY)`. Saves `x`."""
-
-    @staticmethod
-    def forward(ctx, x, group_num, weight, bias, mean, var, eps, group_eps):
-        vectors = [None if t is None else t.detach().contiguous() for t in (weight, bias, mean, var)]
-        ctx.save_for_backward(x, *(t if t is not None else torch.empty(0) for t in (weight, bias, mean, var)))
-        ctx.present = [t is not None for t in (weight, bias, mean, var)]
-        ctx.options = (group_num, eps, group_eps)
-        return norm_eval(x, group_num, *vectors, eps=eps, group_eps=group_eps)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, *vectors = ctx.saved_tensors
-        weight, bias, mean, var = (t if present else None for t, present in zip(vectors, ctx.present))
-        group_num, eps, group_eps = ctx.options
-        if torch.is_grad_enabled():  # create_graph=True
-            with torch.enable_grad():
-                inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
-                y = _eval_map_torch(x, group_num, weight, bias, mean, var, eps, group_eps)
-                grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True))
-            result = [next(grads) if t is not None and t.requires_grad else None for t in (x, weight, bias)]
-            return result[0], None, result[1], result[2], None, None, None, None
-        channels = x.shape[1]
-        inv = torch.ones(channels) if var is None else torch.rsqrt(var.detach().float() + eps)
-        scale = inv if weight is None else weight.detach().float() * inv
-        ones, zeros = torch.ones_like(scale), torch.zeros_like(scale)
-        grad_x, sums = pn_backward(grad_output.float().contiguous(), x, None, group_num, scale, zeros, ones, ones,
-                                   eps=group_eps)
-        sum_dy_z0, sum_dy = sums[0].float(), sums[2].float()
-        grad_weight = grad_bias = None
-        if weight is not None and ctx.needs_input_grad[2]:
-            centred = sum_dy_z0 if mean is None else sum_dy_z0 - mean.float() * sum_dy
-            grad_weight = (centred * inv).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[3]:
-            grad_bias = sum_dy.to(bias.dtype)
-        return grad_x, None, grad_weight, grad_bias, None, None, None, None
-
-
-def _pn_fused_forward(x, weight, bias, token_weights, norm):
-    """PN's training forward in the C kernels: one pass when the step divides by the running
-    statistic (known before the batch statistic: CPU, so the step counter is read for free), else a
-    statistics pass and an output pass."""
-    weight = weight.detach().float()
-    if norm._divides_by_running_statistic():
-        scale = weight * torch.rsqrt(norm.running_phi + norm.eps)  # phi before this step's update
-        y, sum_sq, count = pn_rows(x, token_weights, norm.group_num, scale, bias, eps=norm.group_eps)
-        return y, norm._denominators(sum_sq, count)
-    _, sum_sq, count = pn_rows(x, token_weights, norm.group_num, eps=norm.group_eps)
-    stats = norm._denominators(sum_sq, count)
-    y, _, _ = pn_rows(x, None, norm.group_num, weight * stats[0], bias, statistics=False, eps=norm.group_eps)
-    return y, stats
 
 
 class PowerNorm(_RunningStatsNorm):
@@ -1171,133 +317,18 @@ class PowerNorm(_RunningStatsNorm):
         self._last_denominators = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self._step_in_c(hidden_states):
-            return self._c_step(_PowerNormCStepFunction, hidden_states, attention_mask)
-        if self.training and self._in_one_operator(hidden_states):
-            return self._operator_step(_PowerNormStepFunction, hidden_states, attention_mask)
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        if self.training:
-            return _PowerNormFunction.apply(flat, self.weight, self.bias, token_weights, self).view_as(hidden_states)
-        out = self._eval_in_c(hidden_states)  # one pass in C
-        if out is not None:
-            return out
-        scale, shift = self.affine_after_group_scale()
-        dtype = _stat_dtype(flat)
-        with _float32(flat.device):
-            z0 = group_scale(flat, self.group_num, self.group_eps).to(dtype)
-            out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)
-        return out.view_as(hidden_states)
+        return forward_power_norm(self, hidden_states, attention_mask)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The eval-mode map `y = GS(x) * scale + shift` as float32 `(scale, shift)`."""
         scale = self.weight.float() * torch.rsqrt(self.running_phi + self.eps)
         return scale, self.bias.float()
 
-    # -- statistics, called from the autograd function --
+    # -- statistics, called from `norm_dispatch`'s paths --
 
     def _options(self) -> tuple:
         return (self.eps, self.warmup_steps, self.warmup_ramp_steps, self.alpha_fwd, self.warmup_statistic,
                 self.backward_denominator)
-
-    def _denominators(self, sum_sq: torch.Tensor, count: torch.Tensor | float):
-        """Forward statistics of one training step; updates `running_phi` and the step counter.
-
-        Returns `(1/s, 1/s_backward, v, real-token count, usable)`, all tensors on the device;
-        `usable` is false when the step takes no statistic (no real token or non-finite values):
-        then both denominators are the running one and no buffer changes. Nothing is read on the
-        host, so no step waits for the device or breaks a compiled graph. A checkpointing
-        recomputation reuses the step's statistics and updates nothing.
-        """
-        if _in_recomputation() and self._last_step is not None:  # the step ran in `_PowerNormCStepFunction`
-            stats, count, usable = self._last_step
-            return stats[1], stats[2], stats[0], count, usable
-        if _in_recomputation() and self._last_denominators is not None:
-            return self._last_denominators  # same step: reuse its statistics, update nothing
-        self._last_step = None
-        if self._statistics_on_host(sum_sq):
-            self._last_denominators = self._host_denominators(sum_sq, float(count))
-            return self._last_denominators
-        if not isinstance(count, torch.Tensor):
-            count = torch.full((), count, dtype=sum_sq.dtype, device=sum_sq.device)
-        sums = torch.cat([sum_sq, count.to(sum_sq.dtype).view(1)])
-        if _sync_enabled(self.sync_stats, self.process_group):
-            _all_reduce_(sums, self.process_group)
-        count = sums[-1].clone()  # not a view: the step keeps it (a compiled graph refuses kept views)
-        _warn_if_ddp_overwrites_statistics(self)
-        v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(
-            sums[:-1], count, self.running_phi, self._next_step(), self._options())
-        _warn_non_finite(type(self).__name__, "batch statistic", non_finite)
-        self._take_step(next_phi, usable)
-        self._last_denominators = (inv_s, inv_s_b, v, count, usable)
-        return self._last_denominators
-
-    def _step_in_c(self, x: torch.Tensor) -> bool:
-        """Whether this training step runs in `_PowerNormCStepFunction`: eager (not compiling) CPU
-        float32 input with the C kernels, float32 contiguous parameters and buffers, an int64 counter,
-        no process group to sum over, and in a checkpointing recomputation only if the step itself
-        ran there (its `_last_step` is `(stats, count, usable)`; the operators' is `(stats, info)`)."""
-        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-            return False
-        if _in_recomputation():
-            return self._last_step is not None and len(self._last_step) == 3
-        if _sync_enabled(self.sync_stats, self.process_group):
-            return False
-        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"],
-                   self._buffers["running_nu"])
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
-            self._buffers["num_batches_tracked"].dtype == torch.int64)
-
-    def _in_one_operator(self, x: torch.Tensor) -> bool:
-        """Whether this training step runs in the `hf_powernorm::pn_step_*` operators: a tensor input,
-        float32 running statistics, an int64 counter, no process group to sum over, and in a
-        checkpointing recomputation only if the step itself did (which reuses its statistics)."""
-        if not isinstance(x, torch.Tensor) or _sync_enabled(self.sync_stats, self.process_group):
-            return False
-        if _in_recomputation():
-            return self._last_step is not None and len(self._last_step) == 2
-        buffers = self._buffers
-        return (buffers["running_phi"].dtype == torch.float32 and buffers["running_nu"].dtype == torch.float32
-                and buffers["num_batches_tracked"].dtype == torch.int64)
-
-    def _c_step_forward(self, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor):
-        """`kernels_cpu.pn_step_forward` with this module's buffers and options: `(status, y, stats, count)`."""
-        buffers = self._buffers
-        return pn_step_forward(
-            x, mask, self.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], self.eps,
-            self.warmup_steps, self.warmup_ramp_steps, 1.0 - self.alpha_fwd, self.warmup_statistic == "reference",
-            self.backward_denominator == "batch", self.group_eps)
-
-    def _c_step_backward(self, dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
-                         stats: torch.Tensor, count: float, usable: bool):
-        """`kernels_cpu.pn_step_backward` with this module's buffers and options: `(status, dx, grads)`."""
-        return pn_step_backward(dy, x, mask, self.group_num, weight, self._buffers["running_nu"], stats, count, usable,
-                                1.0 - self.alpha_bkw, self.group_eps)
-
-    def _statistics_on_host(self, sum_sq: torch.Tensor) -> bool:
-        """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
-        sums and buffers, no process group to sum over. A few dozen torch ops on C-vectors cost more
-        there than the passes over the batch; the C function does the same arithmetic in one call."""
-        return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
-                and not _sync_enabled(self.sync_stats, self.process_group)
-                and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
-                        for buffer in (self.running_phi, self.running_nu)))
-
-    def _host_denominators(self, sum_sq: torch.Tensor, count: float):
-        """`_denominators` in C on the CPU: the same tuple, with the count a float and `usable` a bool."""
-        _warn_if_ddp_overwrites_statistics(self)
-        status, v, inv_s, inv_s_b = pn_statistics(
-            sum_sq, count, self.running_phi, self.num_batches_tracked, self.eps, self.warmup_steps,
-            self.warmup_ramp_steps, 1.0 - self.alpha_fwd, self.warmup_statistic == "reference",
-            self.backward_denominator == "batch")
-        _warn_non_finite(type(self).__name__, "batch statistic", status < 0)
-        return inv_s, inv_s_b, v, count, status == 1
-
-    def _host_gradient_statistics(self, sums, weight, v, inv_s, count: float, usable: bool):
-        """`_update_nu` in C after `_host_denominators`; returns the weight and bias gradients."""
-        status, grad_weight = pn_gradient_statistics(sums, weight, v, inv_s, count, usable, 1.0 - self.alpha_bkw,
-                                                     self.running_nu)
-        _warn_non_finite(type(self).__name__, "gradient statistic", status < 0)
-        return grad_weight, sums[2].float()
 
     def _divides_by_running_statistic(self) -> bool:
         """Whether this step's forward denominator is the running one whatever the batch (`t > W + K`,
@@ -1343,55 +374,6 @@ class PowerNorm(_RunningStatsNorm):
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# Batch-statistic relatives: PN-V and masked batch normalization
-
-
-class _PowerNormVFunction(torch.autograd.Function):
-    """PN-V's training step in PN's C kernels, with its exact gradient: the forward is a statistics
-    pass and an output pass (`y = z0 * weight / s + bias`, `s = sqrt(v + eps)`); the backward a
-    sums pass and an input-gradient pass. Through `v = mean_V(z0^2)` the gradient of a real token's
-    `z0` gains `-weight * z0 * S / (N s^3)`, `S = sum_all(dY * z0)`: PN's `dz0 = dY * a - (real) * c * z0`
-    with `a = weight / s`, `c = weight * S / (N s^3)` (0 for an unusable batch, whose denominator is the
-    running statistic), then the exact group-scaling backward. Saves `x`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        x = x.contiguous()
-        _warn_if_ddp_overwrites_statistics(norm)
-        buffers = norm._buffers
-        status, y, inv_s, count = pnv_step_forward(  # statistics, running update and output in one C call
-            x, mask, norm.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.eps,
-            1.0 - norm.alpha_fwd, not _in_recomputation())
-        _warn_non_finite("PowerNormV", "batch statistic", status < 0)
-        ctx.save_for_backward(x, mask, weight, bias, inv_s)
-        ctx.step = (norm, count, status == 1)  # host values: nothing to read back in the backward
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, mask, weight, bias, inv_s = ctx.saved_tensors
-        norm, count, usable = ctx.step
-        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            token_weights = _mask_weights(mask, x.dtype)
-            return (*_PowerNormVFunction._differentiable_backward(norm, x, token_weights, weight, bias,
-                                                                  torch.tensor(count), torch.tensor(usable),
-                                                                  grad_output), None, None)
-        grad_x, grads = pnv_step_backward(grad_output.float().contiguous(), x, mask, norm.group_num, weight, inv_s,
-                                          count, usable)
-        return grad_x, grads[0], grads[1], None, None
-
-    @staticmethod
-    def _differentiable_backward(norm, x, token_weights, weight, bias, count, usable, grad_output):
-        """The same gradient through torch ops (the statistic as the forward took it: `running_phi`
-        is unchanged when the batch was unusable)."""
-        with torch.enable_grad():
-            z0 = group_scale(x, norm.group_num)
-            v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
-            y = torch.addcmul(bias, z0 * torch.rsqrt(torch.where(usable, v, norm.running_phi) + norm.eps), weight)
-            return torch.autograd.grad(y, (x, weight, bias), grad_output, create_graph=True)
-
-
 class PowerNormV(_RunningStatsNorm):
     """PN-V (the paper's Table 1): divide by the batch quadratic mean with its exact gradient.
 
@@ -1415,31 +397,7 @@ class PowerNormV(_RunningStatsNorm):
         self.group_num = group_num
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self._fused_step_usable(hidden_states):
-            return self._c_step(_PowerNormVFunction, hidden_states, attention_mask)
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(hidden_states)
-        if out is not None:
-            return out
-        dtype = _stat_dtype(flat)
-        with _float32(flat.device):
-            z0 = group_scale(flat, self.group_num).to(dtype)
-            phi = self.running_phi.to(dtype)
-            if self.training:
-                count = _token_count(z0, token_weights)
-                v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
-                usable = self._usable(count, v)
-                phi = torch.where(usable, v, phi)  # the running statistic for an unusable batch
-                self._update(v, usable)
-            out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps), self.weight.to(dtype))
-        return out.to(flat.dtype).view_as(hidden_states)
-
-    def _fused_step_usable(self, x: torch.Tensor) -> bool:
-        """The C kernels: CPU float32 input, contiguous float32 parameters and statistic."""
-        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-            return False
-        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_phi"])
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        return forward_power_norm_v(self, hidden_states, attention_mask)
 
     def _update(self, v: torch.Tensor, usable: torch.Tensor) -> None:
         """EMA update of `running_phi` where the batch gives a usable statistic (on the device)."""
@@ -1456,216 +414,6 @@ class PowerNormV(_RunningStatsNorm):
         return f"{self.hidden_size}, eps={self.eps}, alpha_fwd={self.alpha_fwd}, group_num={self.group_num}"
 
 
-class _BatchNormFunction(torch.autograd.Function):
-    """Masked BN's and BRN's training step in two C calls (`kernels_cpu.bn_step_forward`,
-    `bn_step_backward`), with the gradient through the batch mean and variance: a moments pass (sums
-    of `x - K` and its square over real tokens about the running mean K), the step's statistics and
-    running updates, an output pass `y = x * a + b`; the backward a sums pass (`S1 = sum_all dY`,
-    `S2 = sum_all dY (x - mean)`) and an input-gradient pass
-    `dx = a dY - (real) * (a S1 / N + a S2 (x - mean) / (N sigma^2))`, the batch-statistic terms only for
-    a usable batch. `a = weight * r / sigma`, `b = bias + weight * d - mean * a` (BN: r = 1, d = 0).
-    A checkpointing recomputation reuses its step's statistics. Saves `x` and the mask: LayerNorm's
-    memory, where the torch ops also keep `x - mean`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        x = x.contiguous()
-        if _in_recomputation():
-            out, count, usable = norm._last_step
-            _, y, _, _ = bn_step_forward(x, None, weight, bias, norm.running_mean, norm.running_var,
-                                         norm.num_batches_tracked, norm.eps, norm.momentum, False, 1.0, 0.0, out)
-        else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            renorm = isinstance(norm, BatchRenorm)
-            status, y, out, count = bn_step_forward(
-                x, mask, weight, bias, norm.running_mean, norm.running_var, norm.num_batches_tracked, norm.eps,
-                norm.momentum, renorm, norm.rmax if renorm else 1.0, norm.dmax if renorm else 0.0)
-            _warn_non_finite(type(norm).__name__, "batch statistic", status < 0)
-            usable = status == 1
-            norm.__dict__["_last_step"] = (out, count, usable)  # a plain attribute: no nn.Module.__setattr__
-        ctx.save_for_backward(x, mask, weight, out)
-        ctx.step = (norm, count, usable)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, mask, weight, out = ctx.saved_tensors
-        norm, count, usable = ctx.step
-        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            mean, inv_std, r, d = out
-            usable = torch.tensor(usable)
-            return (*norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, usable, grad_output),
-                    None, None)
-        grad_x, grads = bn_step_backward(grad_output.float().contiguous(), x, mask, weight, out, count, usable)
-        return grad_x, grads[0], grads[1], None, None
-
-
-# Masked BN's (and BRN's) training step as two operators of the `hf_powernorm` namespace, as PN's:
-# one node per direction for `torch.compile`, one dispatched call per direction in eager code that
-# the direct C calls of `_BatchNormFunction` do not take (other dtypes, devices, the torch backend).
-# `bn_step_forward` updates `running_mean`, `running_var` and the step counter (mutated arguments of
-# the schema). Returned statistics: `out` (4, C) = `(mean, 1/sigma, r, d)` of the step (an unusable
-# batch: the running mean and 1/sigma, r = 1, d = 0) and `info` (3,) = `(real-token count, usable,
-# non-finite)`, in the statistics' dtype; `renorm` false is masked BN (r = 1, d = 0).
-BN_STEP_SCHEMAS = {
-    "bn_step_forward": "bn_step_forward(Tensor x, Tensor? mask, Tensor weight, Tensor bias, Tensor(a!) running_mean, "
-                       "Tensor(b!) running_var, Tensor(c!) counter, float eps, float momentum, bool renorm, "
-                       "float rmax, float dmax) -> (Tensor, Tensor, Tensor)",
-    "bn_step_backward": "bn_step_backward(Tensor dy, Tensor x, Tensor? mask, Tensor weight, Tensor out, "
-                        "Tensor info) -> (Tensor, Tensor)",
-}
-
-
-def _bn_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`y = x * a + b`, `a = weight r / sigma`, `b = bias + weight d - mean a`, in `out`'s dtype."""
-    mean, inv_std, r, d = out.unbind(0)
-    weight = weight.to(out.dtype)
-    a = weight * r * inv_std
-    return torch.addcmul(bias.to(out.dtype) + weight * d - mean * a, x.to(out.dtype), a)
-
-
-def _bn_train_forward(x, token_weights, weight, bias, running_mean, running_var, eps, renorm, rmax, dmax):
-    """Masked BN's (BRN's) training forward as a pure function of float `(tokens, C)` `x`: `(y, out,
-    count, usable, non_finite, batch_mean, batch_var)` (`bn_step_forward`'s arithmetic)."""
-    count = _token_count(x, token_weights)
-    n = count.clamp_min(1.0)
-    batch_mean = _token_sum(x, token_weights) / n
-    batch_var = _token_sum((x - batch_mean).square(), token_weights) / n
-    has_tokens, finite = count > 0, _all_finite(batch_mean, batch_var)
-    usable = has_tokens & finite
-    mean, var = running_mean.to(x.dtype), running_var.to(x.dtype)
-    inv_run = torch.rsqrt(var + eps)
-    one = torch.ones_like(batch_mean)
-    if renorm:
-        r = (torch.sqrt(batch_var + eps) * inv_run).clamp(1.0 / rmax, rmax)
-        d = ((batch_mean - mean) * inv_run).clamp(-dmax, dmax)
-    else:
-        r, d = one, torch.zeros_like(batch_mean)
-    inv_std = torch.where(usable, torch.rsqrt(batch_var + eps), inv_run)
-    out = torch.stack([torch.where(usable, batch_mean, mean), inv_std, torch.where(usable, r, one),
-                       torch.where(usable, d, 0.0)])
-    return _bn_affine(x, weight, bias, out), out, count, usable, has_tokens & ~finite, batch_mean, batch_var
-
-
-def _bn_step_forward_torch(x, mask, weight, bias, running_mean, running_var, counter, eps, momentum, renorm, rmax,
-                           dmax):
-    """The forward operator in torch ops (any device and dtype)."""
-    dtype = _stat_dtype(x)
-    with _float32(x.device):
-        y, out, count, usable, non_finite, batch_mean, batch_var = _bn_train_forward(
-            x.to(dtype), _mask_weights(mask, dtype), weight, bias, running_mean, running_var, eps, renorm, rmax, dmax)
-        # in float32, as the C kernel and `MaskedBatchNorm._update`: the unbiased variance into the EMA
-        n = count.float()
-        _lerp_(running_mean, batch_mean.float(), momentum, keep=usable)
-        _lerp_(running_var, batch_var.float() * (n / (n - 1.0).clamp_min(1.0)), momentum, keep=usable)
-    counter.add_(usable.to(counter.dtype))
-    return y.to(x.dtype), out, torch.stack([count, usable, non_finite]).to(out.dtype)
-
-
-def _bn_step_forward_cpu(x, mask, weight, bias, running_mean, running_var, counter, eps, momentum, renorm, rmax, dmax):
-    """The forward operator on the CPU: one C call (`kernels_cpu.bn_step_forward`) where it applies."""
-    if not _c_step_usable(x, (weight, bias, running_mean, running_var), counter):
-        return _bn_step_forward_torch(x, mask, weight, bias, running_mean, running_var, counter, eps, momentum, renorm,
-                                      rmax, dmax)
-    status, y, out, count = bn_step_forward(x.contiguous(), _kernel_mask(mask), weight, bias, running_mean,
-                                            running_var, counter, eps, momentum, renorm, rmax, dmax)
-    return y, out, torch.tensor([count, float(status == 1), float(status < 0)])
-
-
-def _bn_step_forward_fake(x, mask, weight, bias, running_mean, running_var, counter, eps, momentum, renorm, rmax,
-                          dmax):
-    dtype = _stat_dtype(x)
-    return x.new_empty(x.shape), x.new_empty((4, x.shape[1]), dtype=dtype), x.new_empty((3,), dtype=dtype)
-
-
-def _bn_step_backward_torch(dy, x, mask, weight, out, info):
-    """The backward operator in torch ops: `(dx, grads)`, `grads` (2, C) = `(dweight, dbias)` in the
-    weight's dtype. With `S1 = sum_all dY`, `S2 = sum_all dY (x - mean)` and `a = weight r / sigma`:
-    `dx = a dY - real * (a S1 / N + a S2 (x - mean) / (N sigma^2))` (the batch terms for a usable
-    batch only), `dweight = r S2 / sigma + d S1`, `dbias = S1`."""
-    dtype = out.dtype
-    with _float32(x.device):
-        mean, inv_std, r, d = out.unbind(0)
-        xf, g = x.to(dtype), dy.to(dtype)
-        s1, s2 = g.sum(0), (g * (xf - mean)).sum(0)
-        a = weight.to(dtype) * r * inv_std
-        n, usable = info[0].clamp_min(1.0), info[1] != 0
-        # dx = a dY - real (c x + e), as the C kernel writes it
-        c = torch.where(usable, a * inv_std.square() * s2 / n, 0.0)
-        correction = c * xf + (torch.where(usable, a * s1 / n, 0.0) - c * mean)
-        if mask is not None:
-            correction = correction * _mask_weights(mask, dtype)[:, None]
-        grad_x = a * g - correction
-        grads = torch.stack([r * inv_std * s2 + d * s1, s1])
-    return grad_x.to(x.dtype), grads.to(weight.dtype)
-
-
-def _bn_step_backward_cpu(dy, x, mask, weight, out, info):
-    """The backward operator on the CPU: one C call (`kernels_cpu.bn_step_backward`) where it applies."""
-    if not _c_step_usable(x, (weight, out)):
-        return _bn_step_backward_torch(dy, x, mask, weight, out, info)
-    count, usable, _ = info.tolist()
-    return bn_step_backward(dy.float().contiguous(), x.contiguous(), _kernel_mask(mask), weight, out, count,
-                            usable == 1.0)
-
-
-def _bn_step_backward_fake(dy, x, mask, weight, out, info):
-    return x.new_empty(x.shape), weight.new_empty((2, weight.shape[0]))
-
-
-_BN_STEP_LIBRARY = _register_step_operators(BN_STEP_SCHEMAS)  # kept: the registrations live as long as it does
-
-
-class _BatchNormStepFunction(torch.autograd.Function):
-    """Masked BN's and BRN's training step through the two operators above
-    (`MaskedBatchNorm._in_one_operator` says when). A checkpointing recomputation reuses its step's
-    statistics and updates nothing (the output pass alone, the same bits). Saves `x`; create_graph=True
-    takes the torch ops' differentiable gradient, as `_BatchNormFunction` does."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        if _in_recomputation():
-            out, info = norm._last_step
-            y = _bn_output_pass(norm, x, weight, bias, out)
-        else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            renorm, buffers = isinstance(norm, BatchRenorm), norm._buffers
-            y, out, info = torch.ops.hf_powernorm.bn_step_forward(
-                x, mask, weight, bias, buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"],
-                norm.eps, norm.momentum, renorm, norm.rmax if renorm else 1.0, norm.dmax if renorm else 0.0)
-            if not torch.compiler.is_compiling():  # for a recomputation; a plain attribute (cheaper)
-                _warn_non_finite(type(norm).__name__, "batch statistic", info[2] != 0)
-                norm.__dict__["_last_step"] = (out, info)
-        ctx.save_for_backward(x, mask, weight, out, info)
-        ctx.norm = norm
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, mask, weight, out, info = ctx.saved_tensors
-        norm = ctx.norm
-        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            mean, inv_std, r, d = out
-            return (*norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, info[1] != 0, grad_output),
-                    None, None)
-        grad_x, grads = torch.ops.hf_powernorm.bn_step_backward(grad_output, x, mask, weight, out, info)
-        return grad_x, grads[0], _cast(grads[1], norm.bias.dtype), None, None
-
-
-def _bn_output_pass(norm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A recomputed step's output from its statistics `out`, on the path its operator took."""
-    buffers = norm._buffers
-    if _c_step_usable(x, (weight, bias, buffers["running_mean"], buffers["running_var"]),
-                      buffers["num_batches_tracked"]):
-        _, y, _, _ = bn_step_forward(x.contiguous(), None, weight, bias, buffers["running_mean"],
-                                     buffers["running_var"], buffers["num_batches_tracked"], norm.eps, norm.momentum,
-                                     False, 1.0, 0.0, out)
-        return y
-    dtype = _stat_dtype(x)
-    with _float32(x.device):
-        return _bn_affine(x.to(dtype), weight.detach(), bias.detach(), out).to(x.dtype)
-
-
 class MaskedBatchNorm(_RunningStatsNorm):
     """Batch normalization for sequences: mean and variance over real tokens only.
 
@@ -1679,6 +427,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
     short_names = ("bn",)
 
     _running_buffers = {"running_mean": 0.0, "running_var": 1.0}
+    _renorm = False  # Batch Renormalization's corrections r and d (`BatchRenorm`)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__(hidden_size, eps)
@@ -1687,20 +436,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
         self.group_num = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self._step_in_c(hidden_states):
-            return self._c_step(_BatchNormFunction, hidden_states, attention_mask)
-        if self.training and self._in_one_operator(hidden_states):
-            return self._operator_step(_BatchNormStepFunction, hidden_states, attention_mask)
-        if self.training and not _in_recomputation():
-            self.__dict__["_last_step"] = None  # this step's statistics are neither path's above
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(hidden_states)
-        if out is not None:
-            return out
-        dtype = _stat_dtype(flat)
-        with _float32(flat.device):
-            out = self._affine_in_torch_ops(flat.to(dtype), token_weights)
-        return out.to(flat.dtype).view_as(hidden_states)
+        return forward_batch_norm(self, hidden_states, attention_mask)
 
     def _affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
         """The forward in torch ops, in the statistics' dtype (training: the batch moments where usable)."""
@@ -1713,32 +449,6 @@ class MaskedBatchNorm(_RunningStatsNorm):
             self._update(batch_mean, batch_var, count, usable)
         scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
         return torch.addcmul(self.bias.to(dtype), xf - mean, scale)
-
-    def _step_in_c(self, x: torch.Tensor) -> bool:
-        """Whether the training step runs in `_BatchNormFunction`: eager CPU float32 input with the C
-        kernels, float32 contiguous parameters and running statistics; a recomputation only when its
-        step ran there (it reuses that step's statistics, `_last_step` = `(out, count, usable)`)."""
-        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-            return False
-        if _in_recomputation():
-            last = self.__dict__.get("_last_step")
-            return last is not None and len(last) == 3
-        tensors = (self._parameters["weight"], self._parameters["bias"], self._buffers["running_mean"],
-                   self._buffers["running_var"])
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-    def _in_one_operator(self, x: torch.Tensor) -> bool:
-        """Whether the training step runs in the `hf_powernorm::bn_step_*` operators
-        (`_BatchNormStepFunction`): a tensor input, float32 running statistics, an int64 counter; a
-        recomputation only when its step did (`_last_step` = `(out, info)`)."""
-        if not isinstance(x, torch.Tensor):
-            return False
-        if _in_recomputation():
-            last = self.__dict__.get("_last_step")
-            return last is not None and len(last) == 2
-        buffers = self._buffers
-        return (buffers["running_mean"].dtype == torch.float32 and buffers["running_var"].dtype == torch.float32
-                and buffers["num_batches_tracked"].dtype == torch.int64)
 
     def _differentiable_backward(self, x, mask, weight, mean, inv_std, r, d, usable, grad_output):
         """`_BatchNormFunction`'s gradient through torch ops, the statistics recomputed from `x`."""
@@ -1797,6 +507,8 @@ class BatchRenorm(MaskedBatchNorm):
     foldable = True
     short_names = ("brn", "batch_renormalization")
 
+    _renorm = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1, rmax: float = 3.0,
                  dmax: float = 5.0):
         super().__init__(hidden_size, eps, momentum)
@@ -1835,77 +547,6 @@ class BatchRenorm(MaskedBatchNorm):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}, rmax={self.rmax}, dmax={self.dmax}"
-
-
-class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
-    """MABN's training step in two C calls, `kernels_cpu.mabn_step_forward` and `mabn_step_backward`:
-    the arithmetic of `_forward_statistics` and `_backward_statistic` with the passes (a moments pass
-    and an output pass `y = x * weight * r / chi + bias`; a sums pass and an input-gradient pass
-    `dx = dY * weight * r / chi - (real) * Psi * x / chi^2`), the buffer updates and the parameter
-    gradients in C, so that a step costs its passes and little else. A checkpointing recomputation
-    reuses its step's statistics and updates nothing. Saves `x`, as the torch ops save `z`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        x = x.contiguous()
-        buffers = norm._buffers
-        reused = norm._last_step if _in_recomputation() else None
-        if reused is not None:
-            out, count, usable, step = reused
-            _, y, _, _ = mabn_step_forward(x, None, weight, bias, buffers["running_phi"], buffers["window_phi"],
-                                           buffers["num_batches_tracked"], norm.eps, norm.momentum, norm.warmup_steps,
-                                           norm.rmax, norm.renorm_warmup_steps, reused=out)
-        else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            step = int(buffers["num_batches_tracked"]) + 1
-            status, y, out, count = mabn_step_forward(
-                x, mask, weight, bias, buffers["running_phi"], buffers["window_phi"], buffers["num_batches_tracked"],
-                norm.eps, norm.momentum, norm.warmup_steps, norm.rmax, norm.renorm_warmup_steps)
-            _warn_non_finite("MovingAverageBatchNorm", "batch statistic", status < 0)
-            usable = status == 1
-            # plain attributes (nn.Module.__setattr__ costs more than the statistics otherwise)
-            norm.__dict__.update(_last_step=(out, count, usable, step), _last_statistics=None)
-        ctx.save_for_backward(x, mask, weight)
-        ctx.step = (norm, out, count, usable, step)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_double_backward("MovingAverageBatchNorm")
-        x, mask, weight = ctx.saved_tensors
-        norm, out, count, usable, step = ctx.step
-        status, grad_x, grads = mabn_step_backward(grad_output.float().contiguous(), x, mask, weight, out,
-                                                   norm._buffers["window_gz"], step, norm.warmup_steps, count, usable)
-        _warn_non_finite("MovingAverageBatchNorm", "gradient statistic", status < 0)
-        return grad_x, grads[0].to(weight.dtype), grads[1].to(weight.dtype), None, None
-
-
-class _MovingAverageBatchNormFunction(torch.autograd.Function):
-    """MABN's forward `y = weight * r * z + bias`, `z = x / chi`, and its backward with the moving
-    average `Psi` of `mean_V(g * z)`: `dx = (g - z * Psi) / chi` on real tokens, `g / chi` on padding."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, token_weights, norm, inv_chi, r, step, usable):
-        z = x * inv_chi
-        ctx.save_for_backward(z, token_weights, weight, inv_chi, r, step, usable)
-        ctx.norm = norm
-        return torch.addcmul(bias, z, weight * r)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_double_backward("MovingAverageBatchNorm")
-        z, token_weights, weight, inv_chi, r, step, usable = ctx.saved_tensors
-        with _float32(grad_output.device):
-            dy = grad_output.to(z.dtype)
-            g = dy * (weight * r)
-            count = _token_count(z, token_weights)
-            psi_batch = _token_sum(g * z, token_weights) / count.clamp_min(1.0)
-            psi = ctx.norm._backward_statistic(psi_batch, step, usable)
-            correction = z * psi if token_weights is None else z * psi * token_weights[:, None]
-            grad_x = (g - correction) * inv_chi
-            grad_weight = (dy * z).sum(0) * r if ctx.needs_input_grad[1] else None
-            grad_bias = dy.sum(0) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class MovingAverageBatchNorm(_RunningStatsNorm):
@@ -1961,37 +602,10 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         self._last_statistics = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training and self._step_in_c(hidden_states):
-            return self._c_step(_MovingAverageBatchNormStepFunction, hidden_states, attention_mask)
-        flat, token_weights = _flatten(hidden_states, attention_mask, self.hidden_size, self.training)
-        out = self._eval_in_c(hidden_states)
-        if out is not None:
-            return out
-        dtype = _stat_dtype(flat)
-        with _float32(flat.device):
-            xf = flat.to(dtype)
-            weight, bias = self.weight.to(dtype), self.bias.to(dtype)
-            if self.training:
-                statistics = self._forward_statistics(xf, token_weights)
-                out = _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, self, *statistics)
-            else:
-                out = torch.addcmul(bias, xf, weight * torch.rsqrt(self.running_phi.to(dtype) + self.eps))
-        return out.to(flat.dtype).view_as(hidden_states)
+        return forward_moving_average_batch_norm(self, hidden_states, attention_mask)
 
     def _batch_phase(self, step: torch.Tensor) -> torch.Tensor:
         return (step <= self.window) | (step < self.warmup_steps)
-
-    def _step_in_c(self, x: torch.Tensor) -> bool:
-        """Whether the training step runs in `_MovingAverageBatchNormStepFunction`: eager CPU float32
-        input with the C kernels, float32 contiguous parameters and running statistic."""
-        if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-            return False
-        if _in_recomputation():  # as the step itself, if it was one
-            return self._last_step is not None
-        tensors = (self._parameters["weight"], self._parameters["bias"], *(self._buffers[name] for name in
-                                                                           ("running_phi", *self._window_buffers)))
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
-            self._buffers["num_batches_tracked"].dtype == torch.int64)
 
     def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
         """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the
@@ -2056,40 +670,7 @@ class LayerNorm(_Norm):
         self._add_affine_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        dtype = _stat_dtype(hidden_states)
-        with _float32(hidden_states.device):
-            out = F.layer_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(self.weight, dtype),
-                               _cast(self.bias, dtype), self.eps)
-        return _cast(out, hidden_states.dtype)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm in PN's C kernels: it is group scaling with one group and eps, times the weight, so
-    the forward is one pass and the exact backward, `dx = r * (g - x_hat * mean(g * x_hat))` with
-    `g = weight * dY`, is the group-scaling backward of `pn_backward` (a = weight, c = 0). Saves `x`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x = x.contiguous()
-        y, _, _ = pn_rows(x, None, 1, weight, statistics=False, eps=eps)
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            with torch.enable_grad():
-                y = F.rms_norm(x, (x.shape[-1],), weight, ctx.eps)
-                grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_output, create_graph=True,
-                                                          allow_unused=True)
-            return grad_x, grad_weight, None
-        ones, zeros = torch.ones_like(weight, dtype=torch.float32), torch.zeros_like(weight, dtype=torch.float32)
-        grad_x, sums = pn_backward(grad_output.float().contiguous(), x, None, 1, weight, zeros, ones, ones,
-                                   eps=ctx.eps)
-        return grad_x, sums[0].to(weight.dtype), None
+        return forward_layer_norm(self, hidden_states, attention_mask)
 
 
 class RMSNorm(_Norm):
@@ -2105,26 +686,7 @@ class RMSNorm(_Norm):
         self._add_affine_parameters(bias=bias)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._scaled(hidden_states, attention_mask)
-        bias = self._parameters.get("bias")
-        return out if bias is None else out + bias.to(out.dtype)
-
-    def _scaled(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """`x / sqrt(mean(x^2) + eps) * weight`."""
-        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        weight = self._parameters["weight"]
-        if weight.dtype == torch.float32 and weight.is_contiguous() and _fused_kernels_usable(hidden_states):
-            if not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)):
-                # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
-                # (torch's own F.rms_norm took 1.7-2.7x F.layer_norm's time on the CPU: BENCHMARKS.md)
-                return norm_eval(hidden_states.contiguous(), 1, weight, group_eps=self.eps)
-            flat = hidden_states.reshape(-1, self.hidden_size)
-            y = _RMSNormFunction.apply(flat, weight, self.eps)
-            return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
-        dtype = _stat_dtype(hidden_states)
-        with _float32(hidden_states.device):
-            out = F.rms_norm(_cast(hidden_states, dtype), (self.hidden_size,), _cast(weight, dtype), self.eps)
-        return _cast(out, hidden_states.dtype)
+        return forward_rms_norm(self, hidden_states, attention_mask)
 
 
 class GroupNorm(_Norm):
@@ -2143,12 +705,7 @@ class GroupNorm(_Norm):
         self._add_affine_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        flat, _ = _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        dtype = _stat_dtype(flat)
-        with _float32(flat.device):
-            out = F.group_norm(_cast(flat, dtype), self.group_num, _cast(self.weight, dtype), _cast(self.bias, dtype),
-                               self.eps)
-        return _cast(out, flat.dtype).view_as(hidden_states)
+        return forward_group_norm(self, hidden_states, attention_mask)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, group_num={self.group_num}"
@@ -2162,8 +719,7 @@ class Identity(_Norm):
     foldable = False
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        return hidden_states
+        return forward_identity(self, hidden_states, attention_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2174,110 +730,6 @@ def _check_finite_number(name: str, value: float, positive: bool = False) -> Non
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
             positive and not value > 0):
         raise ValueError(f"{name} must be a finite {'positive ' * positive}number, got {value!r}")
-
-
-_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)  # erf'(z) = 2 / sqrt(pi) * exp(-z^2)
-
-
-def _elementwise_formula(x, alpha, shift, weight, bias, function: str) -> torch.Tensor:
-    """`weight * f(alpha * x + shift) + bias` in plain torch ops (`shift` None: no shift)."""
-    z = x * alpha if shift is None else torch.addcmul(shift, x, alpha)
-    return torch.addcmul(bias, torch.tanh(z) if function == "tanh" else torch.erf(z), weight)
-
-
-def _triton_elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
-    """DyT's and Derf's Triton kernels run eagerly on CUDA only: a graph being compiled takes the torch ops."""
-    return (x.device.type == "cuda" and _KERNEL_BACKEND[0] in ("auto", "triton") and not torch.compiler.is_compiling()
-            and triton_elementwise_usable(x, *parameters))
-
-
-def _elementwise_c_pass(x: torch.Tensor, function: str, alpha: torch.Tensor, shift: torch.Tensor | None,
-                        weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """`weight * f(alpha * x + shift) + bias` in the C kernel's one forward pass (float32 on the CPU)."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = elementwise_forward(flat, function, float(alpha), 0.0 if shift is None else float(shift),
-                              weight.contiguous(), bias.contiguous())
-    return out.view(x.shape)
-
-
-class _ElementwiseNormFunction(torch.autograd.Function):
-    """`y = weight * f(z) + bias`, `z = alpha * x (+ shift)`, f = tanh or erf, with the backward
-    written out in a few passes over the tokens. With `g = dy * f'(z)`: `dx = g * weight * alpha`,
-    `dalpha = sum(g * weight * x)`, `dshift = sum(g * weight)`, `dweight = sum_tokens(dy * f(z))`,
-    `dbias = sum_tokens(dy)`. tanh is computed as `2 * sigmoid(2z) - 1`, the same function, because
-    torch's CPU tanh takes about three times its sigmoid's time; from the saved `p = sigmoid(2z)`,
-    `tanh'(z) = 4 * p * (1 - p)`. erf saves `erf(z)` and recomputes `z` from `x` for
-    `erf'(z) = 2 / sqrt(pi) * exp(-z^2)`. On the CPU in float32 the C kernels take each way in one
-    pass (`kernels_cpu.elementwise_forward`, `elementwise_backward`: `f(z)` recomputed from `x`, so
-    only `x` is saved, as LayerNorm saves it); their tanh is this same formula and their erf within
-    3.5e-7 of float64 erf (torch's float32 erf: 3.2e-8; the C source says how). On CUDA the Triton
-    kernels (`kernels_triton.elementwise_forward`, `elementwise_backward`) take the step in one launch
-    forward and two backward, `x` alone saved, `alpha` and `shift` read on the device (no step waits
-    for the host); the module hands them float32, bfloat16 or float16 tensors as they are (each value
-    read as float32, the output and `dx` written in the input's dtype: no cast launched). Their tanh
-    is this formula too, their erf Triton's."""
-
-    @staticmethod
-    def forward(ctx, x, alpha, shift, weight, bias, function, triton):
-        """`triton`: the caller found the Triton kernels usable (`_triton_elementwise_usable`)."""
-        ctx.function, ctx.kernels = function, None
-        if triton:
-            ctx.kernels = "triton"
-            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            return triton_elementwise_forward(flat, function, alpha, shift, weight, bias).view(x.shape)
-        vectors = (alpha, shift, weight, bias)
-        if _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in vectors):
-            ctx.kernels = "c"
-            ctx.alpha, ctx.shift = float(alpha), 0.0 if shift is None else float(shift)
-            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
-            return _elementwise_c_pass(x, function, alpha, shift, weight, bias)
-        if function == "tanh":
-            saved = torch.sigmoid_(x * (2.0 * alpha))
-            out = torch.addcmul(bias - weight, saved, 2.0 * weight)  # weight * (2p - 1) + bias
-        else:
-            saved = torch.erf_(x * alpha if shift is None else torch.addcmul(shift, x, alpha))
-            out = torch.addcmul(bias, saved, weight)
-        ctx.save_for_backward(x, saved, alpha, shift, weight, bias)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, saved, alpha, shift, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            inputs = [t for t in (x, alpha, shift, weight, bias) if t is not None]
-            with torch.enable_grad():
-                y = _elementwise_formula(x, alpha, shift, weight, bias, ctx.function)
-                grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True, allow_unused=True))
-            return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None, None)
-        channels = x.shape[-1]
-        if ctx.kernels:  # the kernels' forward: their backward, one pass (C) or two launches (Triton)
-            dy, flat = grad_output.reshape(-1, channels).contiguous(), x.reshape(-1, channels).contiguous()
-            if ctx.kernels == "c":
-                grad_x, sums = elementwise_backward(dy, flat, ctx.function, ctx.alpha, ctx.shift, weight.contiguous(),
-                                                    ctx.needs_input_grad[0])
-            else:
-                grad_x, sums = triton_elementwise_backward(dy, flat, ctx.function, alpha, shift, weight,
-                                                           ctx.needs_input_grad[0])
-            grad_shift = None if shift is None else sums[2 * channels + 1:].to(shift.dtype).reshape(shift.shape)
-            return (None if grad_x is None else grad_x.view(grad_output.shape),
-                    sums[2 * channels:2 * channels + 1].to(alpha.dtype).reshape(alpha.shape), grad_shift,
-                    sums[:channels].to(weight.dtype), sums[channels:2 * channels].to(bias.dtype), None, None)
-        dy = grad_output.reshape(-1, channels)
-        s, xf = saved.reshape(-1, channels), x.reshape(-1, channels)  # (tokens, hidden)
-        dy_s = dy * s
-        grad_bias = dy.sum(0)
-        if ctx.function == "tanh":
-            grad_weight = 2.0 * dy_s.sum(0) - grad_bias  # sum(dy * (2p - 1))
-            v, scale = torch.addcmul(dy_s, dy_s, s, value=-1.0), 4.0 * weight  # dy * p * (1 - p)
-        else:
-            grad_weight = dy_s.sum(0)
-            z = xf * alpha if shift is None else torch.addcmul(shift, xf, alpha)
-            v, scale = dy * torch.exp_(z.square_().neg_()), weight * _TWO_OVER_SQRT_PI
-        grad_alpha = torch.dot((v * xf).sum(0), scale).reshape(alpha.shape)
-        grad_shift = None if shift is None else torch.dot(v.sum(0), scale).reshape(shift.shape)
-        grad_x = (v * (scale * alpha)).view_as(x) if ctx.needs_input_grad[0] else None
-        return grad_x, grad_alpha, grad_shift, grad_weight, grad_bias, None, None
 
 
 class _ElementwiseNorm(_Norm):
@@ -2308,21 +760,7 @@ class _ElementwiseNorm(_Norm):
         super().reset_parameters()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _flatten(hidden_states, attention_mask, self.hidden_size, weights=False)
-        shift = getattr(self, "shift", None)
-        if _triton_elementwise_usable(hidden_states, self.alpha, shift, self.weight, self.bias):
-            # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
-            return _ElementwiseNormFunction.apply(hidden_states, self.alpha, shift, self.weight, self.bias,
-                                                  self._squash, True)
-        dtype = _stat_dtype(hidden_states)
-        if (not torch.is_grad_enabled() and self.weight.dtype == self.bias.dtype == self.alpha.dtype == torch.float32
-                and _fused_kernels_usable(hidden_states)):  # inference (a decoding step): the C pass, no autograd
-            return _elementwise_c_pass(hidden_states, self._squash, self.alpha, shift, self.weight, self.bias)
-        with _float32(hidden_states.device):
-            out = _ElementwiseNormFunction.apply(
-                _cast(hidden_states, dtype), _cast(self.alpha, dtype), None if shift is None else _cast(shift, dtype),
-                _cast(self.weight, dtype), _cast(self.bias, dtype), self._squash, False)
-        return _cast(out, hidden_states.dtype)
+        return forward_elementwise(self, hidden_states, attention_mask)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, alpha_init={self.alpha_init}"

@@ -116,8 +116,8 @@ def test_host_cost_profiles_pn_steps_on_the_host():
 
     text = host_cost.main(["--device", "cpu", "--quick", "--profile", "4"])
     profile = text[text.index("Host profile of 4 steps of powernorm G=4"):]
-    assert "tottime" in profile and "normalization.py" in profile
-    calls = [line.split()[0] for line in profile.splitlines() if "(forward)" in line and "normalization.py" in line]
+    assert "tottime" in profile and "norm_dispatch.py" in profile
+    calls = [line.split()[0] for line in profile.splitlines() if "(forward)" in line and "norm_dispatch.py" in line]
     assert calls and all(count == "4" for count in calls), profile  # one forward per step, 4 steps
     with pytest.raises(SystemExit):
         host_cost.main(["--device", "cpu", "--quick", "--profile", "-1"])

@@ -180,27 +180,27 @@ def test_cuda_training_steps_match_cpu(name):
 
 @pytest.mark.slow  # inductor builds two C++ kernels families here: about a minute on 2 cores
 def test_compiled_training_step_matches_eager_on_cpu(monkeypatch):
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
     with kernel_backend("torch"):
         eager_norm = _norm("powernorm")
         eager = _train(eager_norm, eager_norm, _steps())
-    monkeypatch.setattr(normalization, "_COMPILED", {})
+    monkeypatch.setattr(norm_dispatch, "_COMPILED", {})
     with kernel_backend("compile"):
         compiled_norm = _norm("powernorm")
         compiled = _train(compiled_norm, compiled_norm, _steps())
-    assert all(entry.compiled is not None for entry in normalization._COMPILED.values())
-    assert len(normalization._COMPILED) == 2
+    assert all(entry.compiled is not None for entry in norm_dispatch._COMPILED.values())
+    assert len(norm_dispatch._COMPILED) == 2
     _assert_same_traces(compiled, eager)
 
 
 def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
     with kernel_backend("torch"):
         eager_norm = _norm("powernorm")
         eager = _train(eager_norm, eager_norm, _steps()[:3])
-    monkeypatch.setattr(normalization, "_COMPILED", {})
+    monkeypatch.setattr(norm_dispatch, "_COMPILED", {})
 
     def no_compiler(fn, **options):
         def fail(*args):
@@ -211,9 +211,40 @@ def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
     norm = _norm("powernorm")
     with kernel_backend("compile"), pytest.warns(RuntimeWarning, match="torch.compile of _pn_train_forward failed"):
         fallback = _train_warning_visible(norm, _steps()[:3])
-    assert all(entry.compiled is None for entry in normalization._COMPILED.values())
+    assert all(entry.compiled is None for entry in norm_dispatch._COMPILED.values())
     _assert_same_traces(fallback, eager)
 
+
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_an_explicit_kernel_backend_wins_over_the_compile_variable(monkeypatch, setting):
+    """`kernel_backend("compile")` compiles PN's pure functions under `HF_POWERNORM_COMPILE=0`, and
+    `"torch"` or `"c"` never compiles under `=1`; without a block the variable decides (`"auto"`:
+    CUDA only). bfloat16 steps, which the C kernels leave to the operators' torch ops."""
+    from hf_powernorm import norm_dispatch
+
+    compiled = []
+    monkeypatch.setattr(norm_dispatch, "_compiled", lambda fn: compiled.append(fn.__name__) or fn)
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", setting)
+    batches = [tuple(t if t is None or not t.is_floating_point() else t.bfloat16() for t in batch)
+               for batch in _steps()[:2]]
+    backends = [("compile", True), ("torch", False), ("auto", setting == "1")]
+    backends += [("c", False)] if "c" in available_kernel_backends() else []
+    for backend, compiles in backends:
+        compiled.clear()
+        norm = _norm("powernorm").to(torch.bfloat16)
+        with kernel_backend(backend):
+            _train(norm, norm, batches)
+        assert compiled == (["_pn_train_forward", "_pn_train_backward"] * 2 if compiles else []), backend
+
+
+def test_a_compile_variable_outside_its_values_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_POWERNORM_COMPILE", "yes")
+    x, mask, _ = _steps()[0]
+    norm = _norm("powernorm").to(torch.bfloat16)
+    with kernel_backend("torch"):  # an explicit backend never reads it
+        norm(x.bfloat16(), mask)
+    with pytest.raises(ValueError, match=r"HF_POWERNORM_COMPILE must be one of \('auto', '0', '1'\), got 'yes'"):
+        norm(x.bfloat16(), mask)
 
 def _train_warning_visible(norm, batches):
     trace = []
@@ -296,7 +327,7 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# Per norm of the step operators: its `normalization` functions (the direct C calls) and the running
+# Per norm of the step operators: its `norm_dispatch` functions (the direct C calls) and the running
 # buffer one step must change.
 STEP_FUNCTIONS = {"powernorm": (("pn_step_forward", "pn_step_backward"), "running_nu"),
                   "batchnorm": (("bn_step_forward", "bn_step_backward"), "running_mean")}
@@ -305,13 +336,13 @@ STEP_FUNCTIONS = {"powernorm": (("pn_step_forward", "pn_step_backward"), "runnin
 def _eager_step_ops(dtype, monkeypatch, name="powernorm"):
     """The dispatched operators of one eager step of the norm `name` (forward, backward) and the
     direct C calls."""
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
     functions, running = STEP_FUNCTIONS[name]
     calls = []
     for function in functions:
-        original = getattr(normalization, function)
-        monkeypatch.setattr(normalization, function, lambda *a, _f=original, _n=function: calls.append(_n) or _f(*a))
+        original = getattr(norm_dispatch, function)
+        monkeypatch.setattr(norm_dispatch, function, lambda *a, _f=original, _n=function: calls.append(_n) or _f(*a))
     norm = _norm(name).to(dtype)
     x, mask, dy = (t.to(dtype) if t.is_floating_point() else t for t in _steps()[0])
     x.requires_grad_(True)
@@ -408,11 +439,11 @@ def test_batch_norm_eager_step_is_one_c_call_or_one_operator_call_per_direction(
 
 
 def test_kernel_backend_switches_the_c_kernels_off_within_its_block(monkeypatch):
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
     calls = []
-    original = normalization.pn_step_forward
-    monkeypatch.setattr(normalization, "pn_step_forward", lambda *a: calls.append(1) or original(*a))
+    original = norm_dispatch.pn_step_forward
+    monkeypatch.setattr(norm_dispatch, "pn_step_forward", lambda *a: calls.append(1) or original(*a))
     traces = []
     for backend, in_c in (("auto", True), ("c", True), ("torch", False)):
         before = len(calls)
@@ -435,16 +466,16 @@ def test_kernel_backend_switches_the_c_kernels_off_within_its_block(monkeypatch)
 
 
 def test_kernel_backends_this_machine_lacks_are_refused_by_name(monkeypatch):
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
     assert set(available_kernel_backends()) >= {"auto", "compile", "torch"}
-    assert ("c" in available_kernel_backends()) == (normalization.kernels_cpu_load() is not None)
-    monkeypatch.setattr(normalization, "TRITON_AVAILABLE", False)
+    assert ("c" in available_kernel_backends()) == (norm_dispatch.kernels_cpu_load() is not None)
+    monkeypatch.setattr(norm_dispatch, "TRITON_AVAILABLE", False)
     assert "triton" not in available_kernel_backends()
     with pytest.raises(ValueError, match="kernel backend 'triton' is not available here: Triton is not installed"):
         with kernel_backend("triton"):
             pass
-    monkeypatch.setattr(normalization, "kernels_cpu_load", lambda: None)
+    monkeypatch.setattr(norm_dispatch, "kernels_cpu_load", lambda: None)
     with pytest.raises(ValueError, match="kernel backend 'c' is not available here: the C kernels did not build"):
         with kernel_backend("c"):
             pass

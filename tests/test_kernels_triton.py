@@ -6,7 +6,7 @@ GPU, every kernel is also compiled for one (sm_90) through Triton's compiler, wh
 the interpreter lets through (types that change in a loop, say).
 
 Triton reads `TRITON_INTERPRET` when it is imported (its own library functions are built then), and
-the package imports it with `normalization.py`: so, unless this process was started with it, one
+the package imports it with `norm_dispatch.py`: so, unless this process was started with it, one
 test runs this file in a fresh process that is.
 """
 
@@ -174,7 +174,7 @@ def test_triton_step_honours_group_eps(kernels, groups):
 @pytest.mark.parametrize("tokens, hidden, groups", [(1, 12, 4), (37, 32, 4), (300, 20, None), (7, 96, 3)])
 def test_triton_step_matches_the_operators_torch_ops_at_odd_shapes(kernels, tokens, hidden, groups):
     """Several tiles and programs (300 tokens), one token, group widths that are not powers of two."""
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
     options = (1e-5, 1, 0, 0.9, True, False, 1e-5)  # eps, warmup, ramp, alpha_fwd, reference, batch backward,
     # group_eps
@@ -182,9 +182,9 @@ def test_triton_step_matches_the_operators_torch_ops_at_odd_shapes(kernels, toke
     for step in range(3):
         x, mask, dy = _batch(40 + step, tokens, hidden, padded=tokens > 4)
         y, dx, grads, stats, info = _triton_step(kernels, ours, x, mask, dy, groups, 1, 0, "reference", "running")
-        want = normalization._pn_step_forward_torch(x, mask, theirs.weight, theirs.bias, theirs.phi, theirs.counter,
+        want = norm_dispatch._pn_step_forward_torch(x, mask, theirs.weight, theirs.bias, theirs.phi, theirs.counter,
                                                     groups or 0, *options)
-        want_dx, want_grads = normalization._pn_step_backward_torch(dy, x, mask, theirs.weight, theirs.nu, want[1],
+        want_dx, want_grads = norm_dispatch._pn_step_backward_torch(dy, x, mask, theirs.weight, theirs.nu, want[1],
                                                                     want[2], groups or 0, 0.9, 1e-5)
         for got, expected in ((y, want[0]), (stats, want[1]), (info, want[2]), (dx, want_dx), (grads, want_grads),
                               (ours.phi, theirs.phi), (ours.nu, theirs.nu), (ours.counter, theirs.counter)):
@@ -281,10 +281,10 @@ def test_dyt_derf_modules_train_through_the_triton_kernels_as_through_the_torch_
     """The module's autograd function on the Triton kernels (offered CPU tensors here, where only CUDA
     takes them) against its torch ops: output and every gradient, a bfloat16 model included (its
     tensors handed to the kernels as they are)."""
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch, normalization
 
-    taken, forward = [], normalization.triton_elementwise_forward
-    monkeypatch.setattr(normalization, "triton_elementwise_forward",
+    taken, forward = [], norm_dispatch.triton_elementwise_forward
+    monkeypatch.setattr(norm_dispatch, "triton_elementwise_forward",
                         lambda x, *args: taken.append(x.dtype) or forward(x, *args))
     for dtype in (torch.float32, torch.bfloat16):
         runs = []
@@ -297,7 +297,7 @@ def test_dyt_derf_modules_train_through_the_triton_kernels_as_through_the_torch_
             x = (torch.randn(3, 5, HIDDEN) * 2).to(dtype).requires_grad_(True)
             with monkeypatch.context() as patch, normalization.kernel_backend(backend):
                 if backend == "triton":
-                    patch.setattr(normalization, "_triton_elementwise_usable", kernels.elementwise_usable)
+                    patch.setattr(norm_dispatch, "_triton_elementwise_usable", kernels.elementwise_usable)
                 y = norm(x)
                 y.backward(torch.randn(3, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype))
             runs.append([y, x.grad] + [p.grad for p in norm.parameters()])
@@ -324,11 +324,11 @@ def test_dyt_derf_kernels_are_only_offered_what_they_take(kernels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_dyt_derf_take_the_triton_kernels_and_match_cpu(monkeypatch, name, dtype):
     """The CUDA step (on the kernels, a bfloat16 model's tensors as they are) against the CPU's in float32."""
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch, normalization
 
     calls = []
-    forward = normalization.triton_elementwise_forward
-    monkeypatch.setattr(normalization, "triton_elementwise_forward",
+    forward = norm_dispatch.triton_elementwise_forward
+    monkeypatch.setattr(norm_dispatch, "triton_elementwise_forward",
                         lambda x, *args: calls.append(x.dtype) or forward(x, *args))
     runs = []
     for device, model_dtype in (("cpu", torch.float32), ("cuda", dtype)):

@@ -1285,3 +1285,38 @@ def test_a_library_without_a_matching_record_is_never_loaded(monkeypatch, tmp_pa
     monkeypatch.setattr(kernels_cpu.ctypes, "CDLL", lambda path: loaded.append(path))
     assert kernels_cpu.load() is None  # the file of the expected name was rebuilt, not loaded
     assert builds == [library] and loaded == []
+
+
+def _kernel_importers() -> set[str]:
+    """The package's files (by path below it) that import `kernels_cpu` or `kernels_triton`."""
+    import ast
+    from pathlib import Path
+
+    import hf_powernorm
+
+    root, kernels, found = Path(hf_powernorm.__file__).parent, {"kernels_cpu", "kernels_triton"}, set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = {alias.name.rsplit(".", 1)[-1] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").rsplit(".", 1)[-1], *(alias.name for alias in node.names)}
+            else:
+                continue
+            if names & kernels:
+                found.add(path.relative_to(root).as_posix())
+    return found
+
+
+def test_only_the_dispatch_module_imports_the_kernels():
+    """What a norm computes (`normalization.py`) apart from how it runs (`norm_dispatch.py`, the one
+    file that imports the C and Triton kernels); the dispatch module imports nothing of the norms."""
+    import ast
+    from pathlib import Path
+
+    import hf_powernorm
+
+    assert _kernel_importers() == {"norm_dispatch.py"}
+    source = (Path(hf_powernorm.__file__).parent / "norm_dispatch.py").read_text()
+    imported = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
+    assert "normalization" not in imported and imported >= {"kernels_cpu", "kernels_triton"}

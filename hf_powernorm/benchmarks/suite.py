@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import kernels_cpu
+from ..norm_dispatch import pn_step_backward, pn_step_forward
 from ..normalization import NORM_CLASSES, available_kernel_backends, build_norm, kernel_backend
 from .timing import cell, clock, control_allocator, interleaved, machine_line, markdown, num_threads, progress
 
@@ -152,12 +152,12 @@ class _PowerNormCalls(torch.nn.Module):
     def training_step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
         norm = self.norm
         weight, bias, x = norm.weight.detach(), norm.bias.detach(), x.detach()
-        status, _, stats, count = kernels_cpu.pn_step_forward(
+        status, _, stats, count = pn_step_forward(
             x, mask, norm.group_num, weight, bias, norm.running_phi, norm.num_batches_tracked, norm.eps,
             norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd, norm.warmup_statistic == "reference",
             norm.backward_denominator == "batch", norm.group_eps)
-        kernels_cpu.pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count, status == 1,
-                                     1.0 - norm.alpha_bkw, norm.group_eps)
+        pn_step_backward(dy, x, mask, norm.group_num, weight, norm.running_nu, stats, count, status == 1,
+                         1.0 - norm.alpha_bkw, norm.group_eps)
 
 
 def _build(name: str, hidden: int, options: dict, device: str):
@@ -176,8 +176,9 @@ def _build(name: str, hidden: int, options: dict, device: str):
 
 
 def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled: bool = False,
-                norms: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
-    """The layer rows against `F.layer_norm`; with `norms`, only the rows of those registry names."""
+                norms: list[str] | None = None, cpu_time: bool = False) -> tuple[list[str], list[list[str]]]:
+    """The layer rows against `F.layer_norm`; with `norms`, only the rows of those registry names;
+    with `cpu_time`, timed by this thread's CPU time (one thread)."""
     cases = {label: case for label, case in (LAYER_CASES if train else EVAL_CASES).items()
              if norms is None or case[0] in norms}
     if train and compiled:  # PN's compiled pure functions on this device (CUDA's path); minutes to build on a CPU
@@ -219,7 +220,7 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled:
                                 norm(x)
 
                     with torch.set_grad_enabled(train):
-                        rows[label].append(cell(interleaved(step, baseline, repeats, warmup, device)))
+                        rows[label].append(cell(interleaved(step, baseline, repeats, warmup, device, cpu_time)))
     return header, list(rows.values())
 
 
@@ -539,8 +540,10 @@ def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]
     repeats, warmup = (3, 1) if args.quick else (args.repeats, args.warmup)
     if args.norms:  # the layer tables' rows of these norms, nothing else
         control_allocator()
-        return [(f"Layer {what} / F.layer_norm's: median (25-75%), candidate ms",
-                 *layer_table(shapes, args.threads, repeats, warmup, args.device, train=train, norms=args.norms))
+        clock = ", by this thread's CPU time" if args.cpu_time else ""
+        return [(f"Layer {what} / F.layer_norm's{clock}: median (25-75%), candidate ms",
+                 *layer_table(shapes, args.threads, repeats, warmup, args.device, train=train, norms=args.norms,
+                              cpu_time=args.cpu_time))
                 for what, train in (("training step (forward + backward)", True), ("eval forward (no_grad)", False))]
     tables = [("Allocator effect: F.layer_norm forward + backward, 1 thread, median ms",
                *allocator_table(shapes, repeats, warmup, args.device))]
@@ -588,6 +591,10 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[
     parser.add_argument("--norms", nargs="+", default=None, metavar="NAME",
                         help="only the layer tables' rows of these registry names (e.g. dyt derf layernorm): "
                              "no allocator, memory or model table; not with --write")
+    parser.add_argument("--cpu_time", action="store_true",
+                        help="with --norms and --threads 1 on the CPU: time the layer rows by this thread's CPU "
+                             "time (on a machine that other jobs share: the time the work ran, not the time it "
+                             "waited for a core)")
     args = parser.parse_args(argv)
     if args.norms:
         known = sorted({case[0] for case in LAYER_CASES.values()} & set(NORM_CLASSES))
@@ -597,6 +604,9 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[str], list[list[
                          f"expected some of {', '.join(known)}")
         if args.write is not None:
             parser.error("--norms with --write: the section holds every table; print the rows instead")
+    if args.cpu_time and not (args.norms and args.threads == [1] and args.device == "cpu"):
+        parser.error("--cpu_time: only with --norms, --threads 1 and --device cpu (one thread's CPU time), got "
+                     f"--norms {args.norms}, --threads {args.threads}, --device {args.device}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.device == "cuda":

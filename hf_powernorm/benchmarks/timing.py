@@ -34,8 +34,14 @@ def control_allocator() -> bool:
     return bool(libc.mallopt(m_trim_threshold, -1)) and bool(libc.mallopt(m_mmap_threshold, 1 << 30))
 
 
-def clock(device: str) -> Callable[[], float]:
-    """A clock in seconds for work on `device`: on CUDA it waits for the device before reading the time."""
+def clock(device: str, cpu_time: bool = False) -> Callable[[], float]:
+    """A clock in seconds for work on `device`: on CUDA it waits for the device before reading the time;
+    with `cpu_time`, this thread's CPU time (one-thread CPU work on a machine that other jobs share:
+    the time the work ran, not the time it waited for a core)."""
+    if cpu_time:
+        if device != "cpu":
+            raise ValueError(f"cpu_time measures CPU work only, got device {device!r}")
+        return time.thread_time
     if device == "cuda":
         def synchronized() -> float:
             torch.cuda.synchronize()
@@ -44,9 +50,11 @@ def clock(device: str) -> Callable[[], float]:
     return time.perf_counter
 
 
-def interleaved(candidate: Callable, baseline: Callable, repeats: int, warmup: int, device: str) -> dict:
-    """A B A B ... after `warmup` pairs; the candidate's median time and the ratio's median and spread."""
-    now = clock(device)
+def interleaved(candidate: Callable, baseline: Callable, repeats: int, warmup: int, device: str,
+                cpu_time: bool = False) -> dict:
+    """A B A B ... after `warmup` pairs; the candidate's median time and the ratio's median and spread
+    (`cpu_time`: by this thread's CPU time, see `clock`)."""
+    now = clock(device, cpu_time)
     for _ in range(warmup):
         candidate()
         baseline()

@@ -32,6 +32,7 @@ WORK = ROOT / ".cache" / "mutation"
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".cache", "__pycache__", "*.egg-info", ".pytest_cache",
                                      "outputs", "runs", "build", "dist")
 NORMALIZATION = "hf_powernorm/normalization.py"
+DISPATCH = "hf_powernorm/norm_dispatch.py"
 MODELING = "hf_powernorm/modeling_powernorm.py"
 NORM_TESTS = ("tests/test_normalization.py",)
 MODEL_TESTS = ("tests/test_modeling_powernorm.py",)
@@ -57,7 +58,7 @@ NORMALIZATION_MUTATIONS = [
         "        scale = self.weight.float() * torch.rsqrt(self.running_phi)\n",
         NORM_TESTS, "PN's eval forward divides by sqrt(phi) instead of sqrt(phi + eps)"),
     Mutation(
-        "pn-switch-before-warmup-ends", NORMALIZATION,
+        "pn-switch-before-warmup-ends", DISPATCH,
         "    weight = ((step - warmup) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)\n",
         "    weight = ((step - warmup + 1) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)\n",
         NORM_TESTS, "PN's forward uses the running statistic from t = W (t < W) instead of t > W (t <= W)"),
@@ -67,17 +68,17 @@ NORMALIZATION_MUTATIONS = [
         "            updated = self.running_nu * (1.0 - rate * gamma.float()) - rate * lam.float()\n",
         NORM_TESTS, "the running gradient statistic nu subtracts Lambda (eq. 13 sign)"),
     Mutation(
-        "pn-warmup-phi-not-cumulative", NORMALIZATION,
+        "pn-warmup-phi-not-cumulative", DISPATCH,
         "        updated = torch.lerp(phi, v, torch.where(step <= warmup, cumulative_rate, ema_rate))\n",
         "        updated = torch.lerp(phi, v, ema_rate)\n",
         NORM_TESTS, "during warmup running_phi is an EMA instead of the cumulative mean"),
     Mutation(
-        "pn-backward-denominator-always-batch", NORMALIZATION,
+        "pn-backward-denominator-always-batch", DISPATCH,
         '    inv_s_b = inv_s if backward == "running" else batch\n',
         "    inv_s_b = batch\n",
         NORM_TESTS, 'backward_denominator="running" divides the backward by the batch statistic'),
     Mutation(
-        "pn-nu-correction-on-padding", NORMALIZATION,
+        "pn-nu-correction-on-padding", DISPATCH,
         "    correction = z0 * c if token_weights is None else z0 * c * token_weights[:, None]\n",
         "    correction = z0 * c\n",
         NORM_TESTS, "the -nu*Z correction of the backward reaches padded positions (eager path)"),
@@ -87,35 +88,34 @@ NORMALIZATION_MUTATIONS = [
         "            self.running_phi.copy_(next_phi)\n",
         NORM_TESTS + MODEL_TESTS, "PN's num_batches_tracked never increments, so warmup never ends"),
     Mutation(
-        "pn-recomputation-updates-again", NORMALIZATION,
-        "        if _in_recomputation() and self._last_denominators is not None:\n",
-        "        if False:\n",
+        "pn-recomputation-updates-again", DISPATCH,
+        "    if _in_recomputation() and norm._last_denominators is not None:\n",
+        "    if False:\n",
         NORM_TESTS + MODEL_TESTS, "activation checkpointing's recomputed forward updates PN's buffers twice"),
     Mutation(
-        "padding-counted-in-statistics", NORMALIZATION,
+        "padding-counted-in-statistics", DISPATCH,
         "    real = attention_mask.reshape(-1).to(flat.device) != 0\n",
         "    real = attention_mask.reshape(-1).to(flat.device) != 2\n",
         NORM_TESTS + MODEL_TESTS, "every norm treats padded tokens as real in its batch statistics"),
     Mutation(
-        "pn-buffers-updated-in-eval", NORMALIZATION,
-        "        scale, shift = self.affine_after_group_scale()\n",
-        "        scale, shift = self.affine_after_group_scale()\n"
-        "        self.running_phi.lerp_(flat.detach().float().square().mean(0), 0.1)\n"
-        "        self.num_batches_tracked.add_(1)\n",
+        "pn-buffers-updated-in-eval", DISPATCH,
+        "    scale, shift = norm.affine_after_group_scale()\n",
+        "    scale, shift = norm.affine_after_group_scale()\n"
+        "    norm.running_phi.lerp_(flat.detach().float().square().mean(0), 0.1)\n"
+        "    norm.num_batches_tracked.add_(1)\n",
         NORM_TESTS + MODEL_TESTS, "PN's eval forward updates running_phi and the counter (output unchanged)"),
     Mutation(
-        "pn-group-scaling-off-in-eval", NORMALIZATION,
-        "            z0 = group_scale(flat, self.group_num, self.group_eps).to(dtype)\n"
-        "            out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
-        "            z0 = flat.to(dtype)\n"
-        "            out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
+        "pn-group-scaling-off-in-eval", DISPATCH,
+        "        z0 = group_scale(flat, norm.group_num, norm.group_eps).to(dtype)\n"
+        "        out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
+        "        z0 = flat.to(dtype)\n"
+        "        out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)\n",
         NORM_TESTS, "PN's eval forward skips group scaling (training keeps it)"),
     Mutation(
-        "pn-v-eval-without-eps", NORMALIZATION,
-        "            out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps), "
-        "self.weight.to(dtype))\n",
-        "            out = torch.addcmul(self.bias.to(dtype), z0 * torch.rsqrt(phi + self.eps * self.training), "
-        "self.weight.to(dtype))\n",
+        "pn-v-eval-without-eps", DISPATCH,
+        "    return torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps), norm.weight.to(dtype))\n",
+        "    return torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps * norm.training), "
+        "norm.weight.to(dtype))\n",
         NORM_TESTS, "PN-V's eval forward divides by sqrt(phi) instead of sqrt(phi + eps)"),
     Mutation(
         "bn-running-variance-biased", NORMALIZATION,
@@ -123,7 +123,7 @@ NORMALIZATION_MUTATIONS = [
         "            unbiased = var.detach().float()\n",
         NORM_TESTS, "BN's running variance takes the biased batch variance"),
     Mutation(
-        "non-finite-batch-updates-buffers", NORMALIZATION,
+        "non-finite-batch-updates-buffers", DISPATCH,
         "    finite = torch.isfinite(statistics[0]).all()\n",
         "    finite = torch.ones((), dtype=torch.bool, device=statistics[0].device)\n",
         NORM_TESTS, "a NaN/inf batch statistic is written into the running buffers"),
