@@ -11,11 +11,13 @@ start from the source's function (`convert_norms`). The conversion is recorded i
 saved converted model with its running statistics.
 
 Which modules are norms (found by structure, not by a list of classes): a module that is a
-`torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`
-or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). Which convert (`select_norms`): by default
-those over the model's hidden size outside attention blocks (the residual stream), in a composite
-model those of its language model only; QK-norms, per-head norms and a vision tower's are kept and
-reported; `modules=` (a regular expression or a predicate) selects
+`torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`,
+`*RMSNorm`, `*NormGated` or `*L2Norm` (`LlamaRMSNorm`, `T5LayerNorm`, `MambaRMSNormGated`, ...).
+Which convert (`select_norms`): by default those over the model's hidden size outside attention
+blocks (the residual stream), in a composite model those of its language model only; the others are
+kept and reported with the reason (`_kept_by_default`: QK-norms, latent projection norms, SSM inner
+norms, gated norms, position-table norms, weightless L2 norms, a vision tower's); `modules=` (a
+regular expression or a predicate) selects
 among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
 and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
 `epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `LN(x) * (1 + w) + b`
@@ -62,7 +64,9 @@ from .converted_norms import (
 from .modeling_converted import load_converted, load_converted_config
 from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
 
-NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
+# Norm layers by class name (bases too): LayerNorm and RMSNorm, their gated forms (Mamba2's
+# `MambaRMSNormGated`) and weightless L2 norms (Llama 4's `L2Norm` QK-norm).
+NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm|NormGated|L2Norm)$")
 # The targets `preserve_function=True` supports: options it fixes (`group_eps` is set per norm to the
 # source's epsilon) and the source kinds it can reproduce (PN: LayerNorm sources as closely as it can).
 PRESERVING = {
@@ -93,8 +97,8 @@ class SourceNorm:
 
 
 def is_norm_candidate(module: nn.Module) -> bool:
-    """True for `nn.LayerNorm`, `nn.RMSNorm` and classes named `*LayerNorm` / `*RMSNorm` (bases too),
-    except the norms of this project's registry and their wrapper."""
+    """True for `nn.LayerNorm`, `nn.RMSNorm` and classes named `*LayerNorm`, `*RMSNorm`, `*NormGated` or
+    `*L2Norm` (bases too), except the norms of this project's registry and their wrapper."""
     if isinstance(module, MaskAwareNorm) or type(module) in NORM_CLASSES.values():
         return False
     if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
@@ -109,6 +113,9 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
         held = held_norms(module, name)
         inside = f" (select the norm it holds: {', '.join(held)})" if held else ""
         raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer{inside}")
+    if is_gated(module):
+        raise ValueError(f"cannot convert {where}: a gated norm (its forward takes a gate beside its input), "
+                         "which no registry norm computes")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
     eps = _epsilon(module, weight)
     if eps is None:
@@ -358,11 +365,71 @@ def _kept_by_default(model: nn.Module, name: str, module: nn.Module, size: int |
     if held:
         return (f"a wrapper around the norm {', '.join(held)} (a gate or other layers "
                 "beside it): the norm inside converts by the same rule, the wrapper's other layers stay")
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    if is_gated(module):
+        return (f"a gated norm: its forward takes a gate beside its input (inside {type(parent).__name__}), "
+                "which no registry norm computes")
+    if _is_ssm_mixer(parent):
+        return (f"an SSM inner norm: inside the state-space mixer {type(parent).__name__}, over {size} of its "
+                "channels, not the residual stream")
+    if _is_attention(parent):
+        return _attention_norm_reason(parent, size, hidden_size)
+    table = _position_table(parent, size)
+    if table is not None:
+        return (f"a position-table norm: it normalizes the rows of {'.'.join(filter(None, (parent_name, table)))} "
+                "(a relative-position table), not tokens")
+    if size is None and not hasattr(module, "weight"):
+        return "a weightless L2 norm with no size of its own, off the residual stream"
+    if size == 2 * hidden_size:
+        return (f"normalizes {size} channels, twice the hidden size {hidden_size}: the concatenation of two "
+                "hidden-size vectors (Zamba2's hidden states and input embeddings), not the residual stream alone")
     if size is not None and size != hidden_size:
-        return f"normalizes {size} channels, not the hidden size {hidden_size}: a per-head or QK-norm"
-    parent = model.get_submodule(name.rpartition(".")[0])
-    if "Attention" in type(parent).__name__ and any(isinstance(m, nn.Linear) for m in parent.children()):
-        return f"inside {type(parent).__name__} beside its projections: a QK-norm"
+        return f"normalizes {size} channels, not the hidden size {hidden_size}: off the residual stream"
+    return None
+
+
+def is_gated(module: nn.Module) -> bool:
+    """A norm whose forward takes a gate beside its input (Mamba2's, Zamba2's, Qwen3.5's gated RMSNorms)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "gate" in parameters or type(module).__name__.endswith("Gated")
+
+
+def _is_ssm_mixer(module: nn.Module) -> bool:
+    """A state-space mixer (Mamba's, Jamba's): a causal `Conv1d` beside the state matrix `A_log`."""
+    return "A_log" in module._parameters and any(isinstance(m, nn.Conv1d) for m in module.children())
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return "Attention" in type(module).__name__ and any(isinstance(m, nn.Linear) for m in module.children())
+
+
+def _attention_norm_reason(attention: nn.Module, size: int | None, hidden_size: int) -> str:
+    """Why a norm inside an attention block is kept: a latent projection norm (multi-head latent
+    attention's `q_a_layernorm`: a projection of the block other than its output projection, the last,
+    reads its channels, or them beside another vector of that size), else a QK-norm."""
+    where = f"inside {type(attention).__name__} beside its projections"
+    if size is None:
+        return f"a weightless L2 norm {where}: a QK-norm (or value norm)"
+    linears = [(name, m) for name, m in attention.named_children() if isinstance(m, nn.Linear)]
+    readers = [name for name, m in linears[:-1] if m.in_features in (size, 2 * size) and m.in_features != hidden_size]
+    if size != hidden_size and readers:
+        return (f"normalizes {size} channels, not the hidden size {hidden_size}: a latent projection norm "
+                f"{where} (the low-rank latent that {', '.join(readers)} reads)")
+    head_dim = getattr(attention, "head_dim", None)
+    what = "one head's" if size == head_dim else "the heads'"
+    return f"normalizes {size} channels, {what}, {where}: a QK-norm (or value norm)"
+
+
+def _position_table(parent: nn.Module, size: int | None) -> str | None:
+    """The name of a relative-position table beside the norm (DeBERTa's `rel_embeddings`, which the
+    norm normalizes row by row), or None."""
+    for name, child in parent.named_children():
+        if isinstance(child, nn.Embedding) and "rel" in name.split("_") and child.embedding_dim == size:
+            return name
     return None
 
 
