@@ -19,6 +19,7 @@ import json
 from collections.abc import Iterable
 
 import torch
+import transformers
 from torch import nn
 
 from .normalization import build_norm, normalize_norm_name
@@ -242,15 +243,16 @@ def _in_model_paths(record: dict, model: nn.Module) -> dict:
     """Rewrite `record["modules"]` and `record["norms"]` (returned) in the module paths of `model`.
 
     The record names the modules of the class that was converted (`config.architectures`); another head
-    of the same model (Transformers' Auto classes build any) holds them under its base model's prefix
-    added or removed, as its weights are (`_model_path`), and lacks those of the converted class's own
-    head, which are dropped with their weights. ValueError when the converted class itself lacks a
-    recorded module, or when `model` holds none of them: it would be the unconverted model.
+    of the same model (Transformers' Auto classes build any) holds them under its own base model's
+    prefix, as its weights are (`_model_path`), and lacks those of the converted class's own head,
+    which are dropped with their weights. ValueError when the converted class itself lacks a recorded
+    module, or when `model` holds none of them: it would be the unconverted model.
     """
     cls = type(model).__name__
-    paths = {name: _model_path(model, name) for name in record["modules"]}
-    missing = [name for name, path in paths.items() if path is None]
     converted = getattr(model.config, "architectures", None) or [cls]
+    source = getattr(getattr(transformers, converted[0], None), "base_model_prefix", "")
+    paths = {name: _model_path(model, name, source) for name in record["modules"]}
+    missing = [name for name, path in paths.items() if path is None]
     if missing and cls in converted:
         raise ValueError(f"the conversion record names module {missing[0]!r}, which {cls} does not have")
     if paths and len(missing) == len(paths):
@@ -263,11 +265,12 @@ def _in_model_paths(record: dict, model: nn.Module) -> dict:
     return record["norms"]
 
 
-def _model_path(model: nn.Module, name: str) -> str | None:
-    """`name` in `model`: as it is, under the base model's prefix, or without it; None if absent."""
+def _model_path(model: nn.Module, name: str, source_prefix: str) -> str | None:
+    """`name`, a module path of a model whose base model sits at `source_prefix`, in `model`: as it is,
+    or with the base model's prefix replaced by `model`'s own (none for a base model); None if absent."""
+    inner = name.removeprefix(f"{source_prefix}.") if source_prefix else name
     prefix = getattr(model, "base_model_prefix", "") or ""
-    candidates = [name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")] if prefix else [name]
-    for path in candidates:
+    for path in (name, inner, f"{prefix}.{inner}" if prefix else inner):
         try:
             model.get_submodule(path)
         except AttributeError:

@@ -6,7 +6,9 @@ model's config class. `save_pretrained` then writes, beside the weights and ever
 
 - this file and the files it imports (`converted_norms.py`, `normalization.py`, ...), as Transformers
   copies remote code;
-- an `auto_map` naming these classes, for `AutoConfig` and the model's own Auto class;
+- an `auto_map` naming these classes, for `AutoConfig` and every Auto class that builds the model's
+  type (`auto_map`): `AutoModel` on a converted `LlamaForCausalLM` folder builds the converted
+  `LlamaModel`, `replay_conversion` finding the recorded norms under the base model's prefix;
 - a `model_type` of its own (`powernorm_converted_llama`): Transformers knows no such type, so
   `AutoModel...from_pretrained(folder)` without `trust_remote_code=True` raises instead of quietly
   building the unconverted model and starting its norms afresh.
@@ -87,6 +89,8 @@ def _config_class(base: type) -> type:
     def to_dict(self) -> dict[str, Any]:
         output = base.to_dict(self)
         output["model_type"] = MODEL_TYPE_PREFIX + base_type
+        if output.get("auto_map"):  # saving with this file: every Auto class that builds the model type
+            output["auto_map"] = {**auto_map(base_type), **output["auto_map"]}
         return output
 
     def get_config_dict(cls, *args, **kwargs):
@@ -145,21 +149,45 @@ def _model_class(base: type) -> type:
     return type(base.__name__, (base,), namespace)
 
 
-# The Auto classes a converted model is most often loaded through, most specific first.
-_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-                 "AutoModelForMaskedLM", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
-                 "AutoModelForMultipleChoice", "AutoModelForPreTraining", "AutoModel")
+# The Auto classes that several heads' mappings share, least specific last: a class found in a
+# task's Auto class as well is that task's (`GPT2LMHeadModel`: `AutoModelForCausalLM`).
+_GENERIC_AUTO_CLASSES = ("AutoModelForPreTraining", "AutoModelForTextEncoding", "AutoModel")
+
+
+def auto_classes() -> list[str]:
+    """Every Auto model class of Transformers (`AutoModelForCausalLM`, `AutoModelForImageClassification`,
+    ...), task-specific ones first."""
+    from transformers.models.auto import modeling_auto
+
+    names = [name for name, value in vars(modeling_auto).items()
+             if name.startswith("Auto") and isinstance(value, type) and hasattr(value, "_model_mapping")]
+    return [name for name in names if name not in _GENERIC_AUTO_CLASSES] + list(_GENERIC_AUTO_CLASSES)
+
+
+def _mapped_names(auto: str, model_type: str | None) -> tuple[str, ...]:
+    """The model class names that the Auto class `auto` builds for `model_type`."""
+    from transformers.models.auto import modeling_auto
+
+    found = getattr(modeling_auto, auto)._model_mapping._model_mapping.get(model_type)
+    return (found,) if isinstance(found, str) else tuple(found or ())
 
 
 def auto_class_name(base: type) -> str:
     """The Auto class whose mapping holds `base` (`AutoModelForCausalLM`), `AutoModel` where none does."""
     model_type = getattr(base.config_class, "model_type", None)
-    for auto in _AUTO_CLASSES:
-        names = getattr(getattr(transformers, auto), "_model_mapping")._model_mapping
-        found = names.get(model_type)
-        if found == base.__name__ or (isinstance(found, (list, tuple)) and base.__name__ in found):
-            return auto
-    return "AutoModel"
+    return next((auto for auto in auto_classes() if base.__name__ in _mapped_names(auto, model_type)), "AutoModel")
+
+
+def auto_map(model_type: str) -> dict[str, str]:
+    """`config.auto_map` of a converted folder: each Auto class that builds `model_type` -> the converted
+    class of this file it builds (`{"AutoModel": "modeling_converted.LlamaModel", ...}`)."""
+    module = __name__.rpartition(".")[2]
+    entries = {}
+    for auto in auto_classes():
+        names = [name for name in _mapped_names(auto, model_type) if isinstance(getattr(transformers, name, None), type)]
+        if names:
+            entries[auto] = f"{module}.{names[0]}"
+    return entries
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,5 +291,5 @@ def _local_folder(path: str | os.PathLike) -> str:
     return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"])
 
 
-__all__ = ["MODEL_TYPE_PREFIX", "adopt", "auto_class_name", "converted_class", "is_converted_class",
-           "load_converted", "load_converted_config", "original_class"]
+__all__ = ["MODEL_TYPE_PREFIX", "adopt", "auto_class_name", "auto_classes", "auto_map", "converted_class",
+           "is_converted_class", "load_converted", "load_converted_config", "original_class"]
