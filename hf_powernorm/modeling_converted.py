@@ -149,19 +149,24 @@ def _model_class(base: type) -> type:
     return type(base.__name__, (base,), namespace)
 
 
-# The Auto classes that several heads' mappings share, least specific last: a class found in a
-# task's Auto class as well is that task's (`GPT2LMHeadModel`: `AutoModelForCausalLM`).
+# A class several Auto classes build is named by the first of these that holds it (BART's
+# `ForConditionalGeneration`, also a masked LM: `AutoModelForSeq2SeqLM`), then by any other task's,
+# and by the generic ones last (`GPT2LMHeadModel`, also a pre-training model: `AutoModelForCausalLM`).
+_FIRST_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+                       "AutoModelForMaskedLM", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+                       "AutoModelForMultipleChoice")
 _GENERIC_AUTO_CLASSES = ("AutoModelForPreTraining", "AutoModelForTextEncoding", "AutoModel")
 
 
 def auto_classes() -> list[str]:
     """Every Auto model class of Transformers (`AutoModelForCausalLM`, `AutoModelForImageClassification`,
-    ...), task-specific ones first."""
+    ...), in the order that names a class's Auto class."""
     from transformers.models.auto import modeling_auto
 
     names = [name for name, value in vars(modeling_auto).items()
              if name.startswith("Auto") and isinstance(value, type) and hasattr(value, "_model_mapping")]
-    return [name for name in names if name not in _GENERIC_AUTO_CLASSES] + list(_GENERIC_AUTO_CLASSES)
+    ordered = [*_FIRST_AUTO_CLASSES, *(name for name in names if name not in _FIRST_AUTO_CLASSES + _GENERIC_AUTO_CLASSES)]
+    return [name for name in ordered if name in names] + [name for name in _GENERIC_AUTO_CLASSES if name in names]
 
 
 def _mapped_names(auto: str, model_type: str | None) -> tuple[str, ...]:
