@@ -41,6 +41,7 @@ import transformers
 from torch import nn
 
 from .converted_norms import CONVERSION_CONFIG_KEY, replay_conversion
+from .integrations import PeftStatisticsCheck
 
 MODEL_TYPE_PREFIX = "powernorm_converted_"
 
@@ -141,6 +142,7 @@ def _model_class(base: type) -> type:
         "is_custom_code": classmethod(is_custom_code),
         "_auto_class": auto_class_name(base),
         "_powernorm_converted": True,
+        "peft_config": PeftStatisticsCheck(),  # PEFT without the norms' statistics warns
         # Transformers reads these off the defining module's source; the base class's module is the one.
         "_can_set_attn_implementation_cached_value": base._can_set_attn_implementation(),
     }
