@@ -86,7 +86,7 @@ def warn_unsaved_statistics(model: nn.Module, peft_config: Any) -> None:
             f"will not save ({missing[0]}, ...), so what training does to them is lost when it is saved and "
             "reloaded. List them in the PEFT config: modules_to_save=hf_powernorm.peft_modules_to_save(model).",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the line setting `model.peft_config` (PEFT's), through `__set__` and `Module.__setattr__`
         )
 
 
