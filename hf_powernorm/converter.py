@@ -11,11 +11,13 @@ start from the source's function (`convert_norms`). The conversion is recorded i
 saved converted model with its running statistics.
 
 Which modules are norms (found by structure, not by a list of classes): a module that is a
-`torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`
-or `*RMSNorm` (`LlamaRMSNorm`, `T5LayerNorm`, ...). Which convert (`select_norms`): by default
-those over the model's hidden size outside attention blocks (the residual stream), in a composite
-model those of its language model only; QK-norms, per-head norms and a vision tower's are kept and
-reported; `modules=` (a regular expression or a predicate) selects
+`torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`,
+`*RMSNorm`, `*NormGated` or `*L2Norm` (`LlamaRMSNorm`, `T5LayerNorm`, `MambaRMSNormGated`, ...).
+Which convert (`select_norms`): by default those over the model's hidden size outside attention
+blocks (the residual stream), in a composite model those of its language model only; the others are
+kept and reported with the reason (`_kept_by_default`: QK-norms, latent projection norms, SSM inner
+norms, gated norms, position-table norms, weightless L2 norms, a vision tower's); `modules=` (a
+regular expression or a predicate) selects
 among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
 and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
 `epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `LN(x) * (1 + w) + b`
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
 import warnings
 from collections.abc import Iterable
@@ -47,13 +48,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from .centring import Centring, centre_residual_stream
+from .converted_norms import (
+    CONVERSION_CONFIG_KEY,
+    EPS_ATTRIBUTES,
+    MaskAwareNorm,
+    NormMaskContext,
+    _encoder_prefix,
+    _epsilon,
+    _hook_stacks,
+    _inside,
+    _language_model_prefixes,
+    _role,
+    norm_size,
+    replay_conversion,
+)
+from .modeling_converted import load_converted, load_converted_config
 from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
 
-CONVERSION_CONFIG_KEY = "powernorm_conversion"
-EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
-NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm)$")
-ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
-UNMASKED = "unmasked"  # a norm outside a composite model's language model: the mask is not of its positions
+# Norm layers by class name (bases too): LayerNorm and RMSNorm, their gated forms (Mamba2's
+# `MambaRMSNormGated`) and weightless L2 norms (Llama 4's `L2Norm` QK-norm).
+NORM_CLASS_NAME = re.compile(r"(LayerNorm|RMSNorm|RmsNorm|NormGated|L2Norm)$")
 # The targets `preserve_function=True` supports: options it fixes (`group_eps` is set per norm to the
 # source's epsilon), the source kinds it can reproduce, and whether LayerNorm sources need the residual
 # stream centred (`centring.py`; where it is not, they are fitted as closely as the norm can come).
@@ -73,129 +87,6 @@ CENTRED_KINDS = ("layernorm", "layernorm_offset")
 
 
 # ----------------------------------------------------------------------------------------------
-# The mask context and the wrapper
-
-
-class NormMaskContext:
-    """The padding masks of the forward in progress, one per stack (`main`, `encoder`, `decoder`).
-
-    Its hooks are bound methods, so `copy.deepcopy(model)` copies the context with the model.
-    """
-
-    def __init__(self, encoder_decoder: bool) -> None:
-        self.encoder_decoder = encoder_decoder
-        self.norms: list[MaskAwareNorm] = []  # the norms it serves, checked for kernel patches
-        self._stack: list[dict[str, torch.Tensor | None]] = []
-        self._last: dict[str, torch.Tensor | None] = {}
-
-    def current(self) -> dict[str, torch.Tensor | None]:
-        """The masks of the forward in progress; during a backward pass, those of the last forward,
-        for the layers that activation checkpointing runs again there."""
-        if self._stack:
-            return self._stack[-1]
-        return self._last if _in_backward() else {}
-
-    def mask_for(self, role: str, hidden_states: torch.Tensor, name: str) -> torch.Tensor | None:
-        """The `(batch, seq)` mask of `role` for `hidden_states`; its last `seq` columns under a cache."""
-        mask = self.current().get(role)
-        if mask is None or hidden_states.dim() != 3:
-            return None
-        batch, seq = hidden_states.shape[:2]
-        if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < seq:
-            raise ValueError(
-                f"{name}: attention mask of shape {tuple(mask.shape)} does not cover hidden states of shape "
-                f"{tuple(hidden_states.shape)}; expected a (batch, seq) 0/1 mask with seq >= {seq}"
-            )
-        return mask[:, mask.shape[1] - seq:]
-
-    def _push(self, masks: dict[str, torch.Tensor | None]) -> None:
-        current = self._stack[-1] if self._stack else {}
-        self._stack.append({**current, **masks})
-
-    def top_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Take the call's masks: `attention_mask` (encoder / main) and `decoder_attention_mask`;
-        refuse a forward whose converted norms a kernel patch replaced (`check_unpatched`)."""
-        check_unpatched(self.norms)
-        bound = _bound_arguments(module, args, kwargs)
-        if self.encoder_decoder:
-            self._push({ENCODER: bound.get("attention_mask"), DECODER: bound.get("decoder_attention_mask")})
-        else:
-            self._push({MAIN: bound.get("attention_mask")})
-
-    def encoder_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The encoder called on its own (as `generate` does) gets its `attention_mask` too."""
-        self._push({ENCODER: _bound_arguments(module, args, kwargs).get("attention_mask")})
-
-    def pop_hook(self, module: nn.Module, args: tuple, output) -> None:
-        if self._stack:
-            self._last = self._stack.pop()
-
-
-def check_unpatched(norms: list[MaskAwareNorm]) -> None:
-    """RuntimeError when a converted norm's `forward` was replaced on the instance, as Liger's
-    `apply_liger_kernel_to_*(model=...)` and the `kernels` package's `kernelize` do to the norms they
-    patch: the model would run that kernel instead of the converted norm, silently."""
-    for wrapper in norms:
-        for module in (wrapper, wrapper._modules["norm"]):
-            patched = module.__dict__.get("forward")
-            if patched is not None:
-                function = getattr(patched, "__func__", patched)
-                origin = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
-                raise RuntimeError(
-                    f"converted norm {wrapper._name!r} ({type(wrapper.norm).__name__}) had its forward replaced by "
-                    f"{origin}: a kernel patch (Liger's apply_liger_kernel_to_*, kernels' kernelize) applied after "
-                    "convert_norms would run that kernel instead of the converted norm. Apply such patches before "
-                    "converting, or keep the converted norms out of them."
-                )
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (where checkpointed layers are recomputed)."""
-    return getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
-
-
-def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """The call's arguments by name, positional ones included."""
-    try:
-        return inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-    except TypeError:
-        return dict(kwargs)
-
-
-class MaskAwareNorm(nn.Module):
-    """A registry norm that receives the padding mask of its stack from a `NormMaskContext`."""
-
-    def __init__(self, norm: nn.Module, context: NormMaskContext, role: str, name: str) -> None:
-        super().__init__()
-        self.norm = norm
-        self.role = role
-        self._context = context
-        self._name = name
-        context.norms.append(self)
-
-    @property
-    def weight(self) -> torch.Tensor | None:
-        return getattr(self.norm, "weight", None)
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return getattr(self.norm, "bias", None)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dim() > 3:
-            # A per-head norm (a QK-norm selected by `modules=`) on (batch, seq, heads, head_dim), or
-            # (batch, heads, seq, head_dim) in some families: which axis holds the positions is the
-            # model's own, so every position counts as real for its statistics.
-            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-            return self.norm(flat).view(hidden_states.shape)
-        mask = self._context.mask_for(self.role, hidden_states, self._name)
-        return self.norm(hidden_states, attention_mask=mask)
-
-    def extra_repr(self) -> str:
-        return f"role={self.role!r}"
-
-
-# ----------------------------------------------------------------------------------------------
 # Finding and reading the norms
 
 
@@ -211,8 +102,8 @@ class SourceNorm:
 
 
 def is_norm_candidate(module: nn.Module) -> bool:
-    """True for `nn.LayerNorm`, `nn.RMSNorm` and classes named `*LayerNorm` / `*RMSNorm` (bases too),
-    except the norms of this project's registry and their wrapper."""
+    """True for `nn.LayerNorm`, `nn.RMSNorm` and classes named `*LayerNorm`, `*RMSNorm`, `*NormGated` or
+    `*L2Norm` (bases too), except the norms of this project's registry and their wrapper."""
     if isinstance(module, MaskAwareNorm) or type(module) in NORM_CLASSES.values():
         return False
     if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
@@ -227,6 +118,9 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
         held = held_norms(module, name)
         inside = f" (select the norm it holds: {', '.join(held)})" if held else ""
         raise ValueError(f"cannot convert {where}: it has submodules, expected a leaf norm layer{inside}")
+    if is_gated(module):
+        raise ValueError(f"cannot convert {where}: a gated norm (its forward takes a gate beside its input), "
+                         "which no registry norm computes")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
     eps = _epsilon(module, weight)
     if eps is None:
@@ -245,14 +139,6 @@ def held_norms(module: nn.Module, name: str) -> list[str]:
     wrapper's own norm, as in AXK2's `AXK2GatedRMSNorm` (an RMSNorm, then a gate computed from its output)."""
     return [f"{name}.{inner_name}" for inner_name, inner in module.named_modules()
             if inner_name and is_norm_candidate(inner)]
-
-
-def _epsilon(module: nn.Module, weight: torch.Tensor | None) -> float | None:
-    """The norm's epsilon; `torch.nn.RMSNorm(eps=None)` uses the machine epsilon of its dtype."""
-    eps = next((getattr(module, a) for a in EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float)), None)
-    if eps is None and isinstance(module, getattr(nn, "RMSNorm", ())) and module.eps is None:
-        eps = torch.finfo(weight.dtype if weight is not None else torch.float32).eps
-    return eps
 
 
 def _vector(module: nn.Module, attribute: str, hidden_size: int, where: str) -> torch.Tensor | None:
@@ -486,18 +372,6 @@ def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict
     return selected, kept
 
 
-def norm_size(module: nn.Module) -> int | None:
-    """The channels a norm normalizes over, read from shapes only (a `meta` module too), or None."""
-    for attribute in ("weight", "bias"):
-        value = getattr(module, attribute, None)
-        if isinstance(value, torch.Tensor) and value.dim() == 1:
-            return int(value.shape[0])
-    shape = getattr(module, "normalized_shape", None)
-    if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
-        return shape[0]
-    return None
-
-
 def _selector(modules):
     """`modules` as a predicate `(name, module) -> bool`, or None for the default rule."""
     if modules is None:
@@ -529,11 +403,71 @@ def _kept_by_default(model: nn.Module, name: str, module: nn.Module, size: int |
     if held:
         return (f"a wrapper around the norm {', '.join(held)} (a gate or other layers "
                 "beside it): the norm inside converts by the same rule, the wrapper's other layers stay")
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    if is_gated(module):
+        return (f"a gated norm: its forward takes a gate beside its input (inside {type(parent).__name__}), "
+                "which no registry norm computes")
+    if _is_ssm_mixer(parent):
+        return (f"an SSM inner norm: inside the state-space mixer {type(parent).__name__}, over {size} of its "
+                "channels, not the residual stream")
+    if _is_attention(parent):
+        return _attention_norm_reason(parent, size, hidden_size)
+    table = _position_table(parent, size)
+    if table is not None:
+        return (f"a position-table norm: it normalizes the rows of {'.'.join(filter(None, (parent_name, table)))} "
+                "(a relative-position table), not tokens")
+    if size is None and not hasattr(module, "weight"):
+        return "a weightless L2 norm with no size of its own, off the residual stream"
+    if size == 2 * hidden_size:
+        return (f"normalizes {size} channels, twice the hidden size {hidden_size}: the concatenation of two "
+                "hidden-size vectors (Zamba2's hidden states and input embeddings), not the residual stream alone")
     if size is not None and size != hidden_size:
-        return f"normalizes {size} channels, not the hidden size {hidden_size}: a per-head or QK-norm"
-    parent = model.get_submodule(name.rpartition(".")[0])
-    if "Attention" in type(parent).__name__ and any(isinstance(m, nn.Linear) for m in parent.children()):
-        return f"inside {type(parent).__name__} beside its projections: a QK-norm"
+        return f"normalizes {size} channels, not the hidden size {hidden_size}: off the residual stream"
+    return None
+
+
+def is_gated(module: nn.Module) -> bool:
+    """A norm whose forward takes a gate beside its input (Mamba2's, Zamba2's, Qwen3.5's gated RMSNorms)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "gate" in parameters or type(module).__name__.endswith("Gated")
+
+
+def _is_ssm_mixer(module: nn.Module) -> bool:
+    """A state-space mixer (Mamba's, Jamba's): a causal `Conv1d` beside the state matrix `A_log`."""
+    return "A_log" in module._parameters and any(isinstance(m, nn.Conv1d) for m in module.children())
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return "Attention" in type(module).__name__ and any(isinstance(m, nn.Linear) for m in module.children())
+
+
+def _attention_norm_reason(attention: nn.Module, size: int | None, hidden_size: int) -> str:
+    """Why a norm inside an attention block is kept: a latent projection norm (multi-head latent
+    attention's `q_a_layernorm`: a projection of the block other than its output projection, the last,
+    reads its channels, or them beside another vector of that size), else a QK-norm."""
+    where = f"inside {type(attention).__name__} beside its projections"
+    if size is None:
+        return f"a weightless L2 norm {where}: a QK-norm (or value norm)"
+    linears = [(name, m) for name, m in attention.named_children() if isinstance(m, nn.Linear)]
+    readers = [name for name, m in linears[:-1] if m.in_features in (size, 2 * size) and m.in_features != hidden_size]
+    if size != hidden_size and readers:
+        return (f"normalizes {size} channels, not the hidden size {hidden_size}: a latent projection norm "
+                f"{where} (the low-rank latent that {', '.join(readers)} reads)")
+    head_dim = getattr(attention, "head_dim", None)
+    what = "one head's" if size == head_dim else "the heads'"
+    return f"normalizes {size} channels, {what}, {where}: a QK-norm (or value norm)"
+
+
+def _position_table(parent: nn.Module, size: int | None) -> str | None:
+    """The name of a relative-position table beside the norm (DeBERTa's `rel_embeddings`, which the
+    norm normalizes row by row), or None."""
+    for name, child in parent.named_children():
+        if isinstance(child, nn.Embedding) and "rel" in name.split("_") and child.embedding_dim == size:
+            return name
     return None
 
 
@@ -577,70 +511,16 @@ def _conversion_record(norm_type: str, options: dict, plans: dict[str, _Plan],
 
 def apply_conversion(model: nn.Module, conversion: dict) -> ConversionReport:
     """Replace exactly the norms recorded in `conversion` (a `config.powernorm_conversion`) by new
-    norms built from the record, install the mask hooks and set `config.powernorm_conversion`.
-
-    Reads no weight and runs no probe: the new norms hold their initial values, on the device and
-    dtype of the norms they replace, so it works on a model built on the `meta` device, and the
-    weights and running statistics are loaded afterwards. Each recorded module gets
-    `build_norm(norm_type, size, **options)` from its `norms` entry; a record without `norms` (written
-    before it existed) takes the size from the module's shapes and the epsilon from its attribute.
-    """
+    norms built from the record, install the mask hooks and set `config.powernorm_conversion`
+    (`converted_norms.replay_conversion`: no weight read, no probe, so on the `meta` device too)."""
     config = _model_config(model)
     _refuse_converted(model, config)
-    record = _checked_record(conversion, model)
-    norm_type = record["norm_type"]
-    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
-    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
-    language = _language_model_prefixes(model)
-    report = ConversionReport(norm_type, dict(record["options"]), preserve_function=record["preserve_function"])
-    for name in record["modules"]:
-        old, entry = model.get_submodule(name), record["norms"][name]
-        norm = _placed_like(build_norm(norm_type, entry["size"], **entry["options"]), old)
-        role = _role(name, encoder_prefix, context.encoder_decoder, language)
-        _set_submodule(model, name, MaskAwareNorm(norm, context, role, name))
-        report.replaced.append((name, type(old).__name__, type(norm).__name__))
+    record, replaced = replay_conversion(model, conversion)
+    report = ConversionReport(record["norm_type"], dict(record["options"]), replaced=replaced,
+                              preserve_function=record["preserve_function"])
     report.kept = [(name, type(module).__name__, "not in the recorded conversion")
                    for name, module in model.named_modules() if name and is_norm_candidate(module)]
-    _install_hooks(model, context, encoder_prefix)
-    setattr(config, CONVERSION_CONFIG_KEY, record)
     return report
-
-
-def _checked_record(conversion, model: nn.Module) -> dict:
-    """A copy of `conversion` with every key, checked against `model`; ValueError naming what is wrong."""
-    if not isinstance(conversion, dict) or not {"norm_type", "options", "modules"} <= set(conversion):
-        raise ValueError(f"a conversion record is a dict with keys 'norm_type', 'options', 'modules' (and 'norms', "
-                         f"'preserve_function'), got {conversion!r}")
-    record = json.loads(json.dumps(conversion))
-    record["norm_type"] = normalize_norm_name(record["norm_type"])
-    record.setdefault("preserve_function", False)
-    norms = record.setdefault("norms", {})
-    for name in record["modules"]:
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"the conversion record names module {name!r}, which "
-                             f"{type(model).__name__} does not have") from None
-        if name not in norms:
-            norms[name] = _legacy_entry(module, name, record["options"])
-        elif not {"size", "options"} <= set(norms[name]):
-            raise ValueError(f"the conversion record's norms[{name!r}] needs 'size' and 'options', got {norms[name]!r}")
-    return record
-
-
-def _legacy_entry(module: nn.Module, name: str, options: dict) -> dict:
-    """The `norms` entry of a record written before it existed: size and epsilon from the module."""
-    size, eps = norm_size(module), _epsilon(module, getattr(module, "weight", None))
-    if size is None or eps is None:
-        raise ValueError(f"cannot read the size and epsilon of {name!r} ({type(module).__name__}) for a conversion "
-                         "record without 'norms'")
-    return {"size": size, "options": {"eps": eps, **options}}
-
-
-def _placed_like(norm: nn.Module, old: nn.Module) -> nn.Module:
-    """`norm` on the device and dtype of the norm it replaces (running statistics stay float32)."""
-    reference = next((t for t in (*old.parameters(), *old.buffers()) if t.is_floating_point()), None)
-    return norm if reference is None else norm.to(device=reference.device, dtype=reference.dtype)
 
 
 def _copy_source(norm: nn.Module, source: SourceNorm) -> None:
@@ -888,73 +768,6 @@ def _resolve_options(norm_type: str, options: dict, config, preserve_function: b
     return options
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, module)
-
-
-def _encoder_prefix(model: nn.Module) -> str:
-    """The module path of the encoder of an encoder-decoder model."""
-    encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
-    for name, module in model.named_modules():
-        if module is encoder and name:
-            return name
-    raise ValueError(f"cannot find the encoder of encoder-decoder model {type(model).__name__} (get_encoder())")
-
-
-def _language_model_prefixes(model: nn.Module) -> tuple[str, ...] | None:
-    """The module paths of a composite model's language model: the outermost sub-models built from
-    its text config (`config.get_text_config()`, a config of another class than the model's), such
-    as Gemma 3's or LLaVA's `model.language_model`; None for a model that is its own language model
-    (or whose language model is not a sub-model of its own)."""
-    from transformers import PreTrainedModel
-
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is config or type(text) is type(config):
-        return None
-    prefixes: list[str] = []
-    for name, module in model.named_modules():
-        if (name and isinstance(module, PreTrainedModel) and type(module.config) is type(text)
-                and not _inside(name, prefixes)):
-            prefixes.append(name)
-    return tuple(prefixes) or None
-
-
-def _inside(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
-
-
-def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool,
-          language: tuple[str, ...] | None = None) -> str:
-    """Which of the call's masks a norm reads: none outside a composite model's language model
-    (every position of a vision tower's input is real), else the encoder's or the decoder's, or the
-    one mask of a decoder-only model."""
-    if language is not None and not _inside(name, language):
-        return UNMASKED
-    if not encoder_decoder:
-        return MAIN
-    return ENCODER if _inside(name, (encoder_prefix,)) else DECODER
-
-
-def _install_hooks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> None:
-    """Pre-hooks push the call's masks, forward hooks (run on error too) pop them."""
-    _hook_stacks(model, context, encoder_prefix)
-    model._powernorm_mask_context = context
-
-
-def _hook_stacks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> list:
-    """Register the mask hooks of the top model (and encoder); returns their handles."""
-    stacks = [(model, context.top_pre_hook)]
-    if encoder_prefix is not None:
-        stacks.append((model.get_submodule(encoder_prefix), context.encoder_pre_hook))
-    handles = []
-    for module, pre_hook in stacks:
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(context.pop_hook, always_call=True))
-    return handles
-
-
 # ----------------------------------------------------------------------------------------------
 # The causal-model warning (README: "causal models with BN or PN-V see the future")
 
@@ -1005,92 +818,6 @@ def _warn_position_mixing(model: nn.Module, config, norm_type: str, options: dic
         UserWarning,
         stacklevel=3,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | None = None,
-                   **config_kwargs) -> nn.Module:
-    """Load a model saved after `convert_norms`, with every weight and running buffer.
-
-    `path` is a local folder or a Hub repo id; `model_class` an Auto class (`AutoModelForCausalLM`)
-    or a model class (`LlamaForCausalLM`); `dtype` casts the loaded model (running statistics stay
-    float32); the model is returned in eval mode, as `from_pretrained` returns it. The model is built
-    as `config.powernorm_conversion` records (its converted class, `modeling_converted.py`) and loaded
-    by Transformers' own `from_pretrained`, so checkpoint key renamings (GPT-NeoX's `embed_out`),
-    shards and tied weights are handled as for the original model; a key the converted model lacks
-    or does not fill raises. Folders saved before converted models had a class of their own load too.
-    `AutoModel...from_pretrained(path, trust_remote_code=True)` loads the same model without this
-    package; without `trust_remote_code` it raises rather than load the unconverted model.
-    """
-    from .modeling_converted import converted_class, original_class
-
-    folder = _local_folder(path)
-    config = load_converted_config(folder, **config_kwargs)
-    conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
-    if not isinstance(conversion, dict) or "norm_type" not in conversion:
-        raise ValueError(
-            f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {model_class.__name__}.from_pretrained"
-        )
-    base = _model_class_for(original_class(model_class), config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
-        model, info = converted_class(base).from_pretrained(folder, config=config, output_loading_info=True)
-    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the converted model: missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}")
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
-
-
-def load_converted_config(path: str | os.PathLike, **config_kwargs):
-    """The config of a converted folder as an instance of its converted config class, read with this
-    package's code (no `trust_remote_code` needed); a folder that was not converted gives its plain config."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from .modeling_converted import MODEL_TYPE_PREFIX, converted_class
-
-    folder = _local_folder(path)
-    with open(os.path.join(folder, "config.json")) as handle:
-        model_type = json.load(handle).get("model_type", "")
-    if not model_type.startswith(MODEL_TYPE_PREFIX):
-        return AutoConfig.from_pretrained(folder, **config_kwargs)
-    base_type = model_type.removeprefix(MODEL_TYPE_PREFIX)
-    if base_type not in CONFIG_MAPPING:
-        raise ValueError(f"{path}: converted from model type {base_type!r}, which this Transformers "
-                         "version does not know")
-    return converted_class(CONFIG_MAPPING[base_type]).from_pretrained(folder, **config_kwargs)
-
-
-def _model_class_for(model_class, config) -> type:
-    """The Transformers model class that `model_class` (an Auto class or a model class) builds for `config`."""
-    from .modeling_converted import original_class
-
-    mapping = getattr(model_class, "_model_mapping", None)
-    if mapping is None:
-        return model_class
-    config_class = original_class(type(config))
-    if config_class not in mapping:
-        raise ValueError(f"{model_class.__name__} has no model for {config_class.__name__} "
-                         f"(model type {config_class.model_type!r})")
-    found = mapping[config_class]
-    if isinstance(found, (list, tuple)):
-        names = set(getattr(config, "architectures", None) or [])
-        found = next((cls for cls in found if cls.__name__ in names), found[0])
-    return found
-
-
-def _local_folder(path: str | os.PathLike) -> str:
-    if os.path.isdir(path):
-        return str(path)
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"])
 
 
 __all__ = [

@@ -2,23 +2,28 @@
 
 `render_model_card` fills `model_cards/powernorm_transformer.md` (YAML metadata: license, language,
 tags, datasets, metrics; a body with the norm configuration, how to load the model with
-`trust_remote_code=True`, the training command and results when known). `push_to_hub` uploads in
-one commit what `save_pretrained` writes (weights with every running statistic, config, code
-files), the tokenizer files when given, and that card; `upload_saved_model` uploads a folder
-where they were written already (a training recipe's export).
+`trust_remote_code=True`, the training command and results when known); `render_conversion_card`
+the card of a Transformers model whose norms `convert_norms` replaced. `push_to_hub` uploads in one
+commit what `save_pretrained` writes (weights with every running statistic, config, code files), the
+tokenizer files when given, and the card of either kind, after every check (the card renders, the
+model saves with its weights) and only then creating the repository; `upload_saved_model` uploads a
+folder where they were written already (a training recipe's export).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, EvalResult, HfApi, ModelCard, ModelCardData
 
 from .configuration_powernorm import NORM_SITES, PowerNormTransformerConfig
-from .converter import causal_norms, mixes_positions
+from .converter import CONVERSION_CONFIG_KEY, causal_norms, mixes_positions
+from .modeling_converted import auto_class_name as transformers_auto_class_name
+from .modeling_converted import original_class
 from .modeling_powernorm import AUTO_CLASSES
 from .normalization import NORM_CLASSES
 
@@ -55,20 +60,12 @@ _NORM_OPTIONS = ("normalize_before", "powernorm_alpha_fwd", "powernorm_alpha_bkw
 
 def auto_class_name(model: Any) -> str:
     """The Auto class that builds `model`: a PowerNorm Transformer head's from `AUTO_CLASSES`, another
-    Transformers model's from Transformers' own mappings (`AutoModel` where none holds it)."""
-    from transformers.models.auto import modeling_auto
-
-    name = type(model).__name__
+    Transformers model's (converted or not) from Transformers' own mappings (`AutoModel` where none
+    holds it)."""
     ours = {cls.__name__: auto for auto, cls in AUTO_CLASSES.items()}
-    if name in ours:
-        return ours[name]
-    for auto, mapping in (("AutoModelForSeq2SeqLM", modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
-                          ("AutoModelForCausalLM", modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-                          ("AutoModelForSequenceClassification",
-                           modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)):
-        if name in mapping.values():
-            return auto
-    return "AutoModel"
+    if type(model).__name__ in ours:
+        return ours[type(model).__name__]
+    return transformers_auto_class_name(original_class(type(model)))
 
 
 def _norm_positions(config: PowerNormTransformerConfig, head: str) -> list[tuple[str, str]]:
@@ -262,22 +259,48 @@ def push_to_hub(
     create_pr: bool = False,
     **card_options: Any,
 ) -> CommitInfo:
-    """Create `repo_id` if needed and upload model, code files, tokenizer and card in one commit.
+    """Upload model, code files, tokenizer and card to `repo_id` in one commit, creating the repository
+    if needed, after every check: the card renders, the model and tokenizer save, the folder holds
+    weights. A failed check leaves no repository behind.
 
-    `card_options` go to `render_model_card` (license, language, datasets, results,
-    training_command, ...) unless a ready `card` is given.
+    `model` is a PowerNorm Transformer head (its card: `render_model_card`) or a Transformers model
+    whose norms `convert_norms` replaced (`render_conversion_card`); `card_options` go to that
+    function (license, language, datasets, results, training_command, ...) unless a ready `card` is given.
     """
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    if card is None:
-        card = render_model_card(model, repo_id=repo_id, with_tokenizer=tokenizer is not None, **card_options)
+    render = _card_renderer(model, tokenizer, card, card_options)
+    rendered = render(repo_id)
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        card.save(os.path.join(folder, "README.md"))
-        return upload_saved_model(folder, repo_id, commit_message=commit_message, token=token, revision=revision,
+        _files_to_upload(Path(folder), repo_id)
+        created = HfApi(token=token).create_repo(repo_id, private=private, exist_ok=True).repo_id
+        (rendered if created == repo_id else render(created)).save(os.path.join(folder, "README.md"))
+        return upload_saved_model(folder, created, commit_message=commit_message, token=token, revision=revision,
                                   create_pr=create_pr)
+
+
+def _card_renderer(model: Any, tokenizer: Any | None, card: ModelCard | None,
+                   options: dict[str, Any]) -> Callable[[str], ModelCard]:
+    """`repo_id -> card` for `push_to_hub`; ValueError for a model neither card describes."""
+    if card is not None:
+        return lambda repo_id: card
+    if type(model).__name__ in _HEADS:
+        return lambda repo_id: render_model_card(model, repo_id=repo_id, with_tokenizer=tokenizer is not None,
+                                                 **options)
+    if isinstance(getattr(getattr(model, "config", None), CONVERSION_CONFIG_KEY, None), dict):
+        return lambda repo_id: ModelCard(render_conversion_card(model, repo_id=repo_id, **options))
+    raise ValueError(f"push_to_hub expects a PowerNorm Transformer model or a Transformers model converted by "
+                     f"convert_norms (config.{CONVERSION_CONFIG_KEY}), got {type(model).__name__}")
+
+
+def _files_to_upload(folder: Path, repo_id: str) -> list[Path]:
+    """The files at the top of `folder` but hidden ones; FileNotFoundError when no `.safetensors` weights
+    are among them."""
+    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
+    if not any(path.name.endswith(".safetensors") for path in files):
+        raise FileNotFoundError(f"{folder} holds no .safetensors weights: nothing to upload to {repo_id}")
+    return files
 
 
 def upload_saved_model(
@@ -292,10 +315,7 @@ def upload_saved_model(
     """Upload in one commit the files at the top of `folder` (what `save_pretrained`, a tokenizer's
     `save_pretrained` and the card wrote there), leaving its sub-folders (checkpoints, logs) and
     hidden files (the lock of the run writing it) out. The repository `repo_id` must exist."""
-    folder = Path(folder)
-    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
-    if not any(path.name.endswith(".safetensors") for path in files):
-        raise FileNotFoundError(f"{folder} holds no .safetensors weights: nothing to upload to {repo_id}")
+    files = _files_to_upload(Path(folder), repo_id)
     operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
     return HfApi(token=token).create_commit(repo_id, operations, commit_message=commit_message, revision=revision,
                                             create_pr=create_pr)

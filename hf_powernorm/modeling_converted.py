@@ -4,15 +4,17 @@
 (`LlamaForCausalLM`) and deriving from it, and a config class of this module deriving from the
 model's config class. `save_pretrained` then writes, beside the weights and every running buffer:
 
-- this file and the files it imports (`converter.py`, `normalization.py`, ...), as Transformers
+- this file and the files it imports (`converted_norms.py`, `normalization.py`, ...), as Transformers
   copies remote code;
-- an `auto_map` naming these classes, for `AutoConfig` and the model's own Auto class;
+- an `auto_map` naming these classes, for `AutoConfig` and every Auto class that builds the model's
+  type (`auto_map`): `AutoModel` on a converted `LlamaForCausalLM` folder builds the converted
+  `LlamaModel`, `replay_conversion` finding the recorded norms under the base model's prefix;
 - a `model_type` of its own (`powernorm_converted_llama`): Transformers knows no such type, so
   `AutoModel...from_pretrained(folder)` without `trust_remote_code=True` raises instead of quietly
   building the unconverted model and starting its norms afresh.
 
 With `trust_remote_code=True` the Auto classes build the converted class: its `__init__` builds the
-original model and converts it again from `config.powernorm_conversion` (`apply_conversion`: no probe,
+original model and converts it again from `config.powernorm_conversion` (`replay_conversion`: no probe,
 no calibration, valid on the meta device that `from_pretrained` builds on), then the weights and
 running buffers load into it, through Transformers' own loading (sharding, dtype, tied weights and
 the key renamings of `conversion_mapping`, such as GPT-NeoX's `embed_out` -> `lm_head`).
@@ -22,16 +24,24 @@ how Transformers' remote-code loader and `pickle` find them: `LlamaForCausalLM` 
 `transformers.LlamaForCausalLM`. In memory the config keeps the original `model_type` (code keyed on
 it, such as PEFT's default target modules, still finds it); only the saved `config.json` carries the
 prefixed type, and loading strips the prefix again.
+
+`load_converted(path, auto_class)` loads such a folder with this package's code instead of the
+folder's copy (no `trust_remote_code`); `converter.py` re-exports it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from typing import Any
 
+import torch
 import transformers
 from torch import nn
 
-from .converter import CONVERSION_CONFIG_KEY, apply_conversion
+from .converted_norms import CONVERSION_CONFIG_KEY, replay_conversion
+from .integrations import PeftStatisticsCheck
 
 MODEL_TYPE_PREFIX = "powernorm_converted_"
 
@@ -80,6 +90,8 @@ def _config_class(base: type) -> type:
     def to_dict(self) -> dict[str, Any]:
         output = base.to_dict(self)
         output["model_type"] = MODEL_TYPE_PREFIX + base_type
+        if output.get("auto_map"):  # saving with this file: every Auto class that builds the model type
+            output["auto_map"] = {**auto_map(base_type), **output["auto_map"]}
         return output
 
     def get_config_dict(cls, *args, **kwargs):
@@ -112,7 +124,7 @@ def _model_class(base: type) -> type:
         if not isinstance(conversion, dict):
             raise ValueError(f"{base.__name__} (converted) needs config.{CONVERSION_CONFIG_KEY}, the record that "
                              f"convert_norms writes; got {conversion!r}")
-        apply_conversion(self, conversion)
+        replay_conversion(self, conversion)
 
     def is_custom_code(cls) -> bool:
         """The base class's answer: a converted class runs Transformers' own modeling code, its norms
@@ -130,6 +142,7 @@ def _model_class(base: type) -> type:
         "is_custom_code": classmethod(is_custom_code),
         "_auto_class": auto_class_name(base),
         "_powernorm_converted": True,
+        "peft_config": PeftStatisticsCheck(),  # PEFT without the norms' statistics warns
         # Transformers reads these off the defining module's source; the base class's module is the one.
         "_can_set_attn_implementation_cached_value": base._can_set_attn_implementation(),
     }
@@ -138,21 +151,50 @@ def _model_class(base: type) -> type:
     return type(base.__name__, (base,), namespace)
 
 
-# The Auto classes a converted model is most often loaded through, most specific first.
-_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-                 "AutoModelForMaskedLM", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
-                 "AutoModelForMultipleChoice", "AutoModelForPreTraining", "AutoModel")
+# A class several Auto classes build is named by the first of these that holds it (BART's
+# `ForConditionalGeneration`, also a masked LM: `AutoModelForSeq2SeqLM`), then by any other task's,
+# and by the generic ones last (`GPT2LMHeadModel`, also a pre-training model: `AutoModelForCausalLM`).
+_FIRST_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+                       "AutoModelForMaskedLM", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
+                       "AutoModelForMultipleChoice")
+_GENERIC_AUTO_CLASSES = ("AutoModelForPreTraining", "AutoModelForTextEncoding", "AutoModel")
+
+
+def auto_classes() -> list[str]:
+    """Every Auto model class of Transformers (`AutoModelForCausalLM`, `AutoModelForImageClassification`,
+    ...), in the order that names a class's Auto class."""
+    from transformers.models.auto import modeling_auto
+
+    names = [name for name, value in vars(modeling_auto).items()
+             if name.startswith("Auto") and isinstance(value, type) and hasattr(value, "_model_mapping")]
+    ordered = [*_FIRST_AUTO_CLASSES, *(name for name in names if name not in _FIRST_AUTO_CLASSES + _GENERIC_AUTO_CLASSES)]
+    return [name for name in ordered if name in names] + [name for name in _GENERIC_AUTO_CLASSES if name in names]
+
+
+def _mapped_names(auto: str, model_type: str | None) -> tuple[str, ...]:
+    """The model class names that the Auto class `auto` builds for `model_type`."""
+    from transformers.models.auto import modeling_auto
+
+    found = getattr(modeling_auto, auto)._model_mapping._model_mapping.get(model_type)
+    return (found,) if isinstance(found, str) else tuple(found or ())
 
 
 def auto_class_name(base: type) -> str:
     """The Auto class whose mapping holds `base` (`AutoModelForCausalLM`), `AutoModel` where none does."""
     model_type = getattr(base.config_class, "model_type", None)
-    for auto in _AUTO_CLASSES:
-        names = getattr(getattr(transformers, auto), "_model_mapping")._model_mapping
-        found = names.get(model_type)
-        if found == base.__name__ or (isinstance(found, (list, tuple)) and base.__name__ in found):
-            return auto
-    return "AutoModel"
+    return next((auto for auto in auto_classes() if base.__name__ in _mapped_names(auto, model_type)), "AutoModel")
+
+
+def auto_map(model_type: str) -> dict[str, str]:
+    """`config.auto_map` of a converted folder: each Auto class that builds `model_type` -> the converted
+    class of this file it builds (`{"AutoModel": "modeling_converted.LlamaModel", ...}`)."""
+    module = __name__.rpartition(".")[2]
+    entries = {}
+    for auto in auto_classes():
+        names = [name for name in _mapped_names(auto, model_type) if isinstance(getattr(transformers, name, None), type)]
+        if names:
+            entries[auto] = f"{module}.{names[0]}"
+    return entries
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,4 +218,85 @@ def original_class(cls: type) -> type:
     return next(base for base in cls.__mro__ if not base.__dict__.get("_powernorm_converted", False))
 
 
-__all__ = ["MODEL_TYPE_PREFIX", "adopt", "auto_class_name", "converted_class", "is_converted_class", "original_class"]
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | None = None,
+                   **config_kwargs) -> nn.Module:
+    """Load a model saved after `convert_norms`, with every weight and running buffer.
+
+    `path` is a local folder or a Hub repo id; `model_class` an Auto class (`AutoModelForCausalLM`)
+    or a model class (`LlamaForCausalLM`); `dtype` casts the loaded model (running statistics stay
+    float32); the model is returned in eval mode, as `from_pretrained` returns it. The model is built
+    as `config.powernorm_conversion` records (its converted class, `modeling_converted.py`) and loaded
+    by Transformers' own `from_pretrained`, so checkpoint key renamings (GPT-NeoX's `embed_out`),
+    shards and tied weights are handled as for the original model; a key the converted model lacks
+    or does not fill raises. Folders saved before converted models had a class of their own load too.
+    `AutoModel...from_pretrained(path, trust_remote_code=True)` loads the same model without this
+    package; without `trust_remote_code` it raises rather than load the unconverted model.
+    """
+    folder = _local_folder(path)
+    config = load_converted_config(folder, **config_kwargs)
+    conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
+    if not isinstance(conversion, dict) or "norm_type" not in conversion:
+        raise ValueError(
+            f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {model_class.__name__}.from_pretrained"
+        )
+    base = _model_class_for(original_class(model_class), config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
+        model, info = converted_class(base).from_pretrained(folder, config=config, output_loading_info=True)
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the converted model: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def load_converted_config(path: str | os.PathLike, **config_kwargs):
+    """The config of a converted folder as an instance of its converted config class, read with this
+    package's code (no `trust_remote_code` needed); a folder that was not converted gives its plain config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    folder = _local_folder(path)
+    with open(os.path.join(folder, "config.json")) as handle:
+        model_type = json.load(handle).get("model_type", "")
+    if not model_type.startswith(MODEL_TYPE_PREFIX):
+        return AutoConfig.from_pretrained(folder, **config_kwargs)
+    base_type = model_type.removeprefix(MODEL_TYPE_PREFIX)
+    if base_type not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: converted from model type {base_type!r}, which this Transformers "
+                         "version does not know")
+    return converted_class(CONFIG_MAPPING[base_type]).from_pretrained(folder, **config_kwargs)
+
+
+def _model_class_for(model_class, config) -> type:
+    """The Transformers model class that `model_class` (an Auto class or a model class) builds for `config`."""
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is None:
+        return model_class
+    config_class = original_class(type(config))
+    if config_class not in mapping:
+        raise ValueError(f"{model_class.__name__} has no model for {config_class.__name__} "
+                         f"(model type {config_class.model_type!r})")
+    found = mapping[config_class]
+    if isinstance(found, (list, tuple)):
+        names = set(getattr(config, "architectures", None) or [])
+        found = next((cls for cls in found if cls.__name__ in names), found[0])
+    return found
+
+
+def _local_folder(path: str | os.PathLike) -> str:
+    if os.path.isdir(path):
+        return str(path)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"])
+
+
+__all__ = ["MODEL_TYPE_PREFIX", "adopt", "auto_class_name", "auto_classes", "auto_map", "converted_class",
+           "is_converted_class", "load_converted", "load_converted_config", "original_class"]

@@ -41,6 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
 
 from .configuration_powernorm import PowerNormTransformerConfig
+from .integrations import PeftStatisticsCheck
 from .normalization import NORM_CLASSES, build_norm, float32_buffers, group_scale, running_buffers
 
 # The buffers of the registry's norms that keep running statistics, as the registry is at import
@@ -434,6 +435,7 @@ class PowerNormTransformerPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["PowerNormTransformerEncoderLayer", "PowerNormTransformerDecoderLayer"]
     # Running statistics stay float32 when loading with dtype=torch.bfloat16 / float16.
     _keep_in_fp32_modules_strict = _Float32Buffers()
+    peft_config = PeftStatisticsCheck()  # PEFT without the norms' statistics warns
 
     def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None,
                                   **kwargs: Any) -> torch.Tensor | None:

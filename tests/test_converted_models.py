@@ -1,5 +1,6 @@
 """A converted model saved with `save_pretrained` loads right anywhere: through the Auto classes with
-`trust_remote_code=True` (in this process and in a fresh one without the package), through
+`trust_remote_code=True` (in this process and in a fresh one without the package), through every
+Auto class the original supports (another head loads as it would from the original's folder), through
 `load_converted`, never silently as the unconverted model."""
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageClassification,
     AutoModelForSeq2SeqLM,
+    AutoModelForSpeechSeq2Seq,
+    AutoModelForTextEncoding,
     BertConfig,
     BertModel,
     GPTNeoXConfig,
@@ -25,10 +30,14 @@ from transformers import (
     LlamaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
+    ViTConfig,
+    ViTForImageClassification,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
 )
 
 import hf_powernorm
-from hf_powernorm.modeling_converted import MODEL_TYPE_PREFIX, original_class
+from hf_powernorm.modeling_converted import MODEL_TYPE_PREFIX, auto_map, is_converted_class, original_class
 
 VOCAB, HIDDEN, HEADS, PAD = 99, 32, 4, 0
 
@@ -115,7 +124,8 @@ def test_auto_class_with_remote_code_loads_the_converted_model(name, tmp_path):
     assert saved["model_type"] == MODEL_TYPE_PREFIX + base_type
     assert saved["auto_map"]["AutoConfig"] == f"modeling_converted.{type(model.config).__name__}"
     assert saved["auto_map"][MODELS[name][1].__name__] == f"modeling_converted.{type(model).__name__}"
-    assert {"modeling_converted.py", "converter.py", "normalization.py"} <= {p.name for p in tmp_path.glob("*.py")}
+    copied = {p.name for p in tmp_path.glob("*.py")}
+    assert {"modeling_converted.py", "converted_norms.py", "normalization.py"} <= copied and "converter.py" not in copied
     assert model.config.model_type == base_type  # in memory the config keeps its type (PEFT and others key on it)
 
     loaded = MODELS[name][1].from_pretrained(tmp_path, trust_remote_code=True)
@@ -209,3 +219,86 @@ def test_fresh_process_without_the_package_loads_the_converted_folder(tmp_path, 
     result = run_without_the_package(child, tmp_path / "hf_home")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == f"OK {len([k for k, _ in model.named_buffers() if k.endswith('running_phi')])}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Every Auto class the original supports
+
+
+def _vit():
+    return ViTForImageClassification(ViTConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                                               intermediate_size=37, image_size=12, patch_size=4, num_labels=3,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _whisper():
+    return WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=8,
+        max_source_positions=6, max_target_positions=16, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+
+
+def _converted_and_saved(build, folder, **options):
+    torch.manual_seed(0)
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        hf_powernorm.convert_norms(model, "powernorm", **options)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def _loaded(auto, folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = auto.from_pretrained(folder, trust_remote_code=True).eval()
+    assert is_converted_class(type(model)) and type(model).__module__.startswith("transformers_modules."), type(model)
+    return model
+
+
+def test_auto_map_lists_every_auto_class_of_the_model_type_and_each_builds_the_converted_class(tmp_path):
+    model = _converted_and_saved(_llama, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert saved == {"AutoConfig": "modeling_converted.LlamaConfig", **auto_map("llama")}
+    assert {"AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+            "AutoModelForTokenClassification", "AutoModelForQuestionAnswering"} <= set(saved)
+    for auto, reference in saved.items():
+        if auto != "AutoConfig":
+            loaded = _loaded(getattr(transformers, auto), tmp_path)
+            assert type(loaded).__name__ == reference.rpartition(".")[2]
+            wrapped = [m for m in loaded.modules() if type(m).__name__ == "MaskAwareNorm"]
+            assert len(wrapped) == len(model.config.powernorm_conversion["modules"]) == 5, auto
+    inputs = _inputs("llama")
+    base = _loaded(AutoModel, tmp_path)  # the converted base model, statistics and all
+    with torch.no_grad():
+        torch.testing.assert_close(base(**inputs).last_hidden_state, model.model(**inputs).last_hidden_state,
+                                   atol=0, rtol=0)
+    assert base.config.powernorm_conversion["modules"][0].startswith("layers.")  # in the base model's own paths
+
+
+def test_vit_loads_through_image_classification_and_whisper_through_speech_seq2seq(tmp_path):
+    pixels = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    vit = _converted_and_saved(_vit, tmp_path / "vit")
+    with torch.no_grad():
+        torch.testing.assert_close(_loaded(AutoModelForImageClassification, tmp_path / "vit")(pixel_values=pixels).logits,
+                                   vit(pixel_values=pixels).logits, atol=0, rtol=0)
+        torch.testing.assert_close(_loaded(AutoModel, tmp_path / "vit")(pixel_values=pixels).last_hidden_state,
+                                   vit.vit(pixel_values=pixels).last_hidden_state, atol=0, rtol=0)
+
+    whisper = _converted_and_saved(_whisper, tmp_path / "whisper")
+    features = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(2))
+    decoder_ids = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    loaded = _loaded(AutoModelForSpeechSeq2Seq, tmp_path / "whisper")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_features=features, decoder_input_ids=decoder_ids).logits,
+                                   whisper(input_features=features, decoder_input_ids=decoder_ids).logits,
+                                   atol=0, rtol=0)
+
+
+def test_a_class_holding_none_of_the_converted_norms_raises_naming_load_converted(tmp_path):
+    """T5 with only its decoder's norms converted: the encoder-only class would be the unconverted model."""
+    _converted_and_saved(_t5, tmp_path, modules=r"^decoder\.")
+    assert "AutoModelForTextEncoding" in json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    with pytest.raises(ValueError, match=r"T5EncoderModel holds none of the .* norms .*hf_powernorm\.load_converted"):
+        AutoModelForTextEncoding.from_pretrained(tmp_path, trust_remote_code=True)

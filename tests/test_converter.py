@@ -237,7 +237,7 @@ def test_a_norm_over_another_size_is_kept_and_reported():
         warnings.simplefilter("ignore", UserWarning)
         report = hf_powernorm.convert_norms(model)
     assert report.kept == [("pooler.LayerNorm", "LayerNorm", "normalizes 16 channels, not the hidden size 32: "
-                                                             "a per-head or QK-norm")]
+                                                             "off the residual stream")]
     assert type(model.pooler.LayerNorm) is nn.LayerNorm and "pooler.LayerNorm" not in report.modules
     assert "1 norms kept" in str(report) and "pooler.LayerNorm: LayerNorm (normalizes 16" in str(report)
 

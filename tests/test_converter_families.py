@@ -43,7 +43,7 @@ FAMILIES = {
     # the MoE FFN, latent norms of its multi-head latent attention, a LayerNorm in its indexer.
     "axk2": lambda: tf.AXK2ForCausalLM(tf.AXK2Config(
         **{**DECODER_ONLY, "num_key_value_heads": HEADS}, moe_intermediate_size=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=12, qk_rope_head_dim=4,
         qk_nope_head_dim=4, v_head_dim=HEAD_DIM, head_dim=HEAD_DIM, index_topk=8, index_head_dim=8, index_n_heads=2,
         gated_norm_rank=4)),
     "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**DECODER_ONLY)),
@@ -70,11 +70,11 @@ FAMILIES = {
 AUTO_CLASSES = {"bert": tf.AutoModelForMaskedLM, "t5": tf.AutoModelForSeq2SeqLM, "bart": tf.AutoModelForSeq2SeqLM}
 QK_NORMS = {"qwen3", "gemma3", "olmo2", "qwen3_5", "gemma4"}  # carry q_norm / k_norm in each attention block
 # The norms a default conversion keeps besides QK-norms: Gemma 4's per-head value norms and the norm of
-# its per-layer inputs (over their own size).
-ALSO_KEPT = {"gemma4": ("v_norm", "per_layer_projection_norm")}
+# its per-layer inputs (over their own size), Qwen3.5's gated norm in its linear attention.
+ALSO_KEPT = {"gemma4": ("v_norm", "per_layer_projection_norm"), "qwen3_5": ("norm",)}
 # Families whose default conversion keeps other norms: the kept norms' last names, each with a word
 # of the reason the report must give.
-KEPT = {"axk2": {"input_layernorm": "wrapper", "post_attention_layernorm": "wrapper", "q_a_layernorm": "16 channels",
+KEPT = {"axk2": {"input_layernorm": "wrapper", "post_attention_layernorm": "wrapper", "q_a_layernorm": "12 channels",
                  "kv_a_layernorm": "8 channels", "k_norm": "8 channels"}}
 LAYERNORM_SOURCES = ("gpt_neox", "gpt2", "bert", "bart", "nemotron")
 RMSNORM_SOURCES = tuple(name for name in FAMILIES if name not in LAYERNORM_SOURCES)

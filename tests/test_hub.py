@@ -8,6 +8,7 @@ layout with `HF_HUB_OFFLINE=1`).
 import copy
 import io
 import json
+import pathlib
 import shutil
 from unittest import mock
 
@@ -218,3 +219,65 @@ def test_transformers_push_to_hub_also_sends_buffers_and_code_files(hub):
     assert torch.equal(weights["model.encoder.layers.0.ffn_norm.running_phi"],
                        model.model.encoder.layers[0].ffn_norm.running_phi)
     assert io.BytesIO(files["config.json"]).read().count(b"auto_map") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Converted models, and checks before the repository exists
+
+
+def converted_llama():
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_powernorm import convert_norms
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=37, pad_token_id=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        convert_norms(model, "powernorm")
+    model.train()(input_ids=torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(1)))
+    return model.eval()
+
+
+def test_push_to_hub_sends_a_converted_model_with_its_conversion_card(hub):
+    model = converted_llama()
+    push_to_hub(model, REPO_ID, results={"perplexity": 12.5}, training_command=COMMAND)
+    assert hub.repos == [(REPO_ID, {"private": None, "exist_ok": True})]
+    files = hub.commits[0]["files"]
+    assert {"model.safetensors", "config.json", "modeling_converted.py", "converted_norms.py", "normalization.py",
+            "README.md"} <= set(files)
+    card = files["README.md"].decode()
+    assert "`hf_powernorm.convert_norms` replaced by `powernorm`" in card and "LlamaForCausalLM" in card
+    assert f'AutoModelForCausalLM.from_pretrained("{REPO_ID}", trust_remote_code=True)' in card
+    assert COMMAND in card and "| perplexity | 12.5 |" in card
+    weights = load_safetensors(files["model.safetensors"])
+    phi = {k: v for k, v in model.named_buffers() if k.endswith("running_phi")}
+    assert phi and all(torch.equal(weights[k], v) for k, v in phi.items())
+
+
+def test_a_repository_id_completed_by_the_hub_is_the_one_the_card_names(hub):
+    with mock.patch.object(hub, "create_repo", side_effect=lambda api, repo_id, **kw: hub.__class__.create_repo(
+            hub, api, f"someone/{repo_id}", **kw)):
+        push_to_hub(converted_llama(), "tiny-llama")
+    assert hub.commits[0]["repo_id"] == "someone/tiny-llama"
+    assert 'from_pretrained("someone/tiny-llama", trust_remote_code=True)' in hub.commits[0]["files"]["README.md"].decode()
+
+
+@pytest.mark.parametrize("case", ["not ours", "unknown option", "option of the other card", "no weights"])
+def test_every_check_runs_before_the_repository_is_created(hub, case):
+    model, options, error = converted_llama(), {}, TypeError
+    if case == "not ours":
+        model, error = torch.nn.Linear(2, 2), ValueError
+    elif case == "unknown option":
+        model, options = trained_seq2seq(), {"licence": "mit"}
+    elif case == "option of the other card":
+        options = {"language": ["en"]}  # render_model_card's, not render_conversion_card's
+    else:
+        error = FileNotFoundError
+        model.save_pretrained = lambda folder, **kwargs: (pathlib.Path(folder) / "config.json").write_text("{}")
+    with pytest.raises(error):
+        push_to_hub(model, REPO_ID, **options)
+    assert hub.repos == [] and hub.commits == []

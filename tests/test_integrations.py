@@ -166,6 +166,59 @@ def test_a_reloaded_lora_adapter_with_the_norms_to_save_equals_the_trained_model
     assert not torch.allclose(without, expected, atol=1e-4)  # the norms' statistics matter
 
 
+def _converted_llama(norm_type: str = "powernorm"):
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_powernorm import convert_norms
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=37))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        convert_norms(model, norm_type)
+    return model
+
+
+def _peft_warnings(peft, model, **config) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **config))
+    assert wrapped.base_model.model is model
+    return [str(w.message) for w in caught if "wrapped by PEFT" in str(w.message)]
+
+
+@pytest.mark.parametrize("source", ["powernorm_transformer", "converted"])
+def test_get_peft_model_without_the_statistics_in_modules_to_save_warns_once(source):
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[dev])")
+    from hf_powernorm import peft_modules_to_save
+
+    build = (lambda: _tiny("causal")) if source == "powernorm_transformer" else _converted_llama
+    model = build()
+    names = peft_modules_to_save(model)
+    found = _peft_warnings(peft, model)
+    assert len(found) == 1 and "modules_to_save=hf_powernorm.peft_modules_to_save(model)" in found[0]
+    assert f"{len(names)} norms keep running statistics" in found[0] and names[0] in found[0]
+    assert isinstance(model.peft_config, dict)  # PEFT's attribute reads back as PEFT set it
+
+    model = build()
+    assert _peft_warnings(peft, model, modules_to_save=peft_modules_to_save(model)) == []
+    assert _peft_warnings(peft, build(), modules_to_save=names[:1]) != []  # one norm saved, the others not
+
+
+def test_peft_on_a_model_without_running_statistics_does_not_warn_and_unloads():
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e .[dev])")
+    model = _converted_llama("rmsnorm")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert _peft_warnings(peft, _converted_llama("rmsnorm")) == []
+    wrapped.unload()
+    assert not hasattr(model, "peft_config")
+
+
 def _adapter_without_norms(tmp_path, peft):
     """The same LoRA weights saved without `modules_to_save`: what a plain LoRA config keeps."""
     import json
