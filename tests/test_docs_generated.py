@@ -1,5 +1,5 @@
-"""The documents against their data: every generated section of STUDIES.md, BENCHMARKS.md and README.md
-equals what `python -m hf_powernorm.studies docs` writes from the files under `studies/`; the tuned
+"""The documents against their data: every generated section of STUDIES.md, BENCHMARKS.md, README.md
+and docs/compare.md equals what `python -m hf_powernorm.studies docs` writes from the files under `studies/`; the tuned
 comparison's tables agree with the study's own `summary.md`; the headline leads with the binding family
 and quotes only intervals its tables hold; and the export keeps the blind rule (no tuning run's cell
 holds a test score)."""
@@ -45,8 +45,9 @@ def test_every_results_table_of_studies_md_that_has_a_summary_is_generated():
 
 def _copy_data(tmp_path: Path) -> Path:
     for name in documents.DOCUMENTS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / name, tmp_path / name)
-    for path in (ROOT / "studies").glob("*/summary.md"):
+    for path in [*(ROOT / "studies").glob("*/summary.md"), *(ROOT / "docs").glob("*/report.md")]:
         (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
     shutil.copyfile(TUNED / "results.csv", tmp_path / "studies" / "tuned_comparison" / "results.csv")

@@ -1,14 +1,15 @@
-"""The results tables of STUDIES.md and BENCHMARKS.md, written from the data files under `studies/`.
+"""The results tables of the documents (STUDIES.md, BENCHMARKS.md, README.md, docs/compare.md),
+written from the data files under `studies/` (and the example report under docs/).
 
 A generated section of a document sits between `<!-- generated: NAME -->` and
-`<!-- end generated -->`. NAME is either `STUDY/summary.md#N`, the N-th table (from 1) of a study's
-`summary.md` as the study wrote it, or one of `TABLES`, a table computed here from the tuned
-comparison's `results.csv`: its verdicts over the binding family of 45 comparisons (with what each
-could detect), over protocol 2's 29, the descriptive comparisons between PN's variants, and the
-paper's claims beside ours.
+`<!-- end generated -->`. NAME is `STUDY/summary.md#N`, the N-th table (from 1) of a study's
+`summary.md` as the study wrote it; `docs/PATH.md#N`, a table of a report kept under docs/; or one
+of `TABLES`, a table computed here from the tuned comparison's `results.csv`: its verdicts over the
+binding family of 45 comparisons (with what each could detect), over protocol 2's 29, the
+descriptive comparisons between PN's variants, and the paper's claims beside ours.
 
     python -m hf_powernorm.studies docs            # rewrite every generated section
-    python -m hf_powernorm.studies docs --check    # exit 1 naming the sections that differ
+    python -m hf_powernorm.studies docs --check    # exit 1 naming the documents that differ
 
 The smallest detectable difference of a paired comparison over n seeds, with s the standard
 deviation of its per-seed differences and alpha_k = 0.05 / (m - k + 1) the level of its step k in
@@ -36,7 +37,7 @@ from ..training.statistics import paired_t_interval, t_quantile
 from .runs import STUDY_LM
 
 ROOT = Path(".")  # the repository: the command runs at its top, where the documents are
-DOCUMENTS = ("STUDIES.md", "BENCHMARKS.md", "README.md")
+DOCUMENTS = ("STUDIES.md", "BENCHMARKS.md", "README.md", "docs/compare.md")
 SECTION = re.compile(r"(<!-- generated: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 SIGNIFICANCE, POWER = 0.05, 0.8
 
@@ -243,10 +244,12 @@ TABLES: dict[str, Callable[[dict], list[str]]] = {
 
 
 def summary_table(root: Path, name: str) -> list[str]:
-    """`STUDY/summary.md#N`: the N-th table of that summary, its lines as written."""
+    """`STUDY/summary.md#N`: the N-th table of that summary, its lines as written (`docs/...md#N`:
+    of that report under docs/, such as `compare`'s example)."""
     path, _, number = name.partition("#")
     tables, current = [], []
-    for line in (root / "studies" / path).read_text(encoding="utf-8").splitlines():
+    source = root / path if path.startswith("docs/") else root / "studies" / path
+    for line in source.read_text(encoding="utf-8").splitlines():
         if line.startswith("|"):
             current.append(line)
         elif current:
@@ -264,7 +267,7 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
         if "finals" not in cache:
             cache["finals"] = read_finals(root / "studies" / "tuned_comparison" / "results.csv")
         return "\n".join(TABLES[name](cache["finals"])) + "\n"
-    if "/summary.md#" in name:
+    if "/summary.md#" in name or name.startswith("docs/") and ".md#" in name:
         return "\n".join(summary_table(root, name)) + "\n"
     raise ValueError(f"unknown generated section {name!r}: expected STUDY/summary.md#N or one of {sorted(TABLES)}")
 
