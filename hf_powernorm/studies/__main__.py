@@ -1,5 +1,7 @@
 """`python -m hf_powernorm.studies <study> [options]`: run one study (`--help` lists them; `<study>
---help` gives its options). The same as `python -m hf_powernorm.studies.<study> [options]`."""
+--help` gives its options). The same as `python -m hf_powernorm.studies.<study> [options]`.
+`python -m hf_powernorm.studies docs [--check]` writes the documents' results tables from the
+studies' data files (`documents`)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,13 @@ def main(argv: list[str] | None = None) -> object:
         prog="python -m hf_powernorm.studies", usage="%(prog)s [-h] study [options]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one study of PowerNorm; its outputs go to its --output_dir.",
-        epilog=f"studies:\n{listing}\n\n`python -m hf_powernorm.studies <study> --help` gives a study's options.")
+        epilog=f"studies:\n{listing}\n\n`python -m hf_powernorm.studies <study> --help` gives a study's options;\n"
+               f"`python -m hf_powernorm.studies docs [--check]` writes the documents' results tables from the data.")
     parser.add_argument("study", choices=list(STUDIES), metavar="study", help="one of the studies below")
+    if argv[:1] == ["docs"]:
+        from .documents import main as write_documents
+
+        return write_documents(argv[1:])
     if not argv or argv[0].startswith("-"):
         parser.parse_args(argv)  # --help, or an error naming the missing study
     study = parser.parse_args(argv[:1]).study

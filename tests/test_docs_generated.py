@@ -1,0 +1,150 @@
+"""The documents against their data: every generated section of STUDIES.md, BENCHMARKS.md, README.md
+and docs/compare.md equals what `python -m hf_powernorm.studies docs` writes from the files under `studies/`; the tuned
+comparison's tables agree with the study's own `summary.md`; the headline leads with the binding family
+and quotes only intervals its tables hold; and the export keeps the blind rule (no tuning run's cell
+holds a test score)."""
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_powernorm.studies import documents
+from hf_powernorm.training.statistics import t_quantile
+
+ROOT = Path(__file__).resolve().parents[1]
+TUNED = ROOT / "studies" / "tuned_comparison"
+STUDIES_MD = ROOT / "STUDIES.md"
+
+
+def _headline(text: str) -> str:
+    """The headline over the binding family, up to protocol 1's record."""
+    return text[text.index("## Headline"):text.index("**Protocol 1 (superseded")]
+
+
+def _outside_generated(text: str) -> str:
+    return documents.SECTION.sub("", text)
+
+
+@pytest.mark.parametrize("name", documents.DOCUMENTS)
+def test_each_document_equals_its_data(name):
+    text = (ROOT / name).read_text(encoding="utf-8")
+    assert documents.render(text, ROOT) == text, f"{name} differs from its data: run python -m hf_powernorm.studies docs"
+
+
+def test_every_results_table_of_studies_md_that_has_a_summary_is_generated():
+    names = documents.sections(STUDIES_MD.read_text(encoding="utf-8"))
+    assert names[0] == "tuned_comparison: binding family" and "tuned_comparison: protocol 2" in names
+    assert {"norm_comparison/summary.md#1", "pn_ablation/summary.md#1", "warmup_switch/summary.md#1"} <= set(names)
+
+
+def _copy_data(tmp_path: Path) -> Path:
+    for name in documents.DOCUMENTS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / name, tmp_path / name)
+    for path in [*(ROOT / "studies").glob("*/summary.md"), *(ROOT / "docs").glob("*/report.md")]:
+        (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
+    shutil.copyfile(TUNED / "results.csv", tmp_path / "studies" / "tuned_comparison" / "results.csv")
+    return tmp_path
+
+
+def test_a_changed_data_file_changes_the_documents_and_the_check_fails(tmp_path, capsys):
+    root = _copy_data(tmp_path)
+    assert documents.main(["--check", "--root", str(root)]) == []
+    results = root / "studies" / "tuned_comparison" / "results.csv"
+    lines = results.read_text(encoding="utf-8").splitlines(keepends=True)
+    index = next(i for i, line in enumerate(lines) if line.startswith("ptb,powernorm,final,4500,")
+                 and ",test,perplexity," in line)
+    value = float(lines[index].rsplit(",", 1)[1])
+    lines[index] = f"{lines[index].rsplit(',', 1)[0]},{value + 5}\n"
+    results.write_text("".join(lines), encoding="utf-8")
+    with pytest.raises(SystemExit) as stopped:
+        documents.main(["--check", "--root", str(root)])
+    assert stopped.value.code == 1 and "STUDIES.md" in capsys.readouterr().out
+    assert documents.main(["--root", str(root)]) == ["STUDIES.md"]
+    assert documents.main(["--check", "--root", str(root)]) == []
+
+
+def test_the_command_runs_from_the_studies_entry_point(tmp_path):
+    root = _copy_data(tmp_path)
+    completed = subprocess.run([sys.executable, "-m", "hf_powernorm.studies", "docs", "--check", "--root", str(root)],
+                               capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
+    assert "every document equals its data" in completed.stdout
+
+
+def test_an_unknown_section_name_is_refused():
+    with pytest.raises(ValueError, match="unknown generated section 'nothing'"):
+        documents.render("<!-- generated: nothing -->\n<!-- end generated -->", ROOT)
+    with pytest.raises(ValueError, match="has 1 tables; expected #1 to #1"):
+        documents.section("pn_ablation/summary.md#2", ROOT)
+
+
+def _summary_rows() -> list[list[str]]:
+    table = documents.summary_table(ROOT, "tuned_comparison/summary.md#1")
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+
+
+def test_the_binding_table_recomputes_every_row_of_the_studys_summary():
+    finals = documents.read_finals(TUNED / "results.csv")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in documents.binding_table(finals)[2:47]]
+    summary = _summary_rows()
+    assert len(rows) == len(summary) == 45
+    for row, expected in zip(rows, summary):
+        # the summary's columns: ..., paired seeds, interval, Holm p, verdict
+        assert row[6].split()[0] == expected[7] and row[7] == expected[8], (row, expected)
+        assert row[11] == expected[9] and row[13] == expected[10], (row, expected)
+
+
+def test_protocol_two_keeps_its_family_of_29():
+    finals = documents.read_finals(TUNED / "results.csv")
+    rows = documents.protocol_table(finals)[2:]
+    assert len(rows) == 29 and not any("DyT" in row or "Derf" in row for row in rows)
+
+
+def test_the_detectable_difference_has_the_power_it_claims():
+    differences = [0.1, 0.5, 0.2, 0.9, 0.4]
+    alpha = 0.05 / 45
+    d = documents.detectable_difference(differences, alpha)
+    n, mean = len(differences), sum(differences) / len(differences)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in differences) / (n - 1))
+    critical = t_quantile(1 - alpha / 2, n - 1)
+    assert documents._power(d * math.sqrt(n) / spread, n - 1, critical) == pytest.approx(0.8, abs=1e-4)
+    # many seeds: the normal approximation (z quantiles of 1 - alpha/2 and of the power)
+    many = [float(i % 7) for i in range(400)]
+    normal = (2.241403 + 0.841621) * math.sqrt(sum((x - 3) ** 2 for x in many) / 399) / 20
+    assert documents.detectable_difference(many, 0.025) == pytest.approx(normal, rel=0.01)
+    with pytest.raises(ValueError, match="at least 2 paired differences, got 1"):
+        documents.detectable_difference([1.0], 0.05)
+
+
+def test_the_headline_quotes_only_intervals_that_its_tables_hold():
+    text = STUDIES_MD.read_text(encoding="utf-8")
+    headline = _headline(text)
+    generated = "".join(documents.section(name, ROOT) for name in documents.sections(headline))
+    interval = re.compile(r"[+-]\d+\.\d+ \[[+-]\d+\.\d+, [+-]\d+\.\d+\]")
+    quoted = interval.findall(" ".join(_outside_generated(headline).split()))
+    assert quoted and [q for q in quoted if q not in generated] == []
+
+
+def test_the_tuned_comparison_never_words_no_difference_shown_as_equality():
+    text = STUDIES_MD.read_text(encoding="utf-8")
+    prose = " ".join(_outside_generated(text[text.index("## Headline"):text.index("## The earlier studies")]).split())
+    assert re.findall(r"\bno difference\b(?! (?:is )?shown)", prose) == []
+    assert re.findall(r"(?<!top )(?<!word-)\blevel\b", prose) == []
+    assert "WikiText-103" in _headline(text) and "over protocol 2's 29" in _headline(text)
+
+
+def test_no_tuning_cell_of_the_export_holds_a_test_score():
+    results = [json.loads(path.read_text(encoding="utf-8")) for path in sorted((TUNED / "cells").glob("*/result.json"))]
+    tuning = [result for result in results if not result.get("final")]
+    assert tuning and len(tuning) < len(results)
+    scored = [result["cell"] for result in tuning if any(key.startswith("test") for key in result)]
+    assert scored == []
+    assert all(any(key.startswith("test_") for key in result) for result in results if result.get("final"))
