@@ -126,8 +126,8 @@ class CompareOptions:
     max_tokens: int = option(1024, "padded tokens per batch", "training", type=int)
     per_device_train_batch_size: int | None = option(help="examples per batch and process, instead of the "
                                                           "--max_tokens budget", group="training", type=int)
-    learning_rate: float = option(5e-4, "peak learning rate of every norm (with --tune_lr: the middle of the "
-                                        "default grid)", "training", type=float)
+    learning_rate: float = option(5e-4, "peak learning rate of every norm; with --tune_lr, the middle of the "
+                                        "grid unless --lr_grid is given", "training", type=float)
     lr_scheduler_type: str = option("linear", "fairseq's inverse_sqrt, or a schedule of transformers.get_scheduler",
                                     "training", choices=SCHEDULES)
     num_warmup_steps: int = option(20, "learning-rate warmup in updates", "training", type=int,
