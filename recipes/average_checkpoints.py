@@ -22,6 +22,7 @@ import argparse
 from pathlib import Path
 
 from hf_powernorm.training import select_checkpoints, training_command, write_average
+from hf_powernorm.training.tasks import run_script
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,4 +51,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

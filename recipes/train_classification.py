@@ -15,6 +15,7 @@ The task (arguments, data, head, metric) is `hf_powernorm.training.classificatio
 """
 
 from hf_powernorm.training.classification import DEFAULT_SIZE, Classification, main, parse_args  # noqa: F401
+from hf_powernorm.training.tasks import run_script
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -19,6 +19,7 @@ The task (arguments, data, head, metric) is `hf_powernorm.training.language_mode
 """
 
 from hf_powernorm.training.language_modeling import DEFAULT_SIZE, LanguageModelling, main, parse_args  # noqa: F401
+from hf_powernorm.training.tasks import run_script
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

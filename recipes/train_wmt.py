@@ -14,6 +14,7 @@ The task (arguments, data, head, metric) is `hf_powernorm.training.translation`;
 """
 
 from hf_powernorm.training.translation import DEFAULT_SIZE, Translation, main, parse_args  # noqa: F401
+from hf_powernorm.training.tasks import run_script
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -27,6 +27,7 @@ from accelerate.utils import LoggerType
 
 from ..configuration_powernorm import NORM_SITES, PRESETS
 from ..normalization import BACKWARD_DENOMINATORS, NORM_CLASSES, WARMUP_STATISTICS, PowerNorm, normalize_norm_name
+from .checks import check_dropout, check_learning_rate, check_weight_decay
 from .optimization import SCHEDULER_TYPES
 
 # The config fields the registry's norms take their options from: each class's `config_options`, its
@@ -48,6 +49,14 @@ NORM_OPTIONS = ("norm_type", "encoder_norm_type", "decoder_norm_type")
 DATA_FILE_OPTIONS = ("train_file", "validation_file", "test_file")
 # The options naming the local files of a model, whatever the task.
 MODEL_PATH_OPTIONS = ("tokenizer_name", "config_name")
+
+
+class RecipeParser(argparse.ArgumentParser):
+    """A recipe's command line: a malformed option is a ValueError, which the script reports in one
+    line with exit status 2 (`tasks.run_script`), as every other bad input."""
+
+    def error(self, message: str):
+        raise ValueError(message)
 
 
 def _group_num(value: str) -> int | str:
@@ -93,6 +102,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tokenizer_name", help="a saved tokenizer folder; default: --model_name_or_path's, "
                                                 "else a BPE trained on the training split")
     model.add_argument("--vocab_size", type=int, default=500, help="BPE size (paper: 10k IWSLT, 37k WMT)")
+    model.add_argument("--trust_remote_code", action="store_true",
+                       help="allow a --model_name_or_path whose code lives in its folder or Hub repository to run "
+                            "it (as Transformers' examples); only for repositories you trust and have read")
     model.add_argument("--preset", help="a PowerNormTransformerConfig preset; default: a small model sized "
                                         "for the embedded corpus")
     model.add_argument("--config_overrides", help="config fields, e.g. 'hidden_size=64,encoder_layers=3'")
@@ -232,6 +244,7 @@ def check_args(args: argparse.Namespace, norm_options: Iterable[str] = NORM_OPTI
                 raise ValueError(f"--{option}: {error}") from None
     _check_paths(args, path_options)
     _check_counts(args)
+    _check_rates(args)
     _check_model_source(args, norm_options)
     if args.with_tracking:
         args.report_to = _check_trackers(args.report_to)
@@ -270,6 +283,19 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{option} must be a finite positive number; got {value}")
+
+
+def _check_rates(args: argparse.Namespace) -> None:
+    """The optimizer's and the model's rates, by the rules of `checks.py` (the recipe's value when
+    the option was not given: a default is checked too)."""
+    check_learning_rate(args.learning_rate)
+    check_weight_decay(args.weight_decay)
+    if args.dropout is not None:
+        check_dropout(args.dropout)
+    for option in ("warmup_init_lr", "clip_norm"):
+        value = getattr(args, option)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{option} {value}: expected a finite number >= 0")
 
 
 def check_batch_budget(args: argparse.Namespace) -> None:
@@ -337,11 +363,23 @@ def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -
         if not args.do_train:
             raise ValueError("--no-do_train scores an existing model: give --model_name_or_path")
         return
+    if Path(args.model_name_or_path).is_dir():  # a Hub id is checked once its snapshot is found
+        check_model_folder(args.model_name_or_path)
     conflicting = [f"--{name}" for name in ("preset", "config_name", "config_overrides", *norm_options)
                    if getattr(args, name, None) is not None]
     if conflicting:
         raise ValueError(f"--model_name_or_path {args.model_name_or_path} brings its own architecture; "
                          f"leave out {', '.join(conflicting)}")
+
+
+def check_model_folder(folder: str, name: str | None = None) -> str:
+    """`folder` (the local folder of `--model_name_or_path` `name`) when it holds a model's
+    `config.json`; a ValueError saying that it does not otherwise."""
+    if not (Path(folder) / "config.json").is_file():
+        shown = folder if name is None or name == folder else f"{name!r} ({folder})"
+        raise ValueError(f"--model_name_or_path {shown} holds no config.json: expected a model folder written "
+                         f"by save_pretrained (an export or a step_<N> checkpoint of a recipe)")
+    return folder
 
 
 def _check_trackers(report_to: str) -> list[str]:

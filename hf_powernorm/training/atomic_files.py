@@ -3,15 +3,68 @@
 A file or folder is written under a temporary name beside its final one, flushed to the disk, and
 renamed into place (a rename within a folder is atomic on POSIX): after a crash the old version or
 the new one is there, never part of one. Leftover temporary names are for their writer to clear.
+A write that fails (`removed_on_failure`) removes its partial temporary file or folder at once; on
+a full disk it raises `DiskFullError`, one line naming the folder that is full.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+# What a full disk or quota looks like: an OSError's errno, or the text of PyTorch's writer, which
+# turns the stream's failure into a RuntimeError without one.
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_TORCH_WRITE_FAILURES = ("iostream error", "PytorchStreamWriter failed writing", "file write failed")
+
+
+class DiskFullError(OSError):
+    """A write stopped because the disk (or the quota) holding its folder is full."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def _is_full_disk(error: BaseException) -> bool:
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _FULL_ERRNOS:
+            return True
+        if isinstance(error, RuntimeError) and any(text in str(error) for text in _TORCH_WRITE_FAILURES):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2 ** 20:.1f} MiB free"
+    except OSError:
+        return "free space unknown"
+
+
+@contextlib.contextmanager
+def removed_on_failure(temporary: Path, what: str, remove: bool = True) -> Iterator[None]:
+    """The body writes `temporary` (a file or folder written under a temporary name); when it fails,
+    `temporary` is removed (by this process if `remove`) and a full disk becomes a `DiskFullError`
+    naming `what` and the folder."""
+    try:
+        yield
+    except BaseException as error:
+        if remove:
+            with contextlib.suppress(OSError):
+                remove_path(temporary)
+        if isinstance(error, DiskFullError) or not _is_full_disk(error):
+            raise
+        folder = temporary.parent
+        raise DiskFullError(errno.ENOSPC, f"the disk holding {folder} is full ({_free_space(folder)}): writing "
+                                          f"{what} failed and its partial copy was removed; free some space "
+                                          f"and run again") from error
 
 
 def fsync(path: Path) -> None:
@@ -26,9 +79,10 @@ def fsync(path: Path) -> None:
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     """Write `data` as JSON to a temporary file beside `path`, flush it, and rename it into place."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    fsync(temporary)
-    os.replace(temporary, path)
+    with removed_on_failure(temporary, str(path)):
+        temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        fsync(temporary)
+        os.replace(temporary, path)
 
 
 def replace_folder(temporary: Path, final: Path) -> None:
@@ -53,10 +107,13 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def clear_folder(folder: str | Path) -> None:
-    """Remove everything inside `folder` (kept itself)."""
+def clear_folder(folder: str | Path, keep: Iterable[str] = ()) -> None:
+    """Remove everything inside `folder` (kept itself) but the entries named in `keep`."""
+    kept = set(keep)
     for path in Path(folder).iterdir():
-        remove_path(path)
+        if path.name not in kept:
+            remove_path(path)
 
 
-__all__ = ["clear_folder", "fsync", "remove_path", "replace_folder", "write_json_atomically"]
+__all__ = ["DiskFullError", "clear_folder", "fsync", "remove_path", "removed_on_failure", "replace_folder",
+           "write_json_atomically"]

@@ -38,7 +38,8 @@ from safetensors.torch import load_file
 from torch.optim.lr_scheduler import LambdaLR
 
 from .arguments import PN_OPTIONS
-from .atomic_files import fsync, remove_path, replace_folder, write_json_atomically
+from .locking import LOCK_NAME
+from .atomic_files import fsync, remove_path, removed_on_failure, replace_folder, write_json_atomically
 
 BEST_MODEL_DIR = "best_model"
 WEIGHTS_NAME = "model.safetensors"
@@ -270,11 +271,13 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, model: tor
     if accelerator.is_main_process and temporary.exists():
         shutil.rmtree(temporary)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(temporary))
-    accelerator.wait_for_everyone()  # every process's RNG state is written
+    with removed_on_failure(temporary, f"checkpoint {final.name}", remove=accelerator.is_main_process):
+        accelerator.save_state(str(temporary))
+        accelerator.wait_for_everyone()  # every process's RNG state is written
+        if accelerator.is_main_process:
+            _complete_checkpoint(temporary, accelerator.unwrap_model(model), tokenizer, completed_steps,
+                                 training_state or {}, options)
     if accelerator.is_main_process:
-        _complete_checkpoint(temporary, accelerator.unwrap_model(model), tokenizer, completed_steps,
-                             training_state or {}, options)
         replace_folder(temporary, final)
         _crash_point(_count_files(final) + 1, completed_steps)
         remove_leftovers(output_dir)
@@ -381,7 +384,8 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | N
     if overwrite and resume is not None and (resume == "latest" or _inside(resume, folder)):
         raise ValueError(f"--overwrite_output_dir would delete the checkpoint of --resume_from_checkpoint "
                          f"{resume}: give one of the two")
-    contents = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    # The lock of the run starting here (`locking.py`) is not another run's file.
+    contents = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME) if folder.is_dir() else []
     if not contents or resume is not None:
         return
     if not overwrite:
@@ -410,8 +414,9 @@ def save_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir
         final = Path(output_dir) / BEST_MODEL_DIR
         temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         remove_path(temporary)
-        accelerator.unwrap_model(model).save_pretrained(temporary, save_function=accelerator.save)
-        write_json_atomically(temporary / BEST_MODEL_STATE_NAME, {"step": step, "validation": score})
+        with removed_on_failure(temporary, f"the best model of update {step}"):
+            accelerator.unwrap_model(model).save_pretrained(temporary, save_function=accelerator.save)
+            write_json_atomically(temporary / BEST_MODEL_STATE_NAME, {"step": step, "validation": score})
         replace_folder(temporary, final)
     accelerator.wait_for_everyone()
 

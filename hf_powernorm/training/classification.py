@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
 from ..modeling_powernorm import PowerNormTransformerForSequenceClassification
-from .arguments import DATA_FILE_OPTIONS, add_recipe_args, check_args
+from .arguments import DATA_FILE_OPTIONS, RecipeParser, add_recipe_args, check_args
 from .corpora import SENTIMENT_LABELS
 from .evaluation import evaluate_accuracy
 from .readers import (
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a PowerNorm Transformer sentence classifier.")
+    p = RecipeParser(description="Train a PowerNorm Transformer sentence classifier.")
     add_recipe_args(p, vocab_size=1000, learning_rate=1e-3, num_warmup_steps=100, num_train_epochs=5,
                     output_dir="outputs/classification")
     p.add_argument("--phrasebank_file", help="a Financial PhraseBank file (sentence@label per line)")
@@ -100,8 +100,9 @@ class Classification(Task):
                                           data_files=files, label_names=names, seed=seed, columns=columns)
         for split, part in raw.items():
             if "label" not in part.column_names:
-                raise ValueError(f"--task {self.name} needs {self.needed_columns} columns; split {split!r} has "
-                                 f"{part.column_names} (name yours with --text_column and --label_column)")
+                raise ValueError(f"no label was found: --task {self.name} needs {self.needed_columns} columns; split "
+                                 f"{split!r} has {part.column_names} (name yours with --text_column and "
+                                 f"--label_column)")
         return raw
 
     def tokenize(self, raw, tokenizer):
@@ -137,9 +138,13 @@ class Classification(Task):
         elif args.train_file.endswith((".csv", ".json", ".jsonl")):
             part = rename_columns(read_table(args.train_file), columns, args.train_file)
         else:  # Financial PhraseBank 'sentence@label' lines
-            return sorted({line.rsplit("@", 1)[-1].strip() for line in read_lines(args.train_file) if "@" in line})
+            labels = sorted({line.rsplit("@", 1)[-1].strip() for line in read_lines(args.train_file) if "@" in line})
+            if not labels:
+                raise ValueError(f"{args.train_file}: no label was found: expected 'sentence@label' lines, or a CSV "
+                                 f"or JSON lines file with a label column")
+            return labels
         if "label" not in part.column_names:
-            raise ValueError(f"--task {self.name} needs {self.needed_columns} columns; the data has "
+            raise ValueError(f"no label was found: --task {self.name} needs {self.needed_columns} columns; the data has "
                              f"{part.column_names} (name yours with --text_column and --label_column)")
         feature = part.features["label"]
         return tuple(feature.names) if isinstance(feature, ClassLabel) else sorted(set(part["label"]), key=str)

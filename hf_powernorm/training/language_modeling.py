@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from ..configuration_powernorm import PRESETS
 from ..modeling_powernorm import PowerNormTransformerForCausalLM
-from .arguments import add_recipe_args, check_args
+from .arguments import RecipeParser, add_recipe_args, check_args
 from .evaluation import evaluate_perplexity
 from .losses import causal_lm_loss
 from .metrics import count_words
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a PowerNorm Transformer language model.")
+    p = RecipeParser(description="Train a PowerNorm Transformer language model.")
     add_recipe_args(p, learning_rate=2e-3, num_warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
     p.add_argument("--block_size", type=int, default=64, help="tokens per training/evaluation block")
     return p

@@ -49,6 +49,7 @@ from .checkpoints import (
     scheduler_state,
 )
 from .batching import PaddingCollator, eval_loader, train_loader
+from .locking import LOCK_NAME
 from .models import norm_types
 from .optimization import build_optimizer, build_scheduler
 from .resuming import check_resume_model, check_resume_options, resolve_resume_path, resume
@@ -103,15 +104,18 @@ def quiet_other_processes(accelerator: Accelerator) -> None:
 
 
 def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace,
-                       input_options: Sequence[str] = DATA_FILE_OPTIONS) -> None:
-    """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, created."""
+                       input_options: Sequence[str] = DATA_FILE_OPTIONS) -> bool:
+    """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, created.
+    Returns whether the run starts it empty (not resuming the run it holds)."""
     check_run_start(accelerator, args, input_options)
     output_dir = Path(args.output_dir)
+    fresh = not getattr(args, "resume_from_checkpoint", None)
     if accelerator.is_main_process:
         if getattr(args, "overwrite_output_dir", False) and output_dir.is_dir():
-            clear_folder(output_dir)
+            clear_folder(output_dir, keep=(LOCK_NAME,))  # the lock of this run, held by `hold_output_folder`
         output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
+    return fresh
 
 
 def check_run_start(accelerator: Accelerator, args: argparse.Namespace,

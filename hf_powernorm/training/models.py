@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..normalization import NORM_CLASSES
-from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
+from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS, check_model_folder
 
 logger = get_logger(__name__)
 
@@ -44,10 +44,32 @@ def build_config(args: argparse.Namespace, tokenizer: Any, num_processes: int, d
     """The model config: `--config_name`, else `--preset`, else "tiny" resized by `default_size`;
     then the tokenizer's ids, `fields`, the PN options and dropout, `--encoder/decoder_norm_type`,
     and `--config_overrides` last."""
-    norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
     token_ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
                  "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                  "decoder_start_token_id": tokenizer.eos_token_id}
+    return _config_of(args, token_ids, num_processes, default_size, max_length, **fields)
+
+
+def check_config_options(args: argparse.Namespace, default_size: dict[str, Any], max_length: int,
+                         **fields: Any) -> None:
+    """Build the config a new model would get (`build_config`) with a stand-in vocabulary, before any
+    data is read: a PN option, a norm option or a `--config_overrides` field it refuses fails now,
+    one line naming it, not after the tokenizer is written. A loaded model brings its own config."""
+    if args.model_name_or_path is not None:
+        return
+    token_ids = {"vocab_size": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2}
+    try:
+        _config_of(args, token_ids, 1, default_size, max_length, **fields)
+    except (TypeError, ValueError) as error:
+        source = (f"--config_name {args.config_name}" if args.config_name else
+                  f"--preset {args.preset}" if args.preset else "the script's default size")
+        message = " ".join(str(error).split())
+        raise ValueError(f"the model config ({source} with the command line's options): {message}") from None
+
+
+def _config_of(args: argparse.Namespace, token_ids: dict[str, Any], num_processes: int,
+               default_size: dict[str, Any], max_length: int, **fields: Any) -> PowerNormTransformerConfig:
+    norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
     overrides = {**fields, **powernorm_overrides(args), **norms, **token_ids}
     if args.config_name:
         config = PowerNormTransformerConfig.from_pretrained(args.config_name, **overrides)
@@ -127,7 +149,8 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     from ..converter import convert_norms, load_converted, load_converted_config
 
     path = args.model_name_or_path
-    config = load_converted_config(path)
+    # A converted folder's config is read with this package's code; another's may need its own.
+    config = load_converted_config(path, **({"trust_remote_code": True} if getattr(args, "trust_remote_code", False) else {}))
     conversion = getattr(config, "powernorm_conversion", None)
     if conversion:
         if conversion["norm_type"] != args.convert_norms:
@@ -138,7 +161,7 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
         # A classification head of another size than the data's classes is rebuilt.
         task = {k: v for k, v in fields.items()
                 if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
-        model = auto_class.from_pretrained(path, **task)
+        model = auto_class.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False), **task)
         report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
                                preserve_function=getattr(args, "preserve_function", False),
                                calibration_batches=calibration_batches(args, calibration),
@@ -168,14 +191,15 @@ def resolve_model_path(name_or_path: str) -> str:
     """A local folder for `--model_name_or_path`: itself, or a Hub repository's snapshot (from the
     cache when offline)."""
     if Path(name_or_path).is_dir():
-        return name_or_path
+        return check_model_folder(name_or_path)
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name_or_path)
+        folder = snapshot_download(name_or_path)
     except Exception as error:
         raise ValueError(f"--model_name_or_path {name_or_path!r} is neither a folder nor a Hub repository that "
                          f"can be reached or is in the cache ({type(error).__name__}: {error})") from error
+    return check_model_folder(folder, name_or_path)
 
 
 def model_tokenizer_path(args: argparse.Namespace) -> str | None:

@@ -258,7 +258,8 @@ def _phrasebank_rows(path: str, label_names: tuple[str, ...], signature: Any) ->
         if not line.strip():
             continue
         if "@" not in line:
-            raise ValueError(f"{path}:{number}: expected 'sentence@label', got {line[:80]!r}")
+            raise ValueError(f"{path}:{number}: no label was found: expected 'sentence@label' (or a CSV or JSON "
+                             f"lines file with a label column), got {line[:80]!r}")
         text, label = line.rsplit("@", 1)
         yield {"text": text.strip(), "label": label_to_id(label, label_names, f"{path}:{number}")}
 
@@ -275,16 +276,34 @@ def read_phrasebank(path: str | Path, label_names: Sequence[str] = SENTIMENT_LAB
 
 
 def read_table(path: str) -> Dataset:
-    """A CSV or JSON-lines file as one `Dataset`."""
+    """A CSV or JSON-lines file as one `Dataset`; a file that is not UTF-8 is a ValueError naming its line."""
     builder = "json" if path.endswith(_JSON_SUFFIXES) else "csv"
-    return datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
+    try:
+        return datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
+    except datasets.exceptions.DatasetGenerationError as error:
+        line = _first_line_not_utf8(Path(path))
+        if line is None:
+            raise
+        raise ValueError(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
+
+
+def _first_line_not_utf8(path: Path) -> tuple[int, str] | None:
+    """The number of the first line of `path` that does not decode as UTF-8, and why; None if all do."""
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return number, f"byte 0x{line[error.start]:02x} at column {error.start + 1}"
+    return None
 
 
 def _read_labelled_table(path: str, label_names: Sequence[str], columns: dict[str, str] | None = None) -> Dataset:
     """CSV or JSON lines with a `text` (or `sentence`) column and a `label` column (or those of `columns`)."""
     table = _rename_text_column(rename_columns(read_table(path), columns, path), path)
     if "label" not in table.column_names:
-        raise ValueError(f"{path} needs a 'label' column; found {table.column_names}")
+        raise ValueError(f"{path}: no label was found: expected a 'label' column (or name yours with "
+                         f"--label_column); its columns are {table.column_names}")
     return _labels_to_ids(table.select_columns(["text", "label"]), label_names, path)
 
 

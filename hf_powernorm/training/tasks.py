@@ -18,8 +18,10 @@ and the export with its model card (`save_outputs`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from .arguments import DATA_FILE_OPTIONS
+from .atomic_files import DiskFullError, clear_folder
 from .batching import PaddingCollator
 from .evaluation import score_splits
 from .export import save_outputs, training_command
@@ -37,13 +40,16 @@ from .loop import (
     build_accelerator,
     fit,
     log_run_start,
-    make_accelerator,
     prepare_eval_loaders,
     prepare_output_dir,
     start_run,
 )
-from .models import build_model, model_tokenizer_path, resolve_model_path
+from .locking import LOCK_NAME, FolderInUse, hold_output_folder
+from .models import build_model, check_config_options, model_tokenizer_path, resolve_model_path
 from .tokenization import load_tokenizer, prepare_tokenizer
+
+# What a command reports as a bad input, in one line: its options, its data, its output folder, its disk.
+BAD_INPUT = (ValueError, FileNotFoundError, FolderInUse, DiskFullError)
 
 
 class Task:
@@ -111,6 +117,11 @@ class Task:
 
     def keep_split_facts(self, raw: Any) -> None:
         """Keep what the scores need from the raw splits besides the tokens (the words of a split)."""
+
+    def check_model_options(self, model_size: dict[str, Any]) -> None:
+        """The model's options checked as the config of a new model of `model_size` would take them
+        (`check_config_options`), before anything is written."""
+        check_config_options(self.args, model_size, self.max_length(), **self.model_fields())
 
     def resolve_labels(self) -> None:
         """Settle the options that depend on the data before it is tokenized (the class names)."""
@@ -238,18 +249,32 @@ def get_task(name: str) -> type[Task]:
 
 def run_task(task: Task, argv: list[str] | None = None) -> dict[str, Any]:
     """Data -> model -> train (`--do_train`) -> score every evaluation split -> export. Returns the
-    results: the training summary and each split's scores, keys prefixed by the split's name."""
+    results: the training summary and each split's scores, keys prefixed by the split's name.
+
+    The checks that need no data run first; then the output folder is held (`hold_output_folder`,
+    by the main process) for the whole run, and a bad input found while the data is read and the
+    model built removes what the run wrote there, so that the corrected command starts afresh."""
     args = task.args
-    accelerator = build_accelerator(args)
-    prepare_output_dir(accelerator, args, task.input_path_options)
-    start_run(accelerator, args, Path(task.script).stem)
+    task.check_model_options(task.default_size)
     if args.model_name_or_path:  # a Hub repository becomes its local snapshot
         args.model_name_or_path = resolve_model_path(args.model_name_or_path)
-    data = task.load_data(accelerator)
-    model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, task.default_size,
-                        task.max_length(), auto_class=task.auto_class,
-                        calibration=(data["train"], task.train_collate()) if "train" in data else None,
-                        **task.model_fields())
+    accelerator = build_accelerator(args)
+    with hold_output_folder(args.output_dir, enabled=accelerator.is_main_process):
+        fresh = prepare_output_dir(accelerator, args, task.input_path_options)
+        start_run(accelerator, args, Path(task.script).stem)
+        with _cleared_on_bad_input(accelerator, args.output_dir, enabled=fresh):
+            data = task.load_data(accelerator)
+            model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, task.default_size,
+                                task.max_length(), auto_class=task.auto_class,
+                                calibration=(data["train"], task.train_collate()) if "train" in data else None,
+                                **task.model_fields())
+        return _train_score_export(task, accelerator, data, model, argv)
+
+
+def _train_score_export(task: Task, accelerator: Accelerator, data: dict[str, Any], model: torch.nn.Module,
+                        argv: list[str] | None) -> dict[str, Any]:
+    """`run_task` once the data and the model are there."""
+    args = task.args
     log_run_start(accelerator, args, model, f"{task.describe(data)}, vocabulary {len(task.tokenizer)}")
     evals = prepare_eval_loaders(accelerator, data, PaddingCollator(task.tokenizer.pad_token_id),
                                  args.eval_batch_size)
@@ -269,6 +294,30 @@ def run_task(task: Task, argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+@contextlib.contextmanager
+def _cleared_on_bad_input(accelerator: Accelerator, output_dir: str, enabled: bool) -> Iterator[None]:
+    """A bad input (`BAD_INPUT`) raised in the body empties `output_dir` (its lock kept) when the run
+    started it empty: a refused start leaves nothing that would refuse the corrected one."""
+    try:
+        yield
+    except BAD_INPUT:
+        if enabled and accelerator.is_main_process and Path(output_dir).is_dir():
+            clear_folder(output_dir, keep=(LOCK_NAME,))
+        raise
+
+
+def run_script(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> None:
+    """A recipe's `main(argv)` as a command: a bad input (`BAD_INPUT`: a ValueError, a missing file,
+    an output folder in use, a full disk) is one line `<script>: error: <message>` on stderr and exit
+    status 2, as `hf-powernorm compare` reports it; any other error keeps its traceback."""
+    try:
+        main(argv)
+    except BAD_INPUT as error:
+        one_line = " ".join(str(error).split())  # a library's message may span lines
+        print(f"{Path(sys.argv[0]).name}: error: {one_line}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def train_and_score(task: Task, model_size: dict[str, Any], *,
                     eval_batch_size: int = 32) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The run body without an export, for the studies: the task's data tokenized with the saved
@@ -277,13 +326,23 @@ def train_and_score(task: Task, model_size: dict[str, Any], *,
     every evaluation split. Returns the trained model (unwrapped, in eval mode), for measures taken
     on it, and the results: the training summary and each split's scores."""
     args = task.args
-    accelerator = make_accelerator(args, task.input_path_options)
-    task.tokenizer = load_tokenizer(args.tokenizer_name)
-    raw = task.read_splits(args.seed)
-    data = task.tokenize(raw, task.tokenizer)
-    task.keep_split_facts(raw)
-    model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, model_size,
-                        task.max_length(), **task.model_fields())
+    task.check_model_options(model_size)
+    accelerator = build_accelerator(args)
+    with hold_output_folder(args.output_dir, enabled=accelerator.is_main_process):
+        prepare_output_dir(accelerator, args, task.input_path_options)
+        task.tokenizer = load_tokenizer(args.tokenizer_name)
+        raw = task.read_splits(args.seed)
+        data = task.tokenize(raw, task.tokenizer)
+        task.keep_split_facts(raw)
+        model = build_model(args, task.model_class, task.tokenizer, accelerator.num_processes, model_size,
+                            task.max_length(), **task.model_fields())
+        return _fit_and_score(task, accelerator, model, data, eval_batch_size)
+
+
+def _fit_and_score(task: Task, accelerator: Accelerator, model: torch.nn.Module, data: dict[str, Any],
+                   eval_batch_size: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """`train_and_score` once the data and the model are there."""
+    args = task.args
     collate = task.train_collate()
     evals = prepare_eval_loaders(accelerator, data, collate, eval_batch_size)
     validate = lambda m: task.evaluate(accelerator, m, evals["validation"], "validation")[task.metric]  # noqa: E731
@@ -295,5 +354,5 @@ def train_and_score(task: Task, model_size: dict[str, Any], *,
     return accelerator.unwrap_model(model).eval(), {**summary, **scores}
 
 
-__all__ = ["TASK_REGISTRY", "Task", "get_task", "option_words", "register_task", "run_task", "task_names",
-           "train_and_score"]
+__all__ = ["BAD_INPUT", "TASK_REGISTRY", "Task", "get_task", "option_words", "register_task", "run_script",
+           "run_task", "task_names", "train_and_score"]

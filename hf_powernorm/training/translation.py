@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from ..modeling_powernorm import PowerNormTransformerForConditionalGeneration
-from .arguments import add_recipe_args, check_args
+from .arguments import RecipeParser, add_recipe_args, check_args
 from .batching import PaddingCollator
 from .evaluation import evaluate_bleu
 from .losses import check_label_smoothing, translation_loss
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a PowerNorm Transformer for translation.")
+    p = RecipeParser(description="Train a PowerNorm Transformer for translation.")
     add_recipe_args(p, eval_batch_size=64, output_dir="outputs/translation")
     p.add_argument("--source_lang", default="de")
     p.add_argument("--target_lang", default="en")
