@@ -261,9 +261,9 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
 def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     from ..training.checkpoints import remove_checkpoints
-    from ..training.evaluation import score_splits
-    from ..training.loop import fit, make_accelerator, prepare_eval_loaders
+    from ..training.loop import make_accelerator, prepare_eval_loaders
     from ..training.losses import model_loss
+    from ..training.tasks import fit_and_score
 
     started = time.perf_counter()
     if world_size() == 1:  # under `accelerate launch`, `run_cells` has readied the folder
@@ -284,14 +284,11 @@ def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     model = load_model(args, tokenizer, task.pretrained_fields(), accelerator.num_processes,
                        calibration=(data["train"], collate))
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
-    score = lambda m, split: task.evaluate(accelerator, m, evals[split], split)  # noqa: E731
     model.to(accelerator.device)
-    start = score(model, "validation")  # right after conversion: the starting handicap
+    start = task.evaluate(accelerator, model, evals["validation"], "validation")  # the starting handicap
     start.setdefault("loss", validation_loss(accelerator, model, evals["validation"]))
-    model, summary = fit(args, accelerator, model, data["train"], collate, model_loss, tokenizer=tokenizer,
-                         mode=task.mode, validate=lambda m: score(m, "validation")[task.metric],
-                         length_columns=task.length_columns)
-    scores = score_splits(lambda split, loader: task.evaluate(accelerator, model, loader, split), evals)
+    # The model's own loss for every task: a pretrained head is fine-tuned as it was trained.
+    model, summary, scores = fit_and_score(task, accelerator, model, data, evals, loss=model_loss)
     samples = task.samples(accelerator, model, raw, data, collate)
     for tracker in accelerator.trackers:  # not `end_training`: the next run needs the process group
         tracker.finish()
@@ -301,7 +298,8 @@ def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
         remove_checkpoints(args.output_dir)  # they served their end
     accelerator.wait_for_everyone()
     return {**summary, "scores": _numbers(scores), "start": _numbers(start), "samples": samples,
-            "seconds": round(time.perf_counter() - started, 1), "fingerprint": saved_comparison(folder.parents[1])["fingerprint"]}
+            "seconds": round(time.perf_counter() - started, 1),
+            "fingerprint": saved_comparison(folder.parents[1])["fingerprint"]}
 
 
 def validation_loss(accelerator, model, loader) -> float:
