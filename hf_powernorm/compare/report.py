@@ -3,10 +3,10 @@ table over seeds, the verdicts, the checks, samples, settings) and `validation_c
 
 A norm's verdict against the first comes from `training.reports.paired_verdicts`: the paired test
 differences over the seeds, their 95% t interval, Holm's adjustment over the comparisons made. A
-norm whose test scores equal the baseline's within a relative `SAME_FUNCTION_TOLERANCE` in every
-seed, and each update's training loss too, computes the same function (RMSNorm in place of a
-Llama's own `LlamaRMSNorm`, differing by rounding): it gets no verdict row and is no comparison of the family; a comparison whose runs fail
-a check (`run_flags`) is shown with no verdict.
+norm whose test scores, and each update's training loss, equal the baseline's within a relative
+`SAME_FUNCTION_TOLERANCE` in every seed computes the same function (RMSNorm in place of a Llama's
+own `LlamaRMSNorm`, differing by rounding): it gets no verdict row and is left out of Holm's family.
+A comparison whose runs fail a check (`run_flags`) is shown with no verdict.
 """
 
 from __future__ import annotations

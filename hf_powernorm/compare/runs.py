@@ -21,9 +21,8 @@ from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, ru
 from ..training.locking import hold_output_folder
 from ..training.readers import split_train
 from ..training.tasks import Task, get_task, task_names
-from .options import BASELINE, EMBEDDED_TASK, CompareOptions, library_args, world_size
+from .options import BASELINE, CompareOptions, library_args, world_size
 from .plan import (
-    SETTINGS_NAME,
     check_output_folder,
     continue_or_clear,
     make_cells,
@@ -424,7 +423,8 @@ def push_models(kept: dict[str, Path], options: CompareOptions) -> list[str]:
 
     api, repos = HfApi(), []
     for norm, folder in kept.items():
-        repo = api.create_repo(f"{options.hub_model_id}-{norm}", private=options.hub_private_repo, exist_ok=True).repo_id
+        repo = api.create_repo(f"{options.hub_model_id}-{norm}", private=options.hub_private_repo,
+                               exist_ok=True).repo_id
         api.upload_folder(repo_id=repo, folder_path=str(folder),
                           commit_message=f"hf-powernorm compare: the best {norm} model")
         repos.append(repo)
