@@ -17,8 +17,8 @@ COMMAND_NAME, COMMAND_MODULES = "hf-powernorm", ("hf_powernorm.cli", "hf_powerno
 def _command_asks_for_help() -> bool:
     """Whether this process is the `hf-powernorm` command asking for a help text."""
     started = getattr(sys, "orig_argv", [])
-    by_module = sys.argv[:1] == ["-m"] and any(pair in zip(started, started[1:])
-                                               for pair in (("-m", module) for module in COMMAND_MODULES))
+    pairs = set(zip(started, started[1:]))
+    by_module = sys.argv[:1] == ["-m"] and any(("-m", module) in pairs for module in COMMAND_MODULES)
     if not (by_module or Path(sys.argv[0]).name == COMMAND_NAME):
         return False
     return asks_for_help(sys.argv[1:])
