@@ -13,7 +13,7 @@ Writes into `--output_dir`:
 
 - `results.csv`: one row per run and evaluated split, with its time;
 - `report.md`: mean ± standard deviation over the seeds per norm, the checks that withhold a
-  verdict (degenerate or identical scores, a best model at the last update, no better than before
+  verdict (degenerate scores, a best model at the last update, no better than before
   fine-tuning), the verdict of each norm against the first from the paired test differences over
   the seeds (a 95% t interval, Holm over the comparisons; none for a norm that computes the same
   function as the first, within a relative 1e-6), seq2seq sample outputs, the settings;
@@ -24,11 +24,12 @@ Writes into `--output_dir`:
 Bad input stops with one line before anything is written; the output folder is held by one
 process at a time (a second start on it stops, naming the first); Ctrl-C writes the report of the
 runs finished so far, and the same command resumes (with `--checkpoint_runs`, a run cut short goes
-on from its last validation instead of starting again). Data comes as the recipes take it: `--dataset_name` (a Hub id, a
-local folder of files or of `save_to_disk`) or `--train_file/--validation_file/--test_file`, with
-`--text_column` etc. naming other columns, tokenized by cached `Dataset.map` passes. Without a
-model and data, a tiny GPT-2 trains on the embedded English corpus (under two minutes on 2 CPU
-cores).
+on from its last validation instead of starting again). Data comes as the recipes take it:
+`--dataset_name` (a Hub id, a local folder of files or of `save_to_disk`) or
+`--train_file/--validation_file/--test_file`, with `--text_column` etc. naming other columns,
+tokenized by cached `Dataset.map` passes. Without a model and data, a tiny GPT-2 trains on the
+embedded English corpus (under two minutes on 2 CPU cores). A model that brings its own code runs
+only with `--trust_remote_code`.
 
     hf-powernorm compare --model_name_or_path gpt2 --task causal-lm --dataset_name wikitext \\
         --dataset_config_name wikitext-2-raw-v1 --norms layernorm powernorm --seeds 1 2 3 \\

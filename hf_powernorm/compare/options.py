@@ -246,7 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of `CompareOptions`: a flag per option field, its default said once in its help."""
     from . import __doc__ as description
 
-    parser = _Parser(prog="hf-powernorm compare", description=description.split("\n\n")[0])
+    # The usage as the package's docstring tells it: what a comparison does and writes, and an example.
+    paragraphs = [p for p in description.split("\n\n") if not p.startswith("The package:")]
+    parser = _Parser(prog="hf-powernorm compare", description="\n\n".join(paragraphs[:1]),
+                     epilog="\n\n".join(paragraphs[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
     for spec in dataclasses.fields(CompareOptions):
         if "help" not in spec.metadata:
