@@ -76,6 +76,8 @@ def test_each_default_is_said_once_true_and_no_option_compare_lacks_is_named():
     parser = compare.build_parser()
     defaults = CompareOptions()
     for action in parser._actions[1:]:
+        if action.help == argparse.SUPPRESS:  # another spelling of a listed option
+            continue
         assert action.help.count("default") <= 1, action.dest
         assert action.default == getattr(defaults, action.dest), action.dest
         if action.default not in (None, False) and "default:" not in action.help:
@@ -101,6 +103,17 @@ def test_the_options_shared_with_the_recipes_parse_as_theirs():
         assert (ours[name].type, ours[name].nargs) == (recipe[name].type, recipe[name].nargs) or \
             name == "powernorm_group_num", name
     assert list(ours["lr_scheduler_type"].choices) == list(SCHEDULER_TYPES)
+
+
+def test_every_task_option_is_a_comparison_option():
+    """The options the registry's tasks own (`Task.own_options`, `column_options`) are fields of the comparison."""
+    from hf_powernorm.training.tasks import get_task, task_names
+
+    owned = {name for task in map(get_task, task_names()) for name in (*task.own_options, *task.column_options)}
+    assert owned <= {field.name for field in __import__("dataclasses").fields(CompareOptions)}
+    assert compare.parse_args(["--no_keep_linebreaks"]).keep_linebreaks is False
+    assert compare.parse_args(["--no-keep_linebreaks"]).keep_linebreaks is False
+    assert compare.parse_args([]).keep_linebreaks is True
 
 
 def test_options_are_saved_and_read_back_field_by_field(gpt2_case, tmp_path):

@@ -175,6 +175,10 @@ class CompareOptions:
     report_only: bool = flag("write the outputs from the runs finished so far, and run nothing", runtime=True)
     block_size: int | None = option(help="causal-lm: tokens per block; default: what the model's positions and "
                                          "tokenizer allow, at most 1024 and --max_tokens", type=int)
+    keep_linebreaks: bool | None = option(True, "causal-lm: a text file's lines keep their line breaks in the token "
+                                                "stream, as Transformers' run_clm reads them; --no_keep_linebreaks "
+                                                "joins the lines without them",
+                                          action=argparse.BooleanOptionalAction, negative="--no_keep_linebreaks")
     max_length: int | None = option(help="classification and seq2seq: truncate sequences to this many tokens; "
                                          "default: 128, or fewer if the model's positions or --max_tokens allow "
                                          "fewer", type=int)
@@ -255,10 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
         if "help" not in spec.metadata:
             continue
         settings = dict(spec.metadata["argparse"])
-        flags = settings.pop("flags", (f"--{spec.name}",))
+        flags, negative = settings.pop("flags", (f"--{spec.name}",)), settings.pop("negative", None)
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-        groups[spec.metadata["group"]].add_argument(*flags, dest=spec.name, default=default,
-                                                    help=_with_default(spec.metadata["help"], default), **settings)
+        group = groups[spec.metadata["group"]]
+        group.add_argument(*flags, dest=spec.name, default=default, help=_with_default(spec.metadata["help"], default),
+                           **settings)
+        if negative:  # the spelling of Transformers' examples beside argparse's --no-<name>
+            group.add_argument(negative, dest=spec.name, action="store_false", help=argparse.SUPPRESS)
     return parser
 
 
