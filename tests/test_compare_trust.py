@@ -370,6 +370,11 @@ def test_the_same_function_as_the_baseline_gets_no_verdict_row_and_the_tolerance
         loss = 3.0 if r["norm"] == "layernorm" else 3.1
         (folder / "training_log.jsonl").write_text(json.dumps({"step": 1, "loss": loss}) + "\n")
     assert "| rmsnorm | 2 |" in _report(base + same, tmp_path, ("layernorm", "rmsnorm"))
+    # Perplexity 1 everywhere (a tokenizer that encodes the text to nothing): flagged, not the same function.
+    empty = [_result(norm, seed, 1.0) for norm in ("layernorm", "rmsnorm") for seed in (3, 4)]
+    report = _report(empty, tmp_path / "empty", ("layernorm", "rmsnorm"))
+    assert "| rmsnorm | 2 |" in report and "no token to predict" in report
+    assert "- rmsnorm: the same function" not in report
 
 
 def test_bleu_zero_everywhere_is_flagged():

@@ -92,15 +92,9 @@ def _function_evidence(run: dict[str, Any], metric: str, cells: Path) -> list[fl
 
 
 def run_flags(runs: Sequence[dict[str, Any]], metric: str, mode: str, vocab_size: int | None) -> list[str]:
-    """What makes the runs of one norm unfit for a verdict: a degenerate score (BLEU 0, perplexity
-    near the vocabulary size: nothing learned), a best model at the last update (still improving),
-    a model no better than before fine-tuning."""
-    flags = []
-    tested = [r["scores"].get(f"test_{metric}") for r in runs]
-    if metric == "bleu" and all(v == 0 for v in tested):
-        flags.append("BLEU 0 in every run (check the tokenizer's decoding)")
-    if metric == "perplexity" and vocab_size and any(v is not None and v > vocab_size / 2 for v in tested):
-        flags.append(f"perplexity above half the vocabulary ({vocab_size}): barely trained")
+    """What makes the runs of one norm unfit for a verdict: a degenerate score (`degenerate_flags`),
+    a best model at the last update (still improving), a model no better than before fine-tuning."""
+    flags = degenerate_flags(runs, metric, vocab_size)
     last = [r["seed"] for r in runs if r.get("best_step") is not None and r["best_step"] == r.get("train_steps")]
     if last:
         flags.append(f"best model at the last update (seed {', '.join(map(str, last))}): still improving, "
@@ -109,6 +103,29 @@ def run_flags(runs: Sequence[dict[str, Any]], metric: str, mode: str, vocab_size
     if worse:
         flags.append(f"no better than before fine-tuning (seed {', '.join(map(str, worse))})")
     return flags
+
+
+def degenerate_flags(runs: Sequence[dict[str, Any]], metric: str, vocab_size: int | None) -> list[str]:
+    """Scores that say nothing was learned or measured: BLEU 0, a perplexity near the vocabulary
+    size, a perplexity of 1 (no token left to predict: a tokenizer that encodes the text to nothing)."""
+    tested = [r["scores"].get(f"test_{metric}") for r in runs]
+    flags = []
+    if metric == "bleu" and all(v == 0 for v in tested):
+        flags.append("BLEU 0 in every run (check the tokenizer's decoding)")
+    if metric == "perplexity" and vocab_size and any(v is not None and v > vocab_size / 2 for v in tested):
+        flags.append(f"perplexity above half the vocabulary ({vocab_size}): barely trained")
+    if metric == "perplexity" and not measured(runs, metric):
+        flags.append("perplexity 1 in every run: no token to predict (check that the tokenizer encodes the text)")
+    return flags
+
+
+def measured(runs: Sequence[dict[str, Any]], metric: str) -> bool:
+    """Whether the runs' test scores measured anything: not a perplexity of 1 (no token to predict)
+    or a BLEU of 0 (nothing decoded) in every run. Equal scores that measured nothing show no function."""
+    tested = [r["scores"].get(f"test_{metric}") for r in runs]
+    if metric == "perplexity":
+        return not tested or any(v is None or v > 1 for v in tested)
+    return metric != "bleu" or not tested or any(v != 0 for v in tested)
 
 
 def _no_better(run: dict[str, Any], metric: str, mode: str) -> bool:
@@ -199,7 +216,8 @@ def _verdict_lines(results, chosen, options: CompareOptions, facts: dict[str, An
     base = _test_by_seed(base_runs, task.metric)
     tested = {norm: _test_by_seed(final_runs(results, norm, chosen), task.metric) for norm in options.norms[1:]}
     cells = Path(options.output_dir) / "cells"
-    same = [norm for norm in tested if same_function(base_runs, final_runs(results, norm, chosen), task.metric, cells)]
+    same = [norm for norm in tested if same_function(base_runs, final_runs(results, norm, chosen), task.metric, cells)
+            and measured(base_runs, task.metric)]
     compared = [norm for norm in tested if norm not in same]
     judged = dict(zip(compared, paired_verdicts([(base, tested[norm], task.mode == "min") for norm in compared],
                                                 min_pairs=MIN_PAIRS, confidence=CONFIDENCE)))
