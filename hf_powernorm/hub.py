@@ -288,10 +288,10 @@ def upload_saved_model(
     create_pr: bool = False,
 ) -> CommitInfo:
     """Upload in one commit the files at the top of `folder` (what `save_pretrained`, a tokenizer's
-    `save_pretrained` and the card wrote there), leaving its sub-folders (checkpoints, logs) out.
-    The repository `repo_id` must exist."""
+    `save_pretrained` and the card wrote there), leaving its sub-folders (checkpoints, logs) and
+    hidden files (the lock of the run writing it) out. The repository `repo_id` must exist."""
     folder = Path(folder)
-    files = sorted(path for path in folder.iterdir() if path.is_file())
+    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
     if not any(path.name.endswith(".safetensors") for path in files):
         raise FileNotFoundError(f"{folder} holds no .safetensors weights: nothing to upload to {repo_id}")
     operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]

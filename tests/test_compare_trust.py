@@ -80,7 +80,7 @@ def test_bert_is_refused_for_causal_lm_and_a_binary_csv_is_one_line(bert_case, c
     binary = tmp_path / "train.csv"
     binary.write_bytes(b"text,label\n" + bytes(range(128, 256)) * 8 + b",1\n")
     _one_line_error(["--model_name_or_path", model, "--task", "classification", "--train_file", str(binary),
-                     "--output_dir", str(tmp_path / "c")], capsys, f"{binary}:2: not UTF-8 (byte 0x80")
+                     "--output_dir", str(tmp_path / "c")], capsys, f"{binary}:2: not UTF-8 (byte 0x80 at column 1)")
     _one_line_error(["--model_name_or_path", model, "--task", "causal-lm", "--output_dir", str(tmp_path / "o")],
                     capsys, "--task causal-lm needs a causal language model")
 

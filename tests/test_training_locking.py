@@ -12,20 +12,23 @@ import pytest
 
 from hf_powernorm.training.locking import LOCK_NAME, FolderInUse, hold_output_folder, read_lock
 
-# A second process that holds `folder` until its stdin closes, saying "held" once it does.
-HOLDER = """
-import sys
-from hf_powernorm.training.locking import hold_output_folder
-with hold_output_folder(sys.argv[1]):
+# A second process that holds `folder` until its stdin closes, saying "held" once it does. It loads
+# `locking.py` alone (no torch import: it starts in a fraction of a second), as a run would hold it.
+LOCKING = Path(__file__).resolve().parents[1] / "hf_powernorm" / "training" / "locking.py"
+HOLDER = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("locking", {str(LOCKING)!r})
+locking = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(locking)
+with locking.hold_output_folder(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()
 """
 
 
 def _start_holder(folder: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
+                              stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder
 
@@ -81,6 +84,13 @@ def test_released_on_exception_and_outputs_kept(tmp_path):
             with hold_output_folder(folder):
                 pass
     assert sorted(p.name for p in folder.iterdir()) == ["results.json"]
+
+
+def test_a_file_is_no_output_folder(tmp_path):
+    (tmp_path / "run").write_text("")
+    with pytest.raises(ValueError, match=f"^output folder {tmp_path / 'run'} is a file, not a folder$"):
+        with hold_output_folder(tmp_path / "run"):
+            pass
 
 
 def test_disabled_takes_nothing(tmp_path):

@@ -363,23 +363,11 @@ def _check_model_source(args: argparse.Namespace, norm_options: Iterable[str]) -
         if not args.do_train:
             raise ValueError("--no-do_train scores an existing model: give --model_name_or_path")
         return
-    if Path(args.model_name_or_path).is_dir():  # a Hub id is checked once its snapshot is found
-        check_model_folder(args.model_name_or_path)
     conflicting = [f"--{name}" for name in ("preset", "config_name", "config_overrides", *norm_options)
                    if getattr(args, name, None) is not None]
     if conflicting:
         raise ValueError(f"--model_name_or_path {args.model_name_or_path} brings its own architecture; "
                          f"leave out {', '.join(conflicting)}")
-
-
-def check_model_folder(folder: str, name: str | None = None) -> str:
-    """`folder` (the local folder of `--model_name_or_path` `name`) when it holds a model's
-    `config.json`; a ValueError saying that it does not otherwise."""
-    if not (Path(folder) / "config.json").is_file():
-        shown = folder if name is None or name == folder else f"{name!r} ({folder})"
-        raise ValueError(f"--model_name_or_path {shown} holds no config.json: expected a model folder written "
-                         f"by save_pretrained (an export or a step_<N> checkpoint of a recipe)")
-    return folder
 
 
 def _check_trackers(report_to: str) -> list[str]:

@@ -120,7 +120,8 @@ class Classification(Task):
         elif args.label_names is None:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(args.model_name_or_path)
+            config = AutoConfig.from_pretrained(args.model_name_or_path,
+                                                trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
             args.label_names = names_for_labels(self.data_labels(),
                                                 [str(config.id2label[i]) for i in range(config.num_labels)])
         self.labels = list(args.label_names)
@@ -158,7 +159,9 @@ class Classification(Task):
         from transformers import AutoConfig
 
         fields = self.label_fields()
-        if AutoConfig.from_pretrained(self.args.model_name_or_path).num_labels != len(self.labels):
+        trust_remote_code = bool(getattr(self.args, "trust_remote_code", False))
+        if AutoConfig.from_pretrained(self.args.model_name_or_path,
+                                      trust_remote_code=trust_remote_code).num_labels != len(self.labels):
             fields["ignore_mismatched_sizes"] = True
         return fields
 

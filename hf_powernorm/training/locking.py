@@ -134,6 +134,8 @@ def hold_output_folder(folder: str | Path, enabled: bool = True) -> Iterator[Pat
     if not enabled:
         yield folder
         return
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"output folder {folder} is a file, not a folder")
     created_folder = not folder.exists()
     descriptor = _acquire(folder)
     try:

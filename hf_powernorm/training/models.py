@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..normalization import NORM_CLASSES
-from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS, check_model_folder
+from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
 
 logger = get_logger(__name__)
 
@@ -69,6 +69,7 @@ def check_config_options(args: argparse.Namespace, default_size: dict[str, Any],
 
 def _config_of(args: argparse.Namespace, token_ids: dict[str, Any], num_processes: int,
                default_size: dict[str, Any], max_length: int, **fields: Any) -> PowerNormTransformerConfig:
+    """`build_config` with the vocabulary's size and special ids given as `token_ids`."""
     norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
     overrides = {**fields, **powernorm_overrides(args), **norms, **token_ids}
     if args.config_name:
@@ -149,8 +150,9 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     from ..converter import convert_norms, load_converted, load_converted_config
 
     path = args.model_name_or_path
-    # A converted folder's config is read with this package's code; another's may need its own.
-    config = load_converted_config(path, **({"trust_remote_code": True} if getattr(args, "trust_remote_code", False) else {}))
+    # Never None: Transformers would ask on the terminal whether to run a folder's own code.
+    trust_remote_code = bool(getattr(args, "trust_remote_code", False))
+    config = load_converted_config(path, trust_remote_code=trust_remote_code)
     conversion = getattr(config, "powernorm_conversion", None)
     if conversion:
         if conversion["norm_type"] != args.convert_norms:
@@ -161,7 +163,7 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
         # A classification head of another size than the data's classes is rebuilt.
         task = {k: v for k, v in fields.items()
                 if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
-        model = auto_class.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False), **task)
+        model = auto_class.from_pretrained(path, trust_remote_code=trust_remote_code, **task)
         report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
                                preserve_function=getattr(args, "preserve_function", False),
                                calibration_batches=calibration_batches(args, calibration),
@@ -200,6 +202,16 @@ def resolve_model_path(name_or_path: str) -> str:
         raise ValueError(f"--model_name_or_path {name_or_path!r} is neither a folder nor a Hub repository that "
                          f"can be reached or is in the cache ({type(error).__name__}: {error})") from error
     return check_model_folder(folder, name_or_path)
+
+
+def check_model_folder(folder: str, name: str | None = None) -> str:
+    """`folder` (the local folder of `--model_name_or_path` `name`) when it holds a model's
+    `config.json`; a ValueError saying that it does not otherwise."""
+    if not (Path(folder) / "config.json").is_file():
+        shown = folder if name is None or name == folder else f"{name!r} ({folder})"
+        raise ValueError(f"--model_name_or_path {shown} holds no config.json: expected a model folder written "
+                         f"by save_pretrained (an export or a step_<N> checkpoint of a recipe)")
+    return folder
 
 
 def model_tokenizer_path(args: argparse.Namespace) -> str | None:

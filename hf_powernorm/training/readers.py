@@ -19,6 +19,7 @@ from typing import Any
 import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
 
+from .checks import check_columns
 from .corpora import (
     SENTIMENT_LABELS,
     synthetic_classification_corpus,
@@ -75,8 +76,7 @@ def rename_columns(part: Dataset, columns: dict[str, str] | None, origin: str) -
     for standard, given in (columns or {}).items():
         if given is None or given == standard:
             continue
-        if given not in part.column_names:
-            raise ValueError(f"{origin} has no column {given!r} (--{standard}_column); found {part.column_names}")
+        check_columns(part.column_names, {f"--{standard}_column": given}, origin)
         if standard in part.column_names:
             part = part.remove_columns(standard)
         part = part.rename_column(given, standard)
@@ -282,9 +282,12 @@ def read_table(path: str) -> Dataset:
         return datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
     except datasets.exceptions.DatasetGenerationError as error:
         line = _first_line_not_utf8(Path(path))
-        if line is None:
-            raise
-        raise ValueError(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
+        if line is not None:
+            raise ValueError(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
+        cause = error
+        while cause.__cause__ is not None:  # the parser's own error, under the generation's
+            cause = cause.__cause__
+        raise ValueError(f"{path} cannot be read as {builder.upper()} ({type(cause).__name__}: {cause})") from error
 
 
 def _first_line_not_utf8(path: Path) -> tuple[int, str] | None:

@@ -9,10 +9,11 @@ and direction, and the options that name its input files (`input_path_options`).
 studies and `hf-powernorm compare` all run through it. Each task reads as its differences, in the
 manner of Accelerate's `examples/by_feature` and Transformers' `run_*_no_trainer.py` kept short: its
 arguments, its data, its head and default size, its metric. `run_task` does what every task does the
-same way: the accelerator, the output folder and the run's start (`build_accelerator`,
-`prepare_output_dir`, `start_run`), the model (`build_model`: new, loaded or converted), training
-with early stopping on the task's validation metric (`fit`), the scores of every evaluation split,
-and the export with its model card (`save_outputs`).
+same way: the accelerator, the output folder (held by one run at a time: `locking.py`) and the run's
+start (`build_accelerator`, `prepare_output_dir`, `start_run`), the model (`build_model`: new,
+loaded or converted), training with early stopping on the task's validation metric (`fit`), the
+scores of every evaluation split, and the export with its model card (`save_outputs`). `run_script`
+runs a recipe's `main` as a command: a bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
