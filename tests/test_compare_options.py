@@ -182,7 +182,10 @@ def test_a_second_comparison_on_a_live_folder_stops_naming_the_first_and_a_kille
     finally:
         os.kill(first.pid, signal.SIGKILL)
         first.join()
-    assert (out / ".lock").is_file()  # left by the killed process: taken over
+    from hf_powernorm.compare.plan import HOLDER_FILES
+    from hf_powernorm.training.locking import LOCK_NAME
+
+    assert HOLDER_FILES == (LOCK_NAME,) and (out / LOCK_NAME).is_file()  # left by the killed process: taken over
     compare.main(argv)
     assert {r["norm"] for r in _rows(out)} == {"layernorm"} and not (out / ".lock").exists()
 

@@ -30,7 +30,7 @@ MODEL_FILES_BY_CONTENT = 1 << 20  # model files up to 1 MiB (config, tokenizer) 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model")
-# Files of an output folder that are not a comparison's: its lock (`training/locking.py`).
+# Files of an output folder that are not a comparison's: its lock (`training.locking.LOCK_NAME`).
 HOLDER_FILES = (".lock",)
 
 
@@ -106,9 +106,9 @@ def check_output_folder(options: CompareOptions) -> None:
         raise ValueError(f"--overwrite_output_dir would delete {inside}, inputs of this comparison inside "
                          f"--output_dir {folder}")
     if world_size() == 1 or int(os.environ.get("RANK", "0")) == 0:
-        for name in contents:  # the lock stays: this process holds the folder
-            path = folder / name
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        from ..training.atomic_files import clear_folder
+
+        clear_folder(folder, keep=HOLDER_FILES)  # the lock stays: this process holds the folder
 
 
 def _differing_settings(saved: dict[str, Any], options: CompareOptions) -> str:
