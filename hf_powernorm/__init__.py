@@ -1,51 +1,52 @@
-"""Power Normalization for the Hugging Face ecosystem: norm layers, models and recipes."""
+"""Power Normalization for the Hugging Face ecosystem: norm layers, models and recipes.
 
-from . import normalization
-from .normalization import *  # noqa: F403 - the norms, their registry, `build_norm`, `kernel_backend`
-from .instrumentation import NormStatisticsRecorder, read_norm_statistics
-from .integrations import peft_modules_to_save
-from .converter import ConversionReport, apply_conversion, convert_norms, load_converted, load_converted_config
-from .configuration_powernorm import PRESETS, PowerNormTransformerConfig
-from .modeling_powernorm import (
-    AUTO_CLASSES,
-    PowerNormTransformerForCausalLM,
-    PowerNormTransformerForConditionalGeneration,
-    PowerNormTransformerForSequenceClassification,
-    PowerNormTransformerModel,
-    PowerNormTransformerPreTrainedModel,
-    register_for_auto_classes,
-)
+Importing the package loads the library (`_library.py`: the norms, the models, the converter) and
+registers the family with the Auto classes. One process is spared it: the `hf-powernorm` command
+asked for a help text, whose parsers import no torch (`cli.py`); there the library loads when a
+name of it is first used, or when the command goes on to run (`load_library`).
+"""
+
+import sys
+from pathlib import Path
 
 __version__ = "0.1.0"
+# How the `hf-powernorm` command starts: its console script, or `python -m` of one of these modules.
+COMMAND_NAME, COMMAND_MODULES = "hf-powernorm", ("hf_powernorm.cli", "hf_powernorm.compare")
 
 
-def _register() -> None:
-    """Register the family with the Auto classes here and, through `auto_map`, for remote code."""
-    import transformers
+def _command_asks_for_help() -> bool:
+    """Whether this process is the `hf-powernorm` command asking for a help text."""
+    started = getattr(sys, "orig_argv", [])
+    pairs = set(zip(started, started[1:]))
+    by_module = sys.argv[:1] == ["-m"] and any(("-m", module) in pairs for module in COMMAND_MODULES)
+    if not (by_module or Path(sys.argv[0]).name == COMMAND_NAME):
+        return False
+    return asks_for_help(sys.argv[1:])
 
-    transformers.AutoConfig.register(PowerNormTransformerConfig.model_type, PowerNormTransformerConfig, exist_ok=True)
-    for auto_name, model_class in AUTO_CLASSES.items():
-        getattr(transformers, auto_name).register(PowerNormTransformerConfig, model_class, exist_ok=True)
-    register_for_auto_classes()
+
+def asks_for_help(words: list[str]) -> bool:
+    """Whether the words of a command line ask for a help text: argparse prints it and stops before
+    the command runs."""
+    return "-h" in words or "--help" in words
 
 
-_register()
+def load_library() -> None:
+    """Import the library into the package (once), registering the family with the Auto classes."""
+    from . import _library
 
-__all__ = [
-    *normalization.__all__,
-    "PRESETS",
-    "PowerNormTransformerConfig",
-    "PowerNormTransformerForCausalLM",
-    "PowerNormTransformerForConditionalGeneration",
-    "PowerNormTransformerForSequenceClassification",
-    "PowerNormTransformerModel",
-    "PowerNormTransformerPreTrainedModel",
-    "ConversionReport",
-    "NormStatisticsRecorder",
-    "apply_conversion",
-    "convert_norms",
-    "load_converted",
-    "load_converted_config",
-    "peft_modules_to_save",
-    "read_norm_statistics",
-]
+    globals().update({name: getattr(_library, name) for name in _library.__all__}, __all__=_library.__all__)
+
+
+def __getattr__(name: str):
+    """A name of the library asked for before it loaded: load it now."""
+    folder = Path(__file__).parent
+    if name.startswith("__") or (folder / name).is_dir() or (folder / f"{name}.py").exists():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # a submodule not imported yet
+    load_library()
+    if name not in globals():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return globals()[name]
+
+
+if not _command_asks_for_help():
+    load_library()

@@ -1,7 +1,8 @@
 """The `hf-powernorm` command. `hf-powernorm compare ...` answers "does PN help my model?" on the
-user's model and data (`compare.py`); `hf-powernorm studies <study> ...` runs one of the studies
-(`hf_powernorm.studies`, the same as `python -m hf_powernorm.studies`). A bad option stops with its
-message, before any training."""
+user's model and data (`hf_powernorm.compare`); `hf-powernorm studies <study> ...` runs one of the
+studies (`hf_powernorm.studies`, the same as `python -m hf_powernorm.studies`). A bad option stops
+with its message, before any training. A help text needs no library: this module, the command's
+parsers and the package's import on the way to them import no torch (`hf_powernorm.__init__`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from . import asks_for_help, load_library
+
 # Each subcommand is a module with `main(argv)`, imported only when it runs.
 COMMANDS = {"compare": "hf_powernorm.compare", "studies": "hf_powernorm.studies.__main__"}
+SUMMARIES = {"compare": "does Power Normalization help my model? Each norm fine-tuned on my data over seeds, "
+                        "with a paired verdict",
+             "studies": "run one of the studies of the paper's claims (`hf-powernorm studies --help` lists them)"}
 
 
 def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str]) -> None:
@@ -31,9 +37,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         commands = ", ".join(COMMANDS)
-        print(f"usage: hf-powernorm {{{commands}}} [options]   (hf-powernorm {{{commands}}} --help)",
-              file=sys.stderr)
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        usage = f"usage: hf-powernorm {{{commands}}} [options]   (hf-powernorm {{{commands}}} --help)"
+        if argv and argv[0] in ("-h", "--help"):
+            print("\n".join([usage, "", "commands:", *(f"  {name:<9} {line}" for name, line in SUMMARIES.items())]))
+            raise SystemExit(0)
+        print(usage, file=sys.stderr)
+        raise SystemExit(2)
+    if not asks_for_help(argv[1:]):
+        load_library()  # the command runs: the family registered with the Auto classes, as on `import hf_powernorm`
     module = importlib.import_module(COMMANDS[argv[0]])
     run_command(argv[0], module.main, argv[1:])
 

@@ -121,3 +121,13 @@ def test_host_cost_profiles_pn_steps_on_the_host():
     assert calls and all(count == "4" for count in calls), profile  # one forward per step, 4 steps
     with pytest.raises(SystemExit):
         host_cost.main(["--device", "cpu", "--quick", "--profile", "-1"])
+
+
+def test_help_time_measures_each_help_and_the_librarys_import_in_fresh_processes(capsys):
+    from hf_powernorm.benchmarks import help_time
+
+    rows = help_time.main(["--repeats", "1"])
+    assert [r["command"] for r in rows] == ["`hf-powernorm --help`", "`hf-powernorm compare --help`",
+                                            "`hf-powernorm studies --help`", "`import hf_powernorm`"]
+    assert [r["imports torch"] for r in rows] == ["no", "no", "no", "yes"]
+    assert all(float(r["CPU s"]) > 0 for r in rows) and "| `hf-powernorm compare --help` |" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import pytest
 
 from launching import accelerate_launch
 from hf_powernorm import compare
+from hf_powernorm.compare import runs as compare_runs
 from hf_powernorm.training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
 from hf_powernorm.training.tasks import get_task
 
@@ -33,7 +34,7 @@ def _no_training(monkeypatch) -> None:
     def refuse(cell, folder):
         raise AssertionError(f"{cell.name} trained")
 
-    monkeypatch.setattr(compare, "run_cell", refuse)
+    monkeypatch.setattr(compare_runs, "run_cell", refuse)
 
 
 # --------------------------------------------------------------------------------------------

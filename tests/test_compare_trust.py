@@ -11,6 +11,7 @@ import math
 import pytest
 
 from hf_powernorm import cli, compare
+from hf_powernorm.compare import runs as compare_runs
 from test_compare import (  # noqa: F401 (fixtures)
     TINY,
     _rows,
@@ -89,21 +90,21 @@ def test_ctrl_c_writes_the_partial_report_and_the_rerun_resumes(gpt2_case, capsy
     out = tmp_path / "out"
     argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "2", "--norms", "layernorm",
             *TINY, "--output_dir", str(out)]
-    real = compare.run_cell
+    real = compare_runs.run_cell
 
     def interrupted_at_seed_2(cell, folder):
         if cell.options["seed"] == 2:
             raise KeyboardInterrupt
         return real(cell, folder)
 
-    monkeypatch.setattr(compare, "run_cell", interrupted_at_seed_2)
+    monkeypatch.setattr(compare_runs, "run_cell", interrupted_at_seed_2)
     code, err = _cli(argv, capsys)
     last = err.strip().splitlines()[-1]
     assert code == 130 and last.startswith("hf-powernorm compare: interrupted: 1 runs had finished")
     assert "rerun the same command to resume" in last and "Traceback" not in err
     assert {r["seed"] for r in _rows(out)} == {"1"}
     trained = []
-    monkeypatch.setattr(compare, "run_cell", lambda cell, folder: trained.append(cell.name) or real(cell, folder))
+    monkeypatch.setattr(compare_runs, "run_cell", lambda cell, folder: trained.append(cell.name) or real(cell, folder))
     compare.main(argv)
     assert trained == ["layernorm-lr0.0005-seed2"]
     assert "1 of 2 runs finished, 1 to run" in capsys.readouterr().err
@@ -182,8 +183,8 @@ def test_a_changed_model_folder_redoes_its_runs_and_says_so(gpt2_case, capsys, t
     compare.main(argv)
     first = json.loads((out / "cells" / "layernorm-lr0.0005-seed1" / "result.json").read_text())
     trained = []
-    real = compare.run_cell
-    monkeypatch.setattr(compare, "run_cell", lambda cell, folder: trained.append(cell.name) or real(cell, folder))
+    real = compare_runs.run_cell
+    monkeypatch.setattr(compare_runs, "run_cell", lambda cell, folder: trained.append(cell.name) or real(cell, folder))
     capsys.readouterr()
     compare.main(argv)  # nothing changed: resumed, and it says so
     assert trained == [] and "1 of 1 runs finished, 0 to run" in capsys.readouterr().err
@@ -339,20 +340,41 @@ def test_holm_over_the_comparisons_made_can_take_a_verdict_back(tmp_path):
 
 
 @pytest.mark.parametrize("case, flag", [
-    ("identical", "identical to the baseline's in every seed"),
     ("barely trained", "perplexity above half the vocabulary (99)"),
     ("best at the last update", "best model at the last update (seed 1, 2)"),
     ("no better than its start", "no better than before fine-tuning (seed 1, 2)"),
 ])
 def test_a_flagged_comparison_gets_no_verdict(case, flag, tmp_path):
     base = [_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2)]
-    other = {"identical": [_result("powernorm", 1, 20.0), _result("powernorm", 2, 20.2)],
-             "barely trained": [_result("powernorm", 1, 60.0, start=90.0), _result("powernorm", 2, 61.0, start=90.0)],
+    other = {"barely trained": [_result("powernorm", 1, 60.0, start=90.0), _result("powernorm", 2, 61.0, start=90.0)],
              "best at the last update": [_result("powernorm", s, 10.0, best_step=4) for s in (1, 2)],
              "no better than its start": [_result("powernorm", s, 10.0, start=9.0) for s in (1, 2)]}[case]
     report = _report(base + other, tmp_path)
     assert "| flagged: no verdict |" in report and flag in report
     assert "PN better" not in report and "Every check passed" not in report
+
+
+def test_the_same_function_as_the_baseline_gets_no_verdict_row_and_the_tolerance_is_stated(tmp_path):
+    base = [_result("layernorm", 1, 98.99092112), _result("layernorm", 2, 97.5)]
+    # RMSNorm in place of a Llama's own LlamaRMSNorm: the same function, the scores differ by rounding.
+    same = [_result("rmsnorm", 1, 98.99092463), _result("rmsnorm", 2, 97.5 * (1 + 2e-8))]
+    apart = [_result("powernorm", 1, 98.99092112 * (1 + 1e-5)), _result("powernorm", 2, 97.5 * (1 - 1e-5))]
+    report = _report(base + same + apart, tmp_path, ("layernorm", "rmsnorm", "powernorm"))
+    assert "| rmsnorm | 2 |" not in report and "| powernorm | 2 |" in report  # a verdict row for PN only
+    assert "- rmsnorm: the same function as LlamaRMSNorm" in report and "within a relative 1e-06" in report
+    assert "Holm-adjusted over the 1 comparison(s) with an interval" in report  # RMSNorm is not in the family
+    # Equal scores with training losses that differ (an accuracy that happens to be equal): not the same function.
+    for r in base + same:
+        folder = tmp_path / "cells" / r["cell"] / "run"
+        folder.mkdir(parents=True, exist_ok=True)
+        loss = 3.0 if r["norm"] == "layernorm" else 3.1
+        (folder / "training_log.jsonl").write_text(json.dumps({"step": 1, "loss": loss}) + "\n")
+    assert "| rmsnorm | 2 |" in _report(base + same, tmp_path, ("layernorm", "rmsnorm"))
+    # Perplexity 1 everywhere (a tokenizer that encodes the text to nothing): flagged, not the same function.
+    empty = [_result(norm, seed, 1.0) for norm in ("layernorm", "rmsnorm") for seed in (3, 4)]
+    report = _report(empty, tmp_path / "empty", ("layernorm", "rmsnorm"))
+    assert "| rmsnorm | 2 |" in report and "no token to predict" in report
+    assert "- rmsnorm: the same function" not in report
 
 
 def test_bleu_zero_everywhere_is_flagged():
@@ -419,7 +441,7 @@ def test_a_norm_that_cannot_keep_the_function_runs_without_it_and_says_why(gpt2_
     runs = {cell.options["norm"]: compare.run_args(cell, tmp_path / "o" / "cells" / cell.name)
             for cell in compare.make_cells(args, dict.fromkeys(args.norms, [1e-3]), [1])}
     assert (runs["powernorm"].preserve_function, runs["rmsnorm"].preserve_function) == (True, False)
-    assert "without it for rmsnorm (preserve_function=True cannot keep" in compare._conversion_sentence(args)
+    assert "without it for rmsnorm (preserve_function=True cannot keep" in compare.conversion_sentence(args)
 
 
 def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_path, monkeypatch):
@@ -507,7 +529,7 @@ def test_a_run_in_a_fresh_process_of_jobs_has_the_library_bars_off(monkeypatch, 
     import transformers
 
     seen = []
-    monkeypatch.setattr(compare, "_run_cell", lambda cell, folder: seen.append(
+    monkeypatch.setattr(compare_runs, "_run_cell", lambda cell, folder: seen.append(
         (transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())) or {})
     assert compare.run_cell(None, tmp_path) == {}
     assert seen == [(False, False)]

@@ -343,17 +343,26 @@ def train_and_score(task: Task, model_size: dict[str, Any], *,
 def _fit_and_score(task: Task, accelerator: Accelerator, model: torch.nn.Module, data: dict[str, Any],
                    eval_batch_size: int) -> tuple[torch.nn.Module, dict[str, Any]]:
     """`train_and_score` once the data and the model are there."""
-    args = task.args
-    collate = task.train_collate()
-    evals = prepare_eval_loaders(accelerator, data, collate, eval_batch_size)
-    validate = lambda m: task.evaluate(accelerator, m, evals["validation"], "validation")[task.metric]  # noqa: E731
-    model, summary = fit(args, accelerator, model, data["train"], collate, task.loss(accelerator),
-                         tokenizer=task.tokenizer, mode=task.mode, validate=validate,
-                         length_columns=task.length_columns)
-    scores = score_splits(lambda split, loader: task.evaluate(accelerator, model, loader, split), evals)
+    evals = prepare_eval_loaders(accelerator, data, task.train_collate(), eval_batch_size)
+    model, summary, scores = fit_and_score(task, accelerator, model, data, evals)
     accelerator.end_training()
     return accelerator.unwrap_model(model).eval(), {**summary, **scores}
 
 
-__all__ = ["BAD_INPUT", "TASK_REGISTRY", "Task", "get_task", "option_words", "register_task", "run_script",
+def fit_and_score(task: Task, accelerator: Accelerator, model: torch.nn.Module, data: dict[str, Any],
+                  evals: dict[str, DataLoader], loss: LossFn | None = None
+                  ) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:
+    """The part of the run body that the studies (`train_and_score`) and `hf-powernorm compare` share:
+    training on `data["train"]` with early stopping on the task's validation metric (`fit`, with
+    `loss`, the task's by default), then the scores of every split of `evals`. Returns the model,
+    the training summary and the scores (keys prefixed by the split's name)."""
+    validate = lambda m: task.evaluate(accelerator, m, evals["validation"], "validation")[task.metric]  # noqa: E731
+    model, summary = fit(task.args, accelerator, model, data["train"], task.train_collate(),
+                         loss or task.loss(accelerator), tokenizer=task.tokenizer, mode=task.mode, validate=validate,
+                         length_columns=task.length_columns)
+    scores = score_splits(lambda split, loader: task.evaluate(accelerator, model, loader, split), evals)
+    return model, summary, scores
+
+
+__all__ = ["BAD_INPUT", "TASK_REGISTRY", "Task", "fit_and_score", "get_task", "option_words", "register_task", "run_script",
            "run_task", "task_names", "train_and_score"]

@@ -1,0 +1,561 @@
+"""The runs of a comparison: the checks on the model and the data before any training (`prepare`),
+each cell's fine-tuning and scores (`run_cell`), the grid of cells with the learning rates chosen
+on validation (`run_cells`, `choose_learning_rates`), the kept models, and `run_comparison`, which
+holds the output folder for one process while it prepares, runs and writes the outputs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
+from ..training.locking import hold_output_folder
+from ..training.readers import split_train
+from ..training.tasks import Task, get_task, task_names
+from .options import BASELINE, CompareOptions, library_args, world_size
+from .plan import (
+    check_output_folder,
+    continue_or_clear,
+    make_cells,
+    redo_changed_runs,
+    run_args,
+    save_comparison,
+    saved_comparison,
+)
+from .report import final_runs, result_rows, write_outputs
+
+# The tiny GPT-2 of the embedded default.
+EMBEDDED_MODEL = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 80}
+
+
+def task_of(options: CompareOptions | argparse.Namespace) -> Task:
+    """The registry's task of `--task` over the options as the library reads them (a run's as they are)."""
+    args = options if isinstance(options, argparse.Namespace) else library_args(options)
+    task = get_task(args.task)(args)
+    task.write_predictions = False  # a comparison keeps scores, not outputs
+    return task
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before any training: model, task, data
+# ---------------------------------------------------------------------------------------------
+
+def check_model(options: CompareOptions) -> dict[str, int]:
+    """The model fits `--task` (a causal LM for `causal-lm`) and has norms that `convert_norms`
+    knows; returns its norm classes and counts (for the report). Builds the model from its config
+    only (random weights)."""
+    from transformers import AutoConfig
+
+    from ..converter import find_norms
+
+    task = task_of(options)
+    config = AutoConfig.from_pretrained(options.model_name_or_path, trust_remote_code=options.trust_remote_code)
+    auto_class = task.auto_model_class()
+    if type(config) not in auto_class._model_mapping:
+        fitting = [name for name in task_names() if type(config) in get_task(name).auto_model_class()._model_mapping]
+        raise ValueError(f"--task {task.name} does not fit --model_name_or_path {options.model_name_or_path} "
+                         f"(model_type {config.model_type!r} has no {auto_class.__name__}); tasks that fit it: "
+                         f"{fitting or 'none'}")
+    model = _model_from_config(options)
+    task.check_pretrained(model, config)
+    norms = find_norms(model, config.get_text_config().hidden_size)
+    if not norms:
+        raise ValueError(f"--model_name_or_path {options.model_name_or_path} ({type(model).__name__}) has no norm "
+                         f"that convert_norms knows (LayerNorm or RMSNorm layers): nothing to compare")
+    positions = _positions(config)
+    option = f"--{task.length_option}"
+    length = getattr(options, task.length_option)
+    if positions is not None and length is not None and length > positions:
+        raise ValueError(f"{option} {length} exceeds the {positions} positions of --model_name_or_path "
+                         f"{options.model_name_or_path}; lower {option}")
+    counts: dict[str, int] = {}
+    for name in norms:
+        cls = type(model.get_submodule(name)).__name__
+        counts[cls] = counts.get(cls, 0) + 1
+    return counts
+
+
+def _model_from_config(options: CompareOptions):
+    """The model of `--model_name_or_path` for `--task` with random weights, on CPU."""
+    import torch
+    from transformers import AutoConfig
+
+    trusted = options.trust_remote_code
+    config = AutoConfig.from_pretrained(options.model_name_or_path, trust_remote_code=trusted)
+    with torch.device("cpu"):
+        return task_of(options).auto_model_class().from_config(config, trust_remote_code=trusted)
+
+
+def check_preserving(options: CompareOptions) -> dict[str, str]:
+    """With `preserve_function`, each converted norm of `--norms` tried on the model built from its
+    config, with its runs' conversion options: returns the norms it cannot keep the function with
+    and why (their runs convert without it, and the report says so). Nothing is tried without."""
+    from ..converter import convert_norms
+    from ..training.models import converter_options
+
+    if not options.preserve_function:
+        return {}
+    refused = {}
+    for norm in options.norms:
+        if norm == BASELINE:
+            continue
+        try:
+            convert_norms(_model_from_config(options), norm, modules=options.convert_modules, preserve_function=True,
+                          **converter_options(library_args(options, convert_norms=norm), 1))
+        except (ValueError, TypeError) as error:  # a target, source or option it cannot keep the function with
+            refused[norm] = " ".join(str(error).split())
+    return refused
+
+
+def _positions(config) -> int | None:
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def fit_lengths(options: CompareOptions, tokenizer) -> None:
+    """The task's length option (`--block_size` for causal-lm, else `--max_length`) when not given:
+    what the model's positions and the tokenizer allow (as Transformers' `run_clm` does), at most the
+    task's cap (1024 tokens a block, 128 a sequence), and `--max_tokens`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(options.model_name_or_path, trust_remote_code=options.trust_remote_code)
+    limits = [_positions(config),
+              tokenizer.model_max_length if tokenizer.model_max_length < 1e6 else None]
+    allowed = min((limit for limit in limits if limit), default=None)
+    task = task_of(options)
+    if getattr(options, task.length_option) is None:
+        setattr(options, task.length_option, min(allowed or task.length_cap, task.length_cap, options.max_tokens))
+
+
+def embedded_model(folder: Path) -> str:
+    """The embedded default's model: a tiny GPT-2 (seed 0) with a BPE of the embedded English
+    corpus, saved once into `folder`."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ..training.corpora import synthetic_lm_corpus
+    from ..training.tokenization import column_texts, train_bpe_tokenizer
+
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        tokenizer = train_bpe_tokenizer(column_texts(synthetic_lm_corpus()["train"]), vocab_size=500)
+        config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            **EMBEDDED_MODEL)
+        GPT2LMHeadModel(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def load_model_tokenizer(path: str, trust_remote_code: bool = False):
+    """The model's own tokenizer; one without a padding token pads with its end (else unknown)
+    token, which the masks and the -100 labels leave out of every loss and statistic."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"the tokenizer of --model_name_or_path {path} cannot be loaded: "
+                         f"{str(error).strip().splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise ValueError(f"the tokenizer of {path} has no padding, end or unknown token to pad with")
+        tokenizer.pad_token = fallback
+    return tokenizer
+
+
+def load_raw_data(options: CompareOptions):
+    """The task's splits from `--dataset_name` or the data files (the embedded corpus without
+    either), validation and test carved out of train when missing (seed 0: the same for every
+    run), checked to hold the task's columns. Data that cannot be read is a ValueError naming it."""
+    with reading_data(options):
+        raw = split_train(task_of(options).read_splits(seed=0), seed=0)
+    if "train" not in raw:
+        raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
+    from ..training.readers import limit_splits
+
+    return limit_splits(raw, options.max_train_samples, options.max_eval_samples)
+
+
+@contextlib.contextmanager
+def reading_data(options: CompareOptions | argparse.Namespace) -> Iterator[None]:
+    """Data that cannot be read (not text, an offline Hub id) as a ValueError naming it and why."""
+    import datasets
+
+    try:
+        yield
+    except (UnicodeDecodeError, datasets.exceptions.DatasetGenerationError, RuntimeError) as error:
+        cause = error
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        # The readers' own message (e.g. an offline Hub id), else the error deep inside `datasets`.
+        reason = str(error) if isinstance(error, RuntimeError) else f"{type(cause).__name__}: {cause}"
+        raise ValueError(f"could not read the data {options.dataset_name or options.train_file}: {reason}") from None
+
+
+def resolve_label_names(options: CompareOptions | argparse.Namespace) -> None:
+    """The options the task settles from the data before tokenizing (classification: the class
+    names, matched to the model's `id2label`)."""
+    task = task_of(options)
+    with reading_data(options):
+        task.resolve_labels()
+    options.label_names = task.args.label_names
+
+
+def tokenize_data(options: CompareOptions, raw, tokenizer):
+    """The cached `Dataset.map` passes of the task: a second run over the same data reads them."""
+    return task_of(options).tokenize(raw, tokenizer)
+
+
+def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int, calibration=None):
+    """The model of `--model_name_or_path`, its norms converted to `args.convert_norms` (with the
+    `--powernorm_*` options, `--convert_modules`, and `preserve_function` calibrated on
+    `calibration`: the training split and its collator), or as it is when that is None (the baseline)."""
+    from ..training.models import load_and_convert
+
+    auto_class = task_of(args).auto_model_class()
+    if args.convert_norms is None:
+        return auto_class.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                                          **fields).train()
+    return load_and_convert(args, auto_class, tokenizer, num_processes, calibration=calibration, **fields)
+
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """One progress bar per run: no bars of Transformers' shard writing or of `datasets`' passes
+    while the comparison runs; the caller's settings come back after it."""
+    import datasets
+    import transformers
+
+    shown = transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown[0]:
+            transformers.utils.logging.enable_progress_bar()
+        if shown[1]:
+            datasets.enable_progress_bars()
+
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    """Fine-tune and score one (norm, seed, learning rate) of the comparison in `folder`: the
+    validation score right after conversion, the training, the scores of the best validated model,
+    the time it took and, for seq2seq, three sample outputs. The libraries' progress bars are off
+    while it runs, in `main`'s process or in a fresh one of `--jobs`."""
+    with _quiet_libraries():
+        return _run_cell(cell, folder)
+
+
+def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
+    from ..training.checkpoints import remove_checkpoints
+    from ..training.loop import make_accelerator, prepare_eval_loaders
+    from ..training.losses import model_loss
+    from ..training.tasks import fit_and_score
+
+    started = time.perf_counter()
+    if world_size() == 1:  # under `accelerate launch`, `run_cells` has readied the folder
+        continue_or_clear(folder, saved_comparison(folder.parents[1])["args"].get("checkpoint_runs", False))
+    args = run_args(cell, folder)
+    task = task_of(args)
+    if args.embedded_default:
+        import torch
+
+        torch.set_num_threads(1)  # a tiny model: several threads cost more than they bring
+    accelerator = make_accelerator(args, task.input_path_options)
+    task.tokenizer = tokenizer = load_model_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    task.resolve_labels()
+    with accelerator.main_process_first():
+        raw = load_raw_data(args)
+        data = task.tokenize(raw, tokenizer)
+    collate = task.train_collate()
+    model = load_model(args, tokenizer, task.pretrained_fields(), accelerator.num_processes,
+                       calibration=(data["train"], collate))
+    evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
+    model.to(accelerator.device)
+    start = task.evaluate(accelerator, model, evals["validation"], "validation")  # the starting handicap
+    start.setdefault("loss", validation_loss(accelerator, model, evals["validation"]))
+    # The model's own loss for every task: a pretrained head is fine-tuned as it was trained.
+    model, summary, scores = fit_and_score(task, accelerator, model, data, evals, loss=model_loss)
+    samples = task.samples(accelerator, model, raw, data, collate)
+    for tracker in accelerator.trackers:  # not `end_training`: the next run needs the process group
+        tracker.finish()
+    if accelerator.is_main_process:
+        if not args.save_models:  # the weights are not what a comparison keeps
+            shutil.rmtree(Path(args.output_dir) / "best_model", ignore_errors=True)
+        remove_checkpoints(args.output_dir)  # they served their end
+    accelerator.wait_for_everyone()
+    return {**summary, "scores": _numbers(scores), "start": _numbers(start), "samples": samples,
+            "seconds": round(time.perf_counter() - started, 1),
+            "fingerprint": saved_comparison(folder.parents[1])["fingerprint"]}
+
+
+def validation_loss(accelerator, model, loader) -> float:
+    """The model's own loss over `loader`, averaged over examples (every process's batches)."""
+    import torch
+
+    from ..training.losses import model_loss
+
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in loader:
+            count = batch["input_ids"].shape[0]
+            pair = torch.stack([model_loss(model, batch).double() * count,
+                                torch.tensor(count, dtype=torch.float64, device=batch["input_ids"].device)])
+            total += accelerator.gather_for_metrics(pair[None]).sum(0).cpu()
+    model.train()
+    return float(total[0] / total[1])
+
+
+def _numbers(scores: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid
+# ---------------------------------------------------------------------------------------------
+
+def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]]:
+    """The unfinished runs of `cells`, one after the other in this process (under `accelerate
+    launch` every process runs every cell together, the main process clearing its folder and
+    writing its result), or with `--jobs N` by `run_grid` in N processes at once. A finished run
+    whose inputs changed since is run again, and what is left to run is said first; each run
+    shows one progress bar, announced by a line."""
+    if not options.report_only and (world_size() == 1 or int(os.environ.get("RANK", "0")) == 0):
+        redo_changed_runs(cells, options.output_dir)
+        finished = sum(cell_result(options.output_dir, cell) is not None for cell in cells)
+        print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
+    if options.jobs > 1 or options.report_only:
+        return run_grid(cells, run_cell, options.output_dir, jobs=options.jobs, desc="Comparison",
+                        report_only=options.report_only, resume_cells=True)
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    from ..training.checkpoints import write_json_atomically
+
+    state = PartialState(cpu=options.cpu)
+    state.wait_for_everyone()  # the main process has set aside the runs to redo
+    todo = [cell for cell in cells if cell_result(options.output_dir, cell) is None]
+    state.wait_for_everyone()  # every process has read which cells are finished
+    for number, cell in enumerate(todo, start=1):
+        folder = Path(options.output_dir) / "cells" / cell.name
+        if state.is_main_process:
+            print(f"run {number} of {len(todo)}: {cell.name}", file=sys.stderr)
+            if world_size() > 1:
+                continue_or_clear(folder, options.checkpoint_runs)
+        state.wait_for_everyone()
+        result = {"cell": cell.name, **cell.options, **run_cell(cell, folder)}
+        if state.is_main_process:
+            write_json_atomically(folder / RESULT_NAME, result)
+        state.wait_for_everyone()
+        AcceleratorState._reset_state()  # the next run builds its own Accelerator
+    return [r for r in (cell_result(options.output_dir, cell) for cell in cells) if r is not None]
+
+
+def choose_learning_rates(options: CompareOptions) -> dict[str, float]:
+    """Each norm's learning rate: `--learning_rate`, or with `--tune_lr` the rate of `--lr_grid`
+    whose run with the first seed scored best on validation."""
+    if not options.tune_lr:
+        return {norm: options.learning_rate for norm in options.norms}
+    grid = {norm: list(options.lr_grid) for norm in options.norms}
+    results = run_cells(make_cells(options, grid, options.seeds[:1]), options)
+    task = task_of(options)
+    chosen = {}
+    for norm in options.norms:
+        scored = [(r["scores"][f"validation_{task.metric}"], r["learning_rate"]) for r in results if r["norm"] == norm]
+        if not scored:  # --report_only before the grid finished
+            continue
+        pick = min if task.mode == "min" else max
+        chosen[norm] = pick(scored, key=lambda pair: _finite(pair[0], task.mode))[1]
+    return chosen
+
+
+def _finite(value: float, mode: str) -> float:
+    """A diverged run's score (NaN) ranks last."""
+    return value if not math.isnan(value) else (math.inf if mode == "min" else -math.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs: results.csv, report.md, validation_curves.png
+# ---------------------------------------------------------------------------------------------
+# The models a comparison keeps
+# ---------------------------------------------------------------------------------------------
+
+def keep_best_models(results: Sequence[dict[str, Any]], chosen: dict[str, float],
+                     options: CompareOptions) -> dict[str, Path]:
+    """`--save_models`: each norm's best run over the seeds (by its best validation score) copied
+    with the tokenizer into `output_dir/models/<norm>`; returns the folders."""
+    mode = task_of(options).mode
+    kept = {}
+    for norm in options.norms:
+        runs = [r for r in final_runs(results, norm, chosen) if r.get("best_validation") is not None]
+        folders = {r["cell"]: Path(options.output_dir) / "cells" / r["cell"] / "run" / "best_model" for r in runs}
+        runs = [r for r in runs if folders[r["cell"]].is_dir()]
+        if not runs:
+            continue
+        pick = min if mode == "min" else max
+        best = pick(runs, key=lambda r: _finite(r["best_validation"], mode))
+        target = Path(options.output_dir) / "models" / norm
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(folders[best["cell"]], target)
+        load_model_tokenizer(options.model_name_or_path, options.trust_remote_code).save_pretrained(target)
+        (target / "comparison_run.json").write_text(json.dumps({k: best[k] for k in (
+            "cell", "norm", "seed", "learning_rate", "best_step", "best_validation", "scores")}, indent=1))
+        kept[norm] = target
+    return kept
+
+
+def push_models(kept: dict[str, Path], options: CompareOptions) -> list[str]:
+    """`--push_to_hub`: each kept model uploaded to `<--hub_model_id>-<norm>`; returns the repositories."""
+    from huggingface_hub import HfApi
+
+    api, repos = HfApi(), []
+    for norm, folder in kept.items():
+        repo = api.create_repo(f"{options.hub_model_id}-{norm}", private=options.hub_private_repo,
+                               exist_ok=True).repo_id
+        api.upload_folder(repo_id=repo, folder_path=str(folder),
+                          commit_message=f"hf-powernorm compare: the best {norm} model")
+        repos.append(repo)
+    return repos
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+# ---------------------------------------------------------------------------------------------
+
+def prepare(options: CompareOptions) -> dict[str, Any]:
+    """Every check before training, on the main process first: the model (the embedded default's
+    built once) and the lengths it allows, the class names, the output folder, the data read and
+    tokenized into the cache; `compare.json` written with the inputs' fingerprint. Returns the
+    model's norm classes and counts, and its vocabulary size."""
+    from ..training.arguments import check_batch_budget
+    from ..training.models import resolve_model_path
+
+    if options.model_name_or_path is not None:
+        options.model_name_or_path = resolve_model_path(options.model_name_or_path)
+        with loading_model(options):
+            facts = model_facts(options)
+            options.not_preserved = check_preserving(options)
+            fit_lengths(options, load_model_tokenizer(options.model_name_or_path, options.trust_remote_code))
+        check_batch_budget(library_args(options))
+        resolve_label_names(options)
+    check_output_folder(options)
+    if options.model_name_or_path is None:
+        options.model_name_or_path = embedded_model(Path(options.output_dir) / "model")
+        facts = model_facts(options)
+        resolve_label_names(options)
+    if not options.report_only:
+        tokenizer = load_model_tokenizer(options.model_name_or_path, options.trust_remote_code)
+        tokenize_data(options, load_raw_data(options), tokenizer)
+    Path(options.output_dir).mkdir(parents=True, exist_ok=True)
+    if not options.report_only:
+        save_comparison(options, facts)
+    return facts
+
+
+@contextlib.contextmanager
+def loading_model(options: CompareOptions) -> Iterator[None]:
+    """A model that brings its own code (an `auto_map`), without `--trust_remote_code`: one line
+    that says to pass it (Transformers, told `trust_remote_code=False`, refuses without a prompt)."""
+    try:
+        yield
+    except ValueError as error:
+        if options.trust_remote_code or "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(f"--model_name_or_path {options.model_name_or_path} brings its own code (an auto_map in "
+                         f"its config.json): pass --trust_remote_code to run it") from None
+
+
+def model_facts(options: CompareOptions) -> dict[str, Any]:
+    """What the report says of the model: its norm classes and counts, its vocabulary size."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(options.model_name_or_path, trust_remote_code=options.trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    return {"norm_counts": check_model(options), "vocab_size": vocab_size}
+
+
+def run_comparison(options: CompareOptions) -> list[dict[str, Any]]:
+    """Run (or resume) the comparison of `options` and write its outputs, holding its output folder
+    for this process (`FolderInUse`, a ValueError's one line, when another holds it); returns the
+    rows of results.csv. Interrupted (Ctrl-C), it writes the report of the runs finished so far and
+    raises KeyboardInterrupt with a line that says so; the same command resumes."""
+    from ..training.locking import FolderInUse
+
+    main_process = world_size() == 1 or int(os.environ.get("RANK", "0")) == 0
+    try:
+        with hold_output_folder(options.output_dir, enabled=main_process), _quiet_libraries():
+            return _main(options)
+    except FolderInUse as error:  # raised on entry only: another process holds the folder
+        raise ValueError(f"--output_dir {error}") from None
+
+
+def _main(options: CompareOptions) -> list[dict[str, Any]]:
+    """`run_comparison` once the folder is held, with the libraries' progress bars off."""
+    if world_size() > 1:
+        from accelerate import PartialState
+
+        state = PartialState(cpu=options.cpu)
+        with state.main_process_first():
+            facts = prepare(options) if state.is_main_process else None
+        if not state.is_main_process:  # the folder and model the main process made
+            saved = saved_comparison(options.output_dir)
+            options, facts = CompareOptions.from_json(saved["args"]), saved["model"]
+        is_main = state.is_main_process
+    else:
+        facts, is_main = prepare(options), True
+    try:
+        chosen, results = _run(options)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupted(options, facts) if is_main else "") from None
+    if is_main:
+        print(write_outputs(results, chosen, options, facts))
+        if options.save_models:
+            kept = keep_best_models(results, chosen, options)
+            print(f"kept models: {', '.join(str(folder) for folder in kept.values())}", file=sys.stderr)
+            if options.push_to_hub:
+                print(f"pushed to the Hub: {', '.join(push_models(kept, options))}", file=sys.stderr)
+    return result_rows(results, chosen)
+
+
+def _run(options: CompareOptions) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Each norm's learning rate, then its runs over the seeds (the tuning grid's results too)."""
+    chosen = choose_learning_rates(options)
+    results = run_cells(make_cells(options, {n: [lr] for n, lr in chosen.items()}, options.seeds), options)
+    if options.tune_lr:  # the grid's other rates too, for results.csv
+        grid_cells = make_cells(options, {n: list(options.lr_grid) for n in options.norms}, options.seeds[:1])
+        grid = finished_results(grid_cells, options.output_dir)
+        results = list({r["cell"]: r for r in [*grid, *results]}.values())
+    if not results:
+        raise FileNotFoundError(f"--report_only: no finished run under {options.output_dir}/cells")
+    return chosen, results
+
+
+def _interrupted(options: CompareOptions, facts: dict[str, Any]) -> str:
+    """The report of the runs finished so far, and the line that says where it is (on a line of its
+    own: the interrupted progress bars are closed first)."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    options.report_only = True
+    try:
+        chosen, results = _run(options)
+    except FileNotFoundError:
+        return "no run had finished; rerun the same command to start again"
+    write_outputs(results, chosen, options, facts)
+    return (f"{len(results)} runs had finished: their report is in {Path(options.output_dir) / 'report.md'}; "
+            f"rerun the same command to resume")
+
