@@ -298,6 +298,24 @@ def test_dataset_rows_are_documents_separated_by_eos(tokenizers, tmp_path):
 # An exported language model continues a prompt
 # --------------------------------------------------------------------------------------------
 
+def test_translation_and_classification_tokenizers_end_a_text_with_eos_as_barts_do():
+    """A source or a sentence to classify, encoded by the exported tokenizer, ends in the `</s>` the
+    model was trained with (BART's and Marian's tokenizers append it); a language model's tokenizer
+    leaves a prompt open. The training ids are the same either way."""
+    assert get_task("seq2seq").tokenizer_appends_eos and get_task("classification").tokenizer_appends_eos
+    assert not get_task("causal-lm").tokenizer_appends_eos
+    translation = training.synthetic_translation_corpus(sizes=SMOKE_SIZES)
+    classification = training.synthetic_classification_corpus(sizes=SMOKE_SIZES)
+    appending = (
+        training.train_bpe_tokenizer(training.translation_texts(translation["train"], ("de", "en")), 150,
+                                     append_eos=True),
+        training.train_bpe_tokenizer(training.column_texts(classification["train"]), 120, append_eos=True))
+    for tokenizer in appending:
+        ids = tokenizer("the dog")["input_ids"]
+        assert ids == tokenizer("the dog", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert _task_hashes(*appending) == {k: v for k, v in SMOKE_HASHES.items() if k.startswith(("translation", "class"))}
+
+
 def test_exported_tokenizer_leaves_a_prompt_open_and_generation_continues_it(tmp_path):
     from transformers import AutoTokenizer, pipeline
 

@@ -68,6 +68,7 @@ class LanguageModelling(Task):
     model_class, auto_class = PowerNormTransformerForCausalLM, AutoModelForCausalLM
     build_parser, check_options = staticmethod(build_parser), staticmethod(check_options)
     pretrained_auto_class = "AutoModelForCausalLM"
+    tokenizer_appends_eos = False  # a prompt stays open for generation
     default_size = DEFAULT_SIZE
     metric, mode = "perplexity", "min"
     corpus = "the embedded English corpus"

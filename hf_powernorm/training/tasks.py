@@ -76,6 +76,9 @@ class Task:
     own_options: tuple[str, ...] = ()  # the options no other task reads (`--block_size`, `--num_beams`, ...)
     decoder_batches: bool = True  # PN's batch statistics mix a decoder's positions: no PN warmup by default
     write_predictions: bool = True  # `evaluate` writes the test split's outputs into `--output_dir`
+    # A trained tokenizer appends `</s>` to what it encodes (BART's and Marian's do, for a source or a
+    # sentence to classify); a language model's leaves a prompt open (GPT-2's and Llama's).
+    tokenizer_appends_eos: bool = True
 
     build_parser: Callable[[], argparse.ArgumentParser]  # the recipe's command line
     check_options: Callable[[argparse.Namespace], argparse.Namespace]  # its checks, after parsing
@@ -153,7 +156,8 @@ class Task:
         """`self.tokenizer`: `--tokenizer_name`, the model's, or a BPE trained on `texts()`."""
         self.tokenizer = prepare_tokenizer(model_tokenizer_path(self.args), self.args.output_dir,
                                            self.args.vocab_size, accelerator, texts,
-                                           model_max_length=self.max_length())
+                                           model_max_length=self.max_length(),
+                                           append_eos=self.tokenizer_appends_eos)
 
     def evaluate(self, accelerator: Accelerator, model: torch.nn.Module, loader: DataLoader,
                  split: str) -> dict[str, Any]:

@@ -31,16 +31,19 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
-                        show_progress: bool = False, model_max_length: int | None = None):
+                        show_progress: bool = False, model_max_length: int | None = None,
+                        append_eos: bool = False):
     """A joint BPE tokenizer trained on `texts`, as a `transformers.PreTrainedTokenizerFast`.
 
     NFKC normalisation, whitespace kept as `▁` (Metaspace) so decoding restores the text, special
     tokens `<s>` (0), `<pad>` (1), `</s>` (2), `<unk>` (3) as in fairseq's dictionaries and the
-    model config's defaults. Nothing is added to an encoded text, so that a prompt stays open for
-    generation; the data passes end each sequence with `</s>` themselves (as fairseq appends EOS to
-    source, target and language-model lines).
+    model config's defaults. By default nothing is added to an encoded text, so that a prompt stays
+    open for generation (as GPT-2's and Llama's tokenizers leave it); `append_eos=True` appends `</s>`
+    to every text (as BART's and Marian's tokenizers end a source or a sentence to classify). Either
+    way the data passes end each sequence with one `</s>` (as fairseq appends EOS to source, target
+    and language-model lines): the ids they give are the same.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= len(SPECIAL_TOKENS):
@@ -52,6 +55,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress)
     tokenizer.train_from_iterator(texts, trainer)
+    if append_eos:
+        eos_id = tokenizer.token_to_id("</s>")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos_id)])
     extra = {"model_max_length": model_max_length} if model_max_length else {}
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>", **extra)
@@ -85,14 +92,16 @@ def has_tokenizer(path: str | Path | None) -> bool:
 
 
 def prepare_tokenizer(tokenizer_name: str | None, output_dir: str | Path, vocab_size: int, accelerator,
-                      texts: Callable[[], Iterable[str]], model_max_length: int | None = None):
+                      texts: Callable[[], Iterable[str]], model_max_length: int | None = None,
+                      append_eos: bool = False):
     """`tokenizer_name` (a saved tokenizer folder), or a BPE trained once on the main process on
-    `texts()`, saved to `output_dir/tokenizer` and read back by every process."""
+    `texts()` (appending `</s>` to each text when `append_eos`), saved to `output_dir/tokenizer` and
+    read back by every process."""
     directory = Path(tokenizer_name or Path(output_dir) / "tokenizer")
     with accelerator.main_process_first():
         if tokenizer_name is None and accelerator.is_main_process:
-            train_bpe_tokenizer(texts(), vocab_size, show_progress=True,
-                                model_max_length=model_max_length).save_pretrained(directory)
+            train_bpe_tokenizer(texts(), vocab_size, show_progress=True, model_max_length=model_max_length,
+                                append_eos=append_eos).save_pretrained(directory)
     return load_tokenizer(directory, model_max_length)
 
 
