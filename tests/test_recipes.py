@@ -209,9 +209,8 @@ WMT_CHILD = textwrap.dedent(
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR, trust_remote_code=True)  # as the card says
     out = {}
     for split, part in data.items():
-        # As the data path encodes a source: the tokenizer's ids, then `</s>`.
-        encoded = [ids + [tokenizer.eos_token_id] for ids in
-                   tokenizer(part["sources"], max_length=MAX_LENGTH - 1, truncation=True)["input_ids"]]
+        # The exported tokenizer ends a source with `</s>` itself, as the data path does (BART's does too).
+        encoded = tokenizer(part["sources"], max_length=MAX_LENGTH, truncation=True)["input_ids"]
         assert encoded == part["input_ids"], f"{split}: the tokenizer encodes the sources differently"
         sequences, scores = _beam_search(model, tokenizer.pad_token_id, part["input_ids"], **GENERATE)
         # training.decode_for_bleu: special tokens dropped, stripped

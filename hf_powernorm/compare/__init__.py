@@ -54,7 +54,7 @@ EXPORTS = {
     "plan": ("SETTINGS_NAME", "check_output_folder", "fingerprint", "make_cells", "redo_changed_runs", "run_args"),
     "report": ("SAME_FUNCTION_TOLERANCE", "baseline_name", "conversion_sentence", "plot_curves", "report_text",
                "result_rows", "run_flags", "same_function", "verdict", "write_outputs"),
-    "runs": ("check_model", "fit_lengths", "keep_best_models", "load_model_tokenizer", "load_raw_data", "model_facts",
+    "runs": ("check_model", "embedded_model", "fit_lengths", "keep_best_models", "load_model_tokenizer", "load_raw_data", "model_facts",
              "prepare", "push_models", "resolve_label_names", "run_cell", "run_cells", "run_comparison",
              "tokenize_data"),
 }

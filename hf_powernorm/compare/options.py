@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,7 +249,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `CompareOptions`: a flag per option field, its default said once in its help."""
-    from . import __doc__ as description
+    # The package's docstring, read from the package already imported (Python imports it before this
+    # module), not imported back from it.
+    description = sys.modules[__package__].__doc__
 
     # The usage as the package's docstring tells it: what a comparison does and writes, and an example.
     paragraphs = [p for p in description.split("\n\n") if not p.startswith("The package:")]
