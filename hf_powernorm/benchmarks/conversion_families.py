@@ -9,7 +9,7 @@ stream centred, `centring.py`) or some were fitted ("approximate", with the larg
 fitted norm's input), and the largest logit change over real tokens of held-out batches relative to
 the logits' RMS: PN fitted on the uncentred stream (`centre_stream=False`, what the conversion did
 before centring), then PN and RMSNorm on the centred stream. The families and their inputs are the
-ones `tests/test_centring.py` checks.
+ones `tests/conversion/test_centring.py` checks.
 """
 
 from __future__ import annotations

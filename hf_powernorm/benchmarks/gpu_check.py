@@ -6,7 +6,7 @@ for BENCHMARKS.md.
 
 Run from the repository root on a machine with a CUDA device and Triton. In order, each step a
 fresh process with its own time limit, its output kept in `OUT/<step>.log`:
-1. `tests`: the CUDA tests (`tests/test_compile.py -k cuda`: no step waits for the device, CUDA
+1. `tests`: the CUDA tests (`tests/norms/test_compile.py -k cuda`: no step waits for the device, CUDA
    steps equal the CPU's, buffers included) and the Triton kernel tests (DyT's and Derf's CUDA
    steps against the CPU's among them);
 2. `host_cost`: the eager layer step, host time and device operations per step, PN, DyT and Derf /
@@ -49,7 +49,7 @@ def steps(out: Path, repeats: int, quick: bool, suite_compile: bool = True) -> l
     updates = "30" if quick else "300"
     return [
         ("tests", [python, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                   "tests/test_compile.py", "tests/test_kernels_triton.py", "-k",
+                   "tests/norms/test_compile.py", "tests/norms/test_kernels_triton.py", "-k",
                    "cuda or triton or interpreter or operator"], 600),
         ("host_cost", [python, "-m", "hf_powernorm.benchmarks.host_cost", "--device", "cuda"]
          + (["--quick"] if quick else []), 300),

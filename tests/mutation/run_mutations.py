@@ -34,8 +34,8 @@ COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".cache", "__pycache__", "
 NORMALIZATION = "hf_powernorm/normalization.py"
 DISPATCH = "hf_powernorm/norm_dispatch.py"
 MODELING = "hf_powernorm/modeling_powernorm.py"
-NORM_TESTS = ("tests/test_normalization.py",)
-MODEL_TESTS = ("tests/test_modeling_powernorm.py",)
+NORM_TESTS = ("tests/norms/test_normalization.py",)
+MODEL_TESTS = ("tests/models/test_modeling_powernorm.py",)
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,8 @@ BATCHING = "hf_powernorm/training/batching.py"
 CHECKPOINTS = "hf_powernorm/training/checkpoints.py"
 RESUMING = "hf_powernorm/training/resuming.py"
 LOOP = "hf_powernorm/training/loop.py"
-TRAINING_TESTS = ("tests/test_training_loop.py",)
-DATA_TESTS = ("tests/test_training_data.py",)
+TRAINING_TESTS = ("tests/training/test_training_loop.py",)
+DATA_TESTS = ("tests/training/test_training_data.py",)
 
 TRAINING_MUTATIONS: list[Mutation] = [
     Mutation(
@@ -248,19 +248,19 @@ TRAINING_MUTATIONS: list[Mutation] = [
         "statistics-summed-not-averaged", CHECKPOINTS,
         "                buffer.copy_(total / accelerator.num_processes)\n",
         "                buffer.copy_(total)\n",
-        ("tests/test_recipes_lm_cls.py::test_statistics_are_averaged_across_processes",),
+        ("tests/training/test_recipes_lm_cls.py::test_statistics_are_averaged_across_processes",),
         "the processes' running statistics are summed instead of averaged before a save"),
     Mutation(
         "early-stopping-comparison-flipped", LOOP,
         '        better = self.best is None or (value < self.best if self.mode == "min" else value > self.best)\n',
         '        better = self.best is None or (value > self.best if self.mode == "min" else value < self.best)\n',
-        ("tests/test_recipes_lm_cls.py::test_early_stopping_state_round_trips",),
+        ("tests/training/test_recipes_lm_cls.py::test_early_stopping_state_round_trips",),
         "early stopping keeps the worst validation as the best"),
     Mutation(
         "resume-restarts-the-epoch", RESUMING,
         "    return completed, batches // batches_per_epoch, batches % batches_per_epoch, state\n",
         "    return completed, batches // batches_per_epoch, 0, state\n",
-        ("tests/test_recipes_lm_cls.py::test_lm_resume_from_latest_matches_an_unbroken_run",),
+        ("tests/training/test_recipes_lm_cls.py::test_lm_resume_from_latest_matches_an_unbroken_run",),
         "a resumed run starts its epoch from the first batch again instead of where it stopped"),
 ]
 

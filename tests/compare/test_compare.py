@@ -16,7 +16,7 @@ from hf_powernorm.training.tasks import get_task
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Two updates, validated after each, on a few examples: seconds per run.
 TINY = ["--max_train_steps", "2", "--eval_steps", "1", "--num_warmup_steps", "1", "--max_eval_samples", "24"]
 

@@ -8,7 +8,7 @@ import torch
 
 from hf_powernorm.benchmarks import gpu_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_names_every_check_and_each_command_exists(tmp_path):

@@ -195,7 +195,7 @@ def logit_change(model, expected: list[torch.Tensor], batches: list[dict]) -> fl
 @pytest.mark.parametrize("name", LAYERNORM_SOURCES)
 def test_preserve_function_brings_layernorm_sources_closer(name):
     """Closer than a plain conversion: exact where the residual stream is centred, a fit where it is
-    not (post-LN BERT and BART; tests/test_centring.py)."""
+    not (post-LN BERT and BART; tests/conversion/test_centring.py)."""
     source = build(name).eval()
     held_out = [{k: v for k, v in batch(name, seed).items() if k != "labels"} for seed in (100, 101, 102)]
     with torch.no_grad():

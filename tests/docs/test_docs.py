@@ -13,7 +13,7 @@ import pytest
 
 from recipe_scripts import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(?P<language>\w*)\n(?P<code>.*?)^```$", re.M | re.S)
 NOT_RUN = re.compile(r"<!-- not run: (?P<reason>[^>]*\S[^>]*) -->\n$")

@@ -23,7 +23,7 @@ from test_compare_trust import _one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The console script pip writes for `hf-powernorm`, then what the process had imported.
 CONSOLE_SCRIPT = """import json, sys
 from hf_powernorm.cli import main

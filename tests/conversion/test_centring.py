@@ -180,7 +180,7 @@ def test_the_families_table_lists_each_family_with_its_result():
     prints: a row per family, its result the one the tests above check."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[1] / "docs" / "conversion_families.md").read_text(encoding="utf-8")
+    text = (Path(__file__).parents[2] / "docs" / "conversion_families.md").read_text(encoding="utf-8")
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "|---" not in line]
     results = {cells[0].strip(): cells[2].strip() for cells in rows if len(cells) == 8 and cells[0].strip() != "family"}
     assert results == {name: "exact" if family.exact else "approximate" for name, family in FAMILIES.items()}

@@ -17,7 +17,7 @@ import pytest
 from hf_powernorm.studies import documents
 from hf_powernorm.training.statistics import t_quantile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TUNED = ROOT / "studies" / "tuned_comparison"
 STUDIES_MD = ROOT / "STUDIES.md"
 

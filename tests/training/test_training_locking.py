@@ -14,7 +14,7 @@ from hf_powernorm.training.locking import LOCK_NAME, FolderInUse, hold_output_fo
 
 # A second process that holds `folder` until its stdin closes, saying "held" once it does. It loads
 # `locking.py` alone (no torch import: it starts in a fraction of a second), as a run would hold it.
-LOCKING = Path(__file__).resolve().parents[1] / "hf_powernorm" / "training" / "locking.py"
+LOCKING = Path(__file__).resolve().parents[2] / "hf_powernorm" / "training" / "locking.py"
 HOLDER = f"""
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("locking", {str(LOCKING)!r})

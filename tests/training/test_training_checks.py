@@ -70,7 +70,7 @@ def test_columns():
 
 def test_no_torch_import():
     # The package's __init__ imports torch; load the module file alone, as a command parsing its options would.
-    path = Path(__file__).resolve().parents[1] / "hf_powernorm" / "training" / "checks.py"
+    path = Path(__file__).resolve().parents[2] / "hf_powernorm" / "training" / "checks.py"
     code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('checks', {str(path)!r}); "
             "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
             "print('torch' in sys.modules)")

@@ -25,7 +25,7 @@ from hf_powernorm import training
 from hf_powernorm.training.locking import LOCK_NAME
 from hf_powernorm.training.tasks import run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LM_FAST = ["--vocab_size", "100", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "2",
            "--eval_batch_size", "16", "--max_train_steps", "1"]
 CLS_FAST = ["--vocab_size", "100", "--max_tokens", "256", "--warmup_steps", "2", "--eval_batch_size", "32",

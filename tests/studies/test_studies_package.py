@@ -12,7 +12,7 @@ import pytest
 
 from hf_powernorm.studies import STUDIES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUDY_FILES = sorted(p.stem for p in (ROOT / "hf_powernorm" / "studies").glob("*.py"))
 LIBRARY = {"__init__", "__main__", "documents", "grid", "measures", "reports", "runs"}
 

@@ -319,7 +319,7 @@ def test_study_without_data_options_names_them_and_only_smoke_uses_the_embedded_
 def test_no_study_or_benchmark_defaults_to_a_path_outside_the_project():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sources = [*root.glob("recipes/**/*.py"), *root.glob("hf_powernorm/**/*.py")]
     assert sources
     assert not [str(p.relative_to(root)) for p in sources if "../shared" in p.read_text(encoding="utf-8")]

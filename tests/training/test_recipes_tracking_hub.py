@@ -16,7 +16,7 @@ from recipe_scripts import lm_text_files, train_classification, train_lm
 
 from hf_powernorm import training
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 LM_TINY = ["--vocab_size", "120", "--block_size", "16", "--max_tokens", "128", "--warmup_steps", "3",
            "--learning_rate", "5e-3", "--eval_batch_size", "16", "--max_train_steps", "4", "--eval_steps", "2"]

@@ -21,7 +21,7 @@ import sacrebleu
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 from launching import accelerate_launch
 from recipe_scripts import average_checkpoints, train_classification, train_lm, train_wmt
 
