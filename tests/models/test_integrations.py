@@ -282,7 +282,7 @@ def test_ddp_broadcasting_buffers_is_warned_once(norm_name, broadcast, expected,
 _DDP_WORKER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = sys.argv[3:]  # this file's folder and the tests' (its helpers)
     from test_integrations import _train_under_ddp
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -297,7 +297,8 @@ def test_ddp_broadcasting_buffers_is_warned_once_in_each_of_two_processes(tmp_pa
     script.write_text(_DDP_WORKER)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, os.path.dirname(__file__)],
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, os.path.dirname(__file__),
+                               os.path.dirname(os.path.dirname(__file__))],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
