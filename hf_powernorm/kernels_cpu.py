@@ -877,12 +877,12 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
    rational approximation (`generic_fast_tanh_float`: an odd polynomial of degree 13 over an even one
    of degree 6, the argument clamped to +-7.905, where tanh rounds to +-1 in float32): at most 2.8e-7
    from float64 tanh, about half the arithmetic of 2 sigmoid(2z) - 1 through exp (no range
-   reduction). erf (k = exp(-z^2), erf' = 2 / sqrt(pi) k), with no division: below |z| = 475/512 an
+   reduction). erf (k = erf'(z) = 2 / sqrt(pi) exp(-z^2)), with no division: below |z| = 475/512 an
    odd polynomial of degree 11 (N. Juffa's minimax erff, within 1 ulp), above it 1 - k P(|z|), P of
-   degree 6 a minimax fit, weighted by k, of erfcx(z) = exp(z^2) erfc(z) on [475/512, 4] (|z| clamped
-   to 4, where erf rounds to 1 in float32), so that the backward's erf' shares the forward's exp; at
-   most 1.8e-7 from float64 erf in float32 arithmetic, on every float32 in [1/16, 8) and 10^7 points
-   of [-6, 6] (Abramowitz and Stegun 7.1.26, with a division, gave 3.5e-7). */
+   degree 6 a minimax fit, weighted by k, of sqrt(pi) / 2 erfcx(z) = sqrt(pi) / 2 exp(z^2) erfc(z) on
+   [475/512, 4] (|z| clamped to 4, where erf rounds to 1 in float32), so that the backward's erf'
+   is the forward's k; at most 1.8e-7 from float64 erf in float32 arithmetic, on every float32 in
+   [1/16, 8) and 10^7 points of [-12, 12] (Abramowitz and Stegun 7.1.26, with a division, gave 3.5e-7). */
 SQUASH_CODE static inline float tanh_core(float z) {
     float x = z < -7.90531110763549805f ? -7.90531110763549805f : z;  /* NaN stays NaN */
     x = x > 7.90531110763549805f ? 7.90531110763549805f : x;
@@ -896,21 +896,21 @@ SQUASH_CODE static inline float tanh_core(float z) {
 }
 SQUASH_CODE static inline float tanh_value(float z, float k) { (void)z; return k; }
 SQUASH_CODE static inline float tanh_slope(float k) { return 1.0f - k * k; }
-SQUASH_CODE static inline float erf_core(float z) {  /* exp(-z^2) = 2^-n 2^f, |f| <= 1/2 */
+SQUASH_CODE static inline float erf_core(float z) {  /* 2 / sqrt(pi) exp(-z^2) = 2^-n (2 / sqrt(pi)) 2^f, |f| <= 1/2 */
     float v = z * z;
     v = v > 86.5f ? 86.5f : v;  /* NaN stays NaN; exp(-86.5) and 2^-n are normal floats */
     float n = floorf(v * 1.44269504088896341f + 0.5f);
     float f = n - v * 1.44269504088896341f;  /* one rounding: a multiply-add */
-    float p = f * 1.327646896e-03f + 9.675540961e-03f;  /* 2^f: minimax, relative error 2.1e-7 */
-    p = p * f + 5.550713465e-02f;
-    p = p * f + 2.402212024e-01f;
-    p = p * f + 6.931469440e-01f;
-    p = p * f + 1.000000119e+00f;
+    float p = f * 1.498089056e-03f + 1.091767941e-02f;  /* 2 / sqrt(pi) 2^f: minimax, relative error 2e-7 */
+    p = p * f + 6.263308972e-02f;
+    p = p * f + 2.710605860e-01f;
+    p = p * f + 7.821326256e-01f;
+    p = p * f + 1.128379226e+00f;
     union { float f; int32_t i; } k = {p};
     k.i -= (int32_t)n * (1 << 23);  /* the exponent field: p 2^-n without a multiply */
     return k.f;
 }
-SQUASH_CODE static inline float erf_slope(float k) { return 1.12837916709551257f * k; }
+SQUASH_CODE static inline float erf_slope(float k) { return k; }
 SQUASH_CODE static inline float erf_value(float z, float k) {
     float a = fabsf(z), q = z * z;
     float series = q * (-5.96761703e-4f) + 4.99119423e-3f;
@@ -920,12 +920,12 @@ SQUASH_CODE static inline float erf_value(float z, float k) {
     series = series * q + 1.28379166e-1f;
     series = series * z + z;
     float u = (a > 4.0f ? 4.0f : a) - 0.927734375f;  /* NaN stays NaN */
-    float p = u * 1.552259200e-03f - 1.107186265e-02f;
-    p = p * u + 3.765454516e-02f;
-    p = p * u - 8.850276470e-02f;
-    p = p * u + 1.723401248e-01f;
-    p = p * u - 2.967948914e-01f;
-    p = p * u + 4.481642544e-01f;
+    float p = u * 1.375653897e-03f - 9.812182747e-03f;
+    p = p * u + 3.337047249e-02f;
+    p = p * u - 7.843353599e-02f;
+    p = p * u + 1.527324617e-01f;
+    p = p * u - 2.630276084e-01f;
+    p = p * u + 3.971752524e-01f;
     return a < 0.927734375f ? series : copysignf(1.0f - k * p, z);
 }
 
