@@ -21,7 +21,7 @@ from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, ru
 from ..training.locking import hold_output_folder
 from ..training.readers import split_train
 from ..training.tasks import Task, get_task, task_names
-from .executors import RunsFailed, submit_cells
+from .executors import JOBS_FOLDER, RunsFailed, submit_cells
 from .options import BASELINE, CompareOptions, library_args, world_size
 from .plan import (
     check_output_folder,
@@ -360,13 +360,18 @@ def run_job(cell: Cell, output_dir: str, gpus_per_run: int = 0, log: str | None 
     torch.set_num_threads(saved_comparison(output_dir)["args"]["cpus_per_run"])  # the cores the job was given
     with _output_to(log):
         if gpus_per_run > 1:
-            cell_file = Path(output_dir) / "cells" / f"{cell.name}.cell.json"
+            cell_file = Path(output_dir) / JOBS_FOLDER / f"{cell.name}.cell.json"
             cell_file.parent.mkdir(parents=True, exist_ok=True)
             cell_file.write_text(json.dumps({"name": cell.name, "options": cell.options, "paths": cell.paths}))
+            import socket
             import subprocess
 
-            subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                            str(gpus_per_run), "-m", __name__, output_dir, str(cell_file)], check=True)
+            with socket.socket() as sock:  # a port of its own: jobs may share a node
+                sock.bind(("127.0.0.1", 0))
+                port = str(sock.getsockname()[1])
+            subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+                            "--num_processes", str(gpus_per_run), "--main_process_port", port, "-m", __name__,
+                            output_dir, str(cell_file)], check=True)
             return
         run_cells_here([cell], output_dir)
 
