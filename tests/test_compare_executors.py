@@ -162,3 +162,18 @@ def test_executor_options_are_checked(tmp_path):
         compare.main(["--executor", "submitit", "--slurm_extra", "account", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match=r"--cpus_per_run 0: expected an integer of at least 1"):
         compare.main(["--executor", "ray", "--cpus_per_run", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--slurm_partition is for --executor submitit, not ray"):
+        compare.main(["--executor", "ray", "--slurm_partition", "gpu", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--gpus_per_run is for --executor submitit or ray, not local"):
+        compare.main(["--gpus_per_run", "1", "--output_dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
+def test_help_lists_the_executor_options():
+    from hf_powernorm.compare.options import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for option in ("--executor {local,submitit,ray}", "--slurm_partition", "--gpus_per_run", "--cpus_per_run",
+                   "--timeout_min", "--slurm_extra KEY=VALUE", "--ray_address"):
+        assert option in text, option
+    assert "with no sbatch on PATH, submitit's local executor runs the jobs as subprocesses" in text

@@ -48,6 +48,9 @@ GROUPS = {"data": "data", "model": "tokenizer and model",
 EXECUTORS = ("local", "submitit", "ray")
 # The optional dependency each executor needs: its module, and the extra of setup.cfg that installs it.
 EXECUTOR_EXTRAS = {"submitit": "submitit", "ray": "ray"}
+# The executors that take each executor option.
+EXECUTOR_OPTIONS = {"slurm_partition": ("submitit",), "timeout_min": ("submitit",), "slurm_extra": ("submitit",),
+                    "gpus_per_run": ("submitit", "ray"), "cpus_per_run": ("submitit", "ray"), "ray_address": ("ray",)}
 
 
 def option(default: Any = None, help: str = "", group: str = "comparison", *, runtime: bool = False,
@@ -381,6 +384,10 @@ def check_executor(options: CompareOptions) -> None:
         if world_size() > 1:
             raise ValueError(f"--executor {options.executor} starts each run in its own job (through Accelerate "
                              f"where --gpus_per_run is over 1): run the command itself without `accelerate launch`")
+    defaults = CompareOptions()
+    for name, executors in EXECUTOR_OPTIONS.items():
+        if getattr(options, name) != getattr(defaults, name) and options.executor not in executors:
+            raise ValueError(f"--{name} is for --executor {' or '.join(executors)}, not {options.executor}")
     for name, least in (("gpus_per_run", 0), ("cpus_per_run", 1), ("timeout_min", 1)):
         if getattr(options, name) < least:
             raise ValueError(f"--{name} {getattr(options, name)}: expected an integer of at least {least}")
