@@ -37,12 +37,14 @@ only with `--trust_remote_code`.
 
 The package: `options` (the typed options and their command line, which imports no torch),
 `plan` (`compare.json`, the cells and the inputs' fingerprint), `runs` (the checks on the model and
-data, the runs, the grid) and `report` (results.csv, report.md, the curves).
+data, the runs, the grid), `executors` (the runs as jobs of submitit or Ray) and `report` (results.csv,
+report.md, the curves).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,8 +56,10 @@ EXPORTS = {
     "plan": ("SETTINGS_NAME", "check_output_folder", "fingerprint", "make_cells", "redo_changed_runs", "run_args"),
     "report": ("SAME_FUNCTION_TOLERANCE", "baseline_name", "conversion_sentence", "plot_curves", "report_text",
                "result_rows", "run_flags", "same_function", "verdict", "write_outputs"),
+    "executors": ("FailedRun", "RunsFailed", "submit_cells"),
     "runs": ("check_model", "embedded_model", "fit_lengths", "keep_best_models", "load_model_tokenizer", "load_raw_data", "model_facts",
              "prepare", "push_models", "resolve_label_names", "run_cell", "run_cells", "run_comparison",
+             "run_cells_here", "run_job",
              "tokenize_data"),
 }
 
@@ -66,9 +70,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     from .options import parse_args
 
     options = parse_args(argv)
+    from .executors import RunsFailed
     from .runs import run_comparison
 
-    return run_comparison(options)
+    try:
+        return run_comparison(options)
+    except RunsFailed as failed:  # the report names them; exit status 1
+        print(f"hf-powernorm compare: {failed}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def __getattr__(name: str) -> Any:

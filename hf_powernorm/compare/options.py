@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import re
 import sys
@@ -42,7 +43,14 @@ GROUPS = {"data": "data", "model": "tokenizer and model",
           "powernorm": "power normalization (a converted PN's options; default: PowerNorm's own)",
           "training": "training", "evaluation": "evaluation", "comparison": "comparison",
           "columns": "data columns (default: the names each task reads)",
-          "kept": "the models a comparison keeps"}
+          "kept": "the models a comparison keeps",
+          "executor": "where the runs go (one job per run; see docs/compare_executors.md)"}
+EXECUTORS = ("local", "submitit", "ray")
+# The optional dependency each executor needs: its module, and the extra of setup.cfg that installs it.
+EXECUTOR_EXTRAS = {"submitit": "submitit", "ray": "ray"}
+# The executors that take each executor option.
+EXECUTOR_OPTIONS = {"slurm_partition": ("submitit",), "timeout_min": ("submitit",), "slurm_extra": ("submitit",),
+                    "gpus_per_run": ("submitit", "ray"), "cpus_per_run": ("submitit", "ray"), "ray_address": ("ray",)}
 
 
 def option(default: Any = None, help: str = "", group: str = "comparison", *, runtime: bool = False,
@@ -215,6 +223,26 @@ class CompareOptions:
     hub_model_id: str | None = option(help="with --push_to_hub: ORG/NAME, each norm's kept model going to "
                                            "ORG/NAME-<norm>", group="kept", runtime=True)
     hub_private_repo: bool = flag("with --push_to_hub: create the repositories private", "kept", runtime=True)
+    # where the runs go
+    executor: str = option("local", "local: the runs in this process, or --jobs processes at once; submitit: one "
+                                    "Slurm job per run (with no sbatch on PATH, submitit's local executor runs the "
+                                    "jobs as subprocesses of this machine, at most --jobs at once); ray: one Ray task "
+                                    "per run. Either way a killed command, run again, submits only the unfinished "
+                                    "runs", "executor", runtime=True, choices=EXECUTORS)
+    slurm_partition: str | None = option(help="submitit: the Slurm partition of the jobs", group="executor",
+                                         runtime=True)
+    gpus_per_run: int = option(0, "submitit, ray: GPUs of each run; over 1, the run starts through Accelerate inside "
+                                  "its job, one process per GPU", "executor", runtime=True, type=int, metavar="N")
+    cpus_per_run: int = option(1, "submitit, ray: CPU cores of each run", "executor", runtime=True, type=int,
+                               metavar="N")
+    timeout_min: int = option(240, "submitit: the time limit of each job in minutes", "executor", runtime=True,
+                              type=int, metavar="N")
+    slurm_extra: list[str] = option([], "submitit: a further sbatch setting of each job as KEY=VALUE (e.g. "
+                                        "account=my_lab, qos=high, constraint=a100); repeatable", "executor",
+                                    runtime=True, action="append", metavar="KEY=VALUE")
+    ray_address: str | None = option(help="ray: the address of a running Ray cluster (e.g. auto, or "
+                                           "ray://head:10001); default: a local instance started for the command",
+                                     group="executor", runtime=True)
     # settled by `parse_args` and `prepare`, not options
     embedded_default: bool = False  # no --model_name_or_path: the tiny GPT-2 on the embedded corpus
     model_id: str | None = None  # --model_name_or_path as given (a Hub id before it is resolved to its snapshot)
@@ -282,6 +310,7 @@ def _with_default(help: str, default: Any) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     """The options, every check that needs no data done: nothing is written before they pass."""
     options = CompareOptions(**vars(build_parser().parse_args(argv)))
+    check_executor(options)
     _check_runs(options)
     _check_quantities(options)
     options.embedded_default = options.model_name_or_path is None
@@ -340,6 +369,40 @@ def _check_runs(options: CompareOptions) -> None:
         except re.error as error:
             raise ValueError(f"--convert_modules {options.convert_modules!r} is not a regular expression ({error})") \
                 from None
+
+
+def check_executor(options: CompareOptions) -> None:
+    """The executor's options, and its optional dependency installed (else one line naming the extra
+    that installs it), before any other check or work."""
+    if options.executor in EXECUTOR_EXTRAS:
+        module = EXECUTOR_EXTRAS[options.executor]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ValueError(f"--executor {options.executor} needs the {module} package: pip install "
+                             f"hf_powernorm[{module}]") from None
+        if world_size() > 1:
+            raise ValueError(f"--executor {options.executor} starts each run in its own job (through Accelerate "
+                             f"where --gpus_per_run is over 1): run the command itself without `accelerate launch`")
+    defaults = CompareOptions()
+    for name, executors in EXECUTOR_OPTIONS.items():
+        if getattr(options, name) != getattr(defaults, name) and options.executor not in executors:
+            raise ValueError(f"--{name} is for --executor {' or '.join(executors)}, not {options.executor}")
+    for name, least in (("gpus_per_run", 0), ("cpus_per_run", 1), ("timeout_min", 1)):
+        if getattr(options, name) < least:
+            raise ValueError(f"--{name} {getattr(options, name)}: expected an integer of at least {least}")
+    slurm_settings(options.slurm_extra)
+
+
+def slurm_settings(pairs: Sequence[str]) -> dict[str, str]:
+    """`--slurm_extra KEY=VALUE ...` as sbatch's settings by name."""
+    settings = {}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip():
+            raise ValueError(f"--slurm_extra {pair!r}: expected KEY=VALUE, e.g. account=my_lab")
+        settings[key.strip()] = value
+    return settings
 
 
 def _check_quantities(options: CompareOptions) -> None:

@@ -150,9 +150,10 @@ def final_runs(results: Sequence[dict[str, Any]], norm: str, chosen: dict[str, f
 
 
 def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], options: CompareOptions,
-                facts: dict[str, Any]) -> str:
+                facts: dict[str, Any], missing: Sequence[Any] = ()) -> str:
     """report.md: the table over seeds, the checks, the verdicts against the first norm, the rule,
-    seq2seq samples and the settings."""
+    seq2seq samples and the settings; with `missing` runs (failed jobs), those and their logs
+    in place of the verdicts."""
     task = task_class(options)
     metric, better = task.metric, "lower" if task.mode == "min" else "higher"
     baseline = baseline_name(facts["norm_counts"])
@@ -168,13 +169,21 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], opt
              "|---|---:|---|---:|---:|---:|---:|---|---:|"]
     for norm in options.norms:
         lines.append(_norm_row(norm, final_runs(results, norm, chosen), chosen, metric, baseline))
-    lines += _verdict_lines(results, chosen, options, facts, baseline)
+    lines += _missing_lines(missing) if missing else _verdict_lines(results, chosen, options, facts, baseline)
     lines += ["", "![training loss and validation curves](validation_curves.png)"]
     lines += _sample_lines(results, chosen, options, baseline)
     lines += ["", "## Settings", "", "```json",
               json.dumps({k: v for k, v in options.settings().items() if v not in (None, False, {})}, indent=1),
               "```", ""]
     return "\n".join(lines)
+
+
+def _missing_lines(missing: Sequence[Any]) -> list[str]:
+    """The runs whose jobs failed, each with its log and error: no verdict is drawn without them."""
+    return ["", "## Missing runs", "",
+            f"{len(missing)} run(s) failed, so this report draws no verdict; rerun the same command to run them "
+            f"again (the finished runs are kept):", "",
+            *(f"- `{run.cell}`: {run.error} (log: `{run.log}`)" for run in missing)]
 
 
 def conversion_sentence(options: CompareOptions) -> str:
@@ -342,13 +351,14 @@ def _plot_mean_and_band(axis, curves: list[dict[int, float]], label: str) -> Non
 
 
 def write_outputs(results: Sequence[dict[str, Any]], chosen: dict[str, float], options: CompareOptions,
-                  facts: dict[str, Any]) -> str:
-    """results.csv, report.md and validation_curves.png in `--output_dir`; returns the report."""
+                  facts: dict[str, Any], missing: Sequence[Any] = ()) -> str:
+    """results.csv, report.md and validation_curves.png in `--output_dir`; returns the report.
+    `missing`: the runs whose jobs failed (`executors.FailedRun`), named in place of any verdict."""
     from ..training.reports import write_rows
 
     output_dir = Path(options.output_dir)
     write_rows(result_rows(results, chosen), output_dir / "results.csv")
-    text = report_text(results, chosen, options, facts)
+    text = report_text(results, chosen, options, facts, missing)
     (output_dir / "report.md").write_text(text, encoding="utf-8")
     plot_curves(results, chosen, options, output_dir / "validation_curves.png", baseline_name(facts["norm_counts"]))
     return text

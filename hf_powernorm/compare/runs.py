@@ -21,6 +21,7 @@ from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, ru
 from ..training.locking import hold_output_folder
 from ..training.readers import split_train
 from ..training.tasks import Task, get_task, task_names
+from .executors import JOBS_FOLDER, RunsFailed, submit_cells
 from .options import BASELINE, CompareOptions, library_args, world_size
 from .plan import (
     check_output_folder,
@@ -337,31 +338,79 @@ def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]
         redo_changed_runs(cells, options.output_dir)
         finished = sum(cell_result(options.output_dir, cell) is not None for cell in cells)
         print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
+    if options.executor != "local" and not options.report_only:
+        failed = submit_cells(cells, run_job, options)
+        if failed:
+            raise RunsFailed(failed)
+        return [cell_result(options.output_dir, cell) for cell in cells]
     if options.jobs > 1 or options.report_only:
         return run_grid(cells, run_cell, options.output_dir, jobs=options.jobs, desc="Comparison",
                         report_only=options.report_only, resume_cells=True)
+    run_cells_here(cells, options.output_dir, options.cpu)
+    return [r for r in (cell_result(options.output_dir, cell) for cell in cells) if r is not None]
+
+
+def run_job(cell: Cell, output_dir: str, gpus_per_run: int = 0, log: str | None = None) -> None:
+    """One run of `--executor submitit` or `ray`, in its job's process: the cell run and its result
+    written, as the local grid does; with more than one GPU, through `accelerate launch` of this
+    module (one process per GPU, as `accelerate launch hf-powernorm compare` runs each cell). `log`:
+    a file for the run's output (Ray's tasks; submitit keeps its own)."""
+    import torch
+
+    torch.set_num_threads(saved_comparison(output_dir)["args"]["cpus_per_run"])  # the cores the job was given
+    with _output_to(log):
+        if gpus_per_run > 1:
+            cell_file = Path(output_dir) / JOBS_FOLDER / f"{cell.name}.cell.json"
+            cell_file.parent.mkdir(parents=True, exist_ok=True)
+            cell_file.write_text(json.dumps({"name": cell.name, "options": cell.options, "paths": cell.paths}))
+            import socket
+            import subprocess
+
+            with socket.socket() as sock:  # a port of its own: jobs may share a node
+                sock.bind(("127.0.0.1", 0))
+                port = str(sock.getsockname()[1])
+            subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+                            "--num_processes", str(gpus_per_run), "--main_process_port", port, "-m", __name__,
+                            output_dir, str(cell_file)], check=True)
+            return
+        run_cells_here([cell], output_dir)
+
+
+@contextlib.contextmanager
+def _output_to(log: str | None) -> Iterator[None]:
+    if log is None:
+        yield
+        return
+    with open(log, "a", encoding="utf-8") as handle, contextlib.redirect_stdout(handle), \
+            contextlib.redirect_stderr(handle):
+        yield
+
+
+def run_cells_here(cells: Sequence[Cell], output_dir: str | Path, cpu: bool = False) -> None:
+    """The unfinished `cells` one after the other in this process, or in every process of an
+    `accelerate launch` together (the main process readying each folder and writing its result)."""
     from accelerate import PartialState
     from accelerate.state import AcceleratorState
 
     from ..training.checkpoints import write_json_atomically
 
-    state = PartialState(cpu=options.cpu)
+    state = PartialState(cpu=cpu)
     state.wait_for_everyone()  # the main process has set aside the runs to redo
-    todo = [cell for cell in cells if cell_result(options.output_dir, cell) is None]
+    todo = [cell for cell in cells if cell_result(output_dir, cell) is None]
     state.wait_for_everyone()  # every process has read which cells are finished
+    checkpoint_runs = saved_comparison(output_dir)["args"].get("checkpoint_runs", False)
     for number, cell in enumerate(todo, start=1):
-        folder = Path(options.output_dir) / "cells" / cell.name
+        folder = Path(output_dir) / "cells" / cell.name
         if state.is_main_process:
             print(f"run {number} of {len(todo)}: {cell.name}", file=sys.stderr)
             if world_size() > 1:
-                continue_or_clear(folder, options.checkpoint_runs)
+                continue_or_clear(folder, checkpoint_runs)
         state.wait_for_everyone()
         result = {"cell": cell.name, **cell.options, **run_cell(cell, folder)}
         if state.is_main_process:
             write_json_atomically(folder / RESULT_NAME, result)
         state.wait_for_everyone()
         AcceleratorState._reset_state()  # the next run builds its own Accelerator
-    return [r for r in (cell_result(options.output_dir, cell) for cell in cells) if r is not None]
 
 
 def choose_learning_rates(options: CompareOptions) -> dict[str, float]:
@@ -520,6 +569,9 @@ def _main(options: CompareOptions) -> list[dict[str, Any]]:
         chosen, results = _run(options)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupted(options, facts) if is_main else "") from None
+    except RunsFailed as failed:
+        _report_missing(options, facts, failed)
+        raise
     if is_main:
         print(write_outputs(results, chosen, options, facts))
         if options.save_models:
@@ -543,6 +595,16 @@ def _run(options: CompareOptions) -> tuple[dict[str, float], list[dict[str, Any]
     return chosen, results
 
 
+def _report_missing(options: CompareOptions, facts: dict[str, Any], failed: RunsFailed) -> None:
+    """The outputs of the runs finished, the report naming the failed runs and their logs, with no verdict."""
+    options.report_only = True
+    try:
+        chosen, results = _run(options)
+    except FileNotFoundError:  # no run finished: nothing to tabulate
+        chosen, results = {}, []
+    print(write_outputs(results, chosen, options, facts, missing=failed.failed))
+
+
 def _interrupted(options: CompareOptions, facts: dict[str, Any]) -> str:
     """The report of the runs finished so far, and the line that says where it is (on a line of its
     own: the interrupted progress bars are closed first)."""
@@ -559,3 +621,14 @@ def _interrupted(options: CompareOptions, facts: dict[str, Any]) -> str:
     return (f"{len(results)} runs had finished: their report is in {Path(options.output_dir) / 'report.md'}; "
             f"rerun the same command to resume")
 
+
+
+def _run_launched_cell(output_dir: str, cell_file: str) -> None:
+    """`accelerate launch -m hf_powernorm.compare.runs OUTPUT_DIR CELL_JSON`: one cell of a job with
+    several GPUs, run by every process together (`run_job`)."""
+    saved = json.loads(Path(cell_file).read_text(encoding="utf-8"))
+    run_cells_here([Cell(saved["name"], saved["options"], tuple(saved["paths"]))], output_dir)
+
+
+if __name__ == "__main__":
+    _run_launched_cell(*sys.argv[1:3])

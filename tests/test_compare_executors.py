@@ -1,0 +1,179 @@
+"""`hf-powernorm compare --executor`: the runs of a tiny GPT-2 grid as submitit jobs (submitit's
+local executor: no Slurm here) and Ray tasks (a local instance) give the results and verdicts of
+the local runs; a driver killed after its first finished run, run again, runs nothing twice; a
+failing job is reported with its log and no verdict; a missing extra is refused in one line."""
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_powernorm import cli, compare
+from hf_powernorm.compare import runs as compare_runs
+from hf_powernorm.training import synthetic_lm_corpus, train_bpe_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two updates, validated after each, on a few examples: seconds per run.
+TINY = ["--max_train_steps", "2", "--eval_steps", "1", "--num_warmup_steps", "1", "--max_eval_samples", "24"]
+GRID = ["--norms", "layernorm", "powernorm", "--seeds", "1", "2"]
+TIME_COLUMNS = ("seconds",)
+
+
+@pytest.fixture(scope="module")
+def gpt2_case(tmp_path_factory) -> list[str]:
+    """A tiny random GPT-2 and its text files: the options of a comparison on them."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    corpus = synthetic_lm_corpus({"train": 60, "validation": 12, "test": 12}, seed=5)
+    files = {}
+    for split, part in corpus.items():
+        files[split] = folder / f"{split}.txt"
+        files[split].write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
+    tokenizer = train_bpe_tokenizer(corpus["train"]["text"], vocab_size=120)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return ["--model_name_or_path", str(folder / "model"), "--task", "causal-lm", "--train_file",
+            str(files["train"]), "--validation_file", str(files["validation"]), "--test_file", str(files["test"]),
+            "--block_size", "16", "--max_tokens", "64", *TINY]
+
+
+@pytest.fixture(scope="module")
+def local_outputs(gpt2_case, tmp_path_factory) -> Path:
+    """The grid run by the local executor, in this process."""
+    from accelerate.state import AcceleratorState
+
+    folder = tmp_path_factory.mktemp("local")
+    compare.main([*gpt2_case, *GRID, "--output_dir", str(folder)])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return folder
+
+
+@pytest.fixture
+def job_environment(monkeypatch):
+    """What the jobs' processes inherit: this checkout and the tests importable, one thread each."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _results(folder: Path) -> list[dict[str, str]]:
+    with open(folder / "results.csv", newline="", encoding="utf-8") as handle:
+        return [{k: v for k, v in row.items() if k not in TIME_COLUMNS} for row in csv.DictReader(handle)]
+
+
+def _verdicts(folder: Path) -> str:
+    """report.md from its verdicts on, the settings (which name the executor) left out."""
+    text = (folder / "report.md").read_text(encoding="utf-8")
+    return text[text.index("| verdict |"):text.index("## Settings")]
+
+
+def _assert_same_outputs(folder: Path, local: Path) -> None:
+    assert _results(folder) == _results(local)
+    assert len(_results(local)) == 8  # 2 norms x 2 seeds x validation, test
+    assert _verdicts(folder) == _verdicts(local)
+
+
+def _driver(argv: list[str]) -> subprocess.Popen:
+    """`hf-powernorm compare` in a process group of its own (its jobs with it), as a terminal runs it."""
+    return subprocess.Popen([sys.executable, "-m", "hf_powernorm.cli", "compare", *argv], cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(gpt2_case, local_outputs, job_environment,
+                                                                      tmp_path, capsys):
+    argv = [*gpt2_case, *GRID, "--executor", "submitit", "--jobs", "1", "--output_dir", str(tmp_path)]
+    driver = _driver(argv)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "cells").glob("*/result.json")):
+        assert driver.poll() is None, driver.stderr.read()
+        assert time.monotonic() < deadline, "no run finished within two minutes"
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and its running job, as a lost terminal would
+    driver.wait()
+    (first,) = list((tmp_path / "cells").glob("*/result.json"))
+    finished_at = first.stat().st_mtime_ns
+    compare.main(argv)
+    err = capsys.readouterr().err
+    assert "1 of 4 runs finished, 3 to run" in err
+    assert err.count(", log ") == 3  # a job submitted per unfinished run, none for the finished one
+    assert first.stat().st_mtime_ns == finished_at  # not run again
+    _assert_same_outputs(tmp_path, local_outputs)
+
+
+def test_ray_tasks_match_local(gpt2_case, local_outputs, job_environment, tmp_path):
+    compare.main([*gpt2_case, *GRID, "--executor", "ray", "--output_dir", str(tmp_path)])
+    _assert_same_outputs(tmp_path, local_outputs)
+    assert sorted(p.name for p in (tmp_path / "jobs").glob("*.log")) == sorted(
+        f"{p.name}.log" for p in (tmp_path / "cells").iterdir() if p.is_dir())
+
+
+def failing_second_seed(cell, output_dir, gpus_per_run=0, log=None):
+    """A job that fails for the runs of seed 2 (an error in the run), and runs the others."""
+    if cell.options["seed"] == 2:
+        raise RuntimeError(f"{cell.name} ran out of memory")
+    compare_runs.run_job(cell, output_dir, gpus_per_run, log)
+
+
+def test_a_failed_job_is_reported_with_its_log_and_no_verdict(gpt2_case, job_environment, tmp_path, monkeypatch,
+                                                              capsys):
+    monkeypatch.setattr(compare_runs, "run_job", failing_second_seed)
+    with pytest.raises(SystemExit) as stopped:
+        compare.main([*gpt2_case, "--norms", "layernorm", "--seeds", "1", "2", "--executor", "submitit",
+                      "--jobs", "2", "--output_dir", str(tmp_path)])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert re.match(r"hf-powernorm compare: 1 run\(s\) failed, so the report holds no verdict: "
+                    r"layernorm-lr[0-9.e-]+-seed2 \(log: ", line), line
+    log = Path(line.split("(log: ")[1].split(")")[0])
+    assert log.is_file() and "layernorm-lr" in log.read_text() and "ran out of memory" in log.read_text()
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "## Missing runs" in report and f"(log: `{log}`)" in report and "| verdict |" not in report
+    assert [row["seed"] for row in _results(tmp_path)] == ["1", "1"]  # the finished run, validation and test
+
+
+@pytest.mark.parametrize("executor", ["submitit", "ray"])
+def test_a_missing_extra_is_refused_in_one_line_before_any_work(executor, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, executor, None)  # `import <executor>` raises ImportError
+    output_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["compare", "--executor", executor, "--output_dir", str(output_dir)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"hf-powernorm compare: error: --executor {executor} needs the {executor} "
+                                       f"package: pip install hf_powernorm[{executor}]\n")
+    assert not output_dir.exists()
+
+
+def test_executor_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"--slurm_extra 'account': expected KEY=VALUE"):
+        compare.main(["--executor", "submitit", "--slurm_extra", "account", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--cpus_per_run 0: expected an integer of at least 1"):
+        compare.main(["--executor", "ray", "--cpus_per_run", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--slurm_partition is for --executor submitit, not ray"):
+        compare.main(["--executor", "ray", "--slurm_partition", "gpu", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--gpus_per_run is for --executor submitit or ray, not local"):
+        compare.main(["--gpus_per_run", "1", "--output_dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
+def test_help_lists_the_executor_options():
+    from hf_powernorm.compare.options import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for option in ("--executor {local,submitit,ray}", "--slurm_partition", "--gpus_per_run", "--cpus_per_run",
+                   "--timeout_min", "--slurm_extra KEY=VALUE", "--ray_address"):
+        assert option in text, option
+    assert "with no sbatch on PATH, submitit's local executor runs the jobs as subprocesses" in text
