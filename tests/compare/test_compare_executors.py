@@ -6,9 +6,11 @@ failing job is reported with its log and no verdict; a missing extra is refused 
 import csv
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from hf_powernorm.training import synthetic_lm_corpus, train_bpe_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Two updates, validated after each, on a few examples: seconds per run.
 TINY = ["--max_train_steps", "2", "--eval_steps", "1", "--num_warmup_steps", "1", "--max_eval_samples", "24"]
 GRID = ["--norms", "layernorm", "powernorm", "--seeds", "1", "2"]
@@ -64,9 +66,15 @@ def local_outputs(gpt2_case, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def job_environment(monkeypatch):
-    """What the jobs' processes inherit: this checkout and the tests importable, one thread each."""
+    """What the jobs' processes inherit: this checkout and the tests importable, one thread each; Ray's
+    session folder short (its sockets' paths must stay under the 107 bytes of AF_UNIX, which a
+    checkout's deep TMPDIR can pass), removed afterwards."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    yield
+    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _results(folder: Path) -> list[dict[str, str]]:
