@@ -66,10 +66,10 @@ def local_outputs(gpt2_case, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def job_environment(monkeypatch):
-    """What the jobs' processes inherit: this checkout and the tests importable, one thread each; Ray's
-    session folder short (its sockets' paths must stay under the 107 bytes of AF_UNIX, which a
-    checkout's deep TMPDIR can pass), removed afterwards."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    """What the jobs' processes inherit: this checkout, the tests' helpers and this module importable,
+    one thread each; Ray's session folder short (its sockets' paths must stay under the 107 bytes of
+    AF_UNIX, which a checkout's deep TMPDIR can pass), removed afterwards."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     monkeypatch.setenv("RAY_TMPDIR", ray_dir)
