@@ -20,6 +20,7 @@ from typing import Any
 from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
 from ..training.locking import hold_output_folder
 from ..training.readers import split_train
+from ..training.reports import numeric_scores
 from ..training.tasks import Task, get_task, task_names
 from .executors import JOBS_FOLDER, RunsFailed, submit_cells
 from .options import BASELINE, CompareOptions, library_args, world_size
@@ -297,7 +298,7 @@ def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
             shutil.rmtree(Path(args.output_dir) / "best_model", ignore_errors=True)
         remove_checkpoints(args.output_dir)  # they served their end
     accelerator.wait_for_everyone()
-    return {**summary, "scores": _numbers(scores), "start": _numbers(start), "samples": samples,
+    return {**summary, "scores": numeric_scores(scores), "start": numeric_scores(start), "samples": samples,
             "seconds": round(time.perf_counter() - started, 1),
             "fingerprint": saved_comparison(folder.parents[1])["fingerprint"]}
 
@@ -318,10 +319,6 @@ def validation_loss(accelerator, model, loader) -> float:
             total += accelerator.gather_for_metrics(pair[None]).sum(0).cpu()
     model.train()
     return float(total[0] / total[1])
-
-
-def _numbers(scores: dict[str, Any]) -> dict[str, float]:
-    return {k: v for k, v in scores.items() if isinstance(v, (int, float))}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,7 @@ from ..training.reports import (
     SIGNIFICANCE,
     PairedVerdict,
     mean_std,
+    numeric_scores,
     paired_cell,
     paired_verdicts,
     write_rows,
@@ -289,10 +290,6 @@ def train_lm(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     return scores
 
 
-def _numbers(results: dict[str, Any]) -> dict[str, float]:
-    return {k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
 def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The translation task of `recipes/train_wmt.py` in this process, then the average of its last
     checkpoints scored."""
@@ -304,14 +301,14 @@ def train_multi30k(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     translation = get_task("seq2seq")
     run, averaged, averaged_scores = folder / "run", folder / "averaged", folder / "averaged_scores"
     resume = _resume_in(run, folder, restart=(averaged.name, averaged_scores.name))
-    results = _numbers(run_task(translation.from_options(
+    results = numeric_scores(run_task(translation.from_options(
         output_dir=str(run), **_run_options(options), **resume, vocab_size=sizes["vocab_size"],
         label_smoothing=sizes["label_smoothing"], checkpointing_steps=sizes["checkpointing_steps"],
         config_overrides=f"attention_dropout={sizes['inner_dropout']},activation_dropout={sizes['inner_dropout']}",
         checkpoints_total_limit=sizes["averaged"], **generation, train_file=files["train"], **data)))
     reset_accelerate()
     write_average(select_checkpoints(run, sizes["averaged"], "step"), averaged)
-    scored = _numbers(run_task(translation.from_options(do_train=False, model_name_or_path=str(averaged),
+    scored = numeric_scores(run_task(translation.from_options(do_train=False, model_name_or_path=str(averaged),
                                                         output_dir=str(averaged_scores), **generation, **data)))
     reset_accelerate()
     remove_checkpoints(run)  # the averaged export keeps what the checkpoints were for

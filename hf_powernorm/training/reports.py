@@ -1,7 +1,7 @@
 """The report helpers of the studies and `hf-powernorm compare`: `mean ± std` cells for tables,
 paired verdicts against a baseline (per-seed differences, their t interval, Holm's adjustment over
-the comparisons a report makes; `hf_powernorm.training.statistics`), the seeds a table covers, and
-CSV tables of result rows."""
+the comparisons a report makes; `hf_powernorm.training.statistics`), the seeds a table covers, the
+numeric scores of a metrics dict, and CSV tables of result rows."""
 
 from __future__ import annotations
 
@@ -98,6 +98,11 @@ def paired_cell(verdict: PairedVerdict, digits: int = 2) -> str:
 def seeds_of(results: Sequence[dict[str, Any]]) -> list[int]:
     """The seeds that have a run among `results`, in order (for a summary's heading)."""
     return sorted({r["seed"] for r in results})
+
+
+def numeric_scores(scores: Mapping[str, Any]) -> dict[str, float]:
+    """The entries of `scores` that are numbers (booleans and strings left out)."""
+    return {k: v for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path, leave_out: Sequence[str] = (),
