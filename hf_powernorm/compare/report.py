@@ -306,11 +306,6 @@ def run_curves(folder: Path) -> tuple[dict[int, float], dict[int, float]]:
             {r["step"]: r["validation"] for r in records if "validation" in r})
 
 
-def validation_curve(folder: Path) -> dict[int, float]:
-    """A run's validation score per update, from its `training_log.jsonl`."""
-    return run_curves(folder)[1]
-
-
 def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], options: CompareOptions,
                 path: Path, baseline: str) -> None:
     """Training loss and validation score against updates per norm, side by side: the mean over

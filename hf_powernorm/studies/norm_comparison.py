@@ -186,6 +186,7 @@ def log_folder(output_dir: Path, result: dict[str, Any]) -> Path:
 
 
 def validation_curve(output_dir: Path, result: dict[str, Any]) -> list[tuple[int, float]]:
+    """The `(update, validation score)` pairs of a run's `training_log.jsonl`, in logged order."""
     return [(r["step"], r["validation"]) for r in read_run_log(log_folder(output_dir, result)) if "validation" in r]
 
 
