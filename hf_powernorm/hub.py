@@ -227,7 +227,7 @@ def render_conversion_card(
 ) -> str:
     """The card of a Transformers model whose norms `convert_norms` replaced: what was converted, how
     to load it with its statistics (`load_converted`), the training command and the scores."""
-    conversion, name = model.config.powernorm_conversion, type(model).__name__
+    conversion, name = getattr(model.config, CONVERSION_CONFIG_KEY), type(model).__name__
     auto = auto_class_name(model)
     lines = ["---", "license: apache-2.0", "library_name: transformers", "tags:", "- powernorm", "- normalization",
              "---", "", f"# {repo_id}", "", description or "",

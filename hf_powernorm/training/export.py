@@ -22,6 +22,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from .. import modeling_powernorm
 from ..configuration_powernorm import PowerNormTransformerConfig
+from ..converted_norms import CONVERSION_CONFIG_KEY
 from ..hub import render_conversion_card, render_model_card, upload_saved_model
 
 logger = get_logger(__name__)
@@ -63,7 +64,7 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         tokenizer.save_pretrained(output_dir)
         save_results(output_dir, results)
         scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
-        if getattr(unwrapped.config, "powernorm_conversion", None):
+        if getattr(unwrapped.config, CONVERSION_CONFIG_KEY, None):
             card_text = render_conversion_card(unwrapped, results=scores, **{
                 key: card_kwargs[key] for key in ("repo_id", "description", "training_command") if key in card_kwargs})
             (Path(output_dir) / "README.md").write_text(card_text, encoding="utf-8")

@@ -147,13 +147,14 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     function under `--preserve_function` (calibrated on `calibration`: the training split and its
     collator); a folder that was converted before is loaded with its running statistics and
     fine-tuned on."""
+    from ..converted_norms import CONVERSION_CONFIG_KEY
     from ..converter import convert_norms, load_converted, load_converted_config
 
     path = args.model_name_or_path
     # Never None: Transformers would ask on the terminal whether to run a folder's own code.
     trust_remote_code = bool(getattr(args, "trust_remote_code", False))
     config = load_converted_config(path, trust_remote_code=trust_remote_code)
-    conversion = getattr(config, "powernorm_conversion", None)
+    conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
     if conversion:
         if conversion["norm_type"] != args.convert_norms:
             raise ValueError(f"--model_name_or_path {path} was converted to {conversion['norm_type']!r}, "
