@@ -3,7 +3,7 @@
 `convert_norms(model, norm_type, **options)` swaps the LayerNorm / RMSNorm layers of a Transformers
 model for norms of `normalization.py` (PN by default, Shen et al., 2020, Algorithm 2), keeping the
 affine weights, and makes the batch's padding mask reach the new norms: batch statistics are then
-taken over real tokens only (the masked statistics of `powernorm-notes.md`), which Transformers'
+taken over real tokens only (the masked statistics of `docs/norms.md`), which Transformers'
 own norm layers never need and never receive. `preserve_function=True` makes the converted model
 start from the source's function (`convert_norms`). The conversion is recorded in
 `config.powernorm_conversion`; `apply_conversion(model, record)` replays it on a freshly built model

@@ -1,9 +1,9 @@
 """Keeping PN's running statistics right under the ecosystem's wrappers (PEFT, DDP).
 
-PN, PN-V, BN, BRN and MABN learn running statistics in buffers (`powernorm-notes.md`, "What a
-checkpoint must hold"): a tool that saves only trained parameters, or that overwrites buffers
-across processes, silently changes the model. The README's "Using the models with Trainer, PEFT,
-DDP and FSDP" says what to set; this file holds the helpers it names, and `PeftStatisticsCheck`, the
+PN, PN-V, BN, BRN and MABN learn running statistics in buffers (`docs/models.md` lists what a
+checkpoint holds): a tool that saves only trained parameters, or that overwrites buffers across
+processes, silently changes the model. "Using the models with Trainer, PEFT, DDP and FSDP" in
+`docs/models.md` says what to set; this file holds the helpers it names, and `PeftStatisticsCheck`, the
 `peft_config` attribute of the models with such norms (PowerNorm Transformers, converted models),
 which warns once when PEFT wraps a model without saving its statistics.
 """

@@ -3,7 +3,7 @@ DyT's and Derf's.
 
 The CUDA implementation of the `hf_powernorm::pn_step_forward` and `pn_step_backward` operators
 (`norm_dispatch.py`), with the arithmetic of its pure tensor functions `_pn_train_forward` and
-`_pn_train_backward` (`powernorm-notes.md`):
+`_pn_train_backward` (Algorithm 2, eqs. 11-13; `docs/norms.md`):
 - forward, three launches: per program, over its tiles of tokens, group scaling `z0 = GS(x)` and
   the masked sums of `z0^2` (`_forward_sums`); in one program, the step's statistics `v`, `1/s`,
   `1/s_backward`, the warmup switch or ramp, and the in-place updates of `running_phi` and the step

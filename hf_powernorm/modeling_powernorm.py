@@ -6,8 +6,8 @@ language modelling (Table 3), pre-norm or post-norm. Every norm receives the pad
 batch statistics are taken over real tokens only. Heads: encoder-decoder translation, decoder-only
 language model, encoder-only sequence classifier.
 
-In eval, PN, PN-V, BN, BRN and MABN are a per-channel affine map after group scaling (`powernorm-notes.md`,
-"Inference"); `fold_norms()` moves that map into the linear layers that read the norm's output.
+In eval, PN, PN-V, BN, BRN and MABN are a per-channel affine map after group scaling (Algorithm 2's
+inference step, the running statistic in place of the batch's); `fold_norms()` moves that map into the linear layers that read the norm's output.
 """
 
 from __future__ import annotations

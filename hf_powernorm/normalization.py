@@ -2,8 +2,8 @@
 
 `PowerNorm` is Power Normalization (Shen et al., ICML 2020): Section 4, Algorithm 2 and
 eqs. (11)-(13), with the group scaling of the authors' reference code and the choices written down
-in `powernorm-notes.md` (forward with the previous running quadratic mean after warmup, the warmup
-statistic of the notes or of the reference code, an optional ramp from the batch to the running
+in `docs/norms.md` (forward with the previous running quadratic mean after warmup, the warmup
+statistic `"cumulative"` or that of the reference code, an optional ramp from the batch to the running
 denominator, approximate backward with the running gradient statistic `nu`). Its relatives are the
 paper's baselines (Table 1, Appendix B.3): `PowerNormV`, `MaskedBatchNorm`, `BatchRenorm` (Ioffe,
 2017), `MovingAverageBatchNorm` (Yan et al., 2020), `LayerNorm`, `RMSNorm`, `GroupNorm` and
