@@ -184,12 +184,9 @@ def render_model_card(
     head = type(model).__name__
     if head not in _HEADS:
         raise ValueError(f"render_model_card expects a PowerNorm Transformer model, got {head}")
-    config = model.config
     task, pipeline_tag, usage = _HEADS[head]
-    auto_class = auto_class_name(model)
     card_data = _card_data(repo_id, task, pipeline_tag, license, language, datasets, results, tags)
-    causal_leak = _causal_leak(config) if head == "PowerNormTransformerForCausalLM" else []
-    statistics, counted = _running_statistics(model)
+    facts = _model_facts(model, head)
     template = Path(template_path) if template_path is not None else TEMPLATE_PATH
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} not found; pass template_path=")
@@ -200,21 +197,33 @@ def render_model_card(
         repo_id=repo_id,
         description=description or f"A PowerNorm Transformer for {task}.",
         task=task,
-        auto_class=auto_class,
         usage=usage,
         with_tokenizer=with_tokenizer,
-        norm_positions=_norm_positions(config, head),
-        norm_options=_norm_options(config, _norm_positions(config, head)),
-        elementwise_norms=", ".join(f"`{norm}`" for norm in _elementwise_norms(_norm_positions(config, head))),
-        norms_folded=config.norms_folded,
-        running_statistics=", ".join(f"`{name}`" for name in statistics),
-        step_counters=counted,
-        architecture=_architecture(model, config, head),
-        causal_leak=", ".join(causal_leak),
-        causal_norms=causal_norms(),
         training_command=training_command,
         results=sorted(results.items()) if results else None,
+        **facts,
     )
+
+
+def _model_facts(model: Any, head: str) -> dict[str, Any]:
+    """The card template's variables that describe `model` itself: its auto class, norms and their
+    options, running statistics, architecture and what leaks across positions."""
+    config = model.config
+    positions = _norm_positions(config, head)
+    causal_leak = _causal_leak(config) if head == "PowerNormTransformerForCausalLM" else []
+    statistics, counted = _running_statistics(model)
+    return {
+        "auto_class": auto_class_name(model),
+        "norm_positions": positions,
+        "norm_options": _norm_options(config, positions),
+        "elementwise_norms": ", ".join(f"`{norm}`" for norm in _elementwise_norms(positions)),
+        "norms_folded": config.norms_folded,
+        "running_statistics": ", ".join(f"`{name}`" for name in statistics),
+        "step_counters": counted,
+        "architecture": _architecture(model, config, head),
+        "causal_leak": ", ".join(causal_leak),
+        "causal_norms": causal_norms(),
+    }
 
 
 def render_conversion_card(
