@@ -294,28 +294,15 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     explicit = set(options)
     options = _resolve_options(norm_type, options, config, preserve_function)
     hidden_size = _hidden_size(config)
-    selected, kept = select_norms(model, hidden_size, modules)
-    plans, unbuildable = _plan(model, selected, norm_type, options, explicit, hidden_size, preserve_function)
-    if not plans:
-        raise ValueError(f"{type(model).__name__} has no LayerNorm or RMSNorm to convert"
-                         + (f"; kept: {kept + unbuildable}" if kept or unbuildable else ""))
-    if preserve_function:
-        _check_preservable(norm_type, plans)
-    centring = None
-    if preserve_function and centre_stream and calibration_batches is not None and _needs_centring(norm_type, plans):
-        calibration_batches = list(calibration_batches)
-        centring = _centre_stream(model, hidden_size, calibration_batches)
-    calibration = None if calibration_batches is None else _calibrate(model, plans, calibration_batches)
+    plans, kept = _checked_plans(model, norm_type, options, explicit, hidden_size, modules, preserve_function)
+    centring, calibration = _centre_and_calibrate(model, norm_type, plans, hidden_size, calibration_batches,
+                                                  preserve_function and centre_stream)
     approximate = _settle_centred(norm_type, plans, calibration) if preserve_function else []
     report = apply_conversion(model, _conversion_record(norm_type, options, plans, preserve_function))
     report.approximate, report.centring = approximate, centring
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
-    report.kept = sorted(kept + unbuildable, key=lambda entry: order.get(entry[0], len(order)))
-    for name, plan in plans.items():
-        norm = model.get_submodule(name).norm
-        _copy_source(norm, plan.source)
-        if preserve_function and ("running_phi" in norm._buffers or plan.fit):
-            _compensate(norm, plan, calibration.moments.get(name) if calibration else None)
+    report.kept = sorted(kept, key=lambda entry: order.get(entry[0], len(order)))
+    _initialise_norms(model, plans, calibration, preserve_function)
     if calibration is not None:
         report.start_gap = _start_gap(model, calibration)
     _warn_position_mixing(model, config, norm_type, options)
@@ -323,6 +310,44 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
 
     adopt(model)
     return report
+
+
+def _checked_plans(model: nn.Module, norm_type: str, options: dict, explicit: set[str], hidden_size: int,
+                   modules, preserve_function: bool) -> tuple[dict[str, _Plan], list[tuple[str, str, str]]]:
+    """The plans of the norms that convert (`select_norms`, `_plan`) and the norms kept, `[(path,
+    class, reason)]`; a `ValueError` when none converts, or when `preserve_function` cannot hold."""
+    selected, kept = select_norms(model, hidden_size, modules)
+    plans, unbuildable = _plan(model, selected, norm_type, options, explicit, hidden_size, preserve_function)
+    if not plans:
+        raise ValueError(f"{type(model).__name__} has no LayerNorm or RMSNorm to convert"
+                         + (f"; kept: {kept + unbuildable}" if kept or unbuildable else ""))
+    if preserve_function:
+        _check_preservable(norm_type, plans)
+    return plans, kept + unbuildable
+
+
+def _centre_and_calibrate(model: nn.Module, norm_type: str, plans: dict[str, _Plan], hidden_size: int,
+                          calibration_batches: Iterable[dict] | None,
+                          centre: bool) -> tuple[Centring | None, _Calibration | None]:
+    """With `centre` and calibration batches, centre the residual stream's writers where the plans
+    need it (`_centre_stream`); then, with calibration batches, run them (`_calibrate`)."""
+    centring = None
+    if centre and calibration_batches is not None and _needs_centring(norm_type, plans):
+        calibration_batches = list(calibration_batches)
+        centring = _centre_stream(model, hidden_size, calibration_batches)
+    calibration = None if calibration_batches is None else _calibrate(model, plans, calibration_batches)
+    return centring, calibration
+
+
+def _initialise_norms(model: nn.Module, plans: dict[str, _Plan], calibration: _Calibration | None,
+                      preserve_function: bool) -> None:
+    """Copy each source norm's weights into its new norm and, with `preserve_function`, compensate
+    the new norm for its running statistic or fit (`_compensate`)."""
+    for name, plan in plans.items():
+        norm = model.get_submodule(name).norm
+        _copy_source(norm, plan.source)
+        if preserve_function and ("running_phi" in norm._buffers or plan.fit):
+            _compensate(norm, plan, calibration.moments.get(name) if calibration else None)
 
 
 @dataclass
