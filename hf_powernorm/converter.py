@@ -251,42 +251,16 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     Weights map where both norms have them (`weight`, `bias`; `1 + w` for norms that scale by it),
     the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's
     `num_attention_heads` for norms that take it (one group for a norm over another size). The new
-    norms sit on the model's device and dtype (running statistics stay float32), start with fresh
-    running statistics and step counters, and receive the padding mask of each forward (module
-    docstring). The conversion is recorded in `model.config.powernorm_conversion`, which
-    `apply_conversion` replays on a freshly built model.
+    norms sit on the model's device and dtype (running statistics float32), start with fresh running
+    statistics and step counters, and receive each forward's padding mask; `apply_conversion` replays
+    the record in `model.config.powernorm_conversion` on a freshly built model.
 
     `preserve_function=True` makes the converted model compute what the source computed before any
-    update, in eval and in the first training forward (`PRESERVING` lists the targets):
-    - RMSNorm sources (`RMS(x) * w`, Gemma's `RMS(x) * (1 + w)`) to PN: PN's group scaling over one
-      group (`group_num=1`) with the source's epsilon (`group_eps`) is that RMSNorm's `RMS(x)`;
-      `running_phi` is the masked per-channel mean of `GS(x)^2` over the `calibration_batches` (the
-      statistic PN itself would take, so its EMA starts where the fine-tune's batches are), and the
-      weight is `w * sqrt(running_phi + eps)`, which cancels PN's division by it; `warmup_steps=0`
-      and `warmup_ramp_steps=0` so that training divides by that running statistic from the first
-      step (a warmup would divide by the batch statistic, then switch). Exact, up to rounding.
-    - LayerNorm sources (`LN(x) * w + b`, Nemotron's `LN(x) * (1 + w) + b`) to PN or RMSNorm, which
-      do not centre: first the writers of the residual stream are centred (`centring.py`: embeddings,
-      output projections and their biases, a tied head untied, found from the model on the first
-      calibration batch), so that a pre-LN model's norms see inputs of mean 0, where LN is RMSNorm;
-      each norm whose input the calibration finds centred (`CENTRED_TOLERANCE`) then converts as an
-      RMSNorm source, LN's bias kept (RMSNorm gets `bias=True`). A norm whose input is not centred
-      (post-LN models such as BERT and BART, an embedding norm, a writer that is not linear) takes
-      per channel the least-squares affine map from `RMS(x)` to the source's output over the
-      calibration batches' real tokens (weight and bias, PN's weight again times
-      `sqrt(running_phi + eps)`), and `report.approximate` names it with its measured mean / RMS;
-      `report.preserves_function` is true only when no norm is approximate. Without calibration
-      batches, or with `centre_stream=False` (the model's weights left as they are), nothing is
-      centred: every LayerNorm source is fitted (`w` or `1 + w`, and `b` without calibration batches,
-      reported approximate and unmeasured).
-    - A source to a norm of its own kind (`rmsnorm`, `layernorm`): the weights map exactly (`1 + w`
-      becomes the weight).
-    Without `calibration_batches`, `running_phi` stays 1 (the function is kept all the same).
-    `calibration_batches` is an iterable of model-input dicts (`input_ids`, `attention_mask`, ...),
-    run in eval mode without gradients, under Transformers' progress bar (off with
-    `transformers.utils.logging.disable_progress_bar()`); `report.start_gap` is the largest change
-    of the first output (logits) on the first of them. Without `preserve_function` the batches only
-    measure that gap (a plain conversion's handicap). Step counters start at zero either way.
+    update, in eval and in the first training forward (`PRESERVING` lists the targets): exactly for
+    RMSNorm sources and for LayerNorm sources once `centre_stream` centres their inputs, by a
+    least-squares fit named in `report.approximate` otherwise (`docs/conversion.md`,
+    `docs/conversion_families.md`). `calibration_batches` (model inputs, run in eval mode without
+    gradients) calibrate that and measure `report.start_gap`, the largest change of the first logits.
     """
     config = _model_config(model)
     _refuse_converted(model, config)
