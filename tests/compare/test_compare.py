@@ -11,7 +11,7 @@ import pytest
 from launching import accelerate_launch
 from hf_powernorm import compare
 from hf_powernorm.compare import runs as compare_runs
-from hf_powernorm.training import synthetic_classification_corpus, synthetic_lm_corpus, train_bpe_tokenizer
+from hf_powernorm.training import synthetic_classification_corpus, train_bpe_tokenizer
 from hf_powernorm.training.tasks import get_task
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
@@ -74,26 +74,6 @@ def _save_tiny_bart(tokenizer, folder) -> None:
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None)
     _save_tiny(BartForConditionalGeneration, config, tokenizer, folder)
-
-
-@pytest.fixture(scope="module")
-def gpt2_case(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    folder = tmp_path_factory.mktemp("gpt2")
-    corpus = synthetic_lm_corpus({"train": 60, "validation": 12, "test": 12}, seed=5)
-    files = {}
-    for split, part in corpus.items():
-        files[split] = folder / f"{split}.txt"
-        files[split].write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
-    tokenizer = _tokenizer(corpus["train"]["text"])
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
-                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id)
-    _save_tiny(GPT2LMHeadModel, config, tokenizer, folder / "model")
-    data = ["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
-            "--test_file", str(files["test"]), "--block_size", "16", "--max_tokens", "64"]
-    return str(folder / "model"), "causal-lm", data
 
 
 @pytest.fixture(scope="module")

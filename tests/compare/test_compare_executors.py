@@ -18,7 +18,6 @@ import pytest
 
 from hf_powernorm import cli, compare
 from hf_powernorm.compare import runs as compare_runs
-from hf_powernorm.training import synthetic_lm_corpus, train_bpe_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
@@ -30,36 +29,19 @@ TIME_COLUMNS = ("seconds",)
 
 
 @pytest.fixture(scope="module")
-def gpt2_case(tmp_path_factory) -> list[str]:
-    """A tiny random GPT-2 and its text files: the options of a comparison on them."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    folder = tmp_path_factory.mktemp("gpt2")
-    corpus = synthetic_lm_corpus({"train": 60, "validation": 12, "test": 12}, seed=5)
-    files = {}
-    for split, part in corpus.items():
-        files[split] = folder / f"{split}.txt"
-        files[split].write_text("".join(line + "\n" for line in part["text"]), encoding="utf-8")
-    tokenizer = train_bpe_tokenizer(corpus["train"]["text"], vocab_size=120)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
-                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
-    return ["--model_name_or_path", str(folder / "model"), "--task", "causal-lm", "--train_file",
-            str(files["train"]), "--validation_file", str(files["validation"]), "--test_file", str(files["test"]),
-            "--block_size", "16", "--max_tokens", "64", *TINY]
+def gpt2_options(gpt2_case) -> list[str]:
+    """The options of a comparison on the tiny GPT-2 and its text files, at the smallest budget."""
+    model, task, data = gpt2_case
+    return ["--model_name_or_path", model, "--task", task, *data, *TINY]
 
 
 @pytest.fixture(scope="module")
-def local_outputs(gpt2_case, tmp_path_factory) -> Path:
+def local_outputs(gpt2_options, tmp_path_factory) -> Path:
     """The grid run by the local executor, in this process."""
     from accelerate.state import AcceleratorState
 
     folder = tmp_path_factory.mktemp("local")
-    compare.main([*gpt2_case, *GRID, "--output_dir", str(folder)])
+    compare.main([*gpt2_options, *GRID, "--output_dir", str(folder)])
     AcceleratorState._reset_state(reset_partial_state=True)
     return folder
 
@@ -100,9 +82,9 @@ def _driver(argv: list[str]) -> subprocess.Popen:
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(gpt2_case, local_outputs, job_environment,
-                                                                      tmp_path, capsys):
-    argv = [*gpt2_case, *GRID, "--executor", "submitit", "--jobs", "1", "--output_dir", str(tmp_path)]
+def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(gpt2_options, local_outputs, job_environment,
+                                                                     tmp_path, capsys):
+    argv = [*gpt2_options, *GRID, "--executor", "submitit", "--jobs", "1", "--output_dir", str(tmp_path)]
     driver = _driver(argv)
     deadline = time.monotonic() + 120
     while not list((tmp_path / "cells").glob("*/result.json")):
@@ -121,8 +103,8 @@ def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(gpt2_case,
     _assert_same_outputs(tmp_path, local_outputs)
 
 
-def test_ray_tasks_match_local(gpt2_case, local_outputs, job_environment, tmp_path):
-    compare.main([*gpt2_case, *GRID, "--executor", "ray", "--output_dir", str(tmp_path)])
+def test_ray_tasks_match_local(gpt2_options, local_outputs, job_environment, tmp_path):
+    compare.main([*gpt2_options, *GRID, "--executor", "ray", "--output_dir", str(tmp_path)])
     _assert_same_outputs(tmp_path, local_outputs)
     assert sorted(p.name for p in (tmp_path / "jobs").glob("*.log")) == sorted(
         f"{p.name}.log" for p in (tmp_path / "cells").iterdir() if p.is_dir())
@@ -135,11 +117,11 @@ def failing_second_seed(cell, output_dir, gpus_per_run=0, log=None):
     compare_runs.run_job(cell, output_dir, gpus_per_run, log)
 
 
-def test_a_failed_job_is_reported_with_its_log_and_no_verdict(gpt2_case, job_environment, tmp_path, monkeypatch,
-                                                              capsys):
+def test_a_failed_job_is_reported_with_its_log_and_no_verdict(gpt2_options, job_environment, tmp_path,
+                                                              monkeypatch, capsys):
     monkeypatch.setattr(compare_runs, "run_job", failing_second_seed)
     with pytest.raises(SystemExit) as stopped:
-        compare.main([*gpt2_case, "--norms", "layernorm", "--seeds", "1", "2", "--executor", "submitit",
+        compare.main([*gpt2_options, "--norms", "layernorm", "--seeds", "1", "2", "--executor", "submitit",
                       "--jobs", "2", "--output_dir", str(tmp_path)])
     assert stopped.value.code == 1
     err = capsys.readouterr().err

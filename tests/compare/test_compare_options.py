@@ -18,7 +18,7 @@ import pytest
 from hf_powernorm import compare
 from hf_powernorm.compare import runs as compare_runs
 from hf_powernorm.compare.options import CompareOptions
-from test_compare import TINY, _rows, _save_tiny, _tokenizer, gpt2_case  # noqa: F401 (fixtures)
+from test_compare import TINY, _rows, _save_tiny, _tokenizer
 from test_compare_trust import _one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")

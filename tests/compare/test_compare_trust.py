@@ -20,7 +20,6 @@ from test_compare import (  # noqa: F401 (fixtures)
     _save_tiny_bert,
     _tokenizer,
     bert_case,
-    gpt2_case,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
