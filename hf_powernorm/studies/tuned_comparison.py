@@ -86,7 +86,7 @@ from ..training import (
 )
 from ..training.atomic_files import remove_path, write_json_atomically
 from ..training.evaluation import references_file
-from ..training.grid import RESULT_NAME, Cell, finished_results, reset_accelerate, run_grid
+from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, reset_accelerate, run_grid
 from ..training.reports import (
     MIN_PAIRS,
     SIGNIFICANCE,
@@ -123,6 +123,14 @@ DEFAULT_ALPHA_INIT = 1.0
 # (kept apart from `SIZES`, which finished runs recorded before these norms joined the study).
 ALPHAS_INIT = {"real": {"attention": (0.5, 1.0, 2.0), "other": (0.25, 0.5, 1.0, 2.0)},
                "smoke": {"attention": (1.0,), "other": (0.5, 1.0)}}
+# Amendment 2: a final whose training is its arm's winning tuning run (the same code, options and
+# seed; it differs only in the splits it scores) would carry that run's selection into the test
+# score. Such seed-1 finals - per task, each arm's budgets by index into `budgets` - draw their
+# dropout afresh (`dropout_seed` = seed + `FRESH_DRAW`; initialisation and batch order are the
+# seed's), as the other arms' seed-1 finals, trained on other code than their tuning runs, did.
+FRESH_FINALS = {"ptb": {"dyt": (0, 1), "derf": (0, 1), AUTHORS: (1,)},
+                "multi30k": {"dyt": (0,), "derf": (0,), AUTHORS: (1,)}}
+FRESH_DRAW = 1000
 # A killed run goes on from its last checkpoint: a language-model run writes one every
 # `RESUME_EVERY` updates (a Multi30k run keeps its own, every `checkpointing_steps`, for the
 # average), so a session that ends mid-run loses at most that many updates. A checkpoint changes
@@ -252,9 +260,11 @@ def _norm_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The training options of a run: its seed, budget, dropout and norms."""
+    """The training options of a run: its seed (and a final's fresh dropout draws), budget, dropout and
+    norms."""
     sizes = options["sizes"]
-    return {"seed": options["seed"], "max_tokens": sizes["max_tokens"], "learning_rate": options["learning_rate"],
+    fresh = {"dropout_seed": options["dropout_seed"]} if options.get("dropout_seed") is not None else {}
+    return {"seed": options["seed"], **fresh, "max_tokens": sizes["max_tokens"], "learning_rate": options["learning_rate"],
             "num_warmup_steps": options["warmup"], "max_train_steps": options["updates"],
             "eval_steps": sizes["eval_steps"], "dropout": sizes["dropout"], **_norm_options(options)}
 
@@ -369,17 +379,21 @@ def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
 
 
 def _cell(task: str, inputs: dict[str, Any], sizes: dict[str, Any], chosen: dict[str, Any], updates: int,
-          seed: int, final: bool = False) -> Cell:
+          seed: int, final: bool = False, dropout_seed: int | None = None) -> Cell:
     """A tuning run (validation only, on `max_eval_samples` sentences where the task limits them) or,
-    with `final`, a final (named `...-final`: whole validation and test splits, test scored)."""
+    with `final`, a final (named `...-final`: whole validation and test splits, test scored); with
+    `dropout_seed`, a final drawing its dropout afresh (`...-final-draw<dropout_seed>`)."""
     name = (f"{task}-{chosen['norm']}-lr{chosen['learning_rate']:g}-w{chosen['warmup']}"
             + (f"-a{chosen['alpha_fwd']:g}-{chosen['alpha_bkw']:g}-{chosen['denominator']}"
                if chosen["alpha_fwd"] is not None else "")
             + (f"-ai{chosen['alpha_init_attention']:g}-{chosen['alpha_init_other']:g}"
                if chosen.get("alpha_init_attention") is not None else "")
-            + f"-u{updates}-seed{seed}" + ("-final" if final else ""))
+            + f"-u{updates}-seed{seed}" + ("-final" if final else "")
+            + (f"-draw{dropout_seed}" if dropout_seed is not None else ""))
     options = {"task": task, **chosen, "updates": updates, "seed": seed, "sizes": sizes, "final": final,
                "max_eval_samples": None if final else sizes.get("max_eval_samples"), **inputs}
+    if dropout_seed is not None:  # only here: the other cells' options stay those they finished with
+        options["dropout_seed"] = dropout_seed
     return Cell(name, options, paths=tuple(k for k in ("files", "tokenizer") if k in inputs))
 
 
@@ -415,6 +429,24 @@ def _edge_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list
             extra += [protocol.cell(setting(norm, beyond, warmup), protocol.short)
                       for warmup in protocol.sizes["warmups"]]
     return extra
+
+
+def _alpha_init_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
+    """Amendment 2: an initial alpha picked at the edge of the values its axis has run (before
+    attention; before the FFN and in the final norm) is no pick either: the next value beyond (x2, or
+    /2) on that axis, the other at the pick - the rate grid's rule, for each norm and each axis whose
+    grid (`ALPHAS_INIT`) has two values or more; returns only cells that have not run yet."""
+    done = {result["cell"] for result in results}
+    extra = []
+    for norm in _norms(results):
+        runs = [r for r in results if r["norm"] == norm]
+        pick = _best(protocol.task, runs)
+        for axis, grid in protocol.args.alphas_init.items():
+            beyond = _beyond(pick[f"alpha_init_{axis}"], {r[f"alpha_init_{axis}"] for r in runs}) \
+                if len(grid) > 1 else None
+            if beyond is not None:
+                extra.append(protocol.cell({**_chosen(pick), f"alpha_init_{axis}": beyond}, protocol.short))
+    return [cell for cell in extra if cell.name not in done]
 
 
 def _recheck_extension(protocol: "Protocol", results: list[dict[str, Any]]) -> list[Cell]:
@@ -542,6 +574,23 @@ class Protocol:
     def cell(self, chosen: dict[str, Any], updates: int, seed: int = 1, final: bool = False) -> Cell:
         return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed, final)
 
+    def _fresh(self, norm: str, updates: int, seed: int) -> bool:
+        """Whether this final draws its dropout afresh (`FRESH_FINALS`)."""
+        budgets = FRESH_FINALS.get(self.task, {}).get(norm, ())
+        return seed == 1 and updates in [self.sizes["budgets"][index] for index in budgets]
+
+    def final_cell(self, chosen: dict[str, Any], updates: int, seed: int) -> Cell:
+        """A final of `chosen` (an arm's pick): with fresh dropout draws where `FRESH_FINALS` says."""
+        fresh = seed + FRESH_DRAW if self._fresh(chosen["norm"], updates, seed) else None
+        return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed, final=True, dropout_seed=fresh)
+
+    def replaced_cells(self, cells: list[Cell]) -> list[Cell]:
+        """The finals that `cells`' fresh ones replace: the same runs without fresh draws (their
+        training is the winning tuning run's), kept in the record beside them."""
+        return [self.cell({k: cell.options[k] for k in ("norm", "learning_rate", "warmup", *OPTION_KEYS)
+                           if k in cell.options}, cell.options["updates"], cell.options["seed"], final=True)
+                for cell in cells if "dropout_seed" in cell.options]
+
     def _rate_stage(self, name: str, norms: tuple[str, ...]) -> list[dict[str, Any]] | None:
         """Stage 1 for `norms` as stage `name`: learning rate x warmup at the short budget and seed 1,
         then the learning-rate edge, then the warmup edge (one longer warmup, then up to two rates
@@ -595,7 +644,7 @@ class Protocol:
         """Stage 5, seed by seed so that a seed's arms finish together: the arms at both budgets; with
         `extras` then the alpha arm at the long budget and (Multi30k) PN in every layer at both, the
         rows the cut rule drops first."""
-        cells = [self.cell(self.picks[f"{norm}@{updates}"], updates, seed, final=True)
+        cells = [self.final_cell(self.picks[f"{norm}@{updates}"], updates, seed)
                  for updates, seeds in ((self.short, self.args.seeds), (self.long, self.args.long_seeds))
                  for seed in seeds for norm in RECHECKED]
         if not extras:
@@ -626,10 +675,11 @@ class Protocol:
         stage_one = self._rate_stage("lr-elementwise", ELEMENTWISE)
         if stage_one is None:
             return False
-        results = self._stage("alpha_init", [
+        results = self._extended_stage("alpha_init", [
             self.cell({**_chosen(_best(self.task, [r for r in stage_one if r["norm"] == norm])),
                        "alpha_init_attention": attention, "alpha_init_other": other}, self.short)
-            for norm in ELEMENTWISE for attention in grid["attention"] for other in grid["other"]])
+            for norm in ELEMENTWISE for attention in grid["attention"] for other in grid["other"]],
+            ((_alpha_init_extension, self.args.extensions),))
         if results is None:
             return False
         self._pick_each(results, ELEMENTWISE, self.short)
@@ -638,13 +688,17 @@ class Protocol:
     def elementwise_final_cells(self) -> list[Cell]:
         """DyT's and Derf's finals, seed by seed, at the seeds the other arms have at each budget."""
         seeds = {self.short: self.args.seeds, self.long: self.args.long_seeds}
-        return [self.cell(self.picks[f"{norm}@{updates}"], updates, seed, final=True)
+        return [self.final_cell(self.picks[f"{norm}@{updates}"], updates, seed)
                 for updates in self.elementwise_budgets() for seed in seeds[updates] for norm in ELEMENTWISE]
 
     def run_finals(self, extras: bool = True, elementwise: bool = False) -> None:
         """The finals: the arms' main ones, with `extras` the rows the cut rule drops first, with
-        `elementwise` also DyT's and Derf's (after their tuning)."""
-        self._stage("final", self.final_cells(extras) + (self.elementwise_final_cells() if elementwise else []))
+        `elementwise` also DyT's and Derf's (after their tuning); the finals their fresh ones replace
+        are read, never run (stage `replaced`)."""
+        cells = self.final_cells(extras) + (self.elementwise_final_cells() if elementwise else [])
+        self._stage("final", cells)
+        replaced = self.replaced_cells(cells)
+        self.stages["replaced"] = [(cell, cell_result(self.output_dir, cell)) for cell in replaced]
 
 
 class Transfer(Protocol):
@@ -714,7 +768,7 @@ def result_rows(protocols: list[Protocol]) -> list[dict[str, Any]]:
                 if result is None:
                     continue
                 base = {key: result[key] for key in COLUMNS if key in result}
-                base.update(stage="final" if stage == "final" else "tune",
+                base.update(stage=stage if stage in ("final", "replaced") else "tune",
                             dropout=result["sizes"]["dropout"], label_smoothing=result["sizes"]["label_smoothing"])
                 rows += [{**base, "split": split, "metric": metric, "examples": _examples(result, split),
                           "value": value} for split, metric, value in _evaluations(result)]

@@ -192,6 +192,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), help="default: accelerate config")
     train.add_argument("--cpu", action="store_true", help="train on CPU even if an accelerator is present")
     train.add_argument("--seed", type=int, default=1)
+    train.add_argument("--dropout_seed", type=int,
+                       help="reseed the random draws of training (dropout) with this once the model is built: the "
+                            "same --seed's initialisation and batch order, other dropout masks (default: --seed's "
+                            "stream goes on)")
     train.add_argument("--checkpointing_steps", help="save the training state every N updates, or 'epoch'")
     train.add_argument("--checkpoints_total_limit", type=int,
                        help="keep only the newest N complete checkpoints (the best model and the checkpoint "

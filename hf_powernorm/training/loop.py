@@ -417,7 +417,11 @@ def fit(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Modu
     """Everything between a model and its export: AdamW with decay by `ndim`, the training batches
     (`--per_device_train_batch_size`, else the `--max_tokens` budget), `accelerator.prepare`, the
     `--lr_scheduler_type` schedule, early stopping on `validate(model)` (`mode` "min" or "max"),
-    `train` and `finish_training`. Returns the prepared model and the training summary."""
+    `train` and `finish_training`. Returns the prepared model and the training summary. With
+    `--dropout_seed` the random draws of training start from that seed, the model's initialisation
+    and the batch order (by `--seed`) unchanged; a resumed run's checkpoint restores its own."""
+    if args.dropout_seed is not None:
+        set_seed(args.dropout_seed)
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
     loader, sampler = train_loader(train_dataset, collate, seed=args.seed, max_tokens=args.max_tokens,
                                    batch_size=args.per_device_train_batch_size, length_columns=length_columns)
