@@ -237,7 +237,7 @@ def ptb_smoke(tmp_path_factory):
 def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
     output, protocol = ptb_smoke
     stages = list(protocol.stages)
-    assert stages == ["lr", "alpha", "denominator", "recheck", "final", "lr-elementwise", "alpha_init",
+    assert stages == ["lr", "alpha", "denominator", "recheck", "final", "replaced", "lr-elementwise", "alpha_init",
                       "recheck-elementwise"]
     sizes, grid = tuned_comparison.SIZES["smoke"]["ptb"], tuned_comparison.ALPHAS_INIT["smoke"]
     results = {stage: [result for _, result in cells] for stage, cells in protocol.stages.items()}
@@ -250,8 +250,13 @@ def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
         # The initial alphas at that pick: as many runs as PN's alpha stage at the real sizes.
         alpha = [r for r in results["alpha_init"] if r["norm"] == norm]
         pick = tuned_comparison._best("ptb", lr)
-        assert [(r["alpha_init_attention"], r["alpha_init_other"]) for r in alpha] == [
+        grid_runs = len(grid["attention"]) * len(grid["other"])
+        assert [(r["alpha_init_attention"], r["alpha_init_other"]) for r in alpha[:grid_runs]] == [
             (a, o) for a in grid["attention"] for o in grid["other"]]
+        # The edge rule's runs after the grid: the other axis beyond its edge, the attention axis
+        # (one value in the smoke grid) never.
+        assert all(r["alpha_init_attention"] in grid["attention"] for r in alpha)
+        assert all(r["alpha_init_other"] not in grid["other"] for r in alpha[grid_runs:])
         assert {(r["learning_rate"], r["warmup"]) for r in alpha} == {(pick["learning_rate"], pick["warmup"])}
         assert protocol.picks[f"{norm}@{protocol.short}"] == tuned_comparison._chosen(
             tuned_comparison._best("ptb", alpha))
@@ -265,6 +270,7 @@ def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
         assert long_pick["alpha_init_attention"] == protocol.picks[f"{norm}@{protocol.short}"]["alpha_init_attention"]
         finals = [r for r in results["final"] if r["norm"] == norm]
         assert sorted((r["updates"], r["seed"]) for r in finals) == [(protocol.short, 1), (protocol.long, 1)]
+        assert all(r["dropout_seed"] == 1 + tuned_comparison.FRESH_DRAW for r in finals)
     real = tuned_comparison.ALPHAS_INIT["real"]
     pn = tuned_comparison.SIZES["real"]["ptb"]
     assert len(real["attention"]) * len(real["other"]) == len(pn["alphas_fwd"]) * len(pn["alphas_bkw"])
@@ -275,7 +281,7 @@ def test_dyt_and_derf_are_tuned_alike_after_every_other_final(ptb_smoke):
     rows = read_rows(output / "results.csv")
     assert not [row for row in rows if row["stage"] == "tune" and row["split"] == "test"]
     assert {row["norm"] for row in rows if row["stage"] == "final" and row["split"] == "test"} >= {"dyt", "derf"}
-    assert {row["alpha_init_other"] for row in rows if row["norm"] == "dyt"} == {"0.5", "1.0"}
+    assert {row["alpha_init_other"] for row in rows if row["norm"] == "dyt"} >= {"0.5", "1.0"}
     assert {row["alpha_init_other"] for row in rows if row["norm"] == "layernorm"} == {""}
     summary = (output / "summary.md").read_text()
     assert "| DyT | PN (its picks) |" in summary and "| Derf | LayerNorm |" in summary
@@ -513,11 +519,80 @@ def test_finals_are_runs_of_their_own_on_the_whole_splits(tmp_path):
     for cell in cells:
         key = (cell.options["norm"], cell.options["updates"])
         counts[key] = counts.get(key, 0) + 1
-        assert cell.name.endswith("-final") and cell.options["final"] and cell.options["max_eval_samples"] is None
+        fresh = key == ("powernorm-authors", 4000) and cell.options["seed"] == 1  # amendment 2
+        assert cell.name.endswith("-final-draw1001" if fresh else "-final") and cell.options["final"]
+        assert cell.options["max_eval_samples"] is None and ("dropout_seed" in cell.options) == fresh
     assert counts == {**{(n, 2000): 3 for n in tuned_comparison.RECHECKED},
                       **{(n, 4000): 5 for n in tuned_comparison.RECHECKED},
                       ("powernorm-fwd0.9", 4000): 5, ("powernorm-all", 2000): 3, ("powernorm-all", 4000): 3}
     assert len({cell.name for cell in cells}) == len(cells)
+
+
+def test_a_seed_one_final_that_repeats_its_winning_tuning_run_draws_fresh_dropout(tmp_path):
+    """Amendment 2: the finals of `FRESH_FINALS` at seed 1 differ from the tuning run that won their
+    pick by their dropout draws alone (`--dropout_seed`, the seed's initialisation and batch order);
+    every other final keeps its cell, and the old seed-1 finals are the record of what was replaced."""
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3],
+                                               long_seeds=[1, 2, 3, 4, 5])
+    protocol = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
+    for norm in (*tuned_comparison.RECHECKED, *tuned_comparison.ELEMENTWISE):
+        for updates in (1500, 4500):
+            protocol.picks[f"{norm}@{updates}"] = tuned_comparison.setting(norm, 8e-3, 150)
+    protocol.picks["powernorm-fwd0.9@4500"] = tuned_comparison.setting("powernorm-fwd0.9", 8e-3, 150, 0.9, 1.0)
+    cells = protocol.final_cells() + protocol.elementwise_final_cells()
+    fresh = {(c.options["norm"], c.options["updates"], c.options["seed"]) for c in cells if "dropout_seed" in c.options}
+    assert fresh == {("dyt", 1500, 1), ("derf", 1500, 1), ("dyt", 4500, 1), ("derf", 4500, 1),
+                     ("powernorm-authors", 4500, 1)}
+    for cell in cells:
+        if "dropout_seed" in cell.options:
+            assert cell.options["dropout_seed"] == 1001 and cell.name.endswith("-seed1-final-draw1001")
+            words = tuned_comparison._run_options({**cell.options, "sizes": tuned_comparison.SIZES["real"]["ptb"]})
+            assert words["seed"] == 1 and words["dropout_seed"] == 1001
+    replaced = protocol.replaced_cells(cells)
+    assert sorted(c.name for c in replaced) == sorted(c.name.removesuffix("-draw1001") for c in cells
+                                                      if "dropout_seed" in c.options)
+    # The cell a fresh final replaces is the final as the study ran it before (same options).
+    old = protocol.cell(protocol.picks["dyt@4500"], 4500, 1, final=True)
+    assert old.name in {c.name for c in replaced} and old.options == next(c for c in replaced
+                                                                          if c.name == old.name).options
+    assert "dropout_seed" not in tuned_comparison._run_options({**old.options, "sizes": args.sizes["ptb"]})
+
+
+def test_an_initial_alpha_picked_at_an_edge_gets_the_next_value_beyond(tmp_path):
+    """Amendment 2: the rate grid's edge rule on each initial-alpha axis, the other axis at the pick."""
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2,
+                                               alphas_init=tuned_comparison.ALPHAS_INIT["real"])
+    protocol = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
+    ran = []
+
+    def run(norm, attention, other, perplexity):
+        chosen = {**tuned_comparison.setting(norm, 8e-3, 500), "alpha_init_attention": attention,
+                  "alpha_init_other": other}
+        cell = protocol.cell(chosen, protocol.short)
+        ran.append({"cell": cell.name, **chosen, "best_validation": perplexity})
+
+    def extension():
+        return sorted((c.options["norm"], c.options["alpha_init_attention"], c.options["alpha_init_other"])
+                      for c in tuned_comparison._alpha_init_extension(protocol, ran))
+
+    grid = tuned_comparison.ALPHAS_INIT["real"]
+    for attention in grid["attention"]:
+        for other in grid["other"]:
+            run("dyt", attention, other, 110.0 - attention - other)  # best at the 2 / 2 corner
+            run("derf", attention, other, 110.0 - attention + abs(other - 0.5))  # best at 2 / 0.5
+    assert extension() == [("derf", 4.0, 0.5), ("dyt", 2.0, 4.0), ("dyt", 4.0, 2.0)]
+    run("dyt", 4.0, 2.0, 50.0)
+    run("dyt", 2.0, 4.0, 90.0)
+    run("derf", 4.0, 0.5, 200.0)
+    # DyT's 4 before attention wins: 8 next (the other axis, 2, now lies inside 0.25-4); Derf's pick
+    # stays at 2 / 0.5, whose attention value is no longer the edge.
+    assert extension() == [("dyt", 8.0, 2.0)]
+    run("dyt", 8.0, 2.0, 60.0)
+    assert extension() == []
+    # A pick inside both axes adds nothing.
+    assert tuned_comparison._alpha_init_extension(
+        protocol, [{**r, "best_validation": 1.0 if (r["alpha_init_attention"], r["alpha_init_other"]) == (1.0, 0.5)
+                    else 100.0} for r in ran if r["norm"] == "derf"]) == []
 
 
 def test_every_tasks_finals_are_queued_as_one_grid_in_task_order(tmp_path, monkeypatch):
