@@ -114,8 +114,8 @@ def slurm_settings(pairs: Sequence[str]) -> dict[str, str]:
 
 def executor_settings(args: Any) -> ExecutorSettings:
     """The settings of the options in `args` (a parsed command line with `add_executor_args`'
-    options, or an object with the same fields), checked."""
-    values = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ExecutorSettings)}
+    options, or an object with the same fields; one it lacks takes its default), checked."""
+    values = {spec.name: getattr(args, spec.name, spec.default) for spec in dataclasses.fields(ExecutorSettings)}
     settings = ExecutorSettings(**{**values, "slurm_extra": tuple(values["slurm_extra"])})
     settings.check()
     return settings
