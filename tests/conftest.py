@@ -139,3 +139,17 @@ def run_without_the_package(tmp_path) -> Callable[..., subprocess.CompletedProce
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+@pytest.fixture
+def job_environment(monkeypatch, request) -> Iterator[None]:
+    """What the jobs of `--executor submitit` or `ray` inherit: this checkout, the tests' helpers and
+    the requesting test's module importable, one thread each; Ray's session folder short (its
+    sockets' paths must stay under the 107 bytes of AF_UNIX, which a checkout's deep TMPDIR can
+    pass), removed afterwards."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(_ROOT), str(_ROOT / "tests"), str(request.path.parent)]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    yield
+    shutil.rmtree(ray_dir, ignore_errors=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import re
 import sys
@@ -45,12 +44,8 @@ GROUPS = {"data": "data", "model": "tokenizer and model",
           "columns": "data columns (default: the names each task reads)",
           "kept": "the models a comparison keeps",
           "executor": "where the runs go (one job per run; see docs/compare_executors.md)"}
+# The executors of `training.executors.EXECUTORS` (a test holds them equal, and the options' help).
 EXECUTORS = ("local", "submitit", "ray")
-# The optional dependency each executor needs: its module, and the extra of setup.cfg that installs it.
-EXECUTOR_EXTRAS = {"submitit": "submitit", "ray": "ray"}
-# The executors that take each executor option.
-EXECUTOR_OPTIONS = {"slurm_partition": ("submitit",), "timeout_min": ("submitit",), "slurm_extra": ("submitit",),
-                    "gpus_per_run": ("submitit", "ray"), "cpus_per_run": ("submitit", "ray"), "ray_address": ("ray",)}
 
 
 def option(default: Any = None, help: str = "", group: str = "comparison", *, runtime: bool = False,
@@ -372,37 +367,11 @@ def _check_runs(options: CompareOptions) -> None:
 
 
 def check_executor(options: CompareOptions) -> None:
-    """The executor's options, and its optional dependency installed (else one line naming the extra
-    that installs it), before any other check or work."""
-    if options.executor in EXECUTOR_EXTRAS:
-        module = EXECUTOR_EXTRAS[options.executor]
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            raise ValueError(f"--executor {options.executor} needs the {module} package: pip install "
-                             f"hf_powernorm[{module}]") from None
-        if world_size() > 1:
-            raise ValueError(f"--executor {options.executor} starts each run in its own job (through Accelerate "
-                             f"where --gpus_per_run is over 1): run the command itself without `accelerate launch`")
-    defaults = CompareOptions()
-    for name, executors in EXECUTOR_OPTIONS.items():
-        if getattr(options, name) != getattr(defaults, name) and options.executor not in executors:
-            raise ValueError(f"--{name} is for --executor {' or '.join(executors)}, not {options.executor}")
-    for name, least in (("gpus_per_run", 0), ("cpus_per_run", 1), ("timeout_min", 1)):
-        if getattr(options, name) < least:
-            raise ValueError(f"--{name} {getattr(options, name)}: expected an integer of at least {least}")
-    slurm_settings(options.slurm_extra)
+    """The executor's options (`training.executors`), and its optional dependency installed (else
+    one line naming the extra that installs it), before any other check or work."""
+    from ..training.executors import executor_settings
 
-
-def slurm_settings(pairs: Sequence[str]) -> dict[str, str]:
-    """`--slurm_extra KEY=VALUE ...` as sbatch's settings by name."""
-    settings = {}
-    for pair in pairs:
-        key, equals, value = pair.partition("=")
-        if not equals or not key.strip():
-            raise ValueError(f"--slurm_extra {pair!r}: expected KEY=VALUE, e.g. account=my_lab")
-        settings[key.strip()] = value
-    return settings
+    executor_settings(options)
 
 
 def _check_quantities(options: CompareOptions) -> None:

@@ -17,12 +17,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..training.executors import JOBS_FOLDER, output_to
 from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, run_grid
 from ..training.locking import hold_output_folder
 from ..training.readers import split_train
 from ..training.reports import numeric_scores
 from ..training.tasks import Task, get_task, task_names
-from .executors import JOBS_FOLDER, RunsFailed, submit_cells
+from .executors import NO_VERDICT, RunsFailed, submit_cells
 from .options import BASELINE, CompareOptions, library_args, world_size
 from .plan import (
     check_output_folder,
@@ -338,7 +339,7 @@ def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]
     if options.executor != "local" and not options.report_only:
         failed = submit_cells(cells, run_job, options)
         if failed:
-            raise RunsFailed(failed)
+            raise RunsFailed(failed, NO_VERDICT)
         return [cell_result(options.output_dir, cell) for cell in cells]
     if options.jobs > 1 or options.report_only:
         return run_grid(cells, run_cell, options.output_dir, jobs=options.jobs, desc="Comparison",
@@ -355,7 +356,7 @@ def run_job(cell: Cell, output_dir: str, gpus_per_run: int = 0, log: str | None 
     import torch
 
     torch.set_num_threads(saved_comparison(output_dir)["args"]["cpus_per_run"])  # the cores the job was given
-    with _output_to(log):
+    with output_to(log):
         if gpus_per_run > 1:
             cell_file = Path(output_dir) / JOBS_FOLDER / f"{cell.name}.cell.json"
             cell_file.parent.mkdir(parents=True, exist_ok=True)
@@ -371,16 +372,6 @@ def run_job(cell: Cell, output_dir: str, gpus_per_run: int = 0, log: str | None 
                             output_dir, str(cell_file)], check=True)
             return
         run_cells_here([cell], output_dir)
-
-
-@contextlib.contextmanager
-def _output_to(log: str | None) -> Iterator[None]:
-    if log is None:
-        yield
-        return
-    with open(log, "a", encoding="utf-8") as handle, contextlib.redirect_stdout(handle), \
-            contextlib.redirect_stderr(handle):
-        yield
 
 
 def run_cells_here(cells: Sequence[Cell], output_dir: str | Path, cpu: bool = False) -> None:

@@ -1,7 +1,8 @@
 """`python -m hf_powernorm.studies <study> [options]`: run one study (`--help` lists them; `<study>
 --help` gives its options). The same as `python -m hf_powernorm.studies.<study> [options]`.
 `python -m hf_powernorm.studies docs [--check]` writes the documents' results tables from the
-studies' data files (`documents`)."""
+studies' data files (`documents`). A study whose runs failed as jobs of `--executor submitit` or
+`ray` stops with exit status 1 and one line naming each failed run with its log."""
 
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ def main(argv: list[str] | None = None) -> object:
     if not argv or argv[0].startswith("-"):
         parser.parse_args(argv)  # --help, or an error naming the missing study
     study = parser.parse_args(argv[:1]).study
+    module = importlib.import_module(f"{__package__}.{study}")
+    from ..training.executors import RunsFailed  # the library, imported by the study (not for `--help`)
+
     # The study's own parser names its program after argv[0]: the command as typed, not __main__.py.
     program, sys.argv[0] = sys.argv[0], f"{parser.prog} {study}"
     try:
-        return importlib.import_module(f"{__package__}.{study}").main(argv[1:])
+        return module.main(argv[1:])
+    except RunsFailed as failed:  # jobs of --executor submitit or ray: each named with its log
+        print(f"{sys.argv[0]}: {failed}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         sys.argv[0] = program
 

@@ -27,6 +27,7 @@ from ..training import (
     synthetic_lm_corpus,
     train_bpe_tokenizer,
 )
+from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
 
 TASKS = {"bert-classification": (classification, "test_accuracy"),
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output_dir", default="outputs/studies/converted_models")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--jobs", type=int, default=1)
+    add_executor_args(p)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
     return p.parse_args(argv)
 
@@ -110,6 +111,7 @@ def write_summary(results: list[dict[str, Any]], output_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    executor = executor_settings(args)  # checked before anything is written
     output_dir = Path(args.output_dir)
     sizes = SIZES["smoke" if args.smoke else "real"]
     cells = [Cell(f"{task}-{norm}-seed{seed}", {"task": task, "norm": norm, "seed": seed,
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                  "updates": sizes["updates"][task], "warmup": sizes["warmup"]},
                   paths=("model",))
              for task in TASKS for norm in ("layernorm", "powernorm") for seed in args.seeds]
-    results = run_grid(cells, run_cell, output_dir, jobs=args.jobs, desc="Converted models")
+    results = run_grid(cells, run_cell, output_dir, desc="Converted models", executor=executor)
     print(write_summary(results, output_dir))
     return results
 

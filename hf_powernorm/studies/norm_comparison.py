@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..training import read_run_log, translation
+from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import (
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     add_lm_size_args(p)
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    add_executor_args(p)
     p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
     p.add_argument("--report_only", action="store_true",
                    help="write the outputs from the runs finished so far, and run nothing")
@@ -271,10 +272,11 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str],
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    executor = executor_settings(args)  # checked before anything is written
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = run_grid(cells(args, _inputs(args, output_dir)), run_cell, output_dir, jobs=args.jobs,
-                       desc="Norm comparison", report_only=args.report_only)
+    results = run_grid(cells(args, _inputs(args, output_dir)), run_cell, output_dir, desc="Norm comparison",
+                       report_only=args.report_only, executor=executor)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

@@ -72,6 +72,7 @@ from ..training import (
     synthetic_classification_corpus,
     tokenize_classification,
 )
+from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
 from ..training.reports import seeds_of
 
@@ -123,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--norms", nargs="+", default=list(NORMS), choices=list(NORMS))
     p.add_argument("--learning_rates", type=float, nargs="+", default=list(LEARNING_RATES))
     p.add_argument("--widths", type=int, nargs=3, help=f"narrow, normal, wide hidden sizes; default {WIDTHS['real']}")
-    p.add_argument("--jobs", type=int, default=1, help="grid cells at once, each in its own process")
+    add_executor_args(p)
     p.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     p.add_argument("--report_only", action="store_true",
                    help="write the outputs from the runs finished so far, and run nothing")
@@ -756,11 +757,12 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    executor = executor_settings(args)  # checked before anything is written
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     data = _prepare(args, output_dir)
-    results = run_grid(cells(args, data), run_cell, output_dir, jobs=args.jobs, desc="PhraseBank norms",
-                       report_only=args.report_only)
+    results = run_grid(cells(args, data), run_cell, output_dir, desc="PhraseBank norms",
+                       report_only=args.report_only, executor=executor)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

@@ -14,6 +14,7 @@ import torch
 
 from ..training.arguments import add_recipe_args, check_args
 from ..training.corpora import synthetic_lm_corpus
+from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import run_grid
 from ..training.readers import data_files_from_args, load_lm_dataset, split_train
 from ..training.tasks import get_task, train_and_score
@@ -172,13 +173,14 @@ def add_study_data_args(parser: argparse.ArgumentParser, data_dir_holds: str) ->
 
 def add_study_args(parser: argparse.ArgumentParser, sizes: dict[str, dict[str, Any]], output_dir: str,
                    seeds: Sequence[int]) -> argparse.ArgumentParser:
-    """The options every LM study shares: the data (`add_study_data_args`), `--output_dir`, `--seeds`, `--jobs`,
-    `--smoke`, `--report_only`, the LM's size, and one flag per entry of `sizes["real"]` (default from
-    `sizes["smoke"]` with `--smoke`; `fill_sizes` sets them after parsing)."""
+    """The options every LM study shares: the data (`add_study_data_args`), `--output_dir`, `--seeds`, where the
+    runs go (`--jobs`, `--executor` and its options: `training.executors.add_executor_args`), `--smoke`,
+    `--report_only`, the LM's size, and one flag per entry of `sizes["real"]` (default from `sizes["smoke"]` with
+    `--smoke`; `fill_sizes` sets them after parsing)."""
     add_study_data_args(parser, "ptb/ptb.{train,valid,test}.txt")
     parser.add_argument("--output_dir", default=output_dir)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    add_executor_args(parser)
     parser.add_argument("--smoke", action="store_true", help="the embedded corpus at tiny sizes (seconds)")
     parser.add_argument("--report_only", action="store_true",
                         help="write the outputs from the runs finished so far, and run nothing")
@@ -199,15 +201,16 @@ def fill_sizes(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> ar
 def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_cell: Callable[..., dict],
                  write_results: Callable[..., None], desc: str) -> list[dict[str, Any]]:
     """A study's `main` after parsing: PTB's files (or the embedded corpus) and BPE prepared once,
-    `make_cells(args, files, tokenizer)` run by `run_grid`, `write_results(results, args,
-    output_dir)`, and the summary printed. With `args.report_only` nothing runs and the results are
+    `make_cells(args, files, tokenizer)` run by `run_grid` where `--executor` says, `write_results(results,
+    args, output_dir)`, and the summary printed. With `args.report_only` nothing runs and the results are
     those of the finished cells. Returns the results in cell order."""
+    executor = executor_settings(args)  # checked before anything is written
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     files = study_data_files(args, output_dir)
     tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
     grid = make_cells(args, files, tokenizer)
-    results = run_grid(grid, run_cell, output_dir, jobs=args.jobs, desc=desc, report_only=args.report_only)
+    results = run_grid(grid, run_cell, output_dir, desc=desc, report_only=args.report_only, executor=executor)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results

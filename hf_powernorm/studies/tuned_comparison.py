@@ -86,6 +86,7 @@ from ..training import (
 )
 from ..training.atomic_files import remove_path, write_json_atomically
 from ..training.evaluation import references_file
+from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, reset_accelerate, run_grid
 from ..training.reports import (
     MIN_PAIRS,
@@ -184,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the short budget's finals (and transfer)")
     p.add_argument("--long_seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="the long budget's finals")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    add_executor_args(p)
     p.add_argument("--elementwise", action=argparse.BooleanOptionalAction, default=True,
                    help="after the other arms' finals, tune DyT and Derf and run their finals (default: on)")
     p.add_argument("--smoke", action="store_true", help="the embedded corpora at tiny sizes (seconds)")
@@ -551,8 +552,8 @@ class Protocol:
         if self.args.report_only:
             done = {r["cell"]: r for r in finished_results(unique, self.output_dir)}
         else:
-            done = {r["cell"]: r for r in run_grid(unique, run_cell, self.output_dir, jobs=self.args.jobs,
-                                                   desc=f"{self.task} {name}", resume_cells=True)}
+            done = {r["cell"]: r for r in run_grid(unique, run_cell, self.output_dir, desc=f"{self.task} {name}",
+                                                   resume_cells=True, executor=executor_settings(self.args))}
         self.stages[name] = [(cell, done.get(cell.name)) for cell in cells]
         return None if len(done) < len(unique) else [done[cell.name] for cell in cells]
 
@@ -1181,7 +1182,8 @@ def run_finals_together(protocols: list[Protocol], extras: bool) -> None:
     if protocols and not protocols[0].args.report_only:
         first = protocols[0]
         cells = list({cell.name: cell for protocol in protocols for cell in protocol.final_cells(extras)}.values())
-        run_grid(cells, run_cell, first.output_dir, jobs=first.args.jobs, desc="finals", resume_cells=True)
+        run_grid(cells, run_cell, first.output_dir, desc="finals", resume_cells=True,
+                 executor=executor_settings(first.args))
     for protocol in protocols:
         protocol.run_finals(extras)
 

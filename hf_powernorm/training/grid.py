@@ -9,6 +9,9 @@ checkpoints it finds there), runs them in `jobs` fresh processes at once (or in 
 `jobs=1`), and writes each result atomically, so that a grid stopped at any moment (a session ends, a machine goes
 away) starts again where it stopped without redoing a finished cell; a worker whose grid was killed
 ends itself within a second, so that no orphan goes on writing a cell the resumed grid runs again.
+With `executor` settings of submitit or Ray (`executors`), each unfinished cell is a job instead,
+running the same body and writing its result the same way; a failed job stops the grid with
+`RunsFailed`, which names each failed cell with its log.
 A finished cell whose saved options differ from the cell asked for (another budget in the same
 output folder) is an error, not a result: a grid never mixes runs of different settings.
 """
@@ -19,18 +22,22 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from .checkpoints import write_json_atomically
+from .executors import ExecutorSettings, RunsFailed, output_to, submit_jobs
 
 RESULT_NAME = "result.json"
+JOB_NAME = "hf-powernorm-grid"  # the Slurm jobs' name (`scancel --name hf-powernorm-grid`)
 
 
 @dataclass(frozen=True)
@@ -102,16 +109,39 @@ def reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def grid_job(run_cell: Callable[[Cell, Path], dict], resume_cells: bool, cell: Cell, output_dir: str,
+             gpus_per_run: int = 0, log: str | None = None) -> None:
+    """One cell of `run_grid` in its job's process (submitit's or Ray's, which may be reused): the
+    body a local grid's process runs, its output appended to `log` where given."""
+    with output_to(log):
+        _run_one(run_cell, cell, Path(output_dir) / "cells" / cell.name, resume_cells)
+    reset_accelerate()
+
+
+def _check_executor(jobs: int, executor: ExecutorSettings | None) -> int:
+    """The processes of a local grid: `jobs`, or the executor's (not both)."""
+    if executor is None:
+        return jobs
+    if jobs not in (1, executor.jobs):
+        raise ValueError(f"jobs={jobs} and executor jobs={executor.jobs}: give the executor's only")
+    if executor.executor != "local" and executor.gpus_per_run > 1:
+        raise ValueError(f"--gpus_per_run {executor.gpus_per_run}: a grid's run is one process, on one GPU at most; "
+                         f"expected 0 or 1")
+    return executor.jobs
+
+
 def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], output_dir: str | Path, *,
              jobs: int = 1, desc: str = "Runs", report_only: bool = False,
-             resume_cells: bool = False) -> list[dict[str, Any]]:
+             resume_cells: bool = False, executor: ExecutorSettings | None = None) -> list[dict[str, Any]]:
     """Run every unfinished cell of `cells` (in `jobs` processes); return all results in order.
     With `report_only`, run nothing and return the results of the cells finished so far
     (FileNotFoundError if none has). With `resume_cells`, `run_cell` is handed the folder a killed
-    attempt left (else a cleared one) and continues the run it holds."""
+    attempt left (else a cleared one) and continues the run it holds. `executor`: where the cells
+    run (default: here, as `jobs` says); with submitit or Ray one job each (`RunsFailed` if any fails)."""
     names = [cell.name for cell in cells]
     if len(set(names)) != len(names):
         raise ValueError(f"cell names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+    jobs = _check_executor(jobs, executor)
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1; got {jobs}")
     root = Path(output_dir) / "cells"
@@ -128,6 +158,12 @@ def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], outp
         return results
     root.mkdir(parents=True, exist_ok=True)
     todo = [cell for cell in cells if cell_result(output_dir, cell) is None]
+    if executor is not None and executor.executor != "local":
+        print(f"{desc}: {len(cells) - len(todo)} of {len(cells)} runs finished, {len(todo)} to run", file=sys.stderr)
+        failed = submit_jobs(todo, partial(grid_job, run_cell, resume_cells), output_dir, executor, name=JOB_NAME)
+        if failed:
+            raise RunsFailed(failed)
+        return [cell_result(output_dir, cell) for cell in cells]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc)
     if jobs == 1:
         for cell in todo:

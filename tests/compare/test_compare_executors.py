@@ -6,11 +6,9 @@ failing job is reported with its log and no verdict; a missing extra is refused 
 import csv
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,19 +42,6 @@ def local_outputs(gpt2_options, tmp_path_factory) -> Path:
     compare.main([*gpt2_options, *GRID, "--output_dir", str(folder)])
     AcceleratorState._reset_state(reset_partial_state=True)
     return folder
-
-
-@pytest.fixture
-def job_environment(monkeypatch):
-    """What the jobs' processes inherit: this checkout, the tests' helpers and this module importable,
-    one thread each; Ray's session folder short (its sockets' paths must stay under the 107 bytes of
-    AF_UNIX, which a checkout's deep TMPDIR can pass), removed afterwards."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
-    yield
-    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _results(folder: Path) -> list[dict[str, str]]:

@@ -4,6 +4,7 @@ comparison's tables agree with the study's own `summary.md`; the headline leads 
 and quotes only intervals its tables hold; and the export keeps the blind rule (no tuning run's cell
 holds a test score)."""
 
+import csv
 import json
 import math
 import re
@@ -148,3 +149,35 @@ def test_no_tuning_cell_of_the_export_holds_a_test_score():
     scored = [result["cell"] for result in tuning if any(key.startswith("test") for key in result)]
     assert scored == []
     assert all(any(key.startswith("test_") for key in result) for result in results if result.get("final"))
+
+
+def _result_rows() -> list[dict[str, str]]:
+    with (TUNED / "results.csv").open(newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+RUN_KEYS = ("task", "norm", "updates", "learning_rate", "warmup", "alpha_fwd", "alpha_bkw", "denominator",
+            "alpha_init_attention", "alpha_init_other", "seed")
+
+
+def test_no_ptb_final_repeats_the_tuning_run_that_won_its_pick():
+    """Amendment 2: on PTB (tuning and finals validate on the whole split, so a final that trains as a
+    tuning run did has its validation score) no final of the tables equals a tuning run's training;
+    each that did is kept as stage `replaced`, beside its fresh draw."""
+    best = {}
+    for row in _result_rows():
+        if row["task"] == "ptb" and row["split"] == "validation" and row["metric"] == "best":
+            best.setdefault(row["stage"], {})[tuple(row[key] for key in RUN_KEYS)] = row["value"]
+    repeats = [run for run, value in best["final"].items() if best["tune"].get(run) == value]
+    assert repeats == []
+    replaced = {(run[1], run[2]) for run in best["replaced"]}
+    assert replaced == {("dyt", "1500"), ("derf", "1500"), ("dyt", "4500"), ("derf", "4500"),
+                        ("powernorm-authors", "4500")}
+    assert all(best["replaced"][run] == best["tune"][run] for run in best["replaced"])
+
+
+def test_the_initial_alphas_were_run_beyond_the_grids_edge_on_ptb_validation_only():
+    rows = [row for row in _result_rows() if row["task"] == "ptb" and row["norm"] in ("dyt", "derf")
+            and row["alpha_init_attention"] and float(row["alpha_init_attention"]) > 2]
+    assert {row["norm"] for row in rows} == {"dyt", "derf"}
+    assert {(row["stage"], row["split"]) for row in rows} == {("tune", "validation")}

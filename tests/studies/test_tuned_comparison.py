@@ -14,6 +14,7 @@ import pytest
 from hf_powernorm.studies import tuned_comparison
 from hf_powernorm.training import reports
 from hf_powernorm.training import statistics
+from hf_powernorm.training.executors import ExecutorSettings
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
 
@@ -613,7 +614,7 @@ def test_every_tasks_finals_are_queued_as_one_grid_in_task_order(tmp_path, monke
                 protocol.picks[f"{norm}@{updates}"] = tuned_comparison.setting(norm, 6e-3, 600)
     tuned_comparison.run_finals_together(protocols, extras=False)
     expected = [cell.name for protocol in protocols for cell in protocol.final_cells(extras=False)]
-    assert grids[0] == (expected, {"jobs": 2, "desc": "finals", "resume_cells": True})
+    assert grids[0] == (expected, {"desc": "finals", "resume_cells": True, "executor": ExecutorSettings(jobs=2)})
     assert expected[0].startswith("ptb-") and expected[-1].startswith("multi30k-")
     # then each task's stage reads its own finals, all of them done
     for protocol in protocols:

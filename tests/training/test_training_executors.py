@@ -1,0 +1,38 @@
+"""`training.executors` under `run_grid`: the settings read back from their command line, the local
+executor as `jobs` processes, and the grid's refusals before it writes anything. (The engines run
+a study's grid in tests/studies/test_studies_executors.py, and a comparison's in
+tests/compare/test_compare_executors.py.)"""
+
+import argparse
+import os
+
+import pytest
+
+from hf_powernorm.training.executors import ExecutorSettings, add_executor_args, executor_settings
+from hf_powernorm.training.grid import Cell, run_grid
+from test_training_grid import square
+
+
+def test_settings_are_read_back_from_the_command_line():
+    parser = add_executor_args(argparse.ArgumentParser())
+    assert executor_settings(parser.parse_args([])) == ExecutorSettings()
+    args = parser.parse_args(["--executor", "submitit", "--jobs", "3", "--cpus_per_run", "4", "--slurm_extra",
+                              "account=lab", "--slurm_extra", "qos=high", "--slurm_partition", "gpu"])
+    assert executor_settings(args) == ExecutorSettings("submitit", jobs=3, cpus_per_run=4, slurm_partition="gpu",
+                                                       slurm_extra=("account=lab", "qos=high"))
+
+
+def test_the_local_executor_runs_jobs_fresh_processes(tmp_path):
+    cells = [Cell(f"x{x}", {"x": x}) for x in (2, 3)]
+    results = run_grid(cells, square, tmp_path, executor=ExecutorSettings(jobs=2))
+    assert [r["square"] for r in results] == [4, 9]
+    assert os.getpid() not in {r["pid"] for r in results} and len({r["pid"] for r in results}) == 2
+
+
+def test_a_grid_refuses_before_writing(tmp_path):
+    cell = Cell("a", {"x": 1})
+    with pytest.raises(ValueError, match=r"--gpus_per_run 2: a grid's run is one process, on one GPU at most"):
+        run_grid([cell], square, tmp_path, executor=ExecutorSettings("ray", gpus_per_run=2))
+    with pytest.raises(ValueError, match=r"jobs=2 and executor jobs=3: give the executor's only"):
+        run_grid([cell], square, tmp_path, jobs=2, executor=ExecutorSettings(jobs=3))
+    assert not any(tmp_path.iterdir())
