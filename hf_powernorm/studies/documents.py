@@ -1,5 +1,5 @@
 """The results tables of the documents (STUDIES.md, BENCHMARKS.md, README.md, docs/compare.md),
-written from the data files under `studies/` (and the example report under docs/).
+written from the data files under `results/` (and the example report under docs/).
 
 A generated section of a document sits between `<!-- generated: NAME -->` and
 `<!-- end generated -->`. NAME is `STUDY/summary.md#N`, the N-th table (from 1) of a study's
@@ -248,7 +248,7 @@ def summary_table(root: Path, name: str) -> list[str]:
     of that report under docs/, such as `compare`'s example)."""
     path, _, number = name.partition("#")
     tables, current = [], []
-    source = root / path if path.startswith("docs/") else root / "studies" / path
+    source = root / path if path.startswith("docs/") else root / "results" / path
     for line in source.read_text(encoding="utf-8").splitlines():
         if line.startswith("|"):
             current.append(line)
@@ -265,7 +265,7 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
     if name in TABLES:
         cache = {} if cache is None else cache
         if "finals" not in cache:
-            cache["finals"] = read_finals(root / "studies" / "tuned_comparison" / "results.csv")
+            cache["finals"] = read_finals(root / "results" / "tuned_comparison" / "results.csv")
         return "\n".join(TABLES[name](cache["finals"])) + "\n"
     if "/summary.md#" in name or name.startswith("docs/") and ".md#" in name:
         return "\n".join(summary_table(root, name)) + "\n"
@@ -286,7 +286,7 @@ def sections(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="python -m hf_powernorm.studies docs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a document differs from its data")
-    parser.add_argument("--root", type=Path, default=ROOT, help="the repository holding the documents and studies/")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the repository holding the documents and results/")
     args = parser.parse_args(argv)
     differing = []
     for name in DOCUMENTS:

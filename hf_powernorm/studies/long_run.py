@@ -25,7 +25,7 @@ from typing import Any
 from ..training.grid import Cell
 from ..training.reports import save_figure, write_rows
 from .measures import first_nonfinite_update, training_losses
-from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
+from .runs import CELL_INPUTS, parse_setting_args, run_lm_study, setting_cells, train_setting, write_summary
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 3000,
                   "warmup_steps": 150, "eval_steps": 500, "learning_rate": 1e-3},
@@ -40,14 +40,8 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_study_args(p, SIZES, "outputs/studies/long_run", seeds=[1, 2])
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    p.add_argument("--precisions", nargs="+", choices=PRECISIONS,
-                   help="default: fp32 and bf16 with a GPU, fp32 alone on a CPU (bf16 autocast on a CPU without "
-                        "bf16 instructions is about 11x slower)")
-    args = p.parse_args(argv)
-    fill_sizes(args, SIZES)
+    args = parse_setting_args(argv, __doc__, SIZES, SETTINGS, "outputs/studies/long_run", seeds=[1, 2],
+                              add_args=_add_precisions)
     if args.precisions is None:
         import torch
 
@@ -55,16 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
-    import torch
+def _add_precisions(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS,
+                        help="default: fp32 and bf16 with a GPU, fp32 alone on a CPU (bf16 autocast on a CPU without "
+                             "bf16 instructions is about 11x slower)")
 
-    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+
+def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     options = cell.options
     precision = "no" if options["precision"] == "fp32" else "bf16"
-    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
-            "--mixed_precision", precision, *SETTINGS[options["setting"]]]
-    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
-                               options["model_size"])
+    scores = train_setting(cell, folder, ["--mixed_precision", precision, *SETTINGS[options["setting"]]])
     return {**scores, **stability(training_losses(folder), options["warmup_steps"])}
 
 
@@ -80,26 +74,20 @@ def stability(losses: dict[int, float | None], warmup_steps: int) -> dict[str, A
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
-    sizes = {name: getattr(args, name) for name in SIZES["real"]}
-    return [Cell(f"{setting}-{precision}-seed{seed}", {"setting": setting, "precision": precision, "seed": seed,
-                                                        "files": files, "tokenizer": tokenizer,
-                                                        "model_size": lm_size(args), **sizes},
-                 paths=("files", "tokenizer"))
-            for seed in args.seeds for precision in args.precisions for setting in args.settings]
+    runs = ((f"{setting}-{precision}-seed{seed}", {"setting": setting, "precision": precision, "seed": seed})
+            for seed in args.seeds for precision in args.precisions for setting in args.settings)
+    return setting_cells(args, files, tokenizer, SIZES, runs)
 
 
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace, output_dir: Path) -> None:
-    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
-    corpus = "embedded corpus, smoke sizes" if args.smoke else "PTB"
-    lines = [f"# PowerNorm over {args.max_train_steps} updates ({corpus})",
-             "", "One row per run.", "",
-             "| setting | precision | seed | first non-finite loss (update) | largest loss after warmup | "
-             "final training loss | validation perplexity | test perplexity |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| {r['setting']} | {r['precision']} | {r['seed']} | {r['first_nonfinite_update'] or 'none'} | "
-                     f"{r['max_loss_after_warmup']:.3f} | {r['final_train_loss']:.3f} | "
-                     f"{r['validation_perplexity']:.2f} | {r['test_perplexity']:.2f} |")
-    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_rows(results, output_dir / "results.csv", leave_out=CELL_INPUTS)
+    header = ("setting", "precision", "seed", "first non-finite loss (update)", "largest loss after warmup",
+              "final training loss", "validation perplexity", "test perplexity")
+    rows = ((r["setting"], r["precision"], str(r["seed"]), str(r["first_nonfinite_update"] or "none"),
+             f"{r['max_loss_after_warmup']:.3f}", f"{r['final_train_loss']:.3f}",
+             f"{r['validation_perplexity']:.2f}", f"{r['test_perplexity']:.2f}") for r in results)
+    write_summary(output_dir, args, f"PowerNorm over {args.max_train_steps} updates", "One row per run.", header,
+                  "llrrrrrr", rows)
     _plot(results, output_dir)
 
 

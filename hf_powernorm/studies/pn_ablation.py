@@ -34,7 +34,10 @@ from typing import Any
 from ..training.grid import Cell
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .measures import loss_jump, training_losses
-from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
+from .runs import (
+    CELL_INPUTS, parse_setting_args, run_lm_study, runs_by_setting, setting_cells, size_values, train_setting,
+    write_summary,
+)
 
 SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "max_train_steps": 600,
                   "warmup_steps": 150, "eval_steps": 150, "learning_rate": 1e-3},
@@ -63,12 +66,7 @@ COLUMNS = ("validation_perplexity", "test_perplexity", "loss_jump", "loss_peak_e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_study_args(p, SIZES, "outputs/studies/pn_ablation", seeds=[1, 2, 3])
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    args = p.parse_args(argv)
-    fill_sizes(args, SIZES)
-    return args
+    return parse_setting_args(argv, __doc__, SIZES, SETTINGS, "outputs/studies/pn_ablation", seeds=[1, 2, 3])
 
 
 def setting_argv(name: str, sizes: dict[str, Any]) -> tuple[list[str], int]:
@@ -82,25 +80,15 @@ def setting_argv(name: str, sizes: dict[str, Any]) -> tuple[list[str], int]:
 
 
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
-    options = cell.options
-    flags, pn_warmup = setting_argv(options["setting"], options)
-    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01", *flags]
-    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
-                               options["model_size"])
+    flags, pn_warmup = setting_argv(cell.options["setting"], cell.options)
+    scores = train_setting(cell, folder, flags)
     return {**scores, "pn_warmup_steps": pn_warmup, **loss_jump(training_losses(folder), pn_warmup)}
-
-
-def _sizes(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in SIZES["real"]}
 
 
 def same_runs(args: argparse.Namespace) -> dict[str, str]:
     """Settings that are the same run as an earlier one at this budget (at 600 updates, warmup=double
     and warmup=half-run are both 300 updates), each mapped to that earlier setting: run once."""
-    sizes = _sizes(args)
+    sizes = size_values(args, SIZES)
     first: dict[tuple[str, ...], str] = {}
     aliases = {}
     for setting in args.settings:
@@ -110,11 +98,10 @@ def same_runs(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
-    aliases, sizes = same_runs(args), _sizes(args)
-    return [Cell(f"{setting}-seed{seed}", {"setting": setting, "seed": seed, "files": files, "tokenizer": tokenizer,
-                                            "model_size": lm_size(args), **sizes},
-                 paths=("files", "tokenizer"))
-            for seed in args.seeds for setting in args.settings if setting not in aliases]
+    aliases = same_runs(args)
+    runs = ((f"{setting}-seed{seed}", {"setting": setting, "seed": seed})
+            for seed in args.seeds for setting in args.settings if setting not in aliases)
+    return setting_cells(args, files, tokenizer, SIZES, runs)
 
 
 def best_setting(results: list[dict[str, Any]]) -> str | None:
@@ -129,29 +116,21 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     results = [*results, *({**r, "setting": alias, "same_runs_as": setting}
                            for alias, setting in aliases.items() for r in results if r["setting"] == setting)]
     results.sort(key=lambda r: (r["seed"], args.settings.index(r["setting"])))
-    write_rows(results, output_dir / "results.csv", leave_out=("files", "tokenizer", "model_size"))
+    write_rows(results, output_dir / "results.csv", leave_out=CELL_INPUTS)
     layernorm = {r["seed"]: r["test_perplexity"] for r in results if r["setting"] == "layernorm"}
-    lines = [f"# PowerNorm's options ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
-             f"{args.max_train_steps} updates of {args.max_tokens} tokens, learning-rate warmup {args.warmup_steps} "
-             f"updates, seeds {seeds_of(results)}; mean ± std over each setting's runs.", "",
-             "| setting | runs | " + " | ".join(COLUMNS) + " | test minus LayerNorm's, per seed |",
-             "|---|---:|" + "---:|" * len(COLUMNS) + "---|"]
-    for setting in _settings(results, args):
-        rows = [r for r in results if r["setting"] == setting]
-        diffs = ", ".join(f"{r['test_perplexity'] - layernorm[r['seed']]:+.2f}" for r in rows if r["seed"] in layernorm)
+    rows = []
+    for setting, runs in runs_by_setting(results, args.settings):
+        diffs = ", ".join(f"{r['test_perplexity'] - layernorm[r['seed']]:+.2f}" for r in runs if r["seed"] in layernorm)
         name = f"{setting} (the runs of {aliases[setting]})" if setting in aliases else setting
-        lines.append(f"| {name} | {len(rows)} | " + " | ".join(mean_std([r[c] for r in rows], 3 if "loss" in c else 2)
-                                                   for c in COLUMNS) + f" | {diffs or '-'} |")
+        rows.append((name, str(len(runs)), *(mean_std([r[c] for r in runs], 3 if "loss" in c else 2) for c in COLUMNS),
+                     diffs or "-"))
     best = best_setting(results)
-    if best:
-        lines += ["", f"Best PN setting by mean test perplexity: `{best}`."]
-    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_summary(output_dir, args, "PowerNorm's options",
+                  f"{args.max_train_steps} updates of {args.max_tokens} tokens, learning-rate warmup "
+                  f"{args.warmup_steps} updates, seeds {seeds_of(results)}; mean ± std over each setting's runs.",
+                  ("setting", "runs", *COLUMNS, "test minus LayerNorm's, per seed"), "lr" + "r" * len(COLUMNS) + "l",
+                  rows, after=["", f"Best PN setting by mean test perplexity: `{best}`."] if best else ())
     _plot(results, args, output_dir / "ablation.png")
-
-
-def _settings(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    """`args.settings` that have at least one finished run, in their order."""
-    return [s for s in args.settings if any(r["setting"] == s for r in results)]
 
 
 def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
@@ -162,9 +141,9 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    settings = _settings(results, args)
-    for i, setting in enumerate(settings):
-        values = [r["test_perplexity"] for r in results if r["setting"] == setting]
+    groups = runs_by_setting(results, args.settings)
+    for i, (setting, runs) in enumerate(groups):
+        values = [r["test_perplexity"] for r in runs]
         axis.bar(i, statistics.fmean(values), color="tab:grey" if setting == "layernorm" else "tab:blue", alpha=0.5)
         axis.plot([i] * len(values), values, "k.", markersize=4)
     layernorm = [r["test_perplexity"] for r in results if r["setting"] == "layernorm"]
@@ -172,7 +151,7 @@ def _plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -
         axis.axhline(statistics.fmean(layernorm), color="tab:grey", linestyle="--", linewidth=0.8)
     values = [r["test_perplexity"] for r in results]
     axis.set_ylim(min(values) * 0.97, max(values) * 1.02)
-    axis.set_xticks(range(len(settings)), settings, rotation=45, ha="right", fontsize=7)
+    axis.set_xticks(range(len(groups)), [setting for setting, _ in groups], rotation=45, ha="right", fontsize=7)
     axis.set_ylabel("test perplexity")
     save_figure(figure, path)
 

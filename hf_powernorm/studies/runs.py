@@ -1,12 +1,15 @@
 """The language-model runs the studies share: their data options and split files (PTB's, the
 user's files or a `datasets.load_dataset` corpus, or the embedded corpus at smoke size), the BPE
 and token blocks prepared once per study, and one run of the training library's `causal-lm` task
-(the recipes' own argument parser, `train_and_score`), returning the trained model with its scores."""
+(the recipes' own argument parser, `train_and_score`), returning the trained model with its scores.
+Last, what the studies of a few named settings share (`long_run`, `pn_ablation`, `warmup_switch`,
+each training the LM under every setting for every seed): their command line, cells, one run of a
+cell and summary table; such a study keeps its settings, their flags, its measures and columns."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import torch
 from ..training.arguments import add_recipe_args, check_args
 from ..training.corpora import synthetic_lm_corpus
 from ..training.executors import add_executor_args, executor_settings
-from ..training.grid import run_grid
+from ..training.grid import Cell, run_grid
 from ..training.readers import data_files_from_args, load_lm_dataset, split_train
 from ..training.tasks import get_task, train_and_score
 from ..training.tokenization import column_texts, lm_blocks, load_tokenizer, tokenize_lines, train_bpe_tokenizer
@@ -214,3 +217,72 @@ def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results
+
+
+# The studies of a few named settings, each run for every seed (`long_run`, `pn_ablation`,
+# `warmup_switch`). What every run of them adds to its budget's flags: gradient clipping and weight decay.
+SHARED_FLAGS = ("--clip_norm", "0.25", "--weight_decay", "0.01")
+# A cell's options that say where its data is and how large its LM is, not what the study varies.
+CELL_INPUTS = ("files", "tokenizer", "model_size")
+
+
+def parse_setting_args(argv: list[str] | None, doc: str, sizes: dict[str, dict[str, Any]], settings: Iterable[str],
+                       output_dir: str, seeds: Sequence[int],
+                       add_args: Callable[[argparse.ArgumentParser], Any] | None = None) -> argparse.Namespace:
+    """A study's options: `add_study_args` (with `sizes`, and `output_dir` and `seeds` as defaults),
+    `--settings` (any of `settings`, all by default) and what `add_args(parser)` adds; the first
+    paragraph of `doc` describes the command. Size flags left unset get their defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_study_args(parser, sizes, output_dir, seeds=seeds)
+    parser.add_argument("--settings", nargs="+", default=list(settings), choices=list(settings))
+    if add_args is not None:
+        add_args(parser)
+    return fill_sizes(parser.parse_args(argv), sizes)
+
+
+def size_values(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The value in `args` of each size flag of `sizes`."""
+    return {name: getattr(args, name) for name in sizes["real"]}
+
+
+def setting_cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str, sizes: dict[str, dict[str, Any]],
+                  runs: Iterable[tuple[str, dict[str, Any]]]) -> list[Cell]:
+    """One cell per `(name, options)` of `runs`, in their order: its options, the data (`files`,
+    `tokenizer`), the LM's size (`lm_size(args)`) and the values of the size flags."""
+    inputs = {"files": files, "tokenizer": tokenizer, "model_size": lm_size(args)}
+    return [Cell(name, {**options, **inputs, **size_values(args, sizes)}, paths=("files", "tokenizer"))
+            for name, options in runs]
+
+
+def train_setting(cell: Cell, folder: Path, flags: Sequence[str]) -> dict[str, Any]:
+    """Train the run of `cell` in `folder`: the budget of its seed and sizes (`budget_argv`),
+    `SHARED_FLAGS`, then `flags`. Returns its scores (`train_study_lm`)."""
+    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
+    options = cell.options
+    argv = [*budget_argv(options["seed"], options), *SHARED_FLAGS, *flags]
+    _, scores = train_study_lm(folder, options["tokenizer"], argv, options["files"], options["block_size"],
+                               options["model_size"])
+    return scores
+
+
+def runs_by_setting(results: Sequence[dict[str, Any]], settings: Iterable[str]) -> list[tuple[str, list[dict]]]:
+    """Each of `settings` that has runs among `results`, with those runs, in the order of `settings`."""
+    groups = [(setting, [r for r in results if r["setting"] == setting]) for setting in settings]
+    return [(setting, runs) for setting, runs in groups if runs]
+
+
+def write_summary(output_dir: Path, args: argparse.Namespace, title: str, intro: str, header: Sequence[str],
+                  align: str, rows: Iterable[Sequence[str]], after: Sequence[str] = ()) -> None:
+    """`summary.md` in `output_dir`: the heading `title` (with the corpus), the paragraph `intro`, a
+    table of `header` and `rows` (cells as text; `align` a letter a column, `l`eft or `r`ight),
+    then the lines `after`."""
+    if len(align) != len(header) or set(align) - set("lr"):
+        raise ValueError(f"align must be one letter l or r per column of {list(header)}; got {align!r}")
+    corpus = "embedded corpus, smoke sizes" if args.smoke else "PTB"
+    lines = [f"# {title} ({corpus})", "", intro, "", _table_row(header),
+             "|" + "".join("---:|" if side == "r" else "---|" for side in align), *map(_table_row, rows), *after]
+    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"

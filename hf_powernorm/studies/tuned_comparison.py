@@ -60,7 +60,7 @@ Resumable (finished runs are never redone, a killed run goes on from its last ch
 task's tuning runs before any task's finals, and every task's main finals before the alpha arm and
 PN in every layer (what the cut rule drops first).
 `--report_only` writes the outputs of the runs finished so far, `--export_dir DIR` copies them with
-each finished run's result and validation records into DIR (`studies/tuned_comparison/` is such a
+each finished run's result and validation records into DIR (`results/tuned_comparison/` is such a
 copy: its `cells/`, copied into an output folder, resumes the study on another machine).
 """
 

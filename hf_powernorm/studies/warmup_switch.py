@@ -32,7 +32,7 @@ from typing import Any
 from ..training.grid import Cell
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .measures import PEAK_WINDOW, WINDOW, loss_jump, training_losses
-from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
+from .runs import parse_setting_args, run_lm_study, runs_by_setting, setting_cells, train_setting, write_summary
 
 SETTINGS = {
     "layernorm": {"norm_type": "layernorm"},
@@ -48,42 +48,28 @@ SIZES = {"real": {"vocab_size": 4000, "block_size": 128, "max_tokens": 1024, "ma
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_study_args(p, SIZES, "outputs/studies/warmup_switch", seeds=[1, 2, 3])
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    args = p.parse_args(argv)
-    fill_sizes(args, SIZES)
-    return args
+    return parse_setting_args(argv, __doc__, SIZES, SETTINGS, "outputs/studies/warmup_switch", seeds=[1, 2, 3])
 
 
-def _run_argv(options: dict[str, Any]) -> list[str]:
-    """The training options of one run, as on the recipes' command line."""
-    argv = [*budget_argv(options["seed"], options), "--clip_norm", "0.25", "--weight_decay", "0.01",
-            "--eval_batch_size", "32", "--norm_type", options["norm_type"]]
+def _run_flags(options: dict[str, Any]) -> list[str]:
+    """The training options of one run after the shared ones, as on the recipes' command line."""
+    flags = ["--eval_batch_size", "32", "--norm_type", options["norm_type"]]
     if options["norm_type"] == "powernorm":
-        argv += ["--powernorm_warmup_statistic", options["powernorm_warmup_statistic"],
-                 "--powernorm_warmup_ramp_steps", str(options["ramp_steps"] if options["ramp"] else 0)]
-    return argv
+        flags += ["--powernorm_warmup_statistic", options["powernorm_warmup_statistic"],
+                  "--powernorm_warmup_ramp_steps", str(options["ramp_steps"] if options["ramp"] else 0)]
+    return flags
 
 
 def run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
     """Train one setting with one seed; its scores and its loss around the switch."""
-    import torch
-
-    torch.set_num_threads(1)  # runs share the machine's cores (--jobs)
-    options = cell.options
-    _, scores = train_study_lm(folder, options["tokenizer"], _run_argv(options), options["files"],
-                               options["block_size"], options["model_size"])
-    return {**scores, **loss_jump(training_losses(folder), options["warmup_steps"])}
+    scores = train_setting(cell, folder, _run_flags(cell.options))
+    return {**scores, **loss_jump(training_losses(folder), cell.options["warmup_steps"])}
 
 
 def cells(args: argparse.Namespace, files: dict[str, str], tokenizer: str) -> list[Cell]:
-    sizes = {name: getattr(args, name) for name in SIZES["real"]}
-    return [Cell(f"{name}-seed{seed}", {"setting": name, "seed": seed, "files": files, "tokenizer": tokenizer,
-                                         "model_size": lm_size(args),
-                                         "ramp": False, **sizes, **SETTINGS[name]},
-                 paths=("files", "tokenizer"))
-            for name in args.settings for seed in args.seeds]
+    runs = ((f"{name}-seed{seed}", {"setting": name, "seed": seed, "ramp": False, **SETTINGS[name]})
+            for name in args.settings for seed in args.seeds)
+    return setting_cells(args, files, tokenizer, SIZES, runs)
 
 
 COLUMNS = ("loss_jump", "loss_peak_excess", "validation_perplexity", "test_perplexity", "test_word_perplexity")
@@ -93,16 +79,12 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
     """`results.csv` (one row per run), `summary.md` (mean ± std over seeds), `loss_at_switch.png`."""
     write_rows(results, output_dir / "results.csv",
                columns=["setting", "seed", *COLUMNS, "best_step", "best_validation", "train_steps"])
-    lines = [f"# PowerNorm's warmup switch ({'embedded corpus, smoke sizes' if args.smoke else 'PTB'})", "",
-             f"{args.max_train_steps} updates of {args.max_tokens} tokens, warmup {args.warmup_steps} updates "
-             f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {seeds_of(results)}; mean ± std over seeds.",
-             "", "| setting | " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
-    for setting in args.settings:
-        rows = [r for r in results if r["setting"] == setting]
-        if not rows:
-            continue
-        lines.append(f"| {setting} | " + " | ".join(mean_std([r[c] for r in rows], 3) for c in COLUMNS) + " |")
-    (output_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rows = ((setting, *(mean_std([r[c] for r in runs], 3) for c in COLUMNS))
+            for setting, runs in runs_by_setting(results, args.settings))
+    write_summary(output_dir, args, "PowerNorm's warmup switch",
+                  f"{args.max_train_steps} updates of {args.max_tokens} tokens, warmup {args.warmup_steps} updates "
+                  f"(learning rate and PN), ramp {args.ramp_steps} updates, seeds {seeds_of(results)}; "
+                  "mean ± std over seeds.", ("setting", *COLUMNS), "l" + "r" * len(COLUMNS), rows)
     _plot(results, args, output_dir / "loss_at_switch.png")
 
 

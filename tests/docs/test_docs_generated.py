@@ -1,5 +1,5 @@
 """The documents against their data: every generated section of STUDIES.md, BENCHMARKS.md, README.md
-and docs/compare.md equals what `python -m hf_powernorm.studies docs` writes from the files under `studies/`; the tuned
+and docs/compare.md equals what `python -m hf_powernorm.studies docs` writes from the files under `results/`; the tuned
 comparison's tables agree with the study's own `summary.md`; the headline leads with the binding family
 and quotes only intervals its tables hold; and the export keeps the blind rule (no tuning run's cell
 holds a test score)."""
@@ -19,7 +19,7 @@ from hf_powernorm.studies import documents
 from hf_powernorm.training.statistics import t_quantile
 
 ROOT = Path(__file__).resolve().parents[2]
-TUNED = ROOT / "studies" / "tuned_comparison"
+TUNED = ROOT / "results" / "tuned_comparison"
 STUDIES_MD = ROOT / "STUDIES.md"
 
 
@@ -48,17 +48,17 @@ def _copy_data(tmp_path: Path) -> Path:
     for name in documents.DOCUMENTS:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / name, tmp_path / name)
-    for path in [*(ROOT / "studies").glob("*/summary.md"), *(ROOT / "docs").glob("*/report.md")]:
+    for path in [*(ROOT / "results").glob("*/summary.md"), *(ROOT / "docs").glob("*/report.md")]:
         (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
-    shutil.copyfile(TUNED / "results.csv", tmp_path / "studies" / "tuned_comparison" / "results.csv")
+    shutil.copyfile(TUNED / "results.csv", tmp_path / "results" / "tuned_comparison" / "results.csv")
     return tmp_path
 
 
 def test_a_changed_data_file_changes_the_documents_and_the_check_fails(tmp_path, capsys):
     root = _copy_data(tmp_path)
     assert documents.main(["--check", "--root", str(root)]) == []
-    results = root / "studies" / "tuned_comparison" / "results.csv"
+    results = root / "results" / "tuned_comparison" / "results.csv"
     lines = results.read_text(encoding="utf-8").splitlines(keepends=True)
     index = next(i for i, line in enumerate(lines) if line.startswith("ptb,powernorm,final,4500,")
                  and ",test,perplexity," in line)
