@@ -131,3 +131,17 @@ def test_remote_code_is_flat_and_imports_itself_relatively():
         assert "." not in name and name, f"remote-code module {name!r} is not a flat file of the package"
         absolute = [target for target, kinds in GRAPH[name].items() if "absolute" in kinds]
         assert not absolute, f"{name} imports {absolute} absolutely"
+
+
+def test_no_function_is_over_50_lines_without_a_comment_saying_why():
+    """The style notes' limit: a function of more than 50 lines has a comment on the line above it
+    (above its decorators) that says why."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
+                first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+                if not lines[first - 2].strip().startswith("# Over 50 lines:"):
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert long == []

@@ -1070,22 +1070,27 @@ def _plot(protocol: Protocol, output_dir: Path) -> None:
                 difference.plot(shared, [statistics.fmean(g) for g in gaps], color=line.get_color(), label=norm)
                 difference.fill_between(shared, [min(g) for g in gaps], [max(g) for g in gaps],
                                         color=line.get_color(), alpha=0.2)
-        if LOWER_IS_BETTER[protocol.task]:
-            axis.set_yscale("log")
-        metric = "validation perplexity" if LOWER_IS_BETTER[protocol.task] else "validation BLEU"
-        axis.set_xlabel("update")
-        axis.set_ylabel(metric)
-        axis.set_title(f"{protocol.task}, {updates} updates: mean and seed range")
-        axis.legend(fontsize=8)
-        difference.axhline(0.0, color="black", linewidth=0.8)
-        difference.set_xlabel("update")
-        difference.set_ylabel(f"{metric} minus LayerNorm's mean")
-        difference.set_title(f"against LayerNorm's mean, from update {DIFFERENCE_FROM * updates:g} (seed range)")
-        if difference.lines[1:]:
-            difference.legend(fontsize=8)
+        _label(axis, difference, protocol.task, updates)
         figure.tight_layout()
         figure.savefig(output_dir / f"curves_{protocol.task}_{updates}.png", dpi=100)
         plt.close(figure)
+
+
+def _label(axis: Any, difference: Any, task: str, updates: int) -> None:
+    """The two panels' scales, labels, titles and legends."""
+    if LOWER_IS_BETTER[task]:
+        axis.set_yscale("log")
+    metric = "validation perplexity" if LOWER_IS_BETTER[task] else "validation BLEU"
+    axis.set_xlabel("update")
+    axis.set_ylabel(metric)
+    axis.set_title(f"{task}, {updates} updates: mean and seed range")
+    axis.legend(fontsize=8)
+    difference.axhline(0.0, color="black", linewidth=0.8)
+    difference.set_xlabel("update")
+    difference.set_ylabel(f"{metric} minus LayerNorm's mean")
+    difference.set_title(f"against LayerNorm's mean, from update {DIFFERENCE_FROM * updates:g} (seed range)")
+    if difference.lines[1:]:
+        difference.legend(fontsize=8)
 
 
 def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int:

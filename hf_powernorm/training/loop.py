@@ -330,6 +330,7 @@ def _micro_step(args: argparse.Namespace, accelerator: Accelerator, model: torch
     return loss.detach()
 
 
+# Over 50 lines: one loop in the order of an update, as Accelerate's examples write it.
 def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
           optimizer: torch.optim.Optimizer, scheduler: Any, loader: DataLoader, loss_fn: LossFn, *,
           sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
