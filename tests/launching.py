@@ -1,5 +1,6 @@
 """Several processes from a test: a free port for their rendezvous, and `accelerate launch` run so
-that a hang ends with every process's Python stack in the report instead of a bare timeout."""
+that a hang ends with every process's Python stack in the report instead of a bare timeout; a
+grid's driver killed once its first run has finished."""
 
 import os
 import signal
@@ -96,3 +97,21 @@ def accelerate_launch(arguments: list[str], launcher: list[str] = TWO_PROCESSES,
         hangs.append(output)
     raise AssertionError(f"{arguments[0]} hung twice ({timeout} s each); the processes' stacks:\n"
                          + "\n---\n".join(stacks[-6000:] for stacks in hangs))
+
+
+def kill_driver_after_first_result(command: list[str], output_dir: Path, timeout: float = 120) -> Path:
+    """Start `command` (a grid's driver) in a process group of its own, as a terminal runs it; once
+    a first run's `result.json` is in `output_dir/cells`, kill the group (the driver and its running
+    jobs, as a lost terminal would) and return that file."""
+    driver = subprocess.Popen(command, cwd=ROOT, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while not list((output_dir / "cells").glob("*/result.json")):
+        assert driver.poll() is None, driver.stderr.read()
+        assert time.monotonic() < deadline, f"no run finished within {timeout:g} seconds"
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    (first,) = list((output_dir / "cells").glob("*/result.json"))
+    return first
+

@@ -4,12 +4,8 @@ the local runs; a driver killed after its first finished run, run again, runs no
 failing job is reported with its log and no verdict; a missing extra is refused in one line."""
 
 import csv
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +13,10 @@ import pytest
 from hf_powernorm import cli, compare
 from hf_powernorm.compare import runs as compare_runs
 
+from launching import kill_driver_after_first_result
+
 pytestmark = pytest.mark.usefixtures("one_thread", "reset_accelerate")
 
-ROOT = Path(__file__).resolve().parents[2]
 # Two updates, validated after each, on a few examples: seconds per run.
 TINY = ["--max_train_steps", "2", "--eval_steps", "1", "--num_warmup_steps", "1", "--max_eval_samples", "24"]
 GRID = ["--norms", "layernorm", "powernorm", "--seeds", "1", "2"]
@@ -61,24 +58,12 @@ def _assert_same_outputs(folder: Path, local: Path) -> None:
     assert _verdicts(folder) == _verdicts(local)
 
 
-def _driver(argv: list[str]) -> subprocess.Popen:
-    """`hf-powernorm compare` in a process group of its own (its jobs with it), as a terminal runs it."""
-    return subprocess.Popen([sys.executable, "-m", "hf_powernorm.cli", "compare", *argv], cwd=ROOT,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
 
 def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(gpt2_options, local_outputs, job_environment,
                                                                      tmp_path, capsys):
     argv = [*gpt2_options, *GRID, "--executor", "submitit", "--jobs", "1", "--output_dir", str(tmp_path)]
-    driver = _driver(argv)
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "cells").glob("*/result.json")):
-        assert driver.poll() is None, driver.stderr.read()
-        assert time.monotonic() < deadline, "no run finished within two minutes"
-        time.sleep(0.2)
-    os.killpg(driver.pid, signal.SIGKILL)  # the driver and its running job, as a lost terminal would
-    driver.wait()
-    (first,) = list((tmp_path / "cells").glob("*/result.json"))
+    first = kill_driver_after_first_result([sys.executable, "-m", "hf_powernorm.cli", "compare", *argv],
+                                           tmp_path)
     finished_at = first.stat().st_mtime_ns
     compare.main(argv)
     err = capsys.readouterr().err

@@ -6,12 +6,9 @@ refused in one line before anything is written; every study's --help lists the o
 `hf-powernorm compare`'s help."""
 
 import argparse
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,8 @@ from hf_powernorm.studies import STUDIES, warmup_switch
 from hf_powernorm.studies.__main__ import main as studies_main
 from hf_powernorm.training.executors import EXECUTORS as TRAINING_EXECUTORS
 from hf_powernorm.training.executors import add_executor_args
+
+from launching import kill_driver_after_first_result
 
 pytestmark = pytest.mark.usefixtures("reset_accelerate")
 
@@ -48,25 +47,13 @@ def _results(folder: Path) -> str:
     return (folder / "results.csv").read_text(encoding="utf-8")
 
 
-def _driver(argv: list[str]) -> subprocess.Popen:
-    """The study in a process group of its own (its jobs with it), as a terminal runs it."""
-    return subprocess.Popen([sys.executable, "-m", "hf_powernorm.studies", "warmup_switch", *argv], cwd=ROOT,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
 
 def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(local_outputs, job_environment, tmp_path,
                                                                      capsys):
     argv = [*ARGV, "--executor", "submitit", "--jobs", "1", "--output_dir", str(tmp_path)]
-    driver = _driver(argv)
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "cells").glob("*/result.json")):
-        assert driver.poll() is None, driver.stderr.read()
-        assert time.monotonic() < deadline, "no run finished within two minutes"
-        time.sleep(0.2)
-    os.killpg(driver.pid, signal.SIGKILL)  # the driver and its running job, as a lost terminal would
-    driver.wait()
+    first = kill_driver_after_first_result([sys.executable, "-m", "hf_powernorm.studies", "warmup_switch", *argv],
+                                           tmp_path)
     assert not (tmp_path / "results.csv").exists()
-    (first,) = list((tmp_path / "cells").glob("*/result.json"))
     finished_at = first.stat().st_mtime_ns
     warmup_switch.main(argv)
     err = capsys.readouterr().err
