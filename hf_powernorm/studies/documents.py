@@ -1,12 +1,14 @@
-"""The results tables of the documents (STUDIES.md, BENCHMARKS.md, README.md, docs/compare.md),
-written from the data files under `results/` (and the example report under docs/).
+"""The results tables of the documents (STUDIES.md, BENCHMARKS.md, README.md, docs/compare.md,
+docs/compare_executors.md), written from the data files under `results/` (and the example report
+under docs/).
 
 A generated section of a document sits between `<!-- generated: NAME -->` and
 `<!-- end generated -->`. NAME is `STUDY/summary.md#N`, the N-th table (from 1) of a study's
 `summary.md` as the study wrote it; `docs/PATH.md#N`, a table of a report kept under docs/; or one
 of `TABLES`, a table computed here from the tuned comparison's `results.csv`: its verdicts over the
 binding family of 45 comparisons (with what each could detect), over protocol 2's 29, the
-descriptive comparisons between PN's variants, and the paper's claims beside ours.
+descriptive comparisons between PN's variants, and the paper's claims beside ours; or
+`COST_TABLE`, the CPU-hours per run that the tuned comparison's exported cells record.
 
     python -m hf_powernorm.studies docs            # rewrite every generated section
     python -m hf_powernorm.studies docs --check    # exit 1 naming the documents that differ
@@ -37,7 +39,7 @@ from ..training.statistics import paired_t_interval, t_quantile
 from .runs import STUDY_LM
 
 ROOT = Path(".")  # the repository: the command runs at its top, where the documents are
-DOCUMENTS = ("STUDIES.md", "BENCHMARKS.md", "README.md", "docs/compare.md")
+DOCUMENTS = ("STUDIES.md", "BENCHMARKS.md", "README.md", "docs/compare.md", "docs/compare_executors.md")
 SECTION = re.compile(r"(<!-- generated: (?P<name>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 SIGNIFICANCE, POWER = 0.05, 0.8
 
@@ -241,6 +243,26 @@ def paper_table(finals: dict) -> list[str]:
 TABLES: dict[str, Callable[[dict], list[str]]] = {
     "tuned_comparison: binding family": binding_table, "tuned_comparison: protocol 2": protocol_table,
     "tuned_comparison: PN's variants": variants_table, "tuned_comparison: the paper's claims": paper_table}
+COST_TABLE = "tuned_comparison: CPU-hours per run"  # from the exported cells, not from results.csv
+
+
+def cost_table(root: Path) -> list[str]:
+    """The CPU-hours of the tuned comparison's runs that record them (`cpu_seconds` in each exported
+    `cells/*/result.json`, killed attempts included), per task and budget: runs, median and range."""
+    import json
+    import statistics
+
+    hours: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for path in sorted((root / "results" / "tuned_comparison" / "cells").glob("*/result.json")):
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if result.get("cpu_seconds") is not None:
+            hours[(result["task"], int(result["updates"]))].append(result["cpu_seconds"] / 3600)
+    lines = ["| task | updates per run | runs measured | median CPU-hours per run | range |",
+             "|---|---:|---:|---:|---|"]
+    for (task, updates), values in sorted(hours.items()):
+        lines.append(f"| {task} | {updates} | {len(values)} | {statistics.median(values):.2f} | "
+                     f"{min(values):.2f} - {max(values):.2f} |")
+    return lines
 
 
 def summary_table(root: Path, name: str) -> list[str]:
@@ -262,6 +284,8 @@ def summary_table(root: Path, name: str) -> list[str]:
 
 def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
     """The text of the generated section `name` (the lines between its markers)."""
+    if name == COST_TABLE:
+        return "\n".join(cost_table(root)) + "\n"
     if name in TABLES:
         cache = {} if cache is None else cache
         if "finals" not in cache:
@@ -269,7 +293,8 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
         return "\n".join(TABLES[name](cache["finals"])) + "\n"
     if "/summary.md#" in name or name.startswith("docs/") and ".md#" in name:
         return "\n".join(summary_table(root, name)) + "\n"
-    raise ValueError(f"unknown generated section {name!r}: expected STUDY/summary.md#N or one of {sorted(TABLES)}")
+    raise ValueError(f"unknown generated section {name!r}: expected STUDY/summary.md#N or one of "
+                     f"{sorted([*TABLES, COST_TABLE])}")
 
 
 def render(text: str, root: Path = ROOT) -> str:
