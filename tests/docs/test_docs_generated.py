@@ -52,6 +52,9 @@ def _copy_data(tmp_path: Path) -> Path:
         (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
     shutil.copyfile(TUNED / "results.csv", tmp_path / "results" / "tuned_comparison" / "results.csv")
+    for path in (TUNED / "cells").glob("*/result.json"):  # the CPU-hours per run
+        (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True)
+        shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
     return tmp_path
 
 
