@@ -30,9 +30,9 @@ SCHEDULES = ("inverse_sqrt", "linear", "cosine", "cosine_with_restarts", "polyno
              "constant_with_warmup")
 MAX_SEED = 2**32 - 1
 # Recipe options that a comparison does not take: it sets them itself (the norms, one run per seed,
-# the checkpoints of --checkpoint_runs, the function kept unless --no_preserve_function; a seed draws its
-# dropout too), or they
-# build a new model or shape only the PowerNorm Transformer family, never a comparison of the user's model.
+# which draws its dropout too, the checkpoints of --checkpoint_runs, the function kept unless
+# --no_preserve_function), or they build a new model or shape only the PowerNorm Transformer
+# family, never a comparison of the user's model.
 NOT_TAKEN = ("convert_norms", "norm_type", "encoder_norm_type", "decoder_norm_type", "preset", "config_name",
              "config_overrides", "tokenizer_name", "vocab_size", "dropout", "resume_from_checkpoint",
              "checkpointing_steps", "checkpoints_total_limit", "do_train", "seed", "dropout_seed", "preserve_function",
