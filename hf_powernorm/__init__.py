@@ -2,8 +2,9 @@
 
 Importing the package loads the library (`_library.py`: the norms, the models, the converter) and
 registers the family with the Auto classes. One process is spared it: the `hf-powernorm` command
-asked for a help text, whose parsers import no torch (`cli.py`); there the library loads when a
-name of it is first used, or when the command goes on to run (`load_library`).
+(or `python -m hf_powernorm.studies`) asked for a help text, whose parsers import no torch
+(`cli.py`); there the library loads when a name of it is first used, or when the command goes on
+to run (`load_library`).
 """
 
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 # How the `hf-powernorm` command starts: its console script, or `python -m` of one of these modules.
-COMMAND_NAME, COMMAND_MODULES = "hf-powernorm", ("hf_powernorm.cli", "hf_powernorm.compare")
+COMMAND_NAME, COMMAND_MODULES = "hf-powernorm", ("hf_powernorm.cli", "hf_powernorm.compare", "hf_powernorm.studies")
 
 
 def _command_asks_for_help() -> bool:

@@ -67,3 +67,12 @@ def test_the_console_script_runs_the_studies_too(capsys):
         cli.main(["studies", "--help"])
     shown = capsys.readouterr().out
     assert stopped.value.code == 0 and all(name in shown for name in STUDIES)
+
+
+def test_the_list_of_studies_answers_before_torch_is_imported():
+    """`python -m hf_powernorm.studies --help` lists the studies without loading the library."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hf_powernorm.studies", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and all(name in done.stdout for name in STUDIES)
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "hf_powernorm.studies" in imported and not {"torch", "transformers"} & imported
