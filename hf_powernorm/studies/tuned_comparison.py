@@ -545,6 +545,7 @@ class Protocol:
         self.short, self.long = self.sizes["budgets"]
         self.stages: dict[str, list[tuple[Cell, dict[str, Any] | None]]] = {}
         self.picks: dict[str, dict[str, Any]] = {}
+        self.pending_fresh: list[str] = []  # fresh finals (amendment 2) whose old final stands in
 
     def _stage(self, name: str, cells: list[Cell]) -> list[dict[str, Any]] | None:
         """The stage's results in cell order, or None while any of its cells has not finished."""
@@ -676,15 +677,24 @@ class Protocol:
         stage_one = self._rate_stage("lr-elementwise", ELEMENTWISE)
         if stage_one is None:
             return False
-        results = self._extended_stage("alpha_init", [
-            self.cell({**_chosen(_best(self.task, [r for r in stage_one if r["norm"] == norm])),
-                       "alpha_init_attention": attention, "alpha_init_other": other}, self.short)
-            for norm in ELEMENTWISE for attention in grid["attention"] for other in grid["other"]],
-            ((_alpha_init_extension, self.args.extensions),))
+        cells = [self.cell({**_chosen(_best(self.task, [r for r in stage_one if r["norm"] == norm])),
+                            "alpha_init_attention": attention, "alpha_init_other": other}, self.short)
+                 for norm in ELEMENTWISE for attention in grid["attention"] for other in grid["other"]]
+        results = self._extended_stage("alpha_init", cells, ((_alpha_init_extension, self.args.extensions),))
+        if results is None and self.args.report_only:
+            results = self._so_far("alpha_init", cells)
         if results is None:
             return False
         self._pick_each(results, ELEMENTWISE, self.short)
         return self.long not in budgets or self._recheck_stage("recheck-elementwise", stage_one, ELEMENTWISE)
+
+    def _so_far(self, stage: str, grid: list[Cell]) -> list[dict[str, Any]] | None:
+        """For a report while a stage's edge runs (amendment 2's) are under way: the results it has so
+        far, once its grid's are all in, so that the picks and finals of amendment 1 stand until
+        the edge runs say otherwise; the stage stays unfinished (the summary says it is interim)."""
+        done = [result for _, result in self.stages[stage] if result is not None]
+        names = {result["cell"] for result in done}
+        return done if all(cell.name in names for cell in grid) else None
 
     def elementwise_final_cells(self) -> list[Cell]:
         """DyT's and Derf's finals, seed by seed, at the seeds the other arms have at each budget."""
@@ -698,7 +708,16 @@ class Protocol:
         are read, never run (stage `replaced`)."""
         cells = self.final_cells(extras) + (self.elementwise_final_cells() if elementwise else [])
         self._stage("final", cells)
-        replaced = [(cell, cell_result(self.output_dir, cell)) for cell in self.replaced_cells(cells)]
+        # A fresh final not run yet: the final it will replace stands in its row until it has run.
+        self.pending_fresh = []
+        for index, (cell, result) in enumerate(self.stages["final"]):
+            standing = cell_result(self.output_dir, self.replaced_cells([cell])[0]) \
+                if result is None and "dropout_seed" in cell.options else None
+            if standing is not None:
+                self.stages["final"][index] = (self.replaced_cells([cell])[0], standing)
+                self.pending_fresh.append(cell.name)
+        fresh = [cell for cell, result in self.stages["final"] if result is not None and "dropout_seed" in cell.options]
+        replaced = [(cell, cell_result(self.output_dir, cell)) for cell in self.replaced_cells(fresh)]
         self.stages["replaced"] = [(cell, result) for cell, result in replaced if result is not None]
 
 
@@ -946,6 +965,15 @@ def interim_note(protocols: list[Protocol]) -> list[str]:
     """A warning above the headline while any task's finals are unfinished or any of its arms is
     still tuning (its finals are still to come): the adjustment covers the comparisons made so far,
     so a verdict can still change; nothing once every stage and every final is in."""
+    pending = [name for protocol in protocols for name in protocol.pending_fresh]
+    fresh = [f"**Interim:** {len(pending)} fresh seed-1 finals of amendment 2 have not run yet "
+             f"({', '.join(pending)}); until they have, their rows hold the seed-1 finals they will replace.",
+             ""] if pending else []
+    return fresh + _progress_note(protocols)
+
+
+def _progress_note(protocols: list[Protocol]) -> list[str]:
+    """The interim warning of unfinished finals or tuning stages (`interim_note`'s second part)."""
     done, total = _finished_of([entry for protocol in protocols for entry in protocol.stages.get("final", [])])
     tuning = [f"{protocol.task} {stage}" for protocol in protocols for stage, cells in protocol.stages.items()
               if stage != "final" and _unfinished(cells)]

@@ -559,6 +559,38 @@ def test_a_seed_one_final_that_repeats_its_winning_tuning_run_draws_fresh_dropou
     assert "dropout_seed" not in tuned_comparison._run_options({**old.options, "sizes": args.sizes["ptb"]})
 
 
+def test_a_fresh_final_not_run_yet_leaves_the_old_one_in_its_row(tmp_path):
+    """Amendment 2, in a report: until a fresh seed-1 final has run, the final it will replace stands
+    in its row (and the summary says so); once it has run, the fresh one takes the row and the old
+    one is the record of stage `replaced`."""
+    args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2, seeds=[1, 2, 3],
+                                               long_seeds=[1, 2, 3, 4, 5], report_only=True)
+    protocol = tuned_comparison.Protocol("ptb", args, {}, tmp_path)
+    for norm in (*tuned_comparison.RECHECKED, *tuned_comparison.ELEMENTWISE):
+        for updates in (1500, 4500):
+            protocol.picks[f"{norm}@{updates}"] = tuned_comparison.setting(norm, 8e-3, 150)
+    protocol.picks["powernorm-fwd0.9@4500"] = tuned_comparison.setting("powernorm-fwd0.9", 8e-3, 150, 0.9, 1.0)
+    fresh = next(c for c in protocol.elementwise_final_cells() if "dropout_seed" in c.options)
+    (old,) = protocol.replaced_cells([fresh])
+
+    def finish(cell, value):
+        folder = tmp_path / "cells" / cell.name
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({"cell": cell.name, **cell.options, "best_validation": value}))
+
+    finish(old, 100.0)
+    protocol.run_finals(elementwise=True)
+    row = [entry for entry in protocol.stages["final"] if entry[1] is not None]
+    assert [(cell.name, result["best_validation"]) for cell, result in row] == [(old.name, 100.0)]
+    assert protocol.pending_fresh == [fresh.name] and protocol.stages["replaced"] == []
+    assert "1 fresh seed-1 finals of amendment 2 have not run yet" in tuned_comparison.interim_note([protocol])[0]
+    finish(fresh, 103.0)
+    protocol.run_finals(elementwise=True)
+    row = [entry for entry in protocol.stages["final"] if entry[1] is not None]
+    assert [(cell.name, result["best_validation"]) for cell, result in row] == [(fresh.name, 103.0)]
+    assert protocol.pending_fresh == [] and [c.name for c, _ in protocol.stages["replaced"]] == [old.name]
+
+
 def test_an_initial_alpha_picked_at_an_edge_gets_the_next_value_beyond(tmp_path):
     """Amendment 2: the rate grid's edge rule on each initial-alpha axis, the other axis at the pick."""
     args = tuned_comparison.argparse.Namespace(sizes=tuned_comparison.SIZES["real"], extensions=2,
