@@ -265,8 +265,8 @@ def _run_options(options: dict[str, Any]) -> dict[str, Any]:
     norms."""
     sizes = options["sizes"]
     fresh = {"dropout_seed": options["dropout_seed"]} if options.get("dropout_seed") is not None else {}
-    return {"seed": options["seed"], **fresh, "max_tokens": sizes["max_tokens"], "learning_rate": options["learning_rate"],
-            "num_warmup_steps": options["warmup"], "max_train_steps": options["updates"],
+    return {"seed": options["seed"], **fresh, "max_tokens": sizes["max_tokens"],
+            "learning_rate": options["learning_rate"], "num_warmup_steps": options["warmup"], "max_train_steps": options["updates"],
             "eval_steps": sizes["eval_steps"], "dropout": sizes["dropout"], **_norm_options(options)}
 
 
@@ -586,12 +586,14 @@ class Protocol:
         fresh = seed + FRESH_DRAW if self._fresh(chosen["norm"], updates, seed) else None
         return _cell(self.task, self.inputs, self.sizes, chosen, updates, seed, final=True, dropout_seed=fresh)
 
+    def replaced_cell(self, fresh: Cell) -> Cell:
+        """The final that a fresh one replaces: the same run without fresh draws (its training is the
+        winning tuning run's), kept in the record beside it."""
+        return self.cell(_chosen(fresh.options), fresh.options["updates"], fresh.options["seed"], final=True)
+
     def replaced_cells(self, cells: list[Cell]) -> list[Cell]:
-        """The finals that `cells`' fresh ones replace: the same runs without fresh draws (their
-        training is the winning tuning run's), kept in the record beside them."""
-        return [self.cell({k: cell.options[k] for k in ("norm", "learning_rate", "warmup", *OPTION_KEYS)
-                           if k in cell.options}, cell.options["updates"], cell.options["seed"], final=True)
-                for cell in cells if "dropout_seed" in cell.options]
+        """`replaced_cell` of each fresh final among `cells`."""
+        return [self.replaced_cell(cell) for cell in cells if "dropout_seed" in cell.options]
 
     def _rate_stage(self, name: str, norms: tuple[str, ...]) -> list[dict[str, Any]] | None:
         """Stage 1 for `norms` as stage `name`: learning rate x warmup at the short budget and seed 1,
@@ -708,17 +710,19 @@ class Protocol:
         are read, never run (stage `replaced`)."""
         cells = self.final_cells(extras) + (self.elementwise_final_cells() if elementwise else [])
         self._stage("final", cells)
-        # A fresh final not run yet: the final it will replace stands in its row until it has run.
-        self.pending_fresh = []
+        self.pending_fresh, self.stages["replaced"] = [], []
         for index, (cell, result) in enumerate(self.stages["final"]):
-            standing = cell_result(self.output_dir, self.replaced_cells([cell])[0]) \
-                if result is None and "dropout_seed" in cell.options else None
-            if standing is not None:
-                self.stages["final"][index] = (self.replaced_cells([cell])[0], standing)
+            if "dropout_seed" not in cell.options:
+                continue
+            old = self.replaced_cell(cell)
+            old_result = cell_result(self.output_dir, old)
+            if old_result is None:
+                continue
+            if result is None:  # not run yet: the final it will replace stands in its row until it has
+                self.stages["final"][index] = (old, old_result)
                 self.pending_fresh.append(cell.name)
-        fresh = [cell for cell, result in self.stages["final"] if result is not None and "dropout_seed" in cell.options]
-        replaced = [(cell, cell_result(self.output_dir, cell)) for cell in self.replaced_cells(fresh)]
-        self.stages["replaced"] = [(cell, result) for cell, result in replaced if result is not None]
+            else:
+                self.stages["replaced"].append((old, old_result))
 
 
 class Transfer(Protocol):
@@ -916,13 +920,13 @@ def replaced_finals(protocols: list[Protocol]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for protocol in protocols:
         fresh = {(r["norm"], r["updates"], r["seed"]): r for r in _finished(protocol)}
-        for old in _finished(protocol, "replaced"):
-            new = fresh.get((old["norm"], old["updates"], old["seed"]), {})
+        for old in _finished(protocol, "replaced"):  # each beside its fresh final, which has run
+            new = fresh[(old["norm"], old["updates"], old["seed"])]
             for split, metric, scored in HEADLINES[protocol.task]:
                 key = f"{split}_{metric}"
-                value = f"{new[key]:.2f}" if key in new else "not run yet"
                 lines.append(f"| {protocol.task} | {old['updates']} | {ARM_NAMES.get(old['norm'], old['norm'])} | "
-                             f"{old['seed']} | {_score_label(split, metric, scored)} | {old[key]:.2f} | {value} |")
+                             f"{old['seed']} | {_score_label(split, metric, scored)} | {old[key]:.2f} | "
+                             f"{new[key]:.2f} |")
     return lines if len(lines) > 2 else []
 
 
