@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import re
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -249,9 +251,6 @@ COST_TABLE = "tuned_comparison: CPU-hours per run"  # from the exported cells, n
 def cost_table(root: Path) -> list[str]:
     """The CPU-hours of the tuned comparison's runs that record them (`cpu_seconds` in each exported
     `cells/*/result.json`, killed attempts included), per task and budget: runs, median and range."""
-    import json
-    import statistics
-
     hours: dict[tuple[str, int], list[float]] = defaultdict(list)
     for path in sorted((root / "results" / "tuned_comparison" / "cells").glob("*/result.json")):
         result = json.loads(path.read_text(encoding="utf-8"))
