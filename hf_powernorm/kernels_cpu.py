@@ -877,12 +877,15 @@ int pn_step_backward(const float *dy, const float *x, const void *m, int kind, l
    rational approximation (`generic_fast_tanh_float`: an odd polynomial of degree 13 over an even one
    of degree 6, the argument clamped to +-7.905, where tanh rounds to +-1 in float32): at most 2.8e-7
    from float64 tanh, about half the arithmetic of 2 sigmoid(2z) - 1 through exp (no range
-   reduction). erf (k = erf'(z) = 2 / sqrt(pi) exp(-z^2)), with no division: below |z| = 475/512 an
-   odd polynomial of degree 11 (N. Juffa's minimax erff, within 1 ulp), above it 1 - k P(|z|), P of
-   degree 6 a minimax fit, weighted by k, of sqrt(pi) / 2 erfcx(z) = sqrt(pi) / 2 exp(z^2) erfc(z) on
-   [475/512, 4] (|z| clamped to 4, where erf rounds to 1 in float32), so that the backward's erf'
-   is the forward's k; at most 1.8e-7 from float64 erf in float32 arithmetic, on every float32 in
-   [1/16, 8) and 10^7 points of [-12, 12] (Abramowitz and Stegun 7.1.26, with a division, gave 3.5e-7). */
+   reduction). erf (k = erf'(z) = 2 / sqrt(pi) exp(-z^2)), with no division, on a = |z| (clamped to
+   9.25, so that exp(-a^2) and its 2^n stay normal floats; the sign put back last): below a = 475/512
+   an odd polynomial of degree 11 (N. Juffa's minimax erff, within 1 ulp), above it 1 - k P(a), P of
+   degree 6 a minimax fit, weighted by k, of sqrt(pi) / 2 erfcx(a) = sqrt(pi) / 2 exp(a^2) erfc(a) on
+   [475/512, 4] (beyond 4, where erf rounds to 1 in float32, k P < 2.6e-8 < 2^-25: 1 still), so
+   that the backward's erf' is the forward's k; exp's n = round(-a^2 log2 e) by the 1.5 2^23 shifter,
+   whose low bits go to the exponent field. At most 1.8e-7 from float64 erf in float32 arithmetic,
+   on every float32 in [1/16, 8) and 10^7 points of [-12, 12] (Abramowitz and Stegun 7.1.26, with a
+   division, gave 3.5e-7). */
 SQUASH_CODE static inline float tanh_core(float z) {
     float x = z < -7.90531110763549805f ? -7.90531110763549805f : z;  /* NaN stays NaN */
     x = x > 7.90531110763549805f ? 7.90531110763549805f : x;
@@ -896,37 +899,41 @@ SQUASH_CODE static inline float tanh_core(float z) {
 }
 SQUASH_CODE static inline float tanh_value(float z, float k) { (void)z; return k; }
 SQUASH_CODE static inline float tanh_slope(float k) { return 1.0f - k * k; }
-SQUASH_CODE static inline float erf_core(float z) {  /* 2 / sqrt(pi) exp(-z^2) = 2^-n (2 / sqrt(pi)) 2^f, |f| <= 1/2 */
-    float v = z * z;
-    v = v > 86.5f ? 86.5f : v;  /* NaN stays NaN; exp(-86.5) and 2^-n are normal floats */
-    float n = floorf(v * 1.44269504088896341f + 0.5f);
-    float f = n - v * 1.44269504088896341f;  /* one rounding: a multiply-add */
+SQUASH_CODE static inline float erf_abs(float z) {  /* |z| clamped to 9.25: exp(-z^2) and 2^n stay normal */
+    float a = fabsf(z);
+    return a > 9.25f ? 9.25f : a;  /* NaN stays NaN */
+}
+SQUASH_CODE static inline float erf_core(float z) {  /* 2 / sqrt(pi) exp(-a^2) = 2^n (2 / sqrt(pi)) 2^f, |f| <= 1/2 */
+    float a = erf_abs(z), q = a * a;
+    float s = q * -1.44269504088896341f + 12582912.0f;  /* 1.5 2^23 + n: n = round(-q log2 e) in the low bits */
+    float n = s - 12582912.0f;
+    float f = q * -1.44269504088896341f - n;  /* one rounding: a multiply-add */
     float p = f * 1.498089056e-03f + 1.091767941e-02f;  /* 2 / sqrt(pi) 2^f: minimax, relative error 2e-7 */
     p = p * f + 6.263308972e-02f;
     p = p * f + 2.710605860e-01f;
     p = p * f + 7.821326256e-01f;
     p = p * f + 1.128379226e+00f;
-    union { float f; int32_t i; } k = {p};
-    k.i -= (int32_t)n * (1 << 23);  /* the exponent field: p 2^-n without a multiply */
+    union { float f; uint32_t i; } k = {p}, shifted = {s};
+    k.i += shifted.i << 23;  /* n into the exponent field (s's bits above n's shift out): no multiply */
     return k.f;
 }
 SQUASH_CODE static inline float erf_slope(float k) { return k; }
 SQUASH_CODE static inline float erf_value(float z, float k) {
-    float a = fabsf(z), q = z * z;
+    float a = erf_abs(z), q = a * a;
     float series = q * (-5.96761703e-4f) + 4.99119423e-3f;
     series = series * q - 2.67681349e-2f;
     series = series * q + 1.12819925e-1f;
     series = series * q - 3.76125336e-1f;
     series = series * q + 1.28379166e-1f;
-    series = series * z + z;
-    float u = (a > 4.0f ? 4.0f : a) - 0.927734375f;  /* NaN stays NaN */
+    series = series * a + a;
+    float u = a - 0.927734375f;  /* beyond |z| = 4, where erf rounds to 1, k P(u) < 2^-25: 1 */
     float p = u * 1.375653897e-03f - 9.812182747e-03f;
     p = p * u + 3.337047249e-02f;
     p = p * u - 7.843353599e-02f;
     p = p * u + 1.527324617e-01f;
     p = p * u - 2.630276084e-01f;
     p = p * u + 3.971752524e-01f;
-    return a < 0.927734375f ? series : copysignf(1.0f - k * p, z);
+    return copysignf(a < 0.927734375f ? series : 1.0f - k * p, z);
 }
 
 /* One row of the forward (F: tanh or erf), and of the backward with or without dx. */
@@ -959,11 +966,11 @@ SQUASH_CODE void elementwise_forward(const float *x, long T, long C, int fn, flo
 }
 
 /* Their backward in one pass over dy and x (f(z) recomputed from x): with g = dy weight f'(z),
-   dx = g alpha (dx may be NULL: the sums only); sums (2C + 2, double): dweight = sum_t dy f(z),
-   dbias = sum_t dy, then dalpha = sum g x and dshift = sum g over every element. */
+   dx = g alpha (dx may be NULL: the sums only); grads (2C + 2, float, summed in double): dweight =
+   sum_t dy f(z), dbias = sum_t dy, then dalpha = sum g x and dshift = sum g over every element. */
 SQUASH_CODE void elementwise_backward(const float *dy, const float *x, long T, long C, int fn, float alpha,
-                                      float shift, const float *weight, int threads, float *dx, double *sums) {
-    memset(sums, 0, sizeof(double) * (2 * C + 2));
+                                      float shift, const float *weight, int threads, float *dx, float *grads) {
+    double *sums = calloc(2 * C + 2, sizeof(double));
     #pragma omp parallel num_threads(team(threads, T * C))
     {
         /* per channel: dweight and dbias; dalpha and dshift are sums over every element, per row in
@@ -993,6 +1000,8 @@ SQUASH_CODE void elementwise_backward(const float *dy, const float *x, long T, l
         free(acc);
         free(dacc);
     }
+    for (long c = 0; c < 2 * C + 2; c++) grads[c] = (float)sums[c];
+    free(sums);
 }
 """
 
@@ -1225,14 +1234,15 @@ def elementwise_forward(x: torch.Tensor, function: str, alpha: float, shift: flo
 
 def elementwise_backward(dy: torch.Tensor, x: torch.Tensor, function: str, alpha: float, shift: float,
                          weight: torch.Tensor, input_gradient: bool = True):
-    """Their backward in one pass over contiguous float32 `dy` and `x` (tokens, C): `(dx, sums)`, `dx`
-    None without `input_gradient`; `sums` float64 (2C + 2): dweight, dbias, dalpha, dshift."""
+    """Their backward in one pass over contiguous float32 `dy` and `x` (tokens, C): `(dx, grads)`, `dx`
+    None without `input_gradient`; `grads` float32 (2C + 2, summed in float64): dweight, dbias,
+    dalpha, dshift."""
     tokens, channels = x.shape
     dx = torch.empty_like(x) if input_gradient else None
-    sums = torch.empty(2 * channels + 2, dtype=torch.float64)
+    grads = torch.empty(2 * channels + 2)
     _library.elementwise_backward(dy.data_ptr(), x.data_ptr(), tokens, channels, SQUASH[function], alpha, shift,
-                                  weight.data_ptr(), torch.get_num_threads(), _ptr(dx), sums.data_ptr())
-    return dx, sums
+                                  weight.data_ptr(), torch.get_num_threads(), _ptr(dx), grads.data_ptr())
+    return dx, grads
 
 
 MASK_KINDS = {torch.float32: 1, torch.int64: 2, torch.bool: 3, torch.uint8: 3}

@@ -1607,13 +1607,16 @@ def _triton_elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None
             and triton_elementwise_usable(x, *parameters))
 
 
-def _elementwise_c_pass(x: torch.Tensor, function: str, alpha: torch.Tensor, shift: torch.Tensor | None,
-                        weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _elementwise_c_pass(x: torch.Tensor, function: str, alpha: float, shift: float, weight: torch.Tensor,
+                        bias: torch.Tensor) -> torch.Tensor:
     """`weight * f(alpha * x + shift) + bias` in the C kernel's one forward pass (float32 on the CPU)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = elementwise_forward(flat, function, float(alpha), 0.0 if shift is None else float(shift),
-                              weight.contiguous(), bias.contiguous())
-    return out.view(x.shape)
+    return elementwise_forward(flat, function, alpha, shift, weight.contiguous(), bias.contiguous()).view(x.shape)
+
+
+def _elementwise_c_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
+    """The C kernels take DyT's and Derf's step: eager CPU float32, every parameter float32."""
+    return _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in parameters)
 
 
 class _ElementwiseNormFunction(torch.autograd.Function):
@@ -1631,23 +1634,20 @@ class _ElementwiseNormFunction(torch.autograd.Function):
     take the step in one launch forward and two backward, `x` alone saved, `alpha` and `shift` read on the device (no step waits
     for the host); the module hands them float32, bfloat16 or float16 tensors as they are (each value
     read as float32, the output and `dx` written in the input's dtype: no cast launched). Their tanh
-    is `2 * sigmoid(2z) - 1` as here, their erf Triton's."""
+    is `2 * sigmoid(2z) - 1` as here, their erf Triton's. `kernels`: `"c"` or `"triton"` where the
+    caller found them usable (`_elementwise_c_usable`, `_triton_elementwise_usable`), else None."""
 
     @staticmethod
-    def forward(ctx, x, alpha, shift, weight, bias, function, triton):
-        """`triton`: the caller found the Triton kernels usable (`_triton_elementwise_usable`)."""
-        ctx.function, ctx.kernels = function, None
-        if triton:
-            ctx.kernels = "triton"
+    def forward(ctx, x, alpha, shift, weight, bias, function, kernels):
+        ctx.function, ctx.kernels = function, kernels
+        if kernels == "c":
+            ctx.alpha, ctx.shift = alpha.item(), 0.0 if shift is None else shift.item()
+            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
+            return _elementwise_c_pass(x, function, ctx.alpha, ctx.shift, weight, bias)
+        if kernels == "triton":
             ctx.save_for_backward(x, None, alpha, shift, weight, bias)
             flat = x.reshape(-1, x.shape[-1]).contiguous()
             return triton_elementwise_forward(flat, function, alpha, shift, weight, bias).view(x.shape)
-        vectors = (alpha, shift, weight, bias)
-        if _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in vectors):
-            ctx.kernels = "c"
-            ctx.alpha, ctx.shift = float(alpha), 0.0 if shift is None else float(shift)
-            ctx.save_for_backward(x, None, alpha, shift, weight, bias)
-            return _elementwise_c_pass(x, function, alpha, shift, weight, bias)
         if function == "tanh":
             saved = torch.sigmoid_(x * (2.0 * alpha))
             out = torch.addcmul(bias - weight, saved, 2.0 * weight)  # weight * (2p - 1) + bias
@@ -1667,20 +1667,21 @@ class _ElementwiseNormFunction(torch.autograd.Function):
                 grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True, allow_unused=True))
             return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None, None)
         channels = x.shape[-1]
-        if ctx.kernels:  # the kernels' forward: their backward, one pass (C) or two launches (Triton)
-            dy, flat = grad_output.reshape(-1, channels).contiguous(), x.reshape(-1, channels).contiguous()
-            if ctx.kernels == "c":
-                grad_x, sums = elementwise_backward(dy, flat, ctx.function, ctx.alpha, ctx.shift, weight.contiguous(),
-                                                    ctx.needs_input_grad[0])
-            else:
-                grad_x, sums = triton_elementwise_backward(dy, flat, ctx.function, alpha, shift, weight,
-                                                           ctx.needs_input_grad[0])
-            grad_shift = None if shift is None else sums[2 * channels + 1:].to(shift.dtype).reshape(shift.shape)
+        dy, flat = grad_output.reshape(-1, channels).contiguous(), x.reshape(-1, channels).contiguous()
+        if ctx.kernels == "c":  # one pass; every parameter float32: the sums' slices are the gradients
+            grad_x, grads = elementwise_backward(dy, flat, ctx.function, ctx.alpha, ctx.shift, weight.contiguous(),
+                                                 ctx.needs_input_grad[0])
+            return (None if grad_x is None else grad_x.view(grad_output.shape), grads[2 * channels:2 * channels + 1],
+                    None if shift is None else grads[2 * channels + 1:], grads[:channels],
+                    grads[channels:2 * channels], None, None)
+        if ctx.kernels == "triton":  # two launches; the sums float32, the parameters of any dtype
+            grad_x, grads = triton_elementwise_backward(dy, flat, ctx.function, alpha, shift, weight,
+                                                        ctx.needs_input_grad[0])
+            grad_shift = None if shift is None else grads[2 * channels + 1:].to(shift.dtype).view(shift.shape)
             return (None if grad_x is None else grad_x.view(grad_output.shape),
-                    sums[2 * channels:2 * channels + 1].to(alpha.dtype).reshape(alpha.shape), grad_shift,
-                    sums[:channels].to(weight.dtype), sums[channels:2 * channels].to(bias.dtype), None, None)
-        dy = grad_output.reshape(-1, channels)
-        s, xf = saved.reshape(-1, channels), x.reshape(-1, channels)  # (tokens, hidden)
+                    grads[2 * channels:2 * channels + 1].to(alpha.dtype).view(alpha.shape), grad_shift,
+                    grads[:channels].to(weight.dtype), grads[channels:2 * channels].to(bias.dtype), None, None)
+        s, xf = saved.reshape(-1, channels), flat  # (tokens, hidden)
         dy_s = dy * s
         grad_bias = dy.sum(0)
         if ctx.function == "tanh":
@@ -1697,20 +1698,22 @@ class _ElementwiseNormFunction(torch.autograd.Function):
 
 
 def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """`DyT.forward` and `Derf.forward`: the Triton kernels on CUDA, the C pass for CPU float32
-    inference, else `_ElementwiseNormFunction` in float32 (float64 for float64 inputs)."""
+    """`DyT.forward` and `Derf.forward`: the Triton kernels on CUDA; else in float32 (float64 for
+    float64 inputs) the C kernels for the CPU (their forward alone under `no_grad`, a decoding step:
+    no autograd), the torch ops elsewhere, in `_ElementwiseNormFunction`."""
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
-    shift = getattr(norm, "shift", None)
-    if _triton_elementwise_usable(hidden_states, norm.alpha, shift, norm.weight, norm.bias):
+    alpha, shift, weight, bias = norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias
+    if _triton_elementwise_usable(hidden_states, alpha, shift, weight, bias):
         # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
-        return _ElementwiseNormFunction.apply(hidden_states, norm.alpha, shift, norm.weight, norm.bias,
-                                              norm._squash, True)
+        return _ElementwiseNormFunction.apply(hidden_states, alpha, shift, weight, bias, norm._squash, "triton")
     dtype = _stat_dtype(hidden_states)
-    if (not torch.is_grad_enabled() and norm.weight.dtype == norm.bias.dtype == norm.alpha.dtype == torch.float32
-            and _fused_kernels_usable(hidden_states)):  # inference (a decoding step): the C pass, no autograd
-        return _elementwise_c_pass(hidden_states, norm._squash, norm.alpha, shift, norm.weight, norm.bias)
-    with _float32(hidden_states.device):
-        out = _ElementwiseNormFunction.apply(
-            _cast(hidden_states, dtype), _cast(norm.alpha, dtype), None if shift is None else _cast(shift, dtype),
-            _cast(norm.weight, dtype), _cast(norm.bias, dtype), norm._squash, False)
+    x, alpha, weight, bias = _cast(hidden_states, dtype), _cast(alpha, dtype), _cast(weight, dtype), _cast(bias, dtype)
+    shift = None if shift is None else _cast(shift, dtype)
+    if not _elementwise_c_usable(x, alpha, shift, weight, bias):
+        with _float32(x.device):
+            out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, None)
+    elif torch.is_grad_enabled():  # a CPU training step: as little Python around the kernels as it can
+        out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, "c")
+    else:
+        out = _elementwise_c_pass(x, norm._squash, alpha.item(), 0.0 if shift is None else shift.item(), weight, bias)
     return _cast(out, hidden_states.dtype)
