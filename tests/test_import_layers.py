@@ -145,3 +145,24 @@ def test_no_function_is_over_50_lines_without_a_comment_saying_why():
                 if not lines[first - 2].strip().startswith("# Over 50 lines:"):
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
     assert long == []
+
+
+def _test_file_imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names
+
+
+def test_a_test_file_imports_no_test_file_of_another_folder():
+    """Each test folder runs alone (`pytest tests/norms`): pytest puts a test file's own folder on the
+    path, so a `test_*` module of another folder would import only when that folder was collected first."""
+    tests = pathlib.Path(__file__).resolve().parent
+    own = {path.stem: path.parent for path in tests.rglob("test_*.py")}
+    crossing = sorted(f"{path.relative_to(tests)} imports {name}" for path in tests.rglob("*.py")
+                      for name in _test_file_imports(path)
+                      if name in own and own[name] != path.parent)
+    assert not crossing, crossing

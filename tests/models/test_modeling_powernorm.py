@@ -18,15 +18,10 @@ from hf_powernorm import (
 )
 from hf_powernorm.modeling_powernorm import GroupScale, RUNNING_BUFFERS
 from hf_powernorm.normalization import float32_buffers, running_buffers
+from tiny_models import BATCH, SEQ, VOCAB, ids, inputs_for, make_config, make_model
 
-BATCH, SEQ, VOCAB = 3, 7, 99
 NORMS = sorted(NORM_CLASSES)
 HEADS = ["seq2seq", "causal", "classifier"]
-HEAD_CLASSES = {
-    "seq2seq": PowerNormTransformerForConditionalGeneration,
-    "causal": PowerNormTransformerForCausalLM,
-    "classifier": PowerNormTransformerForSequenceClassification,
-}
 AUTO_CLASSES = {
     "seq2seq": AutoModelForSeq2SeqLM,
     "causal": AutoModelForCausalLM,
@@ -35,32 +30,6 @@ AUTO_CLASSES = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_config(norm: str = "powernorm", **overrides) -> PowerNormTransformerConfig:
-    options = dict(encoder_norm_type=norm, decoder_norm_type=norm, num_labels=3)
-    options.update(overrides)
-    return PowerNormTransformerConfig.from_preset("tiny", **options)
-
-
-def make_model(head: str, norm: str = "powernorm", seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    return HEAD_CLASSES[head](make_config(norm, **overrides))
-
-
-def ids(seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, seq), generator=generator)
-
-
-def inputs_for(head: str, input_ids: torch.Tensor, attention_mask=None, with_labels: bool = False) -> dict:
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if head == "seq2seq":
-        decoder_input_ids = torch.cat([torch.full_like(input_ids[:, :1], 2), input_ids[:, :-1]], dim=1)
-        batch.update(decoder_input_ids=decoder_input_ids, decoder_attention_mask=attention_mask)
-    if with_labels:
-        batch["labels"] = torch.arange(input_ids.shape[0]) % 3 if head == "classifier" else input_ids
-    return batch
 
 
 def train_steps(model, head: str, steps: int = 3) -> None:

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from test_modeling_powernorm import inputs_for, make_model
+from tiny_models import inputs_for, make_model
 
 from hf_powernorm import (
     NORM_CLASSES,
