@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..norm_dispatch import pn_step_backward, pn_step_forward
+from ..norm_dispatch import elementwise_backward, elementwise_forward, pn_step_backward, pn_step_forward
 from ..normalization import NORM_CLASSES, available_kernel_backends, build_norm, kernel_backend
 from .timing import cell, clock, control_allocator, interleaved, machine_line, markdown, num_threads, progress
 
@@ -63,6 +63,8 @@ LAYER_CASES = {
     "dyt": ("dyt", {}, True),
     "derf": ("derf", {}, True),
     "powernorm G=4, its two C calls alone (no module, no autograd)": ("pn_calls", {"group_num": GROUP_NUM}, True),
+    "dyt, its two C calls alone (no module, no autograd)": ("dyt_calls", {}, True),
+    "derf, its two C calls alone (no module, no autograd)": ("derf_calls", {}, True),
     "autograd.Function doing no arithmetic (module call, output and gradient allocation, autograd)": ("autograd", {}, True),
 }
 # The eval table's cases: the layer table's that have an eval forward, and the folded PN and a copy.
@@ -160,14 +162,31 @@ class _PowerNormCalls(torch.nn.Module):
                          1.0 - norm.alpha_bkw, norm.group_eps)
 
 
+class _ElementwiseCalls(torch.nn.Module):
+    """DyT's or Derf's training step as its two C calls (`elementwise_forward`, `elementwise_backward`)
+    and nothing around them: the kernels' share of the module's step."""
+
+    def __init__(self, name: str, hidden: int) -> None:
+        super().__init__()
+        self.norm = build_norm(name, hidden)
+
+    def training_step(self, x: torch.Tensor, dy: torch.Tensor, mask: torch.Tensor) -> None:
+        norm = self.norm
+        alpha, shift = norm.alpha.item(), norm.shift.item() if hasattr(norm, "shift") else 0.0
+        weight, bias = norm.weight.detach(), norm.bias.detach()
+        elementwise_forward(x, norm._squash, alpha, shift, weight, bias)
+        elementwise_backward(dy, x, norm._squash, alpha, shift, weight)
+
+
 def _build(name: str, hidden: int, options: dict, device: str):
     if name == "copy":
         return _Copy()
     if name == "autograd":
         return _AutogradCost()
-    if name == "pn_calls":
-        usable = device == "cpu" and "c" in available_kernel_backends()
-        return _PowerNormCalls(hidden, options["group_num"]) if usable else None
+    if name.endswith("_calls"):  # a norm's C calls alone, on a device without them: no row
+        if device != "cpu" or "c" not in available_kernel_backends():
+            return None
+        return _PowerNormCalls(hidden, options["group_num"]) if name == "pn_calls" else _ElementwiseCalls(name[:-6], hidden)
     if name == "groupscale":
         from ..modeling_powernorm import GroupScale
 
@@ -177,10 +196,10 @@ def _build(name: str, hidden: int, options: dict, device: str):
 
 def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled: bool = False,
                 norms: list[str] | None = None, cpu_time: bool = False) -> tuple[list[str], list[list[str]]]:
-    """The layer rows against `F.layer_norm`; with `norms`, only the rows of those registry names;
-    with `cpu_time`, timed by this thread's CPU time (one thread)."""
+    """The layer rows against `F.layer_norm`; with `norms`, only the rows of those registry names (and
+    of their C calls alone); with `cpu_time`, timed by this thread's CPU time (one thread)."""
     cases = {label: case for label, case in (LAYER_CASES if train else EVAL_CASES).items()
-             if norms is None or case[0] in norms}
+             if norms is None or case[0] in norms or case[0].removesuffix("_calls") in norms}
     if train and compiled:  # PN's compiled pure functions on this device (CUDA's path); minutes to build on a CPU
         cases["powernorm G=4, torch.compile"] = ("powernorm", {"group_num": GROUP_NUM}, "compile")
     header = ["norm"] + [f"{t} thr, ({n}, {c})" for t in threads for n, c in shapes]
