@@ -1614,11 +1614,6 @@ def _elementwise_c_pass(x: torch.Tensor, function: str, alpha: float, shift: flo
     return elementwise_forward(flat, function, alpha, shift, weight.contiguous(), bias.contiguous()).view(x.shape)
 
 
-def _elementwise_c_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
-    """The C kernels take DyT's and Derf's step: eager CPU float32, every parameter float32."""
-    return _fused_kernels_usable(x) and all(t is None or t.dtype == torch.float32 for t in parameters)
-
-
 class _ElementwiseNormFunction(torch.autograd.Function):
     """`y = weight * f(z) + bias`, `z = alpha * x (+ shift)`, f = tanh or erf, with the backward
     written out in a few passes over the tokens. With `g = dy * f'(z)`: `dx = g * weight * alpha`,
@@ -1635,7 +1630,7 @@ class _ElementwiseNormFunction(torch.autograd.Function):
     for the host); the module hands them float32, bfloat16 or float16 tensors as they are (each value
     read as float32, the output and `dx` written in the input's dtype: no cast launched). Their tanh
     is `2 * sigmoid(2z) - 1` as here, their erf Triton's. `kernels`: `"c"` or `"triton"` where the
-    caller found them usable (`_elementwise_c_usable`, `_triton_elementwise_usable`), else None."""
+    caller found them usable (`_fused_kernels_usable`, `_triton_elementwise_usable`), else None."""
 
     @staticmethod
     def forward(ctx, x, alpha, shift, weight, bias, function, kernels):
@@ -1668,15 +1663,13 @@ class _ElementwiseNormFunction(torch.autograd.Function):
             return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None, None)
         channels = x.shape[-1]
         dy, flat = grad_output.reshape(-1, channels).contiguous(), x.reshape(-1, channels).contiguous()
-        if ctx.kernels == "c":  # one pass; every parameter float32: the sums' slices are the gradients
-            grad_x, grads = elementwise_backward(dy, flat, ctx.function, ctx.alpha, ctx.shift, weight.contiguous(),
-                                                 ctx.needs_input_grad[0])
-            return (None if grad_x is None else grad_x.view(grad_output.shape), grads[2 * channels:2 * channels + 1],
-                    None if shift is None else grads[2 * channels + 1:], grads[:channels],
-                    grads[channels:2 * channels], None, None)
-        if ctx.kernels == "triton":  # two launches; the sums float32, the parameters of any dtype
-            grad_x, grads = triton_elementwise_backward(dy, flat, ctx.function, alpha, shift, weight,
-                                                        ctx.needs_input_grad[0])
+        if ctx.kernels:  # one pass (C) or two launches (Triton); float32 sums: dweight, dbias, dalpha, dshift
+            if ctx.kernels == "c":
+                grad_x, grads = elementwise_backward(dy, flat, ctx.function, ctx.alpha, ctx.shift,
+                                                     weight.contiguous(), ctx.needs_input_grad[0])
+            else:
+                grad_x, grads = triton_elementwise_backward(dy, flat, ctx.function, alpha, shift, weight,
+                                                            ctx.needs_input_grad[0])
             grad_shift = None if shift is None else grads[2 * channels + 1:].to(shift.dtype).view(shift.shape)
             return (None if grad_x is None else grad_x.view(grad_output.shape),
                     grads[2 * channels:2 * channels + 1].to(alpha.dtype).view(alpha.shape), grad_shift,
@@ -1709,7 +1702,7 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
     dtype = _stat_dtype(hidden_states)
     x, alpha, weight, bias = _cast(hidden_states, dtype), _cast(alpha, dtype), _cast(weight, dtype), _cast(bias, dtype)
     shift = None if shift is None else _cast(shift, dtype)
-    if not _elementwise_c_usable(x, alpha, shift, weight, bias):
+    if not _fused_kernels_usable(x):  # the parameters were cast to x's dtype: float32 where x is
         with _float32(x.device):
             out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, None)
     elif torch.is_grad_enabled():  # a CPU training step: as little Python around the kernels as it can
