@@ -26,6 +26,13 @@ is loaded only when the record written next to it names the hash of this source 
 and the library's own hash; any other file of that name is rebuilt, never loaded.
 Without a compiler, or with `HF_POWERNORM_KERNELS=0`, `load()` returns None and PowerNorm runs
 its torch ops; the results agree to float32 rounding (tested).
+
+DyT's and Derf's training step also runs as one torch operator with a C++ autograd node around the
+same two kernels (`load_operator()`, the end of this file): built on first use with the C++ compiler
+and torch's own headers into the same cache (about 15 s, once per torch build and source, recorded
+and checked the same way), because the Python around a small step cost as much as its arithmetic.
+Without it (no C++ compiler, `HF_POWERNORM_OPERATOR=0`) the step runs a Python autograd function
+around the same kernels, to the same bits (tested).
 """
 
 from __future__ import annotations
@@ -1057,11 +1064,13 @@ def _record_path(target: pathlib.Path) -> pathlib.Path:
     return target.with_suffix(".json")
 
 
-def _trusted(target: pathlib.Path) -> bool:
-    """True when the record next to `target` names this source and flags and `target`'s hash."""
+def _trusted(target: pathlib.Path, digest: str | None = None) -> bool:
+    """True when the record next to `target` names this source and flags (`digest`, the C library's
+    by default) and `target`'s hash."""
     try:
         record = json.loads(_record_path(target).read_text())
-        return record.get("source_and_flags") == _source_digest() and record.get("library") == _file_digest(target)
+        expected = _source_digest() if digest is None else digest
+        return record.get("source_and_flags") == expected and record.get("library") == _file_digest(target)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -1400,3 +1409,178 @@ def pn_gradient_statistics(sums: torch.Tensor, weight: torch.Tensor, v: torch.Te
                                              count, sums.shape[1], int(usable), rate, _ptr(running_nu),
                                              _ptr(grad_weight))
     return status, grad_weight
+
+
+# ----------------------------------------------------------------------------------------------
+# DyT's and Derf's training step as one torch operator with a C++ autograd node
+#
+# A Python autograd function and its tensor bookkeeping cost DyT's step at (1024, 512) on one thread
+# about 0.3x of `F.layer_norm`'s whole step, most of it Python run with caches the kernels have just
+# flushed; a C++ node pays what LayerNorm's own node pays. So the same two C kernels also run behind
+# one operator, `elementwise_norm`, built with torch's headers into a second library of the cache
+# (about 15 s, once per torch version and source), its namespace named by the build's digest so that
+# two sources never clash in one process. Without a C++ compiler or torch's headers the step runs as
+# before (`norm_dispatch._ElementwiseNormFunction`), to the same bits. Its backward under
+# `create_graph=True` is the formula in ATen ops (differentiable in turn), not the kernels.
+
+_OPERATOR_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+#include <cmath>
+#include <optional>
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/* The C kernels (`elementwise_forward`, `elementwise_backward` of the C library), bound once. */
+typedef void (*ForwardKernel)(const float *, long, long, int, float, float, const float *, const float *, int,
+                              float *);
+typedef void (*BackwardKernel)(const float *, const float *, long, long, int, float, float, const float *, int,
+                               float *, float *);
+static ForwardKernel forward_kernel = nullptr;
+static BackwardKernel backward_kernel = nullptr;
+
+static void bind(int64_t forward, int64_t backward) {
+    forward_kernel = reinterpret_cast<ForwardKernel>(forward);
+    backward_kernel = reinterpret_cast<BackwardKernel>(backward);
+}
+
+/* dx, dalpha, dshift, dweight, dbias by the formula in ATen ops: the create_graph=True backward. */
+static variable_list formula_backward(const at::Tensor &dy, const at::Tensor &x, const at::Tensor &alpha,
+                                      const at::Tensor &shift, const at::Tensor &weight, int64_t function) {
+    at::Tensor z = shift.defined() ? at::addcmul(shift, x, alpha) : x * alpha;
+    at::Tensor value = function == 0 ? at::tanh(z) : at::erf(z);
+    at::Tensor slope = function == 0 ? 1 - value * value : at::exp(-z * z) * (2.0 / std::sqrt(M_PI));
+    at::Tensor g = dy * weight * slope, rows = dy.reshape({-1, x.size(-1)});
+    return {g * alpha, (g * x).sum().reshape(alpha.sizes()),
+            shift.defined() ? g.sum().reshape(shift.sizes()) : at::Tensor(),
+            (rows * value.reshape({-1, x.size(-1)})).sum(0), rows.sum(0), at::Tensor()};
+}
+
+struct ElementwiseNorm : public torch::autograd::Function<ElementwiseNorm> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &input, const at::Tensor &alpha,
+                              const std::optional<at::Tensor> &shift, const at::Tensor &weight,
+                              const at::Tensor &bias, int64_t function) {
+        at::Tensor x = input.contiguous(), w = weight.contiguous(), b = bias.contiguous();
+        at::Tensor s = shift.has_value() ? *shift : at::Tensor();
+        float a = alpha.item<float>(), t = s.defined() ? s.item<float>() : 0.0f;
+        long channels = x.size(-1), tokens = channels ? x.numel() / channels : 0;
+        at::Tensor y = at::empty_like(x);
+        forward_kernel(x.data_ptr<float>(), tokens, channels, (int)function, a, t, w.data_ptr<float>(),
+                       b.data_ptr<float>(), at::get_num_threads(), y.data_ptr<float>());
+        ctx->save_for_backward({x, alpha, s, w});
+        ctx->saved_data["function"] = function;
+        ctx->saved_data["alpha"] = (double)a;
+        ctx->saved_data["shift"] = (double)t;
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &alpha = saved[1], &shift = saved[2], &weight = saved[3];
+        int64_t function = ctx->saved_data["function"].toInt();
+        if (at::GradMode::is_enabled()) return formula_backward(grads[0], x, alpha, shift, weight, function);
+        at::Tensor dy = grads[0].contiguous();
+        long channels = x.size(-1), tokens = channels ? x.numel() / channels : 0;
+        bool input_gradient = ctx->needs_input_grad(0);
+        at::Tensor dx = input_gradient ? at::empty_like(x) : at::Tensor();
+        at::Tensor sums = at::empty({2 * channels + 2}, x.options());
+        backward_kernel(dy.data_ptr<float>(), x.data_ptr<float>(), tokens, channels, (int)function,
+                        (float)ctx->saved_data["alpha"].toDouble(), (float)ctx->saved_data["shift"].toDouble(),
+                        weight.data_ptr<float>(), at::get_num_threads(),
+                        input_gradient ? dx.data_ptr<float>() : nullptr, sums.data_ptr<float>());
+        std::vector<at::Tensor> parts = sums.split_with_sizes({channels, channels, 1, 1});
+        return {dx, parts[2].view(alpha.sizes()), shift.defined() ? parts[3].view(shift.sizes()) : at::Tensor(),
+                parts[0], parts[1], at::Tensor()};
+    }
+};
+
+static at::Tensor elementwise_norm(const at::Tensor &x, const at::Tensor &alpha, const std::optional<at::Tensor> &shift,
+                                   const at::Tensor &weight, const at::Tensor &bias, int64_t function) {
+    TORCH_CHECK(forward_kernel != nullptr && backward_kernel != nullptr, "elementwise_norm: kernels not bound");
+    TORCH_CHECK(function == 0 || function == 1, "elementwise_norm: function must be 0 (tanh) or 1 (erf), got ", function);
+    int64_t channels = x.dim() ? x.size(-1) : 0;
+    for (const at::Tensor &t : {x, alpha, weight, bias, shift.value_or(alpha)})
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
+                    "elementwise_norm: CPU float32 tensors expected, got ", t.device(), " ", t.scalar_type());
+    TORCH_CHECK(x.dim() >= 1 && weight.numel() == channels && bias.numel() == channels && alpha.numel() == 1
+                && (!shift.has_value() || shift->numel() == 1),
+                "elementwise_norm: weight and bias of x's last size and one alpha (and shift) expected, got x ",
+                x.sizes(), ", weight ", weight.sizes(), ", bias ", bias.sizes(), ", alpha ", alpha.sizes());
+    return ElementwiseNorm::apply(x, alpha, shift, weight, bias, function);
+}
+
+TORCH_LIBRARY(NAMESPACE, m) {
+    m.def("bind(int forward, int backward) -> ()", bind);
+    m.def("elementwise_norm(Tensor x, Tensor alpha, Tensor? shift, Tensor weight, Tensor bias, int function) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("elementwise_norm", elementwise_norm); }
+TORCH_LIBRARY_IMPL(NAMESPACE, Autograd, m) { m.impl("elementwise_norm", elementwise_norm); }
+"""
+_OPERATOR_FLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared"]
+_operator = None
+_operator_tried = False
+
+
+def _torch_build_arguments() -> list[str]:
+    """Where torch's headers and libraries are, and its C++ ABI."""
+    root = pathlib.Path(torch.__file__).parent
+    return [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-L{root / 'lib'}", "-lc10",
+            "-ltorch_cpu"]
+
+
+def _operator_digest() -> str:
+    """Names the operator's source and flags, torch's build, and the C library's (whose kernels it binds)."""
+    parts = [_OPERATOR_SOURCE, *_OPERATOR_FLAGS, *_torch_build_arguments(), torch.__version__, _source_digest()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _compile_operator(target: pathlib.Path, namespace: str) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++/g++) on PATH")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = pathlib.Path(tmp) / "powernorm_operator.cpp"
+        source.write_text(_OPERATOR_SOURCE.replace("NAMESPACE", namespace))
+        built = pathlib.Path(tmp) / target.name
+        subprocess.run([compiler, *_OPERATOR_FLAGS, str(source), "-o", str(built), *_torch_build_arguments()],
+                       check=True, capture_output=True)
+        record = {"source_and_flags": _operator_digest(), "library": _file_digest(built)}
+        os.replace(built, target)
+        _write_atomically(_record_path(target), json.dumps(record).encode())
+
+
+def load_operator():
+    """`elementwise_norm(x, alpha, shift, weight, bias, function)` (the torch operator, `function` as
+    `SQUASH` numbers it), building it on first use; None where the C kernels or the operator are
+    unavailable (the caller then runs its Python autograd function)."""
+    global _operator, _operator_tried
+    if _operator_tried:
+        return _operator
+    _operator_tried = True
+    library = load()
+    if library is None or os.environ.get("HF_POWERNORM_OPERATOR", "1") == "0":
+        return None
+    digest = _operator_digest()
+    namespace = f"hf_powernorm_{digest[:16]}"
+    try:
+        target = _private_dir(_cache_dir()) / f"powernorm_operator_{digest[:16]}.so"
+        if not _trusted(target, digest):
+            logger.info("Building the C++ operator of DyT and Derf (once, about 15 s) in %s", target.parent)
+            _compile_operator(target, namespace)
+            if not _trusted(target, digest):
+                raise RuntimeError(f"{target} changed while it was being built")
+        torch.ops.load_library(str(target))
+        operators = getattr(torch.ops, namespace)
+        operators.bind(ctypes.cast(library.elementwise_forward, ctypes.c_void_p).value,
+                       ctypes.cast(library.elementwise_backward, ctypes.c_void_p).value)
+        _operator = operators.elementwise_norm.default
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        logger.warning("DyT/Derf C++ operator unavailable (%s %s); their CPU step runs a Python autograd "
+                       "function around the same kernels", err, detail.decode(errors="replace")[-500:])
+        _operator = None
+    return _operator

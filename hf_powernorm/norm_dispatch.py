@@ -13,7 +13,9 @@ the path for the input at hand:
   and `bn_step_forward` / `bn_step_backward` (`torch.library`): the C kernels on the CPU, the
   Triton kernels of `kernels_triton.py` on CUDA (PN), the pure tensor functions below elsewhere,
   `torch.compile`d where compilation is on; one node each in a compiled graph;
-- DyT and Derf in the Triton kernels on CUDA;
+- DyT's and Derf's CPU training step as one C++ operator around their C kernels
+  (`kernels_cpu.load_operator`: its autograd node in C++, no Python on the way), else the same
+  kernels in a Python autograd function; DyT and Derf in the Triton kernels on CUDA;
 - the torch ops everywhere else.
 
 The one switch is `kernel_backend(name)` (`"auto"`, `"c"`, `"triton"`, `"compile"`, `"torch"`).
@@ -49,11 +51,13 @@ from torch import nn
 
 from .kernels_cpu import (
     GROUP_SCALE_EPS,
+    SQUASH,
     bn_step_backward,
     bn_step_forward,
     elementwise_backward,
     elementwise_forward,
     kernels_usable,
+    load_operator,
     mabn_step_backward,
     mabn_step_forward,
     norm_eval,
@@ -1690,10 +1694,32 @@ class _ElementwiseNormFunction(torch.autograd.Function):
         return grad_x, grad_alpha, grad_shift, grad_weight, grad_bias, None, None
 
 
+def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The C++ operator (`kernels_cpu.load_operator`) where it takes the step: an eager CPU training
+    step in float32 (input and parameters), the shapes valid; else None (the general path, which
+    raises for bad shapes)."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or not torch.is_grad_enabled()
+            or _KERNEL_BACKEND[0] not in ("auto", "c") or torch.compiler.is_compiling()):
+        return None
+    if x.dim() not in (2, 3) or x.shape[-1] != norm.hidden_size:
+        return None
+    if attention_mask is not None and attention_mask.shape != x.shape[:-1]:
+        return None
+    if any(parameter.dtype != torch.float32 for parameter in norm._parameters.values()):
+        return None
+    return load_operator()
+
+
 def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """`DyT.forward` and `Derf.forward`: the Triton kernels on CUDA; else in float32 (float64 for
-    float64 inputs) the C kernels for the CPU (their forward alone under `no_grad`, a decoding step:
-    no autograd), the torch ops elsewhere, in `_ElementwiseNormFunction`."""
+    """`DyT.forward` and `Derf.forward`: on the CPU in float32 a training step is one C++ operator
+    around the C kernels (`_elementwise_operator`); else the Triton kernels on CUDA; else in float32
+    (float64 for float64 inputs) the C kernels for the CPU (their forward alone under `no_grad`, a
+    decoding step: no autograd; a training step without the operator in `_ElementwiseNormFunction`),
+    the torch ops elsewhere, in `_ElementwiseNormFunction`."""
+    operator = _elementwise_operator(norm, hidden_states, attention_mask)
+    if operator is not None:  # as little Python as it can: a small step's Python costs as much as its arithmetic
+        return operator(hidden_states, norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias,
+                        SQUASH[norm._squash])
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
     alpha, shift, weight, bias = norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias
     if _triton_elementwise_usable(hidden_states, alpha, shift, weight, bias):
@@ -1705,7 +1731,7 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
     if not _fused_kernels_usable(x):  # the parameters were cast to x's dtype: float32 where x is
         with _float32(x.device):
             out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, None)
-    elif torch.is_grad_enabled():  # a CPU training step: as little Python around the kernels as it can
+    elif torch.is_grad_enabled():  # the operator unavailable: the same kernels in a Python autograd function
         out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, "c")
     else:
         out = _elementwise_c_pass(x, norm._squash, alpha.item(), 0.0 if shift is None else shift.item(), weight, bias)

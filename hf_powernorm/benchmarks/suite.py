@@ -480,7 +480,9 @@ def fold_row(sizes, batch, repeats, warmup, device, threads) -> list[str]:
 
 
 def first_call_table(device: str, quick: bool, compiled: bool) -> tuple[list[str], list[list[str]]]:
-    rows = [["build the C kernels (cc, empty cache)", _kernel_build_seconds()]]
+    rows = [["build the C kernels (cc, empty cache)", _kernel_build_seconds("load")],
+            ["build the C kernels and DyT's and Derf's C++ operator (cc, c++, empty cache)",
+             _kernel_build_seconds("load_operator")]]
     if quick or not compiled:
         why = "--quick" if quick else "without --compile"
         rows.append(["torch.compile of PN's training step (first forward + backward)", f"not measured ({why})"])
@@ -489,9 +491,10 @@ def first_call_table(device: str, quick: bool, compiled: bool) -> tuple[list[str
     return ["what", "seconds"], rows
 
 
-def _kernel_build_seconds() -> str:
+def _kernel_build_seconds(loader: str) -> str:
+    """`kernels_cpu.<loader>()`'s time in a fresh process and an empty cache."""
     code = ("import time, hf_powernorm.kernels_cpu as k; s = time.perf_counter(); "
-            "lib = k.load(); print(time.perf_counter() - s if lib else 'no compiler')")
+            f"lib = k.{loader}(); print(time.perf_counter() - s if lib else 'no compiler')")
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "HF_POWERNORM_CACHE": cache}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)

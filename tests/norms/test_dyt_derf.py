@@ -58,14 +58,30 @@ def inputs(dtype=torch.float32, seed: int = 1, scale: float = 3.0) -> torch.Tens
     return (torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
+C_STEPS = ["operator", "function"]  # a CPU training step's two ways around the C kernels
+
+
+@pytest.fixture
+def c_step(request, monkeypatch):
+    """`operator`: the C++ operator (`kernels_cpu.load_operator`), built here; `function`: the Python
+    autograd function that runs where it cannot be built."""
+    if request.param == "operator":
+        assert kernels_cpu.load_operator() is not None, "a C++ compiler and torch's headers are expected here"
+    else:
+        monkeypatch.setattr(hf_powernorm.norm_dispatch, "load_operator", lambda: None)
+    return request.param
+
+
 # ----------------------------------------------------------------------------------------------
 # The classes against their formula
 
 
+@pytest.mark.parametrize("c_step", C_STEPS, indirect=True)
 @pytest.mark.parametrize("backend", ["c", "torch"])
 @pytest.mark.parametrize("name", NAMES)
-def test_forward_and_gradients_match_the_formula(name, backend):
-    """Both paths of float32 on the CPU: the C kernels' one pass each way, and the torch ops."""
+def test_forward_and_gradients_match_the_formula(name, backend, c_step):
+    """Both paths of float32 on the CPU: the C kernels' one pass each way (behind the C++ operator or
+    the Python function), and the torch ops."""
     assert kernels_cpu.load() is not None, "a C compiler is expected on this machine"
     norm = random_norm(name)
     x = inputs().requires_grad_(True)
@@ -96,8 +112,9 @@ def saved_bytes(norm: torch.nn.Module, x: torch.Tensor) -> int:
     return sum(sizes)
 
 
+@pytest.mark.parametrize("c_step", C_STEPS, indirect=True)
 @pytest.mark.parametrize("name", NAMES)
-def test_c_kernels_save_only_the_input_as_layer_norm_does(name):
+def test_c_kernels_save_only_the_input_as_layer_norm_does(name, c_step):
     """The C path recomputes f(z) in its backward: it saves `x` alone, where the torch ops save `x`
     and f(z) (or sigmoid(2z)) too."""
     norm, x = random_norm(name), inputs().requires_grad_(True)
@@ -139,8 +156,9 @@ def test_inference_takes_the_c_pass_and_matches_the_formula(name):
     torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("c_step", C_STEPS, indirect=True)
 @pytest.mark.parametrize("name", NAMES)
-def test_c_backward_without_input_gradient_and_for_a_strided_input(name):
+def test_c_backward_without_input_gradient_and_for_a_strided_input(name, c_step):
     """Frozen input (parameter gradients only: the kernel skips dx) and a transposed input give the
     torch ops' gradients."""
     norm = random_norm(name)
@@ -164,8 +182,9 @@ def test_c_backward_without_input_gradient_and_for_a_strided_input(name):
                 torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("c_step", C_STEPS, indirect=True)
 @pytest.mark.parametrize("name", NAMES)
-def test_c_forward_keeps_the_gradient_differentiable(name):
+def test_c_forward_keeps_the_gradient_differentiable(name, c_step):
     """create_graph=True through the C forward: the second derivative is the torch ops' one."""
     norm, x = random_norm(name), inputs(scale=1.0)
     second = {}
@@ -175,6 +194,90 @@ def test_c_forward_keeps_the_gradient_differentiable(name):
             (grad,) = torch.autograd.grad(norm(xi).square().sum(), xi, create_graph=True)
             (second[backend],) = torch.autograd.grad(grad.sum(), xi)
     torch.testing.assert_close(second["c"], second["torch"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cpu_training_step_is_one_cpp_node_with_the_python_functions_bits(name, monkeypatch):
+    """The C++ operator and the Python function run the same kernels: the same output and gradients,
+    bit for bit, for a 3-d input with a padding mask and a 2-d one; the step is one C++ node."""
+    assert kernels_cpu.load_operator() is not None, "a C++ compiler and torch's headers are expected here"
+    norm = random_norm(name)
+    cases = [(inputs(), torch.ones(BATCH, SEQ, dtype=torch.long)), (inputs(seed=4).reshape(-1, HIDDEN), None)]
+    for x, mask in cases:
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+        results = {}
+        for step in C_STEPS:
+            with pytest.MonkeyPatch.context() as patch:
+                if step == "function":
+                    patch.setattr(hf_powernorm.norm_dispatch, "load_operator", lambda: None)
+                norm.zero_grad(set_to_none=True)
+                xi = x.clone().requires_grad_(True)
+                out = norm(xi, mask)
+                results[step] = (out.grad_fn.name(), out.detach(), *torch.autograd.grad(out, (xi, *norm.parameters()), dy))
+        assert results["operator"][0] == "torch::autograd::CppNode<ElementwiseNorm>"
+        assert results["function"][0] == "_ElementwiseNormFunctionBackward"
+        for got, expected in zip(results["operator"][1:], results["function"][1:]):
+            assert torch.equal(got, expected)
+
+
+def test_the_operator_refuses_what_its_kernels_cannot_read_by_name():
+    operator = kernels_cpu.load_operator()
+    assert operator is not None, "a C++ compiler and torch's headers are expected here"
+    norm, x = random_norm("derf"), inputs()
+    with pytest.raises(RuntimeError, match="CPU float32 tensors expected, got cpu Double"):
+        operator(x.double(), norm.alpha, norm.shift, norm.weight, norm.bias, 1)
+    with pytest.raises(RuntimeError, match="function must be 0 \\(tanh\\) or 1 \\(erf\\), got 3"):
+        operator(x, norm.alpha, norm.shift, norm.weight, norm.bias, 3)
+    with pytest.raises(RuntimeError, match=f"got x \\[{BATCH}, {SEQ}, {HIDDEN + 1}\\], weight \\[{HIDDEN}\\]"):
+        operator(torch.randn(BATCH, SEQ, HIDDEN + 1), norm.alpha, norm.shift, norm.weight, norm.bias, 1)
+    # a mask of another shape goes to the general path, which names it
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        norm(x, torch.ones(BATCH, SEQ + 1))
+
+
+def test_without_a_cpp_compiler_the_step_runs_the_python_function_and_says_so(monkeypatch, tmp_path, caplog):
+    """A fresh cache, no C++ compiler: one warning naming the cause, the C kernels still used (through
+    the Python function), and the formula's gradients."""
+    monkeypatch.setenv("HF_POWERNORM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    for attribute, value in (("_tried", False), ("_library", None), ("_operator_tried", False), ("_operator", None)):
+        monkeypatch.setattr(kernels_cpu, attribute, value)
+    norm, x = random_norm("dyt"), inputs().requires_grad_(True)
+    with caplog.at_level("WARNING", logger="hf_powernorm.kernels_cpu"):
+        out = norm(x)
+    assert out.grad_fn.name() == "_ElementwiseNormFunctionBackward" and kernels_cpu._library is not None
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert "C++ operator unavailable" in warning and "no-such-compiler" in warning
+    out.backward(torch.ones_like(out))
+    x64 = x.detach().double().requires_grad_(True)
+    reference("dyt", x64, **params_of(norm)).backward(torch.ones_like(x64))
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+    assert list(tmp_path.glob("powernorm_operator_*")) == []  # nothing half-built left behind
+
+
+def test_the_operators_library_is_trusted_only_with_its_own_record():
+    """The record next to the built operator names its digest (source, flags, torch's build, the C
+    library's digest) and its hash; the C library's digest does not stand for it."""
+    import json
+
+    assert kernels_cpu.load_operator() is not None, "a C++ compiler and torch's headers are expected here"
+    (library,) = kernels_cpu._cache_dir().glob(f"powernorm_operator_{kernels_cpu._operator_digest()[:16]}.so")
+    record = json.loads(library.with_suffix(".json").read_text())
+    assert record == {"source_and_flags": kernels_cpu._operator_digest(), "library": kernels_cpu._file_digest(library)}
+    assert kernels_cpu._trusted(library, kernels_cpu._operator_digest())
+    assert not kernels_cpu._trusted(library)  # the C library's digest
+
+def test_the_operator_is_rebuilt_for_another_c_library_or_torch(monkeypatch):
+    """Its digest, which names the library file and its namespace, follows the C kernels it binds and
+    torch's build."""
+    digest = kernels_cpu._operator_digest()
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels_cpu, "_source_digest", lambda: "0" * 64)
+        assert kernels_cpu._operator_digest() != digest
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "0.0.0")
+        assert kernels_cpu._operator_digest() != digest
+    assert kernels_cpu._operator_digest() == digest
 
 
 @pytest.mark.parametrize("name", NAMES)
