@@ -1718,8 +1718,9 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
     the torch ops elsewhere, in `_ElementwiseNormFunction`."""
     operator = _elementwise_operator(norm, hidden_states, attention_mask)
     if operator is not None:  # as little Python as it can: a small step's Python costs as much as its arithmetic
-        return operator(hidden_states, norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias,
-                        SQUASH[norm._squash])
+        parameters = norm._parameters  # what `norm.alpha` reads, without `Module.__getattr__`'s detour
+        return operator(hidden_states, parameters["alpha"], parameters.get("shift"), parameters["weight"],
+                        parameters["bias"], SQUASH[norm._squash])
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
     alpha, shift, weight, bias = norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias
     if _triton_elementwise_usable(hidden_states, alpha, shift, weight, bias):
