@@ -989,13 +989,13 @@ static inline __m512 erf_core16(__m512 z) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.710605860e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(7.821326256e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.128379226e+00f));
-    __m512i k = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(s), 23));
-    return _mm512_castsi512_ps(k);
+    return _mm512_scalef_ps(p, n);  /* p 2^n, exact: n >= -123 keeps it normal, as the exponent add */
 }
 static inline __m512 erf_value16(__m512 z) {
     __m512 four = _mm512_set1_ps(4.0f);
     __m512 a = _mm512_min_ps(four, _mm512_abs_ps(z));
-    __m512i i = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_mul_ps(a, four), _mm512_set1_ps(15.0f)));  /* NaN: 15 */
+    __m512i i = _mm512_cvttps_epi32(_mm512_mul_ps(a, four));  /* 16 at a = 4 (permutes read i mod 16: a value
+                                                                    then replaced by 1), NaN: 0x80000000 */
     __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(0.25f), a);
     __m512 p = _mm512_permutexvar_ps(i, _mm512_loadu_ps(ERF_TABLE[5]));
     p = _mm512_fmadd_ps(p, t, _mm512_permutexvar_ps(i, _mm512_loadu_ps(ERF_TABLE[4])));
@@ -1007,35 +1007,46 @@ static inline __m512 erf_value16(__m512 z) {
     __m512i sign = _mm512_set1_epi32((int)0x80000000u);  /* copysign: z's sign bit, p's others */
     return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(sign, _mm512_castps_si512(z), _mm512_castps_si512(p), 0xCA));
 }
-static inline __mmask16 row_mask(long left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
-/* Derf's forward row: y = weight erf(alpha x + shift) + bias. */
+/* One vector of Derf's forward (lanes outside m: nothing stored). */
+static inline void erf_forward16(const float *xt, float *yt, long c, __mmask16 m, __m512 va, __m512 vs,
+                                 const float *weight, const float *bias) {
+    __m512 z = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, xt + c), vs);
+    __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, weight + c), erf_value16(z), _mm512_maskz_loadu_ps(m, bias + c));
+    _mm512_mask_storeu_ps(yt + c, m, y);
+}
+/* Derf's forward row: y = weight erf(alpha x + shift) + bias; whole vectors, then the rest masked. */
 static void erf_forward_row16(const float *xt, float *yt, long C, float alpha, float shift, const float *weight,
                               const float *bias) {
     __m512 va = _mm512_set1_ps(alpha), vs = _mm512_set1_ps(shift);
-    for (long c = 0; c < C; c += 16) {
-        __mmask16 m = row_mask(C - c);
-        __m512 z = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, xt + c), vs);
-        __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, weight + c), erf_value16(z), _mm512_maskz_loadu_ps(m, bias + c));
-        _mm512_mask_storeu_ps(yt + c, m, y);
-    }
+    long c = 0;
+    for (; c + 16 <= C; c += 16) erf_forward16(xt, yt, c, (__mmask16)0xFFFF, va, vs, weight, bias);
+    if (c < C) erf_forward16(xt, yt, c, (__mmask16)((1u << (C - c)) - 1u), va, vs, weight, bias);
 }
-/* Derf's backward row (BACKWARD_ROW(erf, ...)'s arithmetic): the per-channel sums in acc and acc_b,
-   the row's sums of g x and g added to *row_a and *row_s, dx where dxt is not NULL. */
+/* One vector of Derf's backward (BACKWARD_ROW(erf, ...)'s arithmetic; lanes outside m add 0). */
+static inline void erf_backward16(const float *dyt, const float *xt, float *dxt, long c, __mmask16 m, __m512 va,
+                                  __m512 vs, const float *weight, float *acc, float *acc_b, __m512 *sum_a,
+                                  __m512 *sum_s) {
+    __m512 x = _mm512_maskz_loadu_ps(m, xt + c), dy = _mm512_maskz_loadu_ps(m, dyt + c);
+    __m512 z = _mm512_fmadd_ps(va, x, vs);
+    __m512 g = _mm512_mul_ps(_mm512_mul_ps(dy, _mm512_maskz_loadu_ps(m, weight + c)), erf_core16(z));
+    _mm512_mask_storeu_ps(acc + c, m, _mm512_fmadd_ps(dy, erf_value16(z), _mm512_maskz_loadu_ps(m, acc + c)));
+    _mm512_mask_storeu_ps(acc_b + c, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc_b + c), dy));
+    *sum_a = _mm512_fmadd_ps(g, x, *sum_a);
+    *sum_s = _mm512_add_ps(*sum_s, g);
+    if (dxt) _mm512_mask_storeu_ps(dxt + c, m, _mm512_mul_ps(g, va));
+}
+/* Derf's backward row: the per-channel sums in acc and acc_b, the row's sums of g x and g added to
+   *row_a and *row_s, dx where dxt is not NULL; whole vectors, then the rest masked. */
 static void erf_backward_row16(const float *dyt, const float *xt, float *dxt, long C, float alpha, float shift,
                                const float *weight, float *acc, float *acc_b, float *row_a, float *row_s) {
     __m512 va = _mm512_set1_ps(alpha), vs = _mm512_set1_ps(shift);
     __m512 sum_a = _mm512_setzero_ps(), sum_s = _mm512_setzero_ps();
-    for (long c = 0; c < C; c += 16) {
-        __mmask16 m = row_mask(C - c);
-        __m512 x = _mm512_maskz_loadu_ps(m, xt + c), dy = _mm512_maskz_loadu_ps(m, dyt + c);
-        __m512 z = _mm512_fmadd_ps(va, x, vs);
-        __m512 g = _mm512_mul_ps(_mm512_mul_ps(dy, _mm512_maskz_loadu_ps(m, weight + c)), erf_core16(z));
-        _mm512_mask_storeu_ps(acc + c, m, _mm512_fmadd_ps(dy, erf_value16(z), _mm512_maskz_loadu_ps(m, acc + c)));
-        _mm512_mask_storeu_ps(acc_b + c, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc_b + c), dy));
-        sum_a = _mm512_fmadd_ps(g, x, sum_a);  /* g is 0 in the lanes past C */
-        sum_s = _mm512_add_ps(sum_s, g);
-        if (dxt) _mm512_mask_storeu_ps(dxt + c, m, _mm512_mul_ps(g, va));
-    }
+    long c = 0;
+    for (; c + 16 <= C; c += 16)
+        erf_backward16(dyt, xt, dxt, c, (__mmask16)0xFFFF, va, vs, weight, acc, acc_b, &sum_a, &sum_s);
+    if (c < C)
+        erf_backward16(dyt, xt, dxt, c, (__mmask16)((1u << (C - c)) - 1u), va, vs, weight, acc, acc_b, &sum_a,
+                       &sum_s);
     *row_a += _mm512_reduce_add_ps(sum_a);
     *row_s += _mm512_reduce_add_ps(sum_s);
 }
