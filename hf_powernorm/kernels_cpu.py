@@ -37,6 +37,7 @@ around the same kernels, to the same bits (tested).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -1671,6 +1672,24 @@ def _compile_operator(target: pathlib.Path, namespace: str) -> None:
         _write_atomically(_record_path(target), json.dumps(record).encode())
 
 
+@contextlib.contextmanager
+def _build_lock(target: pathlib.Path):
+    """One build at a time of `target` across processes (two test workers, two ranks): the second
+    waits and then finds the first's library. Without `fcntl` (not POSIX), no lock: the atomic
+    replace still keeps a half-written file from being loaded."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(target.with_suffix(".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_operator():
     """`elementwise_norm(x, alpha, shift, weight, bias, function)` (the torch operator, `function` as
     `SQUASH` numbers it), building it on first use; None where the C kernels or the operator are
@@ -1687,10 +1706,12 @@ def load_operator():
     try:
         target = _private_dir(_cache_dir()) / f"powernorm_operator_{digest[:16]}.so"
         if not _trusted(target, digest):
-            logger.info("Building the C++ operator of DyT and Derf (once, about 15 s) in %s", target.parent)
-            _compile_operator(target, namespace)
-            if not _trusted(target, digest):
-                raise RuntimeError(f"{target} changed while it was being built")
+            with _build_lock(target):
+                if not _trusted(target, digest):  # else built by another process while this one waited
+                    logger.info("Building the C++ operator of DyT and Derf (once, about 15 s) in %s", target.parent)
+                    _compile_operator(target, namespace)
+                    if not _trusted(target, digest):
+                        raise RuntimeError(f"{target} changed while it was being built")
         torch.ops.load_library(str(target))
         operators = getattr(torch.ops, namespace)
         operators.bind(ctypes.cast(library.elementwise_forward, ctypes.c_void_p).value,
