@@ -1699,7 +1699,8 @@ def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | 
     step in float32 (input and parameters), the shapes valid; else None (the general path, which
     raises for bad shapes)."""
     if (x.dtype != torch.float32 or x.device.type != "cpu" or not torch.is_grad_enabled()
-            or _KERNEL_BACKEND[0] not in ("auto", "c") or torch.compiler.is_compiling()):
+            or _KERNEL_BACKEND[0] not in ("auto", "c") or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
         return None
     if x.dim() not in (2, 3) or x.shape[-1] != norm.hidden_size:
         return None
@@ -1712,7 +1713,9 @@ def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | 
 
 def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`DyT.forward` and `Derf.forward`: on the CPU in float32 a training step is one C++ operator
-    around the C kernels (`_elementwise_operator`); else the Triton kernels on CUDA; else in float32
+    around the C kernels (`_elementwise_operator`); under `torch.func` transforms the formula in torch
+    ops (neither the operator nor an autograd function can be transformed); else the Triton kernels
+    on CUDA; else in float32
     (float64 for float64 inputs) the C kernels for the CPU (their forward alone under `no_grad`, a
     decoding step: no autograd; a training step without the operator in `_ElementwiseNormFunction`),
     the torch ops elsewhere, in `_ElementwiseNormFunction`."""
@@ -1723,6 +1726,12 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
                         parameters["bias"], SQUASH[norm._squash])
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
     alpha, shift, weight, bias = norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias
+    if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap, ...: torch ops, which they transform
+        dtype = _stat_dtype(hidden_states)
+        out = _elementwise_formula(_cast(hidden_states, dtype), _cast(alpha, dtype),
+                                   None if shift is None else _cast(shift, dtype), _cast(weight, dtype),
+                                   _cast(bias, dtype), norm._squash)
+        return _cast(out, hidden_states.dtype)
     if _triton_elementwise_usable(hidden_states, alpha, shift, weight, bias):
         # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
         return _ElementwiseNormFunction.apply(hidden_states, alpha, shift, weight, bias, norm._squash, "triton")

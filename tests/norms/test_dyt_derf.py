@@ -343,6 +343,31 @@ def test_the_operator_is_rebuilt_for_another_c_library_or_torch(monkeypatch):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_torch_func_grad_and_vmap_give_the_autograd_gradients(name):
+    """`torch.func` transforms (per-sample gradients) run the formula in torch ops: `grad` equals the
+    training step's gradients, `vmap` of it the per-sample ones (neither a C++ nor a Python autograd
+    function can be transformed)."""
+    from torch.func import grad, vmap
+
+    norm, x = random_norm(name), inputs()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
+    params = {key: value.detach() for key, value in norm.named_parameters()}
+
+    def loss(params, x, dy):
+        return (functional_call(norm, params, (x,)) * dy).sum()
+
+    got = grad(loss)(params, x, dy)
+    norm.zero_grad(set_to_none=True)
+    (norm(x) * dy).sum().backward()
+    for key, parameter in norm.named_parameters():
+        torch.testing.assert_close(got[key], parameter.grad, atol=1e-5, rtol=1e-5)
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, dy)
+    for key in params:
+        assert per_sample[key].shape == (BATCH, *params[key].shape)
+        torch.testing.assert_close(per_sample[key].sum(0), got[key], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_float64_gradcheck_of_input_and_parameters(name):
     norm = random_norm(name, hidden=5).double()
     keys = [key for key, _ in norm.named_parameters()]
