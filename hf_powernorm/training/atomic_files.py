@@ -48,6 +48,14 @@ def _free_space(folder: Path) -> str:
         return "free space unknown"
 
 
+def full_disk_error(error: BaseException, folder: Path, message: str) -> DiskFullError | None:
+    """`error` as one line, `the disk holding <folder> is full (<free space>): <message>`, when it is a
+    full disk (or quota) and not yet said so; else None (the caller re-raises `error`)."""
+    if isinstance(error, DiskFullError) or not _is_full_disk(error):
+        return None
+    return DiskFullError(errno.ENOSPC, f"the disk holding {folder} is full ({_free_space(folder)}): {message}")
+
+
 @contextlib.contextmanager
 def removed_on_failure(temporary: Path, what: str, remove: bool = True) -> Iterator[None]:
     """The body writes `temporary` (a file or folder written under a temporary name); when it fails,
@@ -59,12 +67,11 @@ def removed_on_failure(temporary: Path, what: str, remove: bool = True) -> Itera
         if remove:
             with contextlib.suppress(OSError):
                 remove_path(temporary)
-        if isinstance(error, DiskFullError) or not _is_full_disk(error):
+        full = full_disk_error(error, temporary.parent, f"writing {what} failed and its partial copy was "
+                                                        f"removed; free some space and run again")
+        if full is None:
             raise
-        folder = temporary.parent
-        raise DiskFullError(errno.ENOSPC, f"the disk holding {folder} is full ({_free_space(folder)}): writing "
-                                          f"{what} failed and its partial copy was removed; free some space "
-                                          f"and run again") from error
+        raise full from error
 
 
 def fsync(path: Path) -> None:
@@ -115,5 +122,5 @@ def clear_folder(folder: str | Path, keep: Iterable[str] = ()) -> None:
             remove_path(path)
 
 
-__all__ = ["DiskFullError", "clear_folder", "fsync", "remove_path", "removed_on_failure", "replace_folder",
-           "write_json_atomically"]
+__all__ = ["DiskFullError", "clear_folder", "fsync", "full_disk_error", "remove_path", "removed_on_failure",
+           "replace_folder", "write_json_atomically"]

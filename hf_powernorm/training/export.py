@@ -8,10 +8,12 @@ else JSON or text."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from .. import modeling_powernorm
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..converted_norms import CONVERSION_CONFIG_KEY
 from ..hub import render_conversion_card, render_model_card, upload_saved_model
+from .atomic_files import full_disk_error, remove_path
+from .checkpoints import latest_checkpoint
 
 logger = get_logger(__name__)
 _TRAIN_KEYS = ("train_steps", "best_step", "best_validation")
@@ -58,19 +62,21 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
     output_dir = args.output_dir
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
-        save_results(output_dir, results)
-        scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
-        if getattr(unwrapped.config, CONVERSION_CONFIG_KEY, None):
-            card_text = render_conversion_card(unwrapped, results=scores, **{
-                key: card_kwargs[key] for key in ("repo_id", "description", "training_command") if key in card_kwargs})
-            (Path(output_dir) / "README.md").write_text(card_text, encoding="utf-8")
-        else:
-            card = render_model_card(unwrapped, results=scores, with_tokenizer=True, **card_kwargs)
-            card.save(Path(output_dir) / "README.md")
+    with _export_removed_on_full_disk(Path(output_dir), accelerator.is_main_process):
+        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(output_dir)
+            save_results(output_dir, results)
+            scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
+            if getattr(unwrapped.config, CONVERSION_CONFIG_KEY, None):
+                card_text = render_conversion_card(unwrapped, results=scores, **{
+                    key: card_kwargs[key] for key in ("repo_id", "description", "training_command")
+                    if key in card_kwargs})
+                (Path(output_dir) / "README.md").write_text(card_text, encoding="utf-8")
+            else:
+                card = render_model_card(unwrapped, results=scores, with_tokenizer=True, **card_kwargs)
+                card.save(Path(output_dir) / "README.md")
     if args.with_tracking:
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))},
                         step=results.get("train_steps"))
@@ -78,6 +84,29 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         _push(output_dir, args.hub_model_id, results)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+@contextlib.contextmanager
+def _export_removed_on_full_disk(folder: Path, main_process: bool) -> Iterator[None]:
+    """A full disk while the export is written: what it wrote removed (the folder's earlier entries,
+    the checkpoints among them, kept) and one line (`DiskFullError`) saying how to export again."""
+    before = {path.name for path in folder.iterdir()} if folder.is_dir() else set()
+    try:
+        yield
+    except BaseException as error:
+        latest = latest_checkpoint(folder) if folder.is_dir() else None
+        again = (f"--resume_from_checkpoint latest (from {latest.name}) exports it" if latest is not None
+                 else "run again")
+        full = full_disk_error(error, folder, f"writing the export failed and its partial files were removed; "
+                                              f"free some space and {again}")
+        if full is None:
+            raise
+        if main_process and folder.is_dir():
+            for path in folder.iterdir():
+                if path.name not in before:
+                    with contextlib.suppress(OSError):
+                        remove_path(path)
+        raise full from error
 
 
 def _push(output_dir: str | Path, hub_model_id: str, results: dict[str, Any]) -> None:

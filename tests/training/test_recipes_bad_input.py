@@ -192,6 +192,36 @@ def test_a_full_disk_during_a_checkpoint_is_named_and_the_partial_write_removed(
     assert not [p.name for p in out.iterdir() if "step_1" in p.name]
 
 
+def test_a_full_disk_during_the_export_removes_its_files_keeps_the_checkpoint_and_resuming_exports(
+        lm_files, tmp_path, capsys, monkeypatch):
+    """The final `save_pretrained` on a full disk: one line naming the folder and how to export again,
+    the export's partial files removed, the folder's checkpoint kept; the command it names exports."""
+    from transformers import PreTrainedModel
+
+    out = tmp_path / "out"
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def fill_the_disk(self, save_directory, *args, **kwargs):
+        if Path(save_directory) != out:  # the best model's copy: written as usual
+            return save_pretrained(self, save_directory, *args, **kwargs)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"\0" * 64)  # a partial write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    argv = [*LM_FAST, *lm_files, "--checkpointing_steps", "1", "--output_dir", str(out)]
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedModel, "save_pretrained", fill_the_disk)
+        code, err = _command(train_lm, argv, capsys, monkeypatch)
+    line = _error_line(err)
+    assert code == 2 and f"the disk holding {out} is full (" in line and "writing the export failed" in line, err
+    assert "--resume_from_checkpoint latest (from step_1) exports it" in line, line
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert (out / "step_1").is_dir()
+    results = train_lm.main([*argv, "--resume_from_checkpoint", "latest"])
+    assert results["train_steps"] == 1
+    assert (out / "model.safetensors").stat().st_size > 64 and (out / "README.md").exists()
+
+
 def test_trust_remote_code_loads_a_model_with_its_own_code(lm_files, tmp_path, capsys, monkeypatch):
     """A GPT-2 whose config and model classes live in its folder (`auto_map`): refused in one line
     without `--trust_remote_code`, never with Transformers' question on the terminal; converted and
