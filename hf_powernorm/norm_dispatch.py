@@ -1715,10 +1715,9 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
     """`DyT.forward` and `Derf.forward`: on the CPU in float32 a training step is one C++ operator
     around the C kernels (`_elementwise_operator`); under `torch.func` transforms the formula in torch
     ops (neither the operator nor an autograd function can be transformed); else the Triton kernels
-    on CUDA; else in float32
-    (float64 for float64 inputs) the C kernels for the CPU (their forward alone under `no_grad`, a
-    decoding step: no autograd; a training step without the operator in `_ElementwiseNormFunction`),
-    the torch ops elsewhere, in `_ElementwiseNormFunction`."""
+    on CUDA; else in float32 (float64 for float64 inputs) the C kernels for the CPU (their forward
+    alone under `no_grad`, a decoding step: no autograd; a training step without the operator in
+    `_ElementwiseNormFunction`), the torch ops elsewhere, in `_ElementwiseNormFunction`."""
     operator = _elementwise_operator(norm, hidden_states, attention_mask)
     if operator is not None:  # as little Python as it can: a small step's Python costs as much as its arithmetic
         parameters = norm._parameters  # what `norm.alpha` reads, without `Module.__getattr__`'s detour
