@@ -1708,7 +1708,9 @@ def load_operator():
         if not _trusted(target, digest):
             with _build_lock(target):
                 if not _trusted(target, digest):  # else built by another process while this one waited
-                    logger.info("Building the C++ operator of DyT and Derf (once, about 15 s) in %s", target.parent)
+                    # a pause of seconds in a first training step: said, once per torch version and source
+                    logger.warning("Building the C++ operator of DyT and Derf in %s (once per torch version, "
+                                   "about 15 s)", target.parent)
                     _compile_operator(target, namespace)
                     if not _trusted(target, digest):
                         raise RuntimeError(f"{target} changed while it was being built")
