@@ -1200,18 +1200,69 @@ def _write_atomically(target: pathlib.Path, data: bytes) -> None:
     os.replace(handle.name, target)
 
 
-def _compile(target: pathlib.Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler(variable: str, names: tuple[str, ...], what: str) -> str:
+    """The compiler `$variable` names, else the first of `names` on PATH."""
+    compiler = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
     if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+        raise RuntimeError(f"no {what} ({'/'.join(names)}) on PATH")
+    return compiler
+
+
+def _compile_source(target: pathlib.Path, compiler: str, text: str, source_name: str, flags: list[str],
+                    libraries: list[str], record: dict) -> None:
+    """`compiler flags <source> -o <library> libraries` in a temporary folder beside `target` (`text`
+    written there as `source_name`); the library renamed to `target`, then its record (`record` with
+    the library's hash) written next to it."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = pathlib.Path(tmp) / "powernorm_cpu.c"
-        source.write_text(_SOURCE)
+        source = pathlib.Path(tmp) / source_name
+        source.write_text(text)
         built = pathlib.Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
-        record = {"source_and_flags": _source_digest(), "library": _file_digest(built), "flags": _FLAGS}
+        subprocess.run([compiler, *flags, str(source), "-o", str(built), *libraries], check=True, capture_output=True)
+        record = {**record, "library": _file_digest(built)}
         os.replace(built, target)  # atomic: concurrent processes never load a half-written file
         _write_atomically(_record_path(target), json.dumps(record).encode())
+
+
+def _compile(target: pathlib.Path) -> None:
+    _compile_source(target, _compiler("CC", ("cc", "gcc"), "C compiler"), _SOURCE, "powernorm_cpu.c", _FLAGS,
+                    ["-lm"], {"source_and_flags": _source_digest(), "flags": _FLAGS})
+
+
+@contextlib.contextmanager
+def _build_lock(target: pathlib.Path):
+    """One build at a time of `target` across processes (two test workers, two ranks): the second
+    waits and then finds the first's library. Without `fcntl` (not POSIX), no lock: the atomic
+    replace still keeps a half-written file from being loaded."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(target.with_suffix(".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _built(target: pathlib.Path, digest: str, build, announce: str | None = None) -> pathlib.Path:
+    """`target` once a record of `digest` trusts it: built by `build(target)` where none does, one
+    process at a time (another's build waited for, then used); `announce` logged before a build."""
+    if not _trusted(target, digest):
+        with _build_lock(target):
+            if not _trusted(target, digest):  # else built by another process while this one waited
+                if announce:
+                    logger.warning(announce)
+                build(target)
+                if not _trusted(target, digest):
+                    raise RuntimeError(f"{target} changed while it was being built")
+    return target
+
+
+def _warn_unavailable(what: str, err: BaseException, instead: str) -> None:
+    detail = getattr(err, "stderr", b"") or b""
+    logger.warning("%s unavailable (%s %s); %s", what, err, detail.decode(errors="replace")[-500:], instead)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -1254,16 +1305,11 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("HF_POWERNORM_KERNELS", "1") == "0":
         return None
     try:
-        target = _private_dir(_cache_dir()) / f"powernorm_cpu_{_source_digest()[:16]}.so"
-        if not _trusted(target):
-            _compile(target)
-            if not _trusted(target):
-                raise RuntimeError(f"{target} changed while it was being built")
+        digest = _source_digest()
+        target = _built(_private_dir(_cache_dir()) / f"powernorm_cpu_{digest[:16]}.so", digest, _compile)
         _library = _bind(ctypes.CDLL(str(target)))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
-        detail = getattr(err, "stderr", b"") or b""
-        logger.warning("PowerNorm CPU kernels unavailable (%s %s); using the eager implementation",
-                       err, detail.decode(errors="replace")[-500:])
+        _warn_unavailable("PowerNorm CPU kernels", err, "using the eager implementation")
         _library = None
     return _library
 
@@ -1658,36 +1704,9 @@ def _operator_digest() -> str:
 
 
 def _compile_operator(target: pathlib.Path, namespace: str) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++/g++) on PATH")
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = pathlib.Path(tmp) / "powernorm_operator.cpp"
-        source.write_text(_OPERATOR_SOURCE.replace("NAMESPACE", namespace))
-        built = pathlib.Path(tmp) / target.name
-        subprocess.run([compiler, *_OPERATOR_FLAGS, str(source), "-o", str(built), *_torch_build_arguments()],
-                       check=True, capture_output=True)
-        record = {"source_and_flags": _operator_digest(), "library": _file_digest(built)}
-        os.replace(built, target)
-        _write_atomically(_record_path(target), json.dumps(record).encode())
-
-
-@contextlib.contextmanager
-def _build_lock(target: pathlib.Path):
-    """One build at a time of `target` across processes (two test workers, two ranks): the second
-    waits and then finds the first's library. Without `fcntl` (not POSIX), no lock: the atomic
-    replace still keeps a half-written file from being loaded."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(target.with_suffix(".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    _compile_source(target, _compiler("CXX", ("c++", "g++"), "C++ compiler"),
+                    _OPERATOR_SOURCE.replace("NAMESPACE", namespace), "powernorm_operator.cpp", _OPERATOR_FLAGS,
+                    _torch_build_arguments(), {"source_and_flags": _operator_digest()})
 
 
 def load_operator():
@@ -1704,24 +1723,18 @@ def load_operator():
     digest = _operator_digest()
     namespace = f"hf_powernorm_{digest[:16]}"
     try:
-        target = _private_dir(_cache_dir()) / f"powernorm_operator_{digest[:16]}.so"
-        if not _trusted(target, digest):
-            with _build_lock(target):
-                if not _trusted(target, digest):  # else built by another process while this one waited
-                    # a pause of seconds in a first training step: said, once per torch version and source
-                    logger.warning("Building the C++ operator of DyT and Derf in %s (once per torch version, "
-                                   "about 15 s)", target.parent)
-                    _compile_operator(target, namespace)
-                    if not _trusted(target, digest):
-                        raise RuntimeError(f"{target} changed while it was being built")
+        folder = _private_dir(_cache_dir())
+        # a pause of seconds in a first training step: said, once per torch version and source
+        announce = f"Building the C++ operator of DyT and Derf in {folder} (once per torch version, about 15 s)"
+        target = _built(folder / f"powernorm_operator_{digest[:16]}.so", digest,
+                        lambda target: _compile_operator(target, namespace), announce)
         torch.ops.load_library(str(target))
         operators = getattr(torch.ops, namespace)
         operators.bind(ctypes.cast(library.elementwise_forward, ctypes.c_void_p).value,
                        ctypes.cast(library.elementwise_backward, ctypes.c_void_p).value)
         _operator = operators.elementwise_norm.default
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
-        detail = getattr(err, "stderr", b"") or b""
-        logger.warning("DyT/Derf C++ operator unavailable (%s %s); their CPU step runs a Python autograd "
-                       "function around the same kernels", err, detail.decode(errors="replace")[-500:])
+        _warn_unavailable("DyT/Derf C++ operator", err,
+                          "their CPU step runs a Python autograd function around the same kernels")
         _operator = None
     return _operator
