@@ -330,9 +330,15 @@ def kernel_backend(name: str):
         _KERNEL_BACKEND[0] = previous
 
 
+def _eager_tensors() -> bool:
+    """Kernels read a tensor's memory: not in a graph being compiled, nor under `torch.func`
+    transforms (`grad`, `vmap`), whose tensors they cannot read; those take the torch ops."""
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
 def _fused_kernels_usable(x: torch.Tensor) -> bool:
-    """The C kernels run eagerly only: a graph being compiled takes the torch ops."""
-    return _KERNEL_BACKEND[0] in ("auto", "c") and not torch.compiler.is_compiling() and kernels_usable(x)
+    """The C kernels run on eager tensors only (`_eager_tensors`)."""
+    return _KERNEL_BACKEND[0] in ("auto", "c") and _eager_tensors() and kernels_usable(x)
 
 
 # PN's training step as two pure tensor functions compiled by `torch.compile` (inductor: Triton
@@ -1606,8 +1612,8 @@ def _elementwise_formula(x, alpha, shift, weight, bias, function: str) -> torch.
 
 
 def _triton_elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
-    """DyT's and Derf's Triton kernels run eagerly on CUDA only: a graph being compiled takes the torch ops."""
-    return (x.device.type == "cuda" and _KERNEL_BACKEND[0] in ("auto", "triton") and not torch.compiler.is_compiling()
+    """DyT's and Derf's Triton kernels run on CUDA's eager tensors only (`_eager_tensors`)."""
+    return (x.device.type == "cuda" and _KERNEL_BACKEND[0] in ("auto", "triton") and _eager_tensors()
             and triton_elementwise_usable(x, *parameters))
 
 
@@ -1698,9 +1704,7 @@ def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | 
     """The C++ operator (`kernels_cpu.load_operator`) where it takes the step: an eager CPU training
     step in float32 (input and parameters), the shapes valid; else None (the general path, which
     raises for bad shapes)."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or not torch.is_grad_enabled()
-            or _KERNEL_BACKEND[0] not in ("auto", "c") or torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()):
+    if not torch.is_grad_enabled() or not _fused_kernels_usable(x):
         return None
     if x.dim() not in (2, 3) or x.shape[-1] != norm.hidden_size:
         return None
@@ -1725,12 +1729,6 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
                         parameters["bias"], SQUASH[norm._squash])
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
     alpha, shift, weight, bias = norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias
-    if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap, ...: torch ops, which they transform
-        dtype = _stat_dtype(hidden_states)
-        out = _elementwise_formula(_cast(hidden_states, dtype), _cast(alpha, dtype),
-                                   None if shift is None else _cast(shift, dtype), _cast(weight, dtype),
-                                   _cast(bias, dtype), norm._squash)
-        return _cast(out, hidden_states.dtype)
     if _triton_elementwise_usable(hidden_states, alpha, shift, weight, bias):
         # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
         return _ElementwiseNormFunction.apply(hidden_states, alpha, shift, weight, bias, norm._squash, "triton")
@@ -1739,7 +1737,10 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
     shift = None if shift is None else _cast(shift, dtype)
     if not _fused_kernels_usable(x):  # the parameters were cast to x's dtype: float32 where x is
         with _float32(x.device):
-            out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, None)
+            if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap: the formula, which they transform
+                out = _elementwise_formula(x, alpha, shift, weight, bias, norm._squash)
+            else:
+                out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, None)
     elif torch.is_grad_enabled():  # the operator unavailable: the same kernels in a Python autograd function
         out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, "c")
     else:
