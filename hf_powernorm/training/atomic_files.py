@@ -14,7 +14,7 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,14 @@ def _free_space(folder: Path) -> str:
         return "free space unknown"
 
 
-def full_disk_error(error: BaseException, folder: Path, message: str) -> DiskFullError | None:
+def full_disk_error(error: BaseException, folder: Path, message: str | Callable[[], str]) -> DiskFullError | None:
     """`error` as one line, `the disk holding <folder> is full (<free space>): <message>`, when it is a
-    full disk (or quota) and not yet said so; else None (the caller re-raises `error`)."""
+    full disk (or quota) and not yet said so; else None (the caller re-raises `error`). `message` may
+    be a function, called only for a full disk."""
     if isinstance(error, DiskFullError) or not _is_full_disk(error):
         return None
-    return DiskFullError(errno.ENOSPC, f"the disk holding {folder} is full ({_free_space(folder)}): {message}")
+    text = message() if callable(message) else message
+    return DiskFullError(errno.ENOSPC, f"the disk holding {folder} is full ({_free_space(folder)}): {text}")
 
 
 @contextlib.contextmanager

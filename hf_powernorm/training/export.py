@@ -94,11 +94,13 @@ def _export_removed_on_full_disk(folder: Path, main_process: bool) -> Iterator[N
     try:
         yield
     except BaseException as error:
-        latest = latest_checkpoint(folder) if folder.is_dir() else None
-        again = (f"--resume_from_checkpoint latest (from {latest.name}) exports it" if latest is not None
-                 else "run again")
-        full = full_disk_error(error, folder, f"writing the export failed and its partial files were removed; "
-                                              f"free some space and {again}")
+        def message() -> str:  # the checkpoints looked at for a full disk only
+            latest = latest_checkpoint(folder) if folder.is_dir() else None
+            again = (f"--resume_from_checkpoint latest (from {latest.name}) exports it" if latest is not None
+                     else "run again")
+            return f"writing the export failed and its partial files were removed; free some space and {again}"
+
+        full = full_disk_error(error, folder, message)
         if full is None:
             raise
         if main_process and folder.is_dir():
