@@ -1012,7 +1012,8 @@ static inline __m512 erf_value16(__m512 z) {
 static inline void erf_forward16(const float *xt, float *yt, long c, __mmask16 m, __m512 va, __m512 vs,
                                  const float *weight, const float *bias) {
     __m512 z = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, xt + c), vs);
-    __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, weight + c), erf_value16(z), _mm512_maskz_loadu_ps(m, bias + c));
+    __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, weight + c), erf_value16(z),
+                               _mm512_maskz_loadu_ps(m, bias + c));
     _mm512_mask_storeu_ps(yt + c, m, y);
 }
 /* Derf's forward row: y = weight erf(alpha x + shift) + bias; whole vectors, then the rest masked. */
@@ -1665,7 +1666,8 @@ struct ElementwiseNorm : public torch::autograd::Function<ElementwiseNorm> {
 static at::Tensor elementwise_norm(const at::Tensor &x, const at::Tensor &alpha, const std::optional<at::Tensor> &shift,
                                    const at::Tensor &weight, const at::Tensor &bias, int64_t function) {
     TORCH_CHECK(forward_kernel != nullptr && backward_kernel != nullptr, "elementwise_norm: kernels not bound");
-    TORCH_CHECK(function == 0 || function == 1, "elementwise_norm: function must be 0 (tanh) or 1 (erf), got ", function);
+    TORCH_CHECK(function == 0 || function == 1, "elementwise_norm: function must be 0 (tanh) or 1 (erf), got ",
+                function);
     int64_t channels = x.dim() ? x.size(-1) : 0;
     for (const at::Tensor &t : {x, alpha, weight, bias, shift.value_or(alpha)})
         TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
@@ -1679,7 +1681,8 @@ static at::Tensor elementwise_norm(const at::Tensor &x, const at::Tensor &alpha,
 
 TORCH_LIBRARY(NAMESPACE, m) {
     m.def("bind(int forward, int backward) -> ()", bind);
-    m.def("elementwise_norm(Tensor x, Tensor alpha, Tensor? shift, Tensor weight, Tensor bias, int function) -> Tensor");
+    m.def("elementwise_norm(Tensor x, Tensor alpha, Tensor? shift, Tensor weight, Tensor bias, int function) "
+          "-> Tensor");
 }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("elementwise_norm", elementwise_norm); }
 TORCH_LIBRARY_IMPL(NAMESPACE, Autograd, m) { m.impl("elementwise_norm", elementwise_norm); }

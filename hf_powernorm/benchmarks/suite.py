@@ -186,7 +186,9 @@ def _build(name: str, hidden: int, options: dict, device: str):
     if name.endswith("_calls"):  # a norm's C calls alone, on a device without them: no row
         if device != "cpu" or "c" not in available_kernel_backends():
             return None
-        return _PowerNormCalls(hidden, options["group_num"]) if name == "pn_calls" else _ElementwiseCalls(name.removesuffix("_calls"), hidden)
+        if name == "pn_calls":
+            return _PowerNormCalls(hidden, options["group_num"])
+        return _ElementwiseCalls(name.removesuffix("_calls"), hidden)
     if name == "groupscale":
         from ..modeling_powernorm import GroupScale
 

@@ -254,7 +254,8 @@ def test_a_cpu_training_step_is_one_cpp_node_with_the_python_functions_bits(name
                 norm.zero_grad(set_to_none=True)
                 xi = x.clone().requires_grad_(True)
                 out = norm(xi, mask)
-                results[step] = (out.grad_fn.name(), out.detach(), *torch.autograd.grad(out, (xi, *norm.parameters()), dy))
+                grads = torch.autograd.grad(out, (xi, *norm.parameters()), dy)
+                results[step] = (out.grad_fn.name(), out.detach(), *grads)
         assert results["operator"][0] == "torch::autograd::CppNode<ElementwiseNorm>"
         assert results["function"][0] == "_ElementwiseNormFunctionBackward"
         for got, expected in zip(results["operator"][1:], results["function"][1:]):
