@@ -14,6 +14,7 @@ Importing this package imports no study: `STUDIES` names them, `__main__` loads 
 STUDIES = {
     "batch_size": "the statistics' mini-batch at a fixed update size (the paper's Figure 5, PTB)",
     "batch_statistics": "why batch normalization fails in transformers (the paper's Figures 2, 3, 4, 6, 7)",
+    "convergence": "LayerNorm against PN on PTB trained until validation stops improving (protocol 3)",
     "converted_models": "LayerNorm against PN in Transformers' own models, converted with convert_norms",
     "long_run": "PN over thousands of updates, with and without group scaling, in fp32 and bf16",
     "norm_comparison": "every norm at the same budget (the paper's Tables 1, 2 and B.3: PTB, Multi30k)",

@@ -267,7 +267,9 @@ def _run_options(options: dict[str, Any]) -> dict[str, Any]:
     fresh = {"dropout_seed": options["dropout_seed"]} if options.get("dropout_seed") is not None else {}
     return {"seed": options["seed"], **fresh, "max_tokens": sizes["max_tokens"],
             "learning_rate": options["learning_rate"], "num_warmup_steps": options["warmup"], "max_train_steps": options["updates"],
-            "eval_steps": sizes["eval_steps"], "dropout": sizes["dropout"], **_norm_options(options)}
+            "eval_steps": sizes["eval_steps"], "dropout": sizes["dropout"], **_norm_options(options),
+            # Early stopping where the sizes name a patience (the convergence study's; protocol 2's have none).
+            **({"patience": sizes["patience"]} if "patience" in sizes else {})}
 
 
 def _scored_files(options: dict[str, Any]) -> dict[str, Any] | None:
@@ -1126,7 +1128,18 @@ def _label(axis: Any, difference: Any, task: str, updates: int) -> None:
 
 
 def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int:
-    """Copy the outputs and each finished run's `result.json` and validation records (the lines of
+    """Copy the outputs and each finished run's records into `export_dir` (`export_runs`); a figure
+    there that the outputs no longer have is removed. Returns the number of runs exported."""
+    figures = sorted(path.name for path in output_dir.glob("curves_*.png"))
+    for path in export_dir.glob("curves_*.png"):
+        if path.name not in figures:
+            path.unlink()
+    results = [result for protocol in protocols for result in _finished_runs(protocol)]
+    return export_runs(results, output_dir, export_dir, [*OUTPUT_FILES, *figures])
+
+
+def export_runs(results: list[dict[str, Any]], output_dir: Path, export_dir: Path, files: list[str]) -> int:
+    """Copy the output `files` and each finished run's `result.json` and validation records (the lines of
     its log that `validation_curve` reads, as they are), and a translation final's test translations
     with their references (`bootstraps` reads them), into `export_dir`; a run folder there that
     is no longer a finished run is removed. An unfinished run's `cpu_record` (the CPU seconds its
@@ -1135,14 +1148,10 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
     with a result, the report reads the same curves from it, and a run that was under way starts
     again from its beginning with the CPU seconds already spent on it in its account."""
     (export_dir / "cells").mkdir(parents=True, exist_ok=True)
-    figures = sorted(output_dir.glob("curves_*.png"))
-    for path in [output_dir / name for name in OUTPUT_FILES] + figures:
-        shutil.copyfile(path, export_dir / path.name)
-    for path in export_dir.glob("curves_*.png"):
-        if path.name not in {figure.name for figure in figures}:
-            path.unlink()
-    results = {result["cell"]: result for protocol in protocols for result in _finished_runs(protocol)}
-    for cell, result in results.items():
+    for name in files:
+        shutil.copyfile(output_dir / name, export_dir / name)
+    finished = {result["cell"]: result for result in results}
+    for cell, result in finished.items():
         target = log_folder(export_dir, result)
         target.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(output_dir / "cells" / cell / RESULT_NAME, export_dir / "cells" / cell / RESULT_NAME)
@@ -1156,13 +1165,13 @@ def export(protocols: list[Protocol], output_dir: Path, export_dir: Path) -> int
         records = [line for line in lines if line.strip() and "validation" in json.loads(line)]
         (target / LOG_NAME).write_text("".join(records), encoding="utf-8")
     records = {path.name for path in (output_dir / "cells").glob(".*.cpu_seconds.json")
-               if path.name[1:-len(".cpu_seconds.json")] not in results}
+               if path.name[1:-len(".cpu_seconds.json")] not in finished}
     for name in records:
         shutil.copyfile(output_dir / "cells" / name, export_dir / "cells" / name)
     for folder in (export_dir / "cells").iterdir():
-        if folder.name not in results and folder.name not in records:
+        if folder.name not in finished and folder.name not in records:
             remove_path(folder)
-    return len(results)
+    return len(finished)
 
 
 def transfer_files(data_dir: str | None) -> dict[str, str]:
