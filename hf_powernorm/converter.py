@@ -286,6 +286,26 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     return report
 
 
+def centre_stream(model: nn.Module, calibration_batches: Iterable[dict] | None, *, modules=None) -> Centring | None:
+    """`preserve_function`'s structural step alone, without converting a norm: the writers of the
+    residual stream centred, and a head tied to a centred embedding untied, where the norms that
+    `modules` selects include LayerNorm sources (`centring.py`). The model computes what it computed
+    (LayerNorm of a centred input is the same function). A comparison takes this step in every arm,
+    the baseline's too, and then converts with `centre_stream=False`, so that its arms differ in their
+    norms alone. None where nothing was centred (no LayerNorm source, no calibration batch)."""
+    hidden_size = _hidden_size(_model_config(model))
+    sources = find_norms(model, hidden_size, modules)
+    if not any(source.kind in CENTRED_KINDS for source in sources.values()):
+        return None
+    return _centre_stream(model, hidden_size, list(calibration_batches or []))
+
+
+def head_is_tied(model: nn.Module) -> bool:
+    """Whether the model's output head shares its weight with its input embeddings."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embeddings is not None and head.weight is embeddings.weight
+
+
 def _checked_plans(model: nn.Module, norm_type: str, options: dict, explicit: set[str], hidden_size: int,
                    modules, preserve_function: bool) -> tuple[dict[str, _Plan], list[tuple[str, str, str]]]:
     """The plans of the norms that convert (`select_norms`, `_plan`) and the norms kept, `[(path,

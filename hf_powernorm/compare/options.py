@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "layernorm"  # the model's own norms, unchanged
+# The baseline named twice in `--norms` (`--norms layernorm layernorm`): its second arm, the A/A run, the
+# baseline again through the same pipeline, which must come out the same function.
+BASELINE_AGAIN = "layernorm-again"
+BASELINES = (BASELINE, BASELINE_AGAIN)
 EMBEDDED_TASK = "causal-lm"  # the task of the embedded default
 # The tasks of the training registry (`training.tasks.task_names()`; a test holds them equal).
 TASKS = ("causal-lm", "classification", "seq2seq")
@@ -170,7 +174,8 @@ class CompareOptions:
     norms: list[str] = option([BASELINE, "powernorm"], f"norms to compare (names of the norm registry, e.g. rmsnorm, "
                                                        f"dyt), the first the baseline of the verdict; '{BASELINE}' is "
                                                        f"the model's own norms, unchanged (named by their class in "
-                                                       f"the report)", runtime=True, nargs="*")
+                                                       f"the report); '{BASELINE} {BASELINE}' is the A/A run, the "
+                                                       f"baseline against itself", runtime=True, nargs="*")
     seeds: list[int] = option([1, 2, 3], f"one run per norm and seed (0 to {MAX_SEED}); a verdict needs at least two",
                               runtime=True, type=int, nargs="*")
     tune_lr: bool = flag("choose each norm's learning rate from --lr_grid on validation (first seed)")
@@ -197,6 +202,11 @@ class CompareOptions:
     convert_modules: str | None = option(
         help="convert only the norms whose module name matches this regular expression (re.search), e.g. "
              "'encoder' or 'layers\\.([4-9]|1[0-9])\\.'; default: every norm over the hidden size", metavar="REGEX")
+    keep_tied_head: bool = flag("keep a head tied to the input embeddings tied in every arm: a LayerNorm model's "
+                                "residual stream is then not centred, and its LayerNorms convert approximately (the "
+                                "report gives each one's mean / RMS); by default every arm, the baseline too, has "
+                                "its stream centred and such a head untied, so that the arms differ in their norms "
+                                "alone")
     no_preserve_function: bool = flag("convert without keeping the pretrained model's function; by default a model "
                                       "loaded from weights is converted keeping it, so that every norm starts "
                                       "fine-tuning where the pretrained model is")
@@ -472,8 +482,10 @@ def check_norms(names: Sequence[str]) -> list[str]:
             norms.append(normalize_norm_name(name))
         except ValueError as error:
             raise ValueError(f"--norms: {error}") from None
+    if norms.count(BASELINE) == 2:  # the A/A run: the baseline's second arm has a name of its own
+        norms[norms.index(BASELINE, norms.index(BASELINE) + 1)] = BASELINE_AGAIN
     if len(set(norms)) != len(norms):
-        raise ValueError(f"--norms names a norm twice: {names}")
+        raise ValueError(f"--norms names a norm twice: {names} (only '{BASELINE}', twice, for the A/A run)")
     return norms
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .options import BASELINE, CompareOptions, library_args, task_class, world_size
+from .options import BASELINES, CompareOptions, library_args, task_class, world_size
 
 SETTINGS_NAME = "compare.json"
 # What a run of `--checkpoint_runs` records when it starts: the comparison's fingerprint, so that a
@@ -146,8 +146,10 @@ def run_args(cell, folder: Path) -> argparse.Namespace:
                        "checkpoints_total_limit": 1,
                        "resume_from_checkpoint": "latest" if resumable(folder) else None}
     return library_args(options, seed=cell.options["seed"], learning_rate=cell.options["learning_rate"],
-                        convert_norms=None if norm == BASELINE else norm,
+                        convert_norms=None if norm in BASELINES else norm,
                         preserve_function=options.preserve_function and norm not in options.not_preserved,
+                        # One pipeline for every arm: the stream centred in each, the baseline's too.
+                        centre_arms=options.preserve_function and not options.keep_tied_head,
                         output_dir=str(folder / "run"), overwrite_output_dir=False, push_to_hub=False,
                         **checkpoints)
 

@@ -6,7 +6,9 @@ differences over the seeds, their 95% t interval, Holm's adjustment over the com
 norm whose test scores, and each update's training loss, equal the baseline's within a relative
 `SAME_FUNCTION_TOLERANCE` in every seed computes the same function (RMSNorm in place of a Llama's
 own `LlamaRMSNorm`, differing by rounding): it gets no verdict row and is left out of Holm's family.
-A comparison whose runs fail a check (`run_flags`) is shown with no verdict.
+A comparison whose runs fail a check (`run_flags`), or whose arms differ in anything but their norms
+at the same seed (`invariant_flags`: trainable parameters outside the norms, head tying, updates,
+training and evaluation tokens, the data order, the schedule), is shown with no verdict.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .options import BASELINE, CompareOptions, task_class
+from .options import BASELINE, BASELINE_AGAIN, BASELINES, CompareOptions, task_class
 
 SPLITS = ("validation", "test")
 SHORT_NAMES = {"powernorm": "PN", "rmsnorm": "RMSNorm", "batchnorm": "BN"}
@@ -141,7 +143,44 @@ def baseline_name(norm_counts: dict[str, int]) -> str:
 
 
 def _short(norm: str, baseline: str) -> str:
-    return baseline.removesuffix(" (the model's own)") if norm == BASELINE else SHORT_NAMES.get(norm, norm)
+    own = baseline.removesuffix(" (the model's own)")
+    return {BASELINE: own, BASELINE_AGAIN: f"{own} again"}.get(norm, SHORT_NAMES.get(norm, norm))
+
+
+def arm_name(norm: str, baseline: str) -> str:
+    """An arm as the report's tables name it: the baseline by its classes (its A/A twin so marked)."""
+    return {BASELINE: baseline, BASELINE_AGAIN: f"{baseline}, again (A/A)"}.get(norm, norm)
+
+
+# What an arm must hold as the baseline does at the same seed (`runs.arm_invariants`), in the report's
+# words; the norm modules' own parameters may differ.
+INVARIANTS = {"trainable_outside_norms": "trainable parameters outside the norms", "head_tied": "head tied",
+              "updates": "updates", "train_tokens": "training tokens",
+              "first_batches": "first training batches (the data order)", "eval_tokens": "evaluation tokens",
+              "schedule": "learning-rate schedule"}
+
+
+def invariant_flags(base_runs: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Where an arm's run differs from the baseline's at the same seed in anything but its norms
+    (`runs.arm_invariants`), each difference named with both values; a run without the record (made
+    before it was kept) is named too, since nothing shows its arms equal."""
+    base = {r["seed"]: r for r in base_runs}
+    flags = []
+    for run in runs:
+        first = base.get(run["seed"])
+        if first is None:
+            continue
+        if "invariants" not in first or "invariants" not in run:
+            flags.append(f"seed {run['seed']}: no record of what the arms hold beside their norms (rerun the "
+                         f"comparison): nothing shows the arms equal")
+            continue
+        for key, words in INVARIANTS.items():
+            value = first["invariants"].get(key)
+            if run["invariants"].get(key) != value:
+                flags.append(f"seed {run['seed']}: {words} differs from the baseline's "
+                             f"({run['invariants'].get(key)} against {value}): the arms differ in more than "
+                             f"their norms")
+    return flags
 
 
 def final_runs(results: Sequence[dict[str, Any]], norm: str, chosen: dict[str, float]) -> list[dict[str, Any]]:
@@ -169,6 +208,7 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], opt
              "|---|---:|---|---:|---:|---:|---:|---|---:|"]
     for norm in options.norms:
         lines.append(_norm_row(norm, final_runs(results, norm, chosen), chosen, metric, baseline))
+    lines += _arm_lines(results, chosen, options, baseline)
     lines += _missing_lines(missing) if missing else _verdict_lines(results, chosen, options, facts, baseline)
     lines += ["", "![training loss and validation curves](validation_curves.png)"]
     lines += _sample_lines(results, chosen, options, baseline)
@@ -176,6 +216,43 @@ def report_text(results: Sequence[dict[str, Any]], chosen: dict[str, float], opt
               json.dumps({k: v for k, v in options.settings().items() if v not in (None, False, {})}, indent=1),
               "```", ""]
     return "\n".join(lines)
+
+
+def _arm_lines(results, chosen, options: CompareOptions, baseline: str) -> list[str]:
+    """What the pipeline did to each arm (its first seed's run) and what the arms hold beside their
+    norms, which a verdict needs equal (`invariant_flags`)."""
+    firsts = {norm: runs[0] for norm in options.norms if (runs := final_runs(results, norm, chosen))}
+    recorded = {norm: run for norm, run in firsts.items() if "conversion" in run and "invariants" in run}
+    if not recorded:
+        return []
+    lines = ["", "## The arms", "",
+             "Every arm goes through the same steps: the model loaded, its residual stream centred where "
+             "preserve_function needs it (in every arm, the baseline's too; a head tied to a centred embedding is "
+             "untied in each), then its norms converted or kept. The arms of one seed must hold the same "
+             "parameters outside their norms, the same head, updates, tokens, data order and schedule; a "
+             "difference withholds the verdict (see Checks).", "",
+             "| arm | writers centred | head | norms converted | conversion | calibration batches | trainable "
+             "parameters outside the norms | norm parameters | updates | training tokens | evaluation tokens | "
+             "schedule | first batches (SHA-256) |", "|---|---:|---|---:|---|---:|---:|---:|---|---:|---|---|---|"]
+    for norm, run in recorded.items():
+        done, held = run["conversion"], run["invariants"]
+        if done["to"] is None:
+            how = "kept (the model's own)"
+        elif done["exact"]:
+            how = f"to {done['to']}, exact"
+        elif done["approximate"]:
+            ratios = [ratio for _, ratio in done["approximate"] if ratio is not None]
+            worst = f"; mean / RMS up to {max(ratios):.3g}" if ratios else ""
+            how = f"to {done['to']}, approximate ({len(done['approximate'])} norms{worst})"
+        else:
+            how = f"to {done['to']}, not keeping the function"
+        evaluated = ", ".join(f"{split} {count:,}" for split, count in held["eval_tokens"].items())
+        tokens = "-" if held["train_tokens"] is None else f"{held['train_tokens']:,}"
+        lines.append(f"| {arm_name(norm, baseline)} | {done['centred_writers']} | {done['head']} | "
+                     f"{done['converted_norms']} | {how} | {done['calibration_batches']} | "
+                     f"{held['trainable_outside_norms']:,} | {held['norm_parameters']:,} | {held['updates']} | "
+                     f"{tokens} | {evaluated} | {held['schedule']} | {(held['first_batches'] or '-')[:12]} |")
+    return lines
 
 
 def _missing_lines(missing: Sequence[Any]) -> list[str]:
@@ -197,7 +274,7 @@ def conversion_sentence(options: CompareOptions) -> str:
 def _norm_row(norm: str, runs: list[dict[str, Any]], chosen: dict[str, float], metric: str, baseline: str) -> str:
     from ..training.reports import mean_std
 
-    name = baseline if norm == BASELINE else norm
+    name = arm_name(norm, baseline)
     if not runs:
         return f"| {name} | - | - | - | - | - | - | - | - |"
     loss = [r.get("start", {}).get("loss") for r in runs]
@@ -269,7 +346,8 @@ def _comparison_flags(base_runs, runs, options: CompareOptions, facts: dict[str,
                       names: tuple[str, str]) -> list[str]:
     task, vocab_size = task_class(options), facts.get("vocab_size")
     return [*(f"{names[0]}: {f}" for f in run_flags(base_runs, task.metric, task.mode, vocab_size)),
-            *(f"{names[1]}: {f}" for f in run_flags(runs, task.metric, task.mode, vocab_size))]
+            *(f"{names[1]}: {f}" for f in run_flags(runs, task.metric, task.mode, vocab_size)),
+            *(f"{names[1]}: {f}" for f in invariant_flags(base_runs, runs))]
 
 
 def _sample_lines(results, chosen, options: CompareOptions, baseline: str) -> list[str]:
@@ -279,7 +357,7 @@ def _sample_lines(results, chosen, options: CompareOptions, baseline: str) -> li
     for norm in options.norms:
         runs = final_runs(results, norm, chosen)
         if runs and runs[0].get("samples"):
-            lines += ["", f"### {baseline if norm == BASELINE else norm}", ""]
+            lines += ["", f"### {arm_name(norm, baseline)}", ""]
             lines += [f"- source: {s['source']!r}\n  reference: {s['reference']!r}\n  output: {s['output']!r}"
                       for s in runs[0]["samples"]]
     return lines
@@ -321,7 +399,7 @@ def plot_curves(results: Sequence[dict[str, Any]], chosen: dict[str, float], opt
     for norm in options.norms:
         folders = [Path(options.output_dir) / "cells" / r["cell"] / "run" for r in final_runs(results, norm, chosen)]
         curves = [run_curves(folder) for folder in folders]
-        label = baseline if norm == BASELINE else norm
+        label = arm_name(norm, baseline)
         for axis, index in zip(axes, (0, 1)):
             _plot_mean_and_band(axis, [c[index] for c in curves], f"{label} ({len(curves)} seeds)")
     task = task_class(options)

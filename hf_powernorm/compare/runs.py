@@ -24,7 +24,7 @@ from ..training.readers import split_train
 from ..training.reports import numeric_scores
 from ..training.tasks import Task, get_task, task_names
 from .executors import NO_VERDICT, RunsFailed, submit_cells
-from .options import BASELINE, CompareOptions, library_args, world_size
+from .options import BASELINES, CompareOptions, library_args, world_size
 from .plan import (
     check_output_folder,
     continue_or_clear,
@@ -109,7 +109,7 @@ def check_preserving(options: CompareOptions) -> dict[str, str]:
         return {}
     refused = {}
     for norm in options.norms:
-        if norm == BASELINE:
+        if norm in BASELINES:
             continue
         try:
             convert_norms(_model_from_config(options), norm, modules=options.convert_modules, preserve_function=True,
@@ -220,17 +220,75 @@ def tokenize_data(options: CompareOptions, raw, tokenizer):
 
 
 def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_processes: int, calibration=None):
-    """The model of `--model_name_or_path`, its norms converted to `args.convert_norms` (with the
-    `--powernorm_*` options, `--convert_modules`, and `preserve_function` calibrated on
-    `calibration`: the training split and its collator), or as it is when that is None (the baseline)."""
-    from ..training.models import load_and_convert
+    """The model of `--model_name_or_path` through the comparison's one pipeline, the same steps in
+    every arm: loaded; with `centre_arms` (`preserve_function` without `--keep_tied_head`) its
+    residual stream centred and a tied head untied (`converter.centre_stream`), on the first
+    training batches (`calibration`: the training split and its collator); then its norms converted
+    to `args.convert_norms` (`--convert_modules`, `--powernorm_*`, `preserve_function` calibrated on
+    the same batches), or kept where that is None (the baseline). Returns the model in training mode
+    and what its conversion did (`conversion_facts`)."""
+    from ..converter import centre_stream
+    from ..training.models import calibration_batches, check_embeddings, convert_loaded, load_pretrained
 
-    auto_class = task_of(args).auto_model_class()
-    if args.convert_norms is None:
-        return auto_class.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
-                                          **fields).train()
-    return load_and_convert(args, auto_class, tokenizer, num_processes, calibration=calibration, **fields)
+    model = load_pretrained(args, task_of(args).auto_model_class(), **fields)
+    batches = calibration_batches(args, calibration, always=True) if args.centre_arms else None
+    centring = centre_stream(model, batches, modules=args.convert_modules) if batches else None
+    report = None
+    if args.convert_norms is not None:
+        report = convert_loaded(model, args, num_processes, calibration, centre_stream=False)
+    check_embeddings(model, tokenizer, args.model_name_or_path)
+    return model.train(), conversion_facts(model, centring, report, len(batches or ()))
 
+
+def conversion_facts(model, centring, report, batches: int) -> dict[str, Any]:
+    """What the pipeline did to one arm's model, for the report: the writers of the residual stream
+    centred, the head untied (or tied, or neither), the norms converted, exactly or approximately
+    (each approximate norm's largest mean / RMS), the calibration batches, the largest change of the
+    first logits."""
+    from ..converter import head_is_tied
+
+    approximate = [[name, ratio] for name, ratio in report.approximate] if report is not None else []
+    return {"centred_writers": len(centring.writers) if centring is not None else 0,
+            "head": "untied" if centring is not None and centring.untied else
+                    "tied" if head_is_tied(model) else "separate",
+            "converted_norms": len(report.replaced) if report is not None else 0,
+            "to": report.norm_type if report is not None else None,
+            "exact": report.preserves_function if report is not None else None,
+            "approximate": approximate, "calibration_batches": batches,
+            "start_gap": report.start_gap if report is not None else None}
+
+
+def arm_invariants(model, args: argparse.Namespace, data, summary: dict[str, Any]) -> dict[str, Any]:
+    """What must be equal in every arm of a comparison, at the same seed, for a verdict about the norm:
+    the trainable parameters outside the norm modules, the head's tying, the updates, the training
+    tokens and a digest of the first training batches' token ids (the data order), the evaluation
+    tokens and the learning-rate schedule; and, free to differ, the norm modules' own parameters.
+    Under `--patience` the updates and training tokens are each arm's own."""
+    from ..converted_norms import MaskAwareNorm
+    from ..converter import head_is_tied, is_norm_candidate
+    from ..normalization import NORM_CLASSES
+
+    norm_types = (MaskAwareNorm, *NORM_CLASSES.values())
+    norms = [name + "." for name, module in model.named_modules()
+             if name and (isinstance(module, norm_types) or is_norm_candidate(module))]
+    inside = outside = 0
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            if any(name.startswith(prefix) for prefix in norms):
+                inside += parameter.numel()
+            else:
+                outside += parameter.numel()
+    evaluated = {split: sum(len(ids) for ids in data[split]["input_ids"]) for split in ("validation", "test")
+                 if split in data}
+    # Under early stopping each arm stops where its own validation does: its updates and tokens are the
+    # treatment's, not an invariant.
+    stopping = args.patience is not None
+    return {"trainable_outside_norms": outside, "norm_parameters": inside, "head_tied": head_is_tied(model),
+            "updates": f"early stopping (patience {args.patience})" if stopping else summary.get("train_steps"),
+            "train_tokens": None if stopping else summary.get("train_tokens"),
+            "first_batches": summary.get("first_batches_sha256"), "eval_tokens": evaluated,
+            "schedule": f"{args.lr_scheduler_type}, warmup {args.num_warmup_steps}, "
+                        f"at most {args.max_train_steps} updates"}
 
 
 @contextlib.contextmanager
@@ -283,14 +341,15 @@ def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
         raw = load_raw_data(args)
         data = task.tokenize(raw, tokenizer)
     collate = task.train_collate()
-    model = load_model(args, tokenizer, task.pretrained_fields(), accelerator.num_processes,
-                       calibration=(data["train"], collate))
+    model, conversion = load_model(args, tokenizer, task.pretrained_fields(), accelerator.num_processes,
+                                   calibration=(data["train"], collate))
     evals = prepare_eval_loaders(accelerator, data, collate, args.eval_batch_size)
     model.to(accelerator.device)
     start = task.evaluate(accelerator, model, evals["validation"], "validation")  # the starting handicap
     start.setdefault("loss", validation_loss(accelerator, model, evals["validation"]))
     # The model's own loss for every task: a pretrained head is fine-tuned as it was trained.
     model, summary, scores = fit_and_score(task, accelerator, model, data, evals, loss=model_loss)
+    invariants = arm_invariants(accelerator.unwrap_model(model), args, data, summary)
     samples = task.samples(accelerator, model, raw, data, collate)
     for tracker in accelerator.trackers:  # not `end_training`: the next run needs the process group
         tracker.finish()
@@ -300,6 +359,7 @@ def _run_cell(cell: Cell, folder: Path) -> dict[str, Any]:
         remove_checkpoints(args.output_dir)  # they served their end
     accelerator.wait_for_everyone()
     return {**summary, "scores": numeric_scores(scores), "start": numeric_scores(start), "samples": samples,
+            "conversion": conversion, "invariants": invariants,
             "seconds": round(time.perf_counter() - started, 1),
             "fingerprint": saved_comparison(folder.parents[1])["fingerprint"]}
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import math
 import time
@@ -209,6 +210,32 @@ class EarlyStopping:
         self.best, self.best_step, self.bad_evaluations = state["best"], state["best_step"], state["bad_evaluations"]
 
 
+@dataclass
+class DataSeen:
+    """The training data a run has taken: its real tokens (this process's) and a SHA-256 chained over
+    the token ids of its first `FIRST_BATCHES` micro-batches (the data order: two runs of one seed
+    agree). Kept in each checkpoint's `training_state.json`, so a resumed run reports an unbroken one's."""
+
+    FIRST_BATCHES = 8
+    tokens: int = 0
+    batches: int = 0
+    first_batches_sha256: str = ""
+
+    def add(self, batch: dict[str, torch.Tensor]) -> None:
+        self.tokens += int(batch["attention_mask"].sum())
+        if self.batches < self.FIRST_BATCHES:
+            ids = batch["input_ids"].detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+            self.first_batches_sha256 = hashlib.sha256(self.first_batches_sha256.encode() + ids).hexdigest()
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "batches": self.batches, "first_batches_sha256": self.first_batches_sha256}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens, self.batches = state["tokens"], state["batches"]
+        self.first_batches_sha256 = state["first_batches_sha256"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------
@@ -250,11 +277,13 @@ class _Checkpoints:
     stopper: EarlyStopping | None
     sampler: Any | None
     batches_per_epoch: int
+    seen: DataSeen | None = None
     resumed_from: Path | None = None
 
     def save(self, step: int, epoch: int) -> None:
         state = {"epoch": epoch, "scheduler": scheduler_state(self.scheduler),
                  "early_stopping": self.stopper.state_dict() if self.stopper is not None else None,
+                 "data_seen": self.seen.state_dict() if self.seen is not None else None,
                  "sampler": {"seed": getattr(self.sampler, "seed", self.args.seed), "epoch": epoch,
                              "batches_per_epoch": self.batches_per_epoch}}
         save_checkpoint(self.accelerator, self.args.output_dir, self.model, self.tokenizer, step,
@@ -278,6 +307,8 @@ class _Checkpoints:
                            f"now: the resumed run does not see the batches an unbroken one would",
                            main_process_only=True)
         self.resumed_from = path
+        if self.seen is not None and state.get("data_seen") is not None:
+            self.seen.load_state_dict(state["data_seen"])
         if self.accelerator.is_main_process:
             drop_records_after(self.args.output_dir, completed)
         return completed, epoch, skip
@@ -334,7 +365,7 @@ def _micro_step(args: argparse.Namespace, accelerator: Accelerator, model: torch
 def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Module,
           optimizer: torch.optim.Optimizer, scheduler: Any, loader: DataLoader, loss_fn: LossFn, *,
           sampler: Any | None = None, evaluate: EvalFn | None = None, stopper: EarlyStopping | None = None,
-          tokenizer: Any, on_update: UpdateHook | None = None) -> int:
+          tokenizer: Any, on_update: UpdateHook | None = None, seen: DataSeen | None = None) -> int:
     """Train until `max_update_steps(args, len(loader))` updates or early stopping; return the updates done.
 
     `loss_fn(model, batch)` returns the loss of one micro-batch. `evaluate()` returns the
@@ -342,12 +373,13 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     end of each epoch) and after the last update, on statistics averaged over the processes, and
     each new best is written to `output_dir/best_model`. Checkpoints hold the state of the
     scheduler and `stopper` as JSON (`_Checkpoints`). `on_update(step, loss)` is called after every
-    update with the update's mean micro-batch loss.
+    update with the update's mean micro-batch loss; `seen` counts the data taken (`DataSeen`).
     """
     updates_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     max_steps = max_update_steps(args, len(loader))
     completed, start_epoch, skip = 0, 0, 0
-    saver = _Checkpoints(args, accelerator, model, tokenizer, scheduler, stopper, sampler, len(loader))
+    seen = seen if seen is not None else DataSeen()
+    saver = _Checkpoints(args, accelerator, model, tokenizer, scheduler, stopper, sampler, len(loader), seen)
     if args.resume_from_checkpoint:
         completed, start_epoch, skip = saver.resume(args.resume_from_checkpoint, args.gradient_accumulation_steps)
     bar = tqdm(total=max_steps, initial=completed, disable=not accelerator.is_local_main_process)
@@ -366,6 +398,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
         for batch in _epoch_batches(accelerator, loader, sampler, epoch, skip):
             losses.append(_micro_step(args, accelerator, model, optimizer, loss_fn, batch, recorder, completed + 1))
             progress.tokens += int(batch["attention_mask"].sum())
+            seen.add(batch)
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()  # one schedule step per update, whatever the number of processes
@@ -432,9 +465,12 @@ def fit(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Modu
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     stopper = EarlyStopping(mode, args.patience)
     evaluate = (lambda: validate(model)) if validate is not None else None
+    seen = DataSeen()
     steps = train(args, accelerator, model, optimizer, scheduler, loader, loss_fn, sampler=sampler, evaluate=evaluate,
-                  stopper=stopper, tokenizer=tokenizer, on_update=on_update)
-    return model, finish_training(accelerator, model, args.output_dir, stopper, steps)
+                  stopper=stopper, tokenizer=tokenizer, on_update=on_update, seen=seen)
+    summary = finish_training(accelerator, model, args.output_dir, stopper, steps)
+    tokens = accelerator.reduce(torch.tensor(seen.tokens, device=accelerator.device), "sum")
+    return model, {**summary, "train_tokens": int(tokens), "first_batches_sha256": seen.first_batches_sha256}
 
 
 def prepare_eval_loaders(accelerator: Accelerator, data: dict[str, Any], collate: PaddingCollator, batch_size: int,

@@ -128,11 +128,13 @@ def converter_options(args: argparse.Namespace, num_processes: int) -> dict[str,
     return options
 
 
-def calibration_batches(args: argparse.Namespace, calibration: tuple[Any, Any] | None) -> list[dict] | None:
-    """The first `--calibration_batches` training batches for `--preserve_function`, collated as in
-    training (`--per_device_train_batch_size` examples, 8 under a token budget); None where there
-    are none to take."""
-    if not getattr(args, "preserve_function", False) or calibration is None or not args.calibration_batches:
+def calibration_batches(args: argparse.Namespace, calibration: tuple[Any, Any] | None, *,
+                        always: bool = False) -> list[dict] | None:
+    """The first `--calibration_batches` training batches for `--preserve_function` (with `always`,
+    without it too), collated as in training (`--per_device_train_batch_size` examples, 8 under a
+    token budget); None where there are none to take."""
+    wanted = always or getattr(args, "preserve_function", False)
+    if not wanted or calibration is None or not args.calibration_batches:
         return None
     dataset, collate = calibration
     size = args.per_device_train_batch_size or 8
@@ -148,7 +150,7 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
     collator); a folder that was converted before is loaded with its running statistics and
     fine-tuned on."""
     from ..converted_norms import CONVERSION_CONFIG_KEY
-    from ..converter import convert_norms, load_converted, load_converted_config
+    from ..converter import load_converted, load_converted_config
 
     path = args.model_name_or_path
     # Never None: Transformers would ask on the terminal whether to run a folder's own code.
@@ -161,19 +163,40 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
                              f"not --convert_norms {args.convert_norms!r}")
         model = load_converted(path, auto_class)
     else:
-        # A classification head of another size than the data's classes is rebuilt.
-        task = {k: v for k, v in fields.items()
-                if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
-        model = auto_class.from_pretrained(path, trust_remote_code=trust_remote_code, **task)
-        report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
-                               preserve_function=getattr(args, "preserve_function", False),
-                               calibration_batches=calibration_batches(args, calibration),
-                               **converter_options(args, num_processes))
-        logger.info(f"converted the norms of {path}: {report}")
+        model = load_pretrained(args, auto_class, **fields)
+        convert_loaded(model, args, num_processes, calibration)
+    check_embeddings(model, tokenizer, path)
+    return model.train()
+
+
+def load_pretrained(args: argparse.Namespace, auto_class: type, **fields: Any) -> torch.nn.Module:
+    """`--model_name_or_path` as `auto_class` loads it; of `fields`, the task's classes (a
+    classification head of another size than the data's classes is rebuilt)."""
+    task = {k: v for k, v in fields.items() if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
+    return auto_class.from_pretrained(args.model_name_or_path,
+                                      trust_remote_code=bool(getattr(args, "trust_remote_code", False)), **task)
+
+
+def convert_loaded(model: torch.nn.Module, args: argparse.Namespace, num_processes: int,
+                   calibration: tuple[Any, Any] | None = None, *, centre_stream: bool = True):
+    """`model`'s norms converted to `--convert_norms` (`--convert_modules`, `--preserve_function`
+    calibrated on `calibration`, the `--powernorm_*` options), in place; returns the conversion's
+    report. `centre_stream=False` where the stream was centred before (`converter.centre_stream`)."""
+    from ..converter import convert_norms
+
+    report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
+                           preserve_function=getattr(args, "preserve_function", False),
+                           calibration_batches=calibration_batches(args, calibration), centre_stream=centre_stream,
+                           **converter_options(args, num_processes))
+    logger.info(f"converted the norms of {args.model_name_or_path}: {report}")
+    return report
+
+
+def check_embeddings(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
+    """A ValueError where the tokenizer has more tokens than the model embeds."""
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise ValueError(f"--model_name_or_path {path} embeds {embeddings} tokens; the tokenizer has {len(tokenizer)}")
-    return model.train()
 
 
 def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num_processes: int,

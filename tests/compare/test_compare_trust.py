@@ -297,12 +297,19 @@ def test_summarisation_columns_and_sample_outputs(tmp_path):
 # The report: checks before a verdict, the baseline's name, run times
 # --------------------------------------------------------------------------------------------
 
-def _result(norm, seed, test, *, start=50.0, validation=None, best_step=1, steps=4):
+def _invariants(seed, **changed):
+    """What `arm_invariants` records of a run: equal in every arm of a seed but the norms' own parameters."""
+    return {"trainable_outside_norms": 1000, "norm_parameters": 64, "head_tied": False, "updates": 4,
+            "train_tokens": 256, "first_batches": f"digest-of-seed-{seed}", "eval_tokens": {"validation": 99},
+            "schedule": "inverse_sqrt, warmup 1, at most 4 updates", **changed}
+
+
+def _result(norm, seed, test, *, start=50.0, validation=None, best_step=1, steps=4, **changed):
     validation = test if validation is None else validation
     return {"cell": f"{norm}-lr0.001-seed{seed}", "norm": norm, "seed": seed, "learning_rate": 1e-3,
             "scores": {"validation_perplexity": validation, "test_perplexity": test},
             "start": {"perplexity": start, "loss": math.log(start)},
-            "best_step": best_step, "train_steps": steps, "seconds": 90.0}
+            "best_step": best_step, "train_steps": steps, "seconds": 90.0, "invariants": _invariants(seed, **changed)}
 
 
 def _report(results, tmp_path, norms=("layernorm", "powernorm")):
@@ -351,6 +358,29 @@ def test_a_flagged_comparison_gets_no_verdict(case, flag, tmp_path):
     report = _report(base + other, tmp_path)
     assert "| flagged: no verdict |" in report and flag in report
     assert "PN better" not in report and "Every check passed" not in report
+
+
+@pytest.mark.parametrize("changed, named", [
+    ({"trainable_outside_norms": 1064}, "trainable parameters outside the norms differs from the baseline's (1064 "
+                                        "against 1000)"),
+    ({"head_tied": True}, "head tied differs from the baseline's (True against False)"),
+    ({"first_batches": "another order"}, "first training batches (the data order) differs"),
+    ({"train_tokens": 300}, "training tokens differs from the baseline's (300 against 256)"),
+    ({"schedule": "linear, warmup 1, at most 4 updates"}, "learning-rate schedule differs"),
+])
+def test_arms_that_differ_beyond_their_norms_get_no_verdict_naming_the_difference(changed, named, tmp_path):
+    base = [_result("layernorm", 1, 20.0), _result("layernorm", 2, 20.2)]
+    # A clear gain, which the verdict would call "PN better" were the arms equal but for their norms.
+    other = [_result("powernorm", 1, 18.0, norm_parameters=96, **changed),
+             _result("powernorm", 2, 18.1, norm_parameters=96, **changed)]
+    report = _report(base + other, tmp_path)
+    assert "| flagged: no verdict |" in report and named in report and "PN better" not in report
+    # The norms' own parameters may differ: the same runs with only those apart keep their verdict.
+    fair = [_result("powernorm", 1, 18.0, norm_parameters=96), _result("powernorm", 2, 18.1, norm_parameters=96)]
+    assert "PN better" in _report(base + fair, tmp_path)
+    # A run without the record (an older comparison's) shows nothing equal: no verdict either.
+    unrecorded = [{k: v for k, v in run.items() if k != "invariants"} for run in fair]
+    assert "nothing shows the arms equal" in _report(base + unrecorded, tmp_path)
 
 
 def test_the_same_function_as_the_baseline_gets_no_verdict_row_and_the_tolerance_is_stated(tmp_path):
