@@ -92,7 +92,9 @@ FAMILIES: dict[str, Family] = {
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny model with its norms' weights (and biases) moved off 1 (and 0), in eval mode."""
+    """The family's tiny model with its norms' weights moved off 1 and every bias (the norms', and each
+    writer's into the residual stream) off 0, as a trained model's are, in eval mode: a centring that
+    skips a writer's bias then shows."""
     from hf_powernorm.converter import is_norm_candidate
 
     torch.manual_seed(seed)
@@ -105,8 +107,8 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
             weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
             if is_norm_candidate(module) and isinstance(weight, torch.Tensor):
                 weight.mul_(torch.empty(weight.shape).uniform_(0.5, 1.5, generator=generator).to(weight))
-                if isinstance(bias, torch.Tensor):
-                    bias.copy_(torch.randn(bias.shape, generator=generator).mul(0.3).to(bias))
+            if isinstance(bias, torch.nn.Parameter):
+                bias.copy_(torch.randn(bias.shape, generator=generator).mul(0.3).to(bias))
     return model.eval()
 
 

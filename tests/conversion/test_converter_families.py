@@ -81,8 +81,9 @@ RMSNORM_SOURCES = tuple(name for name in FAMILIES if name not in LAYERNORM_SOURC
 
 
 def build(name: str, seed: int = 0):
-    """The family's tiny model with its norms' weights (and biases) drawn away from 1 (and 0), so a
-    conversion that drops or misplaces them shows."""
+    """The family's tiny model with its norms' weights drawn away from 1 and every bias (the norms', the
+    writers' into the residual stream, the heads') away from 0, so a conversion that drops or
+    misplaces one shows."""
     torch.manual_seed(seed)
     model = FAMILIES[name]()
     with torch.no_grad():
@@ -92,8 +93,8 @@ def build(name: str, seed: int = 0):
                     module.weight.normal_(0.0, 0.3)
                 else:
                     module.weight.mul_(torch.empty_like(module.weight).uniform_(0.5, 1.5))
-                if getattr(module, "bias", None) is not None:
-                    module.bias.normal_(0.0, 0.3)
+            if isinstance(getattr(module, "bias", None), torch.nn.Parameter):
+                module.bias.normal_(0.0, 0.3)
     return model
 
 
