@@ -267,7 +267,10 @@ def conversion_sentence(options: CompareOptions) -> str:
     if not options.preserve_function:
         return "Converted without preserve_function (a randomly initialised model, or --no_preserve_function)."
     refused = options.not_preserved
-    return "Converted keeping the pretrained function (preserve_function)" + (
+    structure = ("; the head kept tied in every arm (--keep_tied_head), so the residual stream is centred in none"
+                 if options.keep_tied_head else "; every arm, the baseline's too, through the same steps (the "
+                                                "residual stream centred where a norm needs it)")
+    return "Converted keeping the pretrained function (preserve_function)" + structure + (
         "; without it for " + "; ".join(f"{norm} ({why})" for norm, why in refused.items()) if refused else "") + "."
 
 
