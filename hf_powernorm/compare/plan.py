@@ -41,9 +41,11 @@ def saved_comparison(output_dir: str | Path) -> dict[str, Any]:
 
 def save_comparison(options: CompareOptions, facts: dict[str, Any]) -> None:
     """Write `compare.json`: the options, the settings they measure, the inputs' fingerprint, the model's facts."""
+    from ..training.atomic_files import write_text_atomically
+
     saved = {"settings": options.settings(), "args": options.to_json(), "fingerprint": fingerprint(options),
              "model": facts}
-    (Path(options.output_dir) / SETTINGS_NAME).write_text(json.dumps(saved, indent=1), encoding="utf-8")
+    write_text_atomically(Path(options.output_dir) / SETTINGS_NAME, json.dumps(saved, indent=1))
 
 
 def fingerprint(options: CompareOptions) -> dict[str, str]:
