@@ -266,6 +266,17 @@ def test_a_repository_id_completed_by_the_hub_is_the_one_the_card_names(hub):
     assert 'from_pretrained("someone/tiny-llama", trust_remote_code=True)' in hub.commits[0]["files"]["README.md"].decode()
 
 
+def test_an_upload_refuses_a_symbolic_link_rather_than_send_its_target(hub, tmp_path):
+    from hf_powernorm.hub import upload_saved_model
+
+    trained_seq2seq().save_pretrained(tmp_path / "export")
+    (tmp_path / "token").write_text("a secret")
+    (tmp_path / "export" / "x.txt").symlink_to(tmp_path / "token")
+    with pytest.raises(ValueError, match=r"export holds symbolic links \(x.txt\): an upload sends regular files"):
+        upload_saved_model(tmp_path / "export", REPO_ID)
+    assert hub.commits == []
+
+
 @pytest.mark.parametrize("case", ["not ours", "unknown option", "option of the other card", "no weights"])
 def test_every_check_runs_before_the_repository_is_created(hub, case):
     model, options, error = converted_llama(), {}, TypeError
