@@ -161,6 +161,11 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> dict[str, A
         raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} cannot be read ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} is not a manifest of format {MANIFEST_FORMAT}")
+    # A manifest names files inside its folder only: it is read back, and may have been edited.
+    outside = [name for name in manifest["files"] if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside:
+        raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} names {outside[0]!r}, a path outside the "
+                                        f"checkpoint")
     for name, expected in manifest["files"].items():
         _check_file(folder, name, expected, verify_hashes)
     return manifest

@@ -149,6 +149,23 @@ def test_latest_passes_over_incomplete_checkpoints_and_says_so(unbroken, tmp_pat
 # No pickle of the project's own
 # --------------------------------------------------------------------------------------------
 
+def test_a_manifest_naming_a_path_outside_its_checkpoint_is_refused(unbroken, tmp_path):
+    import shutil
+
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"not the checkpoint's")
+    for name in (str(outside), "../elsewhere.bin"):
+        folder = tmp_path / "run" / "step_6"
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        shutil.copytree(unbroken / "step_6", folder)
+        manifest = json.loads((folder / training.MANIFEST_NAME).read_text())
+        manifest["files"][name] = {"size": outside.stat().st_size, "sha256": "0" * 64}
+        (folder / training.MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(checkpoints.IncompleteCheckpointError, match=f"names {name!r}, a path outside"):
+            training.read_manifest(folder)
+        assert checkpoints.latest_checkpoint(tmp_path / "run") is None
+
+
 def test_checkpoints_keep_the_loop_state_as_json_and_exports_hold_no_pickle(unbroken, tmp_path):
     checkpoint = unbroken / "step_4"
     state = json.loads((checkpoint / training.TRAINING_STATE_NAME).read_text())
