@@ -1,14 +1,16 @@
 """An output folder used by one process at a time: a lock file inside it, held for the whole run.
 
-`hold_output_folder(folder)` creates the folder if needed and takes `folder/.lock`: the file is
-created with `O_EXCL` and never reached through a link (`O_NOFOLLOW`: a `.lock` planted as a link to
-another file would have the lock's line written into that file); an existing lock file is taken only
-if it is a regular file of this user's, else a ValueError names it. The file holds one JSON line (the holder's pid, host name and start time), and the
-holder keeps an exclusive `fcntl.flock` on it, which the kernel drops when the process ends however
-it ends. A second start on a live folder raises `FolderInUse` naming the first process; a lock file
-left by a killed process (its flock free; where the file system has no flock, its pid gone from
-this host) is taken over. On exit, also on an exception, the lock file is removed, and the folder
-too when the holder created it and left it empty, so a refused or failed start blocks nothing.
+`hold_output_folder(folder)` creates the folder if needed, private to this user (mode 0700: the
+runs' jobs read back what it holds), and takes `folder/.lock`: the file is created with `O_EXCL`
+and never reached through a link (`O_NOFOLLOW`: a `.lock` planted as a link to another file would
+have the lock's line written into that file); an existing lock file is taken only if it is a
+regular file of this user's, else a ValueError names it. The file holds one JSON line (the
+holder's pid, host name and start time), and the holder keeps an exclusive `fcntl.flock` on it,
+which the kernel drops when the process ends however it ends. A second start on a live folder
+raises `FolderInUse` naming the first process; a lock file left by a killed process (its flock
+free; where the file system has no flock, its pid gone from this host) is taken over. On exit, also
+on an exception, the lock file is removed, and the folder too when the holder created it and left it
+empty, so a refused or failed start blocks nothing.
 
     with hold_output_folder(args.output_dir, enabled=accelerator.is_main_process):
         ...  # the run
@@ -119,7 +121,7 @@ def _acquire(folder: Path) -> int:
     """The descriptor of `folder`'s lock file, flocked and holding this process's description."""
     path = folder / LOCK_NAME
     while True:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             descriptor, created = _open_lock(path)
         except FileNotFoundError:  # the lock or the folder went between two calls: try again

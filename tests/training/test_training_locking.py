@@ -123,3 +123,11 @@ def test_a_lock_file_of_another_user_is_refused(tmp_path, monkeypatch):
         with hold_output_folder(tmp_path):
             pass
     assert read_lock(tmp_path)["host"] == "elsewhere"
+
+
+def test_a_folder_it_creates_is_private_and_one_it_finds_keeps_its_mode(tmp_path):
+    with hold_output_folder(tmp_path / "run") as folder:
+        assert folder.stat().st_mode & 0o777 == 0o700
+    os.chmod(tmp_path, 0o755)
+    with hold_output_folder(tmp_path):
+        assert tmp_path.stat().st_mode & 0o777 == 0o755
