@@ -96,12 +96,12 @@ def _open_lock(path: Path) -> tuple[int, bool]:
             raise _not_a_lock(path, "is not a regular file") from None
         raise
     status = os.fstat(descriptor)
-    why = "is not a regular file" if not stat.S_ISREG(status.st_mode) else \
-        f"belongs to another user (uid {status.st_uid})" if status.st_uid != os.getuid() else None
-    if why:
-        os.close(descriptor)
-        raise _not_a_lock(path, why)
-    return descriptor, False
+    if stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid():
+        return descriptor, False
+    os.close(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        raise _not_a_lock(path, "is not a regular file")
+    raise _not_a_lock(path, f"belongs to another user (uid {status.st_uid})")
 
 
 def _not_a_lock(path: Path, why: str) -> ValueError:
