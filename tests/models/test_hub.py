@@ -183,6 +183,7 @@ def test_push_to_hub_sends_weights_buffers_config_code_tokenizer_and_card(hub, t
     assert "powernorm" in card.data.tags and card.data.license == "apache-2.0"
     assert COMMAND in card.text
     assert f'AutoTokenizer.from_pretrained("{REPO_ID}", trust_remote_code=False)' in card.text
+    assert "compiles PowerNorm's C kernels" in card.text and "`HF_POWERNORM_KERNELS=0`" in card.text
 
     # What was sent loads back from a Hub cache layout, offline, by repository id.
     snapshot = tmp_path / "hub" / "models--powernorm-test--tiny-iwslt" / "snapshots" / ("0" * 40)
