@@ -305,8 +305,13 @@ def _card_renderer(model: Any, tokenizer: Any | None, card: ModelCard | None,
 
 def _files_to_upload(folder: Path, repo_id: str) -> list[Path]:
     """The files at the top of `folder` but hidden ones; FileNotFoundError when no `.safetensors` weights
-    are among them."""
-    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
+    are among them, ValueError when a symbolic link is (what it points to, a token file say, is never sent)."""
+    entries = sorted(path for path in folder.iterdir() if not path.name.startswith("."))
+    links = [path.name for path in entries if path.is_symlink()]
+    if links:
+        raise ValueError(f"{folder} holds symbolic links ({', '.join(links)}): an upload sends regular files only; "
+                         f"put the files themselves there, or remove the links")
+    files = [path for path in entries if path.is_file()]
     if not any(path.name.endswith(".safetensors") for path in files):
         raise FileNotFoundError(f"{folder} holds no .safetensors weights: nothing to upload to {repo_id}")
     return files
@@ -323,7 +328,8 @@ def upload_saved_model(
 ) -> CommitInfo:
     """Upload in one commit the files at the top of `folder` (what `save_pretrained`, a tokenizer's
     `save_pretrained` and the card wrote there), leaving its sub-folders (checkpoints, logs) and
-    hidden files (the lock of the run writing it) out. The repository `repo_id` must exist."""
+    hidden files (the lock of the run writing it) out; a symbolic link there is refused, not followed.
+    The repository `repo_id` must exist."""
     files = _files_to_upload(Path(folder), repo_id)
     operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
     return HfApi(token=token).create_commit(repo_id, operations, commit_message=commit_message, revision=revision,

@@ -153,7 +153,8 @@ class CompareOptions:
     cpu: bool = flag("train on CPU even if an accelerator is present", "training", runtime=True)
     output_dir: str = option("outputs/compare", "the comparison's folder: new, empty, or holding this comparison "
                                                 "(resumed)", "training", runtime=True)
-    overwrite_output_dir: bool = flag("clear --output_dir first if it holds other files", "training", runtime=True)
+    overwrite_output_dir: bool = flag("clear --output_dir first if it holds another comparison (its "
+                                      "compare.json)", "training", runtime=True)
     record_norm_stats: int = option(0, "write what every norm layer sees every N updates to each run's "
                                        "norm_stats.jsonl; 0: never", "training", type=int, nargs="?", const=1,
                                     metavar="EVERY_N")

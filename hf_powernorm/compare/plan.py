@@ -41,9 +41,11 @@ def saved_comparison(output_dir: str | Path) -> dict[str, Any]:
 
 def save_comparison(options: CompareOptions, facts: dict[str, Any]) -> None:
     """Write `compare.json`: the options, the settings they measure, the inputs' fingerprint, the model's facts."""
+    from ..training.atomic_files import write_text_atomically
+
     saved = {"settings": options.settings(), "args": options.to_json(), "fingerprint": fingerprint(options),
              "model": facts}
-    (Path(options.output_dir) / SETTINGS_NAME).write_text(json.dumps(saved, indent=1), encoding="utf-8")
+    write_text_atomically(Path(options.output_dir) / SETTINGS_NAME, json.dumps(saved, indent=1))
 
 
 def fingerprint(options: CompareOptions) -> dict[str, str]:
@@ -78,8 +80,8 @@ def _digest(paths: Sequence[Path], by_content_up_to: float = float("inf")) -> st
 
 def check_output_folder(options: CompareOptions) -> None:
     """A new or empty folder, or one holding a comparison of the same settings (resumed; more norms
-    or seeds may be added), compared field by field; another comparison's results or other files
-    are refused unless `--overwrite_output_dir` clears them."""
+    or seeds may be added), compared field by field; another comparison's results are refused unless
+    `--overwrite_output_dir` clears them, and other files always (`check_clearable`)."""
     folder = Path(options.output_dir)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--output_dir {folder} is a file, not a folder")
@@ -98,16 +100,14 @@ def check_output_folder(options: CompareOptions) -> None:
     if not options.overwrite_output_dir:
         raise ValueError(f"--output_dir {folder} {reason}: pass --overwrite_output_dir to clear it, or choose "
                          f"another --output_dir")
+    from ..training.atomic_files import clear_folder
+    from ..training.checkpoints import check_clearable
+
     inputs = [getattr(options, name, None) for name in ("model_name_or_path", *task_class(options).input_path_options,
                                                         "dataset_name")]
-    inside = [path for path in inputs if path and Path(path).exists()
-              and Path(path).resolve().is_relative_to(folder.resolve())]
-    if inside:
-        raise ValueError(f"--overwrite_output_dir would delete {inside}, inputs of this comparison inside "
-                         f"--output_dir {folder}")
+    check_clearable(folder, (SETTINGS_NAME,), [path for path in inputs if path and Path(path).exists()],
+                    keep=HOLDER_FILES)
     if world_size() == 1 or int(os.environ.get("RANK", "0")) == 0:
-        from ..training.atomic_files import clear_folder
-
         clear_folder(folder, keep=HOLDER_FILES)  # the lock stays: this process holds the folder
 
 

@@ -506,7 +506,7 @@ def keep_best_models(results: Sequence[dict[str, Any]], chosen: dict[str, float]
         best = pick(runs, key=lambda r: _finite(r["best_validation"], mode))
         target = Path(options.output_dir) / "models" / norm
         shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(folders[best["cell"]], target)
+        shutil.copytree(folders[best["cell"]], target, symlinks=True)  # a link stays one: never uploaded
         load_model_tokenizer(options.model_name_or_path, options.trust_remote_code).save_pretrained(target)
         (target / "comparison_run.json").write_text(json.dumps({k: best[k] for k in (
             "cell", "norm", "seed", "learning_rate", "best_step", "best_validation", "scores")}, indent=1))
@@ -515,15 +515,18 @@ def keep_best_models(results: Sequence[dict[str, Any]], chosen: dict[str, float]
 
 
 def push_models(kept: dict[str, Path], options: CompareOptions) -> list[str]:
-    """`--push_to_hub`: each kept model uploaded to `<--hub_model_id>-<norm>`; returns the repositories."""
+    """`--push_to_hub`: each kept model uploaded to `<--hub_model_id>-<norm>` as a recipe's export is
+    (`upload_saved_model`: its top-level files, no link followed); a repository created private with
+    `--hub_private_repo`, else as the account's default is. Returns the repositories."""
     from huggingface_hub import HfApi
+
+    from ..hub import upload_saved_model
 
     api, repos = HfApi(), []
     for norm, folder in kept.items():
-        repo = api.create_repo(f"{options.hub_model_id}-{norm}", private=options.hub_private_repo,
+        repo = api.create_repo(f"{options.hub_model_id}-{norm}", private=options.hub_private_repo or None,
                                exist_ok=True).repo_id
-        api.upload_folder(repo_id=repo, folder_path=str(folder),
-                          commit_message=f"hf-powernorm compare: the best {norm} model")
+        upload_saved_model(folder, repo, commit_message=f"hf-powernorm compare: the best {norm} model")
         repos.append(repo)
     return repos
 

@@ -203,10 +203,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--resume_from_checkpoint",
                        help="a complete step_<N> folder, or 'latest': the newest complete one in --output_dir")
     train.add_argument("--output_dir", default="outputs/run",
-                       help="a new or empty folder, the folder of the run to resume, or any with "
+                       help="a new or empty folder, the folder of the run to resume, or another run's with "
                             "--overwrite_output_dir")
     train.add_argument("--overwrite_output_dir", action="store_true",
-                       help="clear --output_dir first if it holds files (of another run)")
+                       help="clear --output_dir first if it holds another run (its training_log.jsonl or "
+                            "all_results.json)")
     train.add_argument("--record_norm_stats", type=int, nargs="?", const=1, default=0, metavar="EVERY_N",
                        help="write what every norm layer sees (batch and running statistics, gradient "
                             "contributions, Lemma 2) every N updates to output_dir/norm_stats.jsonl")

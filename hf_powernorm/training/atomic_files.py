@@ -2,7 +2,9 @@
 
 A file or folder is written under a temporary name beside its final one, flushed to the disk, and
 renamed into place (a rename within a folder is atomic on POSIX): after a crash the old version or
-the new one is there, never part of one. Leftover temporary names are for their writer to clear.
+the new one is there, never part of one. Leftover temporary names are for their writer to clear. A
+temporary file is created anew (`O_EXCL`) and never through a link (`O_NOFOLLOW`): its name is
+predictable, and a link planted under it would have the write land in the link's target.
 A write that fails (`removed_on_failure`) removes its partial temporary file or folder at once; on
 a full disk it raises `DiskFullError`, one line naming the folder that is full.
 """
@@ -87,11 +89,33 @@ def fsync(path: Path) -> None:
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     """Write `data` as JSON to a temporary file beside `path`, flush it, and rename it into place."""
+    write_text_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` to a new temporary file beside `path`, flush it, and rename it into place."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    descriptor = _create_new(temporary)
     with removed_on_failure(temporary, str(path)):
-        temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        fsync(temporary)
+        with open(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(temporary, path)
+
+
+def _create_new(path: Path) -> int:
+    """A descriptor of a file created at `path` for writing; a regular file there (left by a killed
+    writer whose process id this one has) is replaced, anything else is a ValueError naming it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags, 0o666)
+    except FileExistsError:
+        if path.is_symlink() or not path.is_file():
+            kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+            raise ValueError(f"{path} is {kind} where a temporary file is written: remove it") from None
+    path.unlink()
+    return os.open(path, flags, 0o666)
 
 
 def replace_folder(temporary: Path, final: Path) -> None:
@@ -125,4 +149,4 @@ def clear_folder(folder: str | Path, keep: Iterable[str] = ()) -> None:
 
 
 __all__ = ["DiskFullError", "clear_folder", "fsync", "full_disk_error", "remove_path", "removed_on_failure",
-           "replace_folder", "write_json_atomically"]
+           "replace_folder", "write_json_atomically", "write_text_atomically"]

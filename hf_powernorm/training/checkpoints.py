@@ -39,6 +39,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .arguments import PN_OPTIONS
 from .locking import LOCK_NAME
+from .run_log import LOG_NAME
 from .atomic_files import fsync, remove_path, removed_on_failure, replace_folder, write_json_atomically
 
 BEST_MODEL_DIR = "best_model"
@@ -47,6 +48,10 @@ MANIFEST_NAME = "checkpoint.json"
 TRAINING_STATE_NAME = "training_state.json"
 BEST_MODEL_STATE_NAME = "best_model.json"
 MANIFEST_FORMAT = 1
+# What every run of the recipes leaves in its folder, that `--overwrite_output_dir` recognises it by:
+# the run log (from the first update) and the export's results (a run that only scores writes those).
+RESULTS_NAME = "all_results.json"
+RUN_RECORDS = (LOG_NAME, RESULTS_NAME)
 # Test hook: "K" or "K@STEP" makes the checkpoint writer SIGKILL its own process once K files of
 # the checkpoint (of update STEP) are written, the rename into place counting as one more.
 CRASH_AFTER_FILES_ENV = "HF_POWERNORM_CRASH_CHECKPOINT_AFTER"
@@ -156,6 +161,11 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> dict[str, A
         raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} cannot be read ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} is not a manifest of format {MANIFEST_FORMAT}")
+    # A manifest names files inside its folder only: it is read back, and may have been edited.
+    outside = [name for name in manifest["files"] if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside:
+        raise IncompleteCheckpointError(f"{folder}: {MANIFEST_NAME} names {outside[0]!r}, a path outside the "
+                                        f"checkpoint")
     for name, expected in manifest["files"].items():
         _check_file(folder, name, expected, verify_hashes)
     return manifest
@@ -373,11 +383,35 @@ def _inside(path: str | Path, folder: Path) -> bool:
     return Path(path).resolve().is_relative_to(folder.resolve())
 
 
+def check_clearable(folder: str | Path, records: Iterable[str], inputs: Iterable[str | None] = (),
+                    keep: Iterable[str] = (LOCK_NAME,)) -> None:
+    """What `--overwrite_output_dir` may clear, for the recipes, the studies' runs and `hf-powernorm
+    compare` alike: a folder holding one of `records` (the tool's own record of what it wrote there,
+    a regular file), never one holding the current directory, the home folder or an input of the
+    run (`inputs`). Otherwise a ValueError names what clearing it would delete (all but `keep`)."""
+    folder = Path(folder)
+    if _inside(Path.cwd(), folder):
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds the current directory")
+    if _inside(Path.home(), folder):
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds the home folder {Path.home()}")
+    for path in inputs:
+        if path and _inside(path, folder):
+            raise ValueError(f"--overwrite_output_dir would delete {path}, an input of this run inside "
+                             f"--output_dir {folder}")
+    if not any((folder / name).is_file() and not (folder / name).is_symlink() for name in records):
+        kept = set(keep)
+        contents = sorted(p.name for p in folder.iterdir() if p.name not in kept)
+        shown = ", ".join(contents[:6]) + (", ..." if len(contents) > 6 else "")
+        raise ValueError(f"--overwrite_output_dir clears only a folder this tool wrote: --output_dir {folder} holds "
+                         f"no {' or '.join(records)}, and clearing it would delete {shown}; remove those yourself "
+                         f"or choose another --output_dir")
+
+
 def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | None,
                      inputs: Iterable[str | None] = ()) -> None:
     """A run starts in an empty or new `output_dir`, or continues the run it holds (`resume`), or
-    clears it (`overwrite`); never in another run's files. Clearing must not delete an input of
-    the run (`inputs`: data, tokenizer, model paths) nor the current directory."""
+    clears it (`overwrite`) when it holds a run of the recipes (`RUN_RECORDS`, `check_clearable`);
+    never in another run's files."""
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--output_dir {folder} is a file, not a folder")
@@ -393,12 +427,7 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | N
         raise ValueError(f"--output_dir {folder} already holds another run's files ({shown}): pass "
                          f"--overwrite_output_dir to clear it, --resume_from_checkpoint latest to continue "
                          f"the run it holds, or choose another --output_dir")
-    if _inside(Path.cwd(), folder):
-        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds the current directory")
-    for path in inputs:
-        if path and _inside(path, folder):
-            raise ValueError(f"--overwrite_output_dir would delete {path}, an input of this run inside "
-                             f"--output_dir {folder}")
+    check_clearable(folder, RUN_RECORDS, inputs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ EXECUTOR_EXTRAS = {"submitit": "submitit", "ray": "ray"}
 # The executors that take each executor option.
 EXECUTOR_OPTIONS = {"slurm_partition": ("submitit",), "timeout_min": ("submitit",), "slurm_extra": ("submitit",),
                     "gpus_per_run": ("submitit", "ray"), "cpus_per_run": ("submitit", "ray"), "ray_address": ("ray",)}
-JOBS_FOLDER = "jobs"  # under the output folder: each job's log (submitit's folders, Ray's files)
+JOBS_FOLDER = "jobs"  # under the output folder, private (0700): each job's log (submitit's folders, Ray's files)
 POLL_SECONDS = 1.0  # how often the driver looks at submitit's jobs
 GROUP_TITLE = "where the runs go (one job per run; see docs/compare_executors.md)"
 # The help of each option, as `hf-powernorm compare --help` gives it (a test holds them equal), but
@@ -191,7 +191,9 @@ def submit_jobs(todo: Sequence[Any], job: Job, output_dir: str | Path, settings:
     and return those that failed."""
     if not todo:
         return []
-    (Path(output_dir) / JOBS_FOLDER).mkdir(parents=True, exist_ok=True)
+    jobs = Path(output_dir) / JOBS_FOLDER
+    jobs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    jobs.chmod(0o700)  # also one made before: the jobs' pickles there are unpickled by the driver and the jobs
     if settings.executor == "submitit":
         return _submitit_runs(todo, job, str(output_dir), settings, name)
     return _ray_runs(todo, job, str(output_dir), settings)

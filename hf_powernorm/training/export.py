@@ -27,7 +27,7 @@ from ..configuration_powernorm import PowerNormTransformerConfig
 from ..converted_norms import CONVERSION_CONFIG_KEY
 from ..hub import render_conversion_card, render_model_card, upload_saved_model
 from .atomic_files import full_disk_error, remove_path
-from .checkpoints import latest_checkpoint
+from .checkpoints import RESULTS_NAME, latest_checkpoint
 
 logger = get_logger(__name__)
 _TRAIN_KEYS = ("train_steps", "best_step", "best_validation")
@@ -48,7 +48,7 @@ def save_results(output_dir: str | Path, results: dict[str, Any]) -> None:
     """`all_results.json` (everything), `train_results.json` (the training summary) and
     `eval_results.json` (the scores of the evaluation splits)."""
     output_dir = Path(output_dir)
-    save_json(output_dir / "all_results.json", results)
+    save_json(output_dir / RESULTS_NAME, results)
     save_json(output_dir / "train_results.json", {k: v for k, v in results.items() if k in _TRAIN_KEYS})
     save_json(output_dir / "eval_results.json", {k: v for k, v in results.items() if k not in _TRAIN_KEYS})
 

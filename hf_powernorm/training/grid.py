@@ -60,12 +60,16 @@ class Cell:
 
 def cell_result(output_dir: str | Path, cell: Cell) -> dict[str, Any] | None:
     """The saved result of `cell`, or None if it has not finished. Raises ValueError if the cell
-    finished with other options than `cell`'s; its `paths` and options that the finished run did not
-    record (added to the study since) are not compared."""
+    finished with other options than `cell`'s, or if the result names another cell (reports build
+    paths from that name); its `paths` and options that the finished run did not record (added to
+    the study since) are not compared."""
     path = Path(output_dir) / "cells" / cell.name / RESULT_NAME
     if not path.is_file():
         return None
     result = json.loads(path.read_text(encoding="utf-8"))
+    if result.get("cell") != cell.name:
+        raise ValueError(f"{path} names the cell {result.get('cell')!r}, not its folder's {cell.name!r}: it is no "
+                         f"result of this grid; remove it, or give another output folder")
     asked = json.loads(json.dumps(cell.options))  # as saved: tuples become lists
     differ = [key for key, value in asked.items() if key not in cell.paths and key in result and result[key] != value]
     if differ:

@@ -1,12 +1,16 @@
 """An output folder used by one process at a time: a lock file inside it, held for the whole run.
 
-`hold_output_folder(folder)` creates the folder if needed and takes `folder/.lock`: the file is
-created with `O_EXCL` and holds one JSON line (the holder's pid, host name and start time), and the
-holder keeps an exclusive `fcntl.flock` on it, which the kernel drops when the process ends however
-it ends. A second start on a live folder raises `FolderInUse` naming the first process; a lock file
-left by a killed process (its flock free; where the file system has no flock, its pid gone from
-this host) is taken over. On exit, also on an exception, the lock file is removed, and the folder
-too when the holder created it and left it empty, so a refused or failed start blocks nothing.
+`hold_output_folder(folder)` creates the folder if needed, private to this user (mode 0700: the
+runs' jobs read back what it holds), and takes `folder/.lock`: the file is created with `O_EXCL`
+and never reached through a link (`O_NOFOLLOW`: a `.lock` planted as a link to another file would
+have the lock's line written into that file); an existing lock file is taken only if it is a
+regular file of this user's, else a ValueError names it. The file holds one JSON line (the
+holder's pid, host name and start time), and the holder keeps an exclusive `fcntl.flock` on it,
+which the kernel drops when the process ends however it ends. A second start on a live folder
+raises `FolderInUse` naming the first process; a lock file left by a killed process (its flock
+free; where the file system has no flock, its pid gone from this host) is taken over. On exit, also
+on an exception, the lock file is removed, and the folder too when the holder created it and left it
+empty, so a refused or failed start blocks nothing.
 
     with hold_output_folder(args.output_dir, enabled=accelerator.is_main_process):
         ...  # the run
@@ -24,6 +28,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +46,8 @@ class FolderInUse(RuntimeError):
 def read_lock(folder: str | Path) -> dict[str, Any]:
     """What `folder`'s lock file says of its holder (`pid`, `host`, `started`); {} when none or unreadable."""
     try:
-        holder = json.loads((Path(folder) / LOCK_NAME).read_text(encoding="utf-8"))
+        with open(os.open(Path(folder) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW), encoding="utf-8") as handle:
+            holder = json.loads(handle.read())
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
@@ -74,17 +80,39 @@ def _flock(descriptor: int, holder: dict[str, Any]) -> bool:
 
 
 def _open_lock(path: Path) -> tuple[int, bool]:
-    """A descriptor of the lock file, and whether this call created it."""
+    """A descriptor of the lock file, and whether this call created it. An existing one is opened
+    only if it is a regular file of this user's, not through a link: another user's file could be
+    swapped under its holder, and a link would have the lock written into its target."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), True
     except FileExistsError:
-        return os.open(path, os.O_RDWR), False
+        pass
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO does not block
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _not_a_lock(path, "is a symbolic link") from None
+        if error.errno == errno.EISDIR:
+            raise _not_a_lock(path, "is not a regular file") from None
+        raise
+    status = os.fstat(descriptor)
+    if stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid():
+        return descriptor, False
+    os.close(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        raise _not_a_lock(path, "is not a regular file")
+    raise _not_a_lock(path, f"belongs to another user (uid {status.st_uid})")
+
+
+def _not_a_lock(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path} {why}; an output folder's lock must be a regular file of this user's: remove it, "
+                      f"or choose another output folder")
 
 
 def _same_file(descriptor: int, path: Path) -> bool:
     """Whether `path` is still the file open as `descriptor` (a releasing holder unlinks it)."""
     try:
-        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+        return os.path.samestat(os.fstat(descriptor), os.lstat(path))
     except FileNotFoundError:
         return False
 
@@ -93,7 +121,7 @@ def _acquire(folder: Path) -> int:
     """The descriptor of `folder`'s lock file, flocked and holding this process's description."""
     path = folder / LOCK_NAME
     while True:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             descriptor, created = _open_lock(path)
         except FileNotFoundError:  # the lock or the folder went between two calls: try again

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from .atomic_files import write_text_atomically
 
 LOG_NAME = "training_log.jsonl"
 
@@ -56,6 +57,4 @@ def drop_records_after(output_dir: str | Path, step: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for line in lines if _log_step(line) <= step]
     if len(kept) < len(lines):
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        temporary.write_text("".join(kept), encoding="utf-8")
-        os.replace(temporary, path)
+        write_text_atomically(path, "".join(kept))

@@ -286,6 +286,43 @@ def test_output_folder_of_another_comparison_or_other_files_is_refused(gpt2_case
                            str(output / "data" / "train.txt")], "would delete .*train.txt")
 
 
+
+def _command_error(argv: list[str], capsys) -> str:
+    """The one line `hf-powernorm compare` prints for a bad input (exit status 2)."""
+    from hf_powernorm import cli
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["compare", *argv])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_overwrite_output_dir_clears_only_a_folder_holding_a_comparison(tmp_path, monkeypatch, capsys):
+    _no_training(monkeypatch)
+    folder = tmp_path / "work"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "precious.txt").write_text("mine", encoding="utf-8")
+    err = _command_error(["--output_dir", str(folder), "--overwrite_output_dir"], capsys)
+    assert "holds no compare.json" in err and "would delete precious.txt, sub" in err
+    monkeypatch.chdir(folder)
+    err = _command_error(["--output_dir", ".", "--overwrite_output_dir"], capsys)
+    assert "holds the current directory" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["precious.txt", "sub"]
+    assert (folder / "precious.txt").read_text(encoding="utf-8") == "mine"
+
+
+def test_a_linked_lock_in_the_output_folder_is_refused_and_its_target_kept(tmp_path, capsys):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine", encoding="utf-8")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / ".lock").symlink_to(target)
+    err = _command_error(["--report_only", "--output_dir", str(shared)], capsys)
+    assert f"{shared / '.lock'} is a symbolic link" in err
+    assert target.read_text(encoding="utf-8") == "mine" and (shared / ".lock").is_symlink()
+
 def test_no_data_options_use_the_embedded_corpus_and_no_path_outside_the_project():
     args = compare.parse_args([])
     assert args.dataset_name is None and args.train_file is None

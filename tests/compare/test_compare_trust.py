@@ -473,7 +473,7 @@ def test_a_norm_that_cannot_keep_the_function_runs_without_it_and_says_why(gpt2_
     assert "without it for rmsnorm (preserve_function=True cannot keep" in compare.conversion_sentence(args)
 
 
-def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_path, monkeypatch):
+def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_path, hub):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -495,20 +495,18 @@ def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_pa
     ids = torch.tensor([[3, 5, 7, 9]])
     assert torch.isfinite(baseline(ids).logits).all() and torch.isfinite(converted.eval()(ids).logits).all()
 
-    uploaded = []
-
-    class Api:
-        def create_repo(self, repo_id, private, exist_ok):
-            return type("Repo", (), {"repo_id": repo_id})()
-
-        def upload_folder(self, repo_id, folder_path, commit_message):
-            uploaded.append((repo_id, sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())))
-
-    monkeypatch.setattr("huggingface_hub.HfApi", Api)
     args = compare.parse_args(["--output_dir", str(out), "--save_models", "--hub_model_id", "me/gpt2"])
+    (tmp_path / "token").write_text("a secret")
+    (kept / "notes.txt").symlink_to(tmp_path / "token")  # planted: what it points to is never sent
+    with pytest.raises(ValueError, match=r"holds symbolic links \(notes.txt\): an upload sends regular files only"):
+        compare.push_models({"powernorm": kept}, args)
+    assert hub.commits == []
+    (kept / "notes.txt").unlink()
     repos = compare.push_models({"powernorm": kept}, args)
-    assert repos == ["me/gpt2-powernorm"] and "model.safetensors" in uploaded[0][1]
-    assert "tokenizer.json" in uploaded[0][1]
+    # Without --hub_private_repo the account's default decides (an organisation's may be private).
+    assert repos == ["me/gpt2-powernorm"] and hub.repos[-1] == ("me/gpt2-powernorm", {"private": None,
+                                                                                     "exist_ok": True})
+    assert {"model.safetensors", "tokenizer.json", "comparison_run.json"} <= set(hub.commits[0]["files"])
 
 
 def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(tmp_path, monkeypatch):

@@ -182,7 +182,8 @@ def test_push_to_hub_sends_weights_buffers_config_code_tokenizer_and_card(hub, t
     card = ModelCard(files["README.md"].decode())
     assert "powernorm" in card.data.tags and card.data.license == "apache-2.0"
     assert COMMAND in card.text
-    assert f'AutoTokenizer.from_pretrained("{REPO_ID}", trust_remote_code=True)' in card.text
+    assert f'AutoTokenizer.from_pretrained("{REPO_ID}", trust_remote_code=False)' in card.text
+    assert "compiles PowerNorm's C kernels" in card.text and "`HF_POWERNORM_KERNELS=0`" in card.text
 
     # What was sent loads back from a Hub cache layout, offline, by repository id.
     snapshot = tmp_path / "hub" / "models--powernorm-test--tiny-iwslt" / "snapshots" / ("0" * 40)
@@ -264,6 +265,17 @@ def test_a_repository_id_completed_by_the_hub_is_the_one_the_card_names(hub):
         push_to_hub(converted_llama(), "tiny-llama")
     assert hub.commits[0]["repo_id"] == "someone/tiny-llama"
     assert 'from_pretrained("someone/tiny-llama", trust_remote_code=True)' in hub.commits[0]["files"]["README.md"].decode()
+
+
+def test_an_upload_refuses_a_symbolic_link_rather_than_send_its_target(hub, tmp_path):
+    from hf_powernorm.hub import upload_saved_model
+
+    trained_seq2seq().save_pretrained(tmp_path / "export")
+    (tmp_path / "token").write_text("a secret")
+    (tmp_path / "export" / "x.txt").symlink_to(tmp_path / "token")
+    with pytest.raises(ValueError, match=r"export holds symbolic links \(x.txt\): an upload sends regular files"):
+        upload_saved_model(tmp_path / "export", REPO_ID)
+    assert hub.commits == []
 
 
 @pytest.mark.parametrize("case", ["not ours", "unknown option", "option of the other card", "no weights"])

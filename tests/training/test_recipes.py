@@ -206,7 +206,7 @@ WMT_CHILD = textwrap.dedent(
     data = json.load(open(DATA))
     model = AutoModelForSeq2SeqLM.from_pretrained(MODEL_DIR, trust_remote_code=True).eval()
     assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR, trust_remote_code=True)  # as the card says
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR, trust_remote_code=False)  # as the card says
     out = {}
     for split, part in data.items():
         # The exported tokenizer ends a source with `</s>` itself, as the data path does (BART's does too).

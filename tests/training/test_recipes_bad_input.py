@@ -251,28 +251,44 @@ def test_trust_remote_code_loads_a_model_with_its_own_code(lm_files, tmp_path, c
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
                                      RuntimeError("basic_ios::clear: iostream error")], ids=["errno", "torch"])
 def test_a_full_disk_during_an_atomic_write_keeps_the_old_file(failure, tmp_path, monkeypatch):
-    """`write_json_atomically` on a full disk (as Python or PyTorch's writer reports it): one line
-    naming the folder, the partial temporary file removed, the previous version in place."""
+    """`write_json_atomically` on a full disk (as Python or PyTorch's writer reports it, here when
+    the file is flushed): one line naming the folder, the temporary file removed, the previous
+    version in place."""
     from hf_powernorm.training.atomic_files import DiskFullError, write_json_atomically
 
     path = tmp_path / "state.json"
     write_json_atomically(path, {"step": 1})
-    real_write = Path.write_text
 
     def write_half_then(raised: BaseException):
-        def write(self, text, **kwargs):
-            real_write(self, text[: len(text) // 2], **kwargs)
+        def flush(descriptor):
+            os.ftruncate(descriptor, os.fstat(descriptor).st_size // 2)
             raise raised
-        return write
+        return flush
 
-    monkeypatch.setattr(Path, "write_text", write_half_then(failure))
+    monkeypatch.setattr(os, "fsync", write_half_then(failure))
     with pytest.raises(DiskFullError) as error:
         write_json_atomically(path, {"step": 2})
     assert str(error.value).startswith(f"the disk holding {tmp_path} is full (") and "\n" not in str(error.value)
     assert error.value.__cause__ is failure
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
     assert json.loads(path.read_text()) == {"step": 1}
-    monkeypatch.setattr(Path, "write_text", write_half_then(KeyError("not a disk")))
+    monkeypatch.setattr(os, "fsync", write_half_then(KeyError("not a disk")))
     with pytest.raises(KeyError):  # any other failure is itself, the partial file removed all the same
         write_json_atomically(path, {"step": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_an_atomic_write_never_goes_through_a_link_at_its_temporary_name(tmp_path):
+    from hf_powernorm.training.atomic_files import write_json_atomically
+
+    path, target = tmp_path / "state.json", tmp_path / "notes.txt"
+    target.write_text("mine")
+    temporary = tmp_path / f".state.json.tmp-{os.getpid()}"
+    temporary.symlink_to(target)
+    with pytest.raises(ValueError, match=f"^{temporary} is a symbolic link where a temporary file is written"):
+        write_json_atomically(path, {"step": 1})
+    assert target.read_text() == "mine" and temporary.is_symlink() and not path.exists()
+    temporary.unlink()
+    temporary.write_text("left by a killed writer")  # a regular leftover of this process id is replaced
+    write_json_atomically(path, {"step": 2})
+    assert json.loads(path.read_text()) == {"step": 2} and not temporary.exists()

@@ -285,7 +285,7 @@ CHILD = textwrap.dedent(
 
     lm = AutoModelForCausalLM.from_pretrained(DIRS["lm"], trust_remote_code=True).eval()
     assert type(lm).__module__.startswith("transformers_modules."), type(lm).__module__
-    lm_tokenizer = AutoTokenizer.from_pretrained(DIRS["lm"], trust_remote_code=True)  # as the card says
+    lm_tokenizer = AutoTokenizer.from_pretrained(DIRS["lm"], trust_remote_code=False)  # as the card says
     assert lm_tokenizer(data["lm_line"])["input_ids"] == data["lm_line_ids"]
     nll, count = 0.0, 0
     with torch.no_grad():

@@ -105,7 +105,7 @@ def test_push_to_hub_creates_the_repository_first_and_uploads_the_export(online_
             "model.encoder.final_norm.num_batches_tracked"} <= set(weights)
     card = files["README.md"].decode()
     assert 'AutoModelForSequenceClassification.from_pretrained("org/pn-sentiment", trust_remote_code=True)' in card
-    assert 'AutoTokenizer.from_pretrained("org/pn-sentiment", trust_remote_code=True)' in card
+    assert 'AutoTokenizer.from_pretrained("org/pn-sentiment", trust_remote_code=False)' in card
     assert "--push_to_hub" in card
     assert json.loads(files["all_results.json"]) == pytest.approx(results)
 

@@ -149,6 +149,23 @@ def test_latest_passes_over_incomplete_checkpoints_and_says_so(unbroken, tmp_pat
 # No pickle of the project's own
 # --------------------------------------------------------------------------------------------
 
+def test_a_manifest_naming_a_path_outside_its_checkpoint_is_refused(unbroken, tmp_path):
+    import shutil
+
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"not the checkpoint's")
+    for name in (str(outside), "../elsewhere.bin"):
+        folder = tmp_path / "run" / "step_6"
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        shutil.copytree(unbroken / "step_6", folder)
+        manifest = json.loads((folder / training.MANIFEST_NAME).read_text())
+        manifest["files"][name] = {"size": outside.stat().st_size, "sha256": "0" * 64}
+        (folder / training.MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(checkpoints.IncompleteCheckpointError, match=f"names {name!r}, a path outside"):
+            training.read_manifest(folder)
+        assert checkpoints.latest_checkpoint(tmp_path / "run") is None
+
+
 def test_checkpoints_keep_the_loop_state_as_json_and_exports_hold_no_pickle(unbroken, tmp_path):
     checkpoint = unbroken / "step_4"
     state = json.loads((checkpoint / training.TRAINING_STATE_NAME).read_text())
@@ -266,6 +283,8 @@ def test_checks_that_need_no_data_come_before_any_work(lm_files, unbroken, tmp_p
          r"--overwrite_output_dir would delete the checkpoint"),
         (train_lm, [*lm_files, "--output_dir", str(Path(lm_files[1]).parent), "--overwrite_output_dir"],
          r"would delete .*train.txt, an input of this run"),
+        (train_lm, ["--output_dir", str(occupied), "--overwrite_output_dir"],
+         r"holds no training_log.jsonl or all_results.json, and clearing it would delete model.safetensors"),
         (train_lm, ["--output_dir", str(tmp_path / "a"), "--checkpoints_total_limit", "0"],
          r"--checkpoints_total_limit must be at least 1; got 0"),
         (train_wmt, ["--output_dir", str(tmp_path / "a"), "--max_tokens", "100"],
@@ -284,10 +303,36 @@ def test_overwrite_output_dir_clears_another_runs_files(lm_files, tmp_path):
     (out / "step_9").mkdir(parents=True)
     (out / "tokenizer").mkdir()
     (out / "README.md").write_text("an earlier run")
+    (out / "training_log.jsonl").write_text('{"step": 1}\n')  # the record that makes it a run's folder
     train_lm.main([*LM_TINY, *lm_files, "--max_train_steps", "2", "--checkpointing_steps", "2",
                    "--overwrite_output_dir", "--output_dir", str(out)])
     assert not (out / "step_9").exists() and (out / "step_2" / training.MANIFEST_NAME).is_file()
     assert "an earlier run" not in (out / "README.md").read_text()
+
+
+
+def test_overwrite_clears_only_a_folder_holding_the_tools_record(tmp_path, monkeypatch):
+    folder = tmp_path / "home" / "run"
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / checkpoints.LOCK_NAME).write_text("")
+    with pytest.raises(ValueError, match=r"holds no compare.json, and clearing it would delete notes.txt;"):
+        checkpoints.check_clearable(folder, ["compare.json"])
+    (folder / "compare.json").symlink_to(folder / "notes.txt")  # a link is no record of the tool's
+    with pytest.raises(ValueError, match=r"would delete compare.json, notes.txt;"):
+        checkpoints.check_clearable(folder, ["compare.json"])
+    (folder / "compare.json").unlink()
+    (folder / "compare.json").write_text("{}")
+    checkpoints.check_clearable(folder, ["compare.json"])
+    with pytest.raises(ValueError, match=r"would delete .*notes.txt, an input of this run"):
+        checkpoints.check_clearable(folder, ["compare.json"], inputs=[None, str(folder / "notes.txt")])
+    monkeypatch.setenv("HOME", str(folder / "me"))
+    with pytest.raises(ValueError, match=r"holds the home folder"):
+        checkpoints.check_clearable(folder, ["compare.json"])
+    monkeypatch.chdir(folder)
+    with pytest.raises(ValueError, match=r"--output_dir \. holds the current directory"):
+        checkpoints.check_clearable(".", ["compare.json"])
+    assert sorted(p.name for p in folder.iterdir()) == [checkpoints.LOCK_NAME, "compare.json", "notes.txt"]
 
 
 # --------------------------------------------------------------------------------------------

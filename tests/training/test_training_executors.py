@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from hf_powernorm.training import executors
 from hf_powernorm.training.executors import ExecutorSettings, add_executor_args, executor_settings
 from hf_powernorm.training.grid import Cell, run_grid
 from test_training_grid import square
@@ -36,3 +37,13 @@ def test_a_grid_refuses_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"jobs=2 and executor jobs=3: give the executor's only"):
         run_grid([cell], square, tmp_path, jobs=2, executor=ExecutorSettings(jobs=3))
     assert not any(tmp_path.iterdir())
+
+
+def test_the_jobs_folder_is_private_to_this_user(tmp_path, monkeypatch):
+    """The driver and the jobs unpickle what `jobs/` holds: no other user may write there."""
+    monkeypatch.setattr(executors, "_submitit_runs", lambda *args: [])
+    (tmp_path / "old" / executors.JOBS_FOLDER).mkdir(parents=True, mode=0o777)
+    os.chmod(tmp_path / "old" / executors.JOBS_FOLDER, 0o777)  # one made group- and world-writable before
+    for output_dir in (tmp_path / "new", tmp_path / "old"):
+        executors.submit_jobs([Cell("a", {"x": 1})], square, output_dir, ExecutorSettings("submitit"), name="test")
+        assert (output_dir / executors.JOBS_FOLDER).stat().st_mode & 0o777 == 0o700

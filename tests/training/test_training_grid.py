@@ -100,6 +100,17 @@ def test_a_record_copied_without_its_cells_folder_is_refused_not_rerun(tmp_path)
     assert not (moved / "cells").exists() and _calls(tmp_path / "old") == ["x0"]
 
 
+def test_a_result_naming_another_cell_is_refused(tmp_path):
+    run_grid([Cell("a", {"x": 2})], square, tmp_path)
+    path = tmp_path / "cells" / "a" / "result.json"
+    for name in ("../../../elsewhere", None):  # reports build paths from the name read back
+        edited = {**json.loads(path.read_text()), "cell": name}
+        path.write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=f"{path} names the cell {name!r}, not its folder's 'a'"):
+            run_grid([Cell("a", {"x": 2})], square, tmp_path, report_only=True)
+    assert _calls(tmp_path) == ["a"]
+
+
 def sleeper(cell: Cell, folder: Path) -> dict:
     """A cell that says which process runs it, then outlasts any test."""
     (folder.parents[1] / f"{cell.name}.pid").write_text(str(os.getpid()))

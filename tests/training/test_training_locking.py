@@ -96,3 +96,38 @@ def test_a_file_is_no_output_folder(tmp_path):
 def test_disabled_takes_nothing(tmp_path):
     with hold_output_folder(tmp_path / "run", enabled=False) as folder:
         assert not folder.exists()
+
+
+def test_a_linked_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / LOCK_NAME).symlink_to(target)
+    with pytest.raises(ValueError, match=f"^{folder / LOCK_NAME} is a symbolic link; "):
+        with hold_output_folder(folder):
+            pass
+    assert target.read_text() == "mine" and (folder / LOCK_NAME).is_symlink()
+    assert read_lock(folder) == {}  # nor read through the link
+    (folder / LOCK_NAME).unlink()
+    (folder / LOCK_NAME).mkdir()
+    with pytest.raises(ValueError, match=f"^{folder / LOCK_NAME} is not a regular file; "):
+        with hold_output_folder(folder):
+            pass
+
+
+def test_a_lock_file_of_another_user_is_refused(tmp_path, monkeypatch):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 2 ** 22 + 1, "host": "elsewhere", "started": "x"}))
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path / LOCK_NAME).st_uid + 1)
+    with pytest.raises(ValueError, match=f"^{tmp_path / LOCK_NAME} belongs to another user"):
+        with hold_output_folder(tmp_path):
+            pass
+    assert read_lock(tmp_path)["host"] == "elsewhere"
+
+
+def test_a_folder_it_creates_is_private_and_one_it_finds_keeps_its_mode(tmp_path):
+    with hold_output_folder(tmp_path / "run") as folder:
+        assert folder.stat().st_mode & 0o777 == 0o700
+    os.chmod(tmp_path, 0o755)
+    with hold_output_folder(tmp_path):
+        assert tmp_path.stat().st_mode & 0o777 == 0o755
