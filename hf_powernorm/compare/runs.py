@@ -159,21 +159,18 @@ def embedded_model(folder: Path) -> str:
 
 
 def load_model_tokenizer(path: str, trust_remote_code: bool = False):
-    """The model's own tokenizer; one without a padding token pads with its end (else unknown)
-    token, which the masks and the -100 labels leave out of every loss and statistic."""
+    """The model's own tokenizer; one without a padding token pads with its end token
+    (`pad_with_eos`, the recipes' rule)."""
     from transformers import AutoTokenizer
+
+    from ..training.tokenization import pad_with_eos
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise ValueError(f"the tokenizer of --model_name_or_path {path} cannot be loaded: "
                          f"{str(error).strip().splitlines()[0]}") from None
-    if tokenizer.pad_token is None:
-        fallback = tokenizer.eos_token or tokenizer.unk_token
-        if fallback is None:
-            raise ValueError(f"the tokenizer of {path} has no padding, end or unknown token to pad with")
-        tokenizer.pad_token = fallback
-    return tokenizer
+    return pad_with_eos(tokenizer, path)
 
 
 def load_raw_data(options: CompareOptions):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import types
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -28,6 +29,9 @@ from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order: ids 0-3
+
+logger = logging.getLogger(__name__)
+_PADDED_WITH_EOS: set[str] = set()  # the tokenizers announced: a command loading one again says it once
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
@@ -77,12 +81,31 @@ def load_tokenizer(path: str | Path, model_max_length: int | None = None):
     # Where it was loaded from, not what it is: kept, they would travel into every export (and to the Hub).
     for name in ("is_local", "local_files_only"):
         tokenizer.init_kwargs.pop(name, None)
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name) is None:
-            raise ValueError(f"tokenizer {path} has no {name.removesuffix('_id')}; the recipes need one")
+    pad_with_eos(tokenizer, str(path))
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {path} has no eos_token; the recipes need one")
     if model_max_length:
         tokenizer.model_max_length = model_max_length
         tokenizer.init_kwargs["model_max_length"] = model_max_length
+    return tokenizer
+
+
+def pad_with_eos(tokenizer: PreTrainedTokenizerBase, source: str) -> PreTrainedTokenizerBase:
+    """The rule for a tokenizer without a padding token (GPT-2's, Llama's), the same in the recipes
+    and `hf-powernorm compare`: it pads with its end-of-sequence token, as Transformers' `run_clm.py`
+    does (the attention masks and the -100 labels leave padding out of every loss and statistic),
+    said once in the log; without an end token either, a ValueError naming the fix."""
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError(f"the tokenizer of {source} has no padding token and no end-of-sequence token to pad "
+                         f"with: set one of its tokens as tokenizer.pad_token and save it with save_pretrained")
+    tokenizer.pad_token = tokenizer.eos_token
+    if source in _PADDED_WITH_EOS:
+        return tokenizer
+    _PADDED_WITH_EOS.add(source)
+    logger.warning(f"the tokenizer of {source} has no padding token: padding with its end-of-sequence token "
+                   f"{tokenizer.eos_token!r} (left out of the loss by the masks)")
     return tokenizer
 
 

@@ -39,9 +39,10 @@ def shakespeare_like(lines: int, seed: int = 0) -> str:
     return "".join(line + "\n" for line in out[:lines])
 
 
-def byte_level_tokenizer(texts, vocab_size: int = 301, bos: bool = False):
+def byte_level_tokenizer(texts, vocab_size: int = 301, bos: bool = False, eos: bool = True):
     """A GPT-2-style tokenizer: byte-level BPE, `<|endoftext|>` its only special token, nothing
-    appended to a text (with `bos`, `<|endoftext|>` put before it, as Llama puts `<s>`)."""
+    appended to a text (with `bos`, `<|endoftext|>` put before it, as Llama puts `<s>`); no padding
+    token, and with `eos=False` no special token at all."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,6 +54,8 @@ def byte_level_tokenizer(texts, vocab_size: int = 301, bos: bool = False):
     if bos:
         backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
                                                                special_tokens=[("<|endoftext|>", 0)])
+    if not eos:
+        return PreTrainedTokenizerFast(tokenizer_object=backend)
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                    unk_token="<|endoftext|>")
 
@@ -361,3 +364,66 @@ def test_compare_on_a_gpt2_style_model_and_text_with_blank_lines(tokenizers, tmp
         (norm, split) for norm in ("layernorm", "rmsnorm") for split in ("test", "validation")]
     assert all(float(r["perplexity"]) > 1 for r in rows)
     assert "test perplexity" in (output / "report.md").read_text(encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# A tokenizer without a padding token: one rule for the recipes and `compare`
+# --------------------------------------------------------------------------------------------
+
+def _gpt2_folder(folder: Path, tokenizer) -> Path:
+    """A tiny GPT-2 saved with `tokenizer` (no padding token in either)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_lm_recipe_pads_a_gpt2_style_tokenizer_with_its_eos_and_says_so_once(tokenizers, tmp_path, caplog):
+    """A GPT-2-style model folder without a padding token converts, trains and exports, padding with
+    its end token as `compare` does; the log says so once."""
+    tokenizer = tokenizers["byte-level"]
+    assert tokenizer.pad_token is None
+    folder = _gpt2_folder(tmp_path / "gpt2", tokenizer)
+    (tmp_path / "speech.txt").write_text(shakespeare_like(200, seed=2), encoding="utf-8")
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        results = train_lm.main(["--train_file", str(tmp_path / "speech.txt"), "--model_name_or_path", str(folder),
+                                 "--convert_norms", "powernorm", "--block_size", "16", "--max_tokens", "64",
+                                 "--max_train_steps", "2", "--warmup_steps", "1", "--output_dir", str(out)])
+    assert results["test_perplexity"] > 1 and (out / "model.safetensors").is_file()
+    said = [r.getMessage() for r in caplog.records if "no padding token" in r.getMessage()]
+    assert len(said) == 1 and "'<|endoftext|>'" in said[0], said
+    assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == "<|endoftext|>"
+    assert compare.load_model_tokenizer(str(folder)).pad_token_id == tokenizer.eos_token_id
+
+
+def test_a_tokenizer_without_padding_or_end_token_is_one_line_in_the_recipe_and_compare(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Nothing to pad with: the recipe and `compare` refuse alike, exit 2, one line naming the fix."""
+    import sys
+
+    from hf_powernorm import cli
+    from hf_powernorm.training.tasks import run_script
+
+    bare = byte_level_tokenizer(shakespeare_like(100).splitlines(), eos=False)
+    assert bare.pad_token is None and bare.eos_token is None and bare.unk_token is None
+    folder = _gpt2_folder(tmp_path / "bare", bare)
+    with pytest.raises(ValueError, match="no padding token and no end-of-sequence token"):
+        tokenization.pad_with_eos(bare, "a test")
+    (tmp_path / "speech.txt").write_text(shakespeare_like(100), encoding="utf-8")
+    data = ["--train_file", str(tmp_path / "speech.txt"), "--model_name_or_path", str(folder), "--block_size", "16",
+            "--max_tokens", "64"]
+    monkeypatch.setattr(sys, "argv", ["train_lm.py"])
+    capsys.readouterr()
+    for command in (lambda: run_script(train_lm.main, [*data, "--convert_norms", "powernorm",
+                                                         "--output_dir", str(tmp_path / "lm")]),
+                    lambda: cli.main(["compare", *data, "--norms", "rmsnorm", "--output_dir", str(tmp_path / "cmp")])):
+        with pytest.raises(SystemExit) as stopped:
+            command()
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if ": error: " in line]
+        assert stopped.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert f"the tokenizer of {folder} has no padding token" in lines[0] and "save_pretrained" in lines[0]
