@@ -163,6 +163,41 @@ def test_checkpoint_runs_a_killed_run_goes_on_to_the_scores_of_an_unbroken_one(g
     assert "Resuming from" not in capsys.readouterr().out and len(_rows(out)) == len(unbroken)
 
 
+def test_checkpoint_runs_a_checkpoint_failing_its_hash_is_set_aside_and_the_rerun_scores(gpt2_case, capsys,
+                                                                                      tmp_path, caplog):
+    """One flipped byte in a stopped run's checkpoint: the same command sets it aside, naming it,
+    starts the run over, and exits with the scores of an unbroken run."""
+    import multiprocessing
+    import signal
+
+    model, task, data = gpt2_case
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "powernorm", *TINY,
+            "--max_train_steps", "4"]
+    compare.main([*argv, "--output_dir", str(tmp_path / "unbroken")])
+    out = tmp_path / "out"
+    resumable = [*argv, "--output_dir", str(out), "--checkpoint_runs"]
+    child = multiprocessing.get_context("fork").Process(target=_compare_killed, args=(resumable, "0@3"))
+    child.start()
+    child.join(300)
+    run = out / "cells" / "powernorm-lr0.0005-seed1" / "run"
+    assert child.exitcode == -signal.SIGKILL and (run / "step_2").is_dir()
+    weights = bytearray((run / "step_2" / "model.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 1
+    (run / "step_2" / "model.safetensors").write_bytes(bytes(weights))
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        cli.main(["compare", *resumable])  # exits 0: no SystemExit
+    assert "Resuming from" not in capsys.readouterr().out
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{run / 'step_2'}: model.safetensors does not match its SHA-256" in warned
+    assert f"set aside as {run / 'step_2.corrupt'}" in warned and "starts over" in warned
+    unbroken, rerun = _rows(tmp_path / "unbroken"), _rows(out)
+    assert len(rerun) == len(unbroken) > 0
+    for a, b in zip(unbroken, rerun):
+        assert {k: float(b[k]) for k in ("loss", "perplexity")} == \
+               pytest.approx({k: float(a[k]) for k in ("loss", "perplexity")}, rel=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # Fingerprints: a changed input is not silently reused
 # --------------------------------------------------------------------------------------------
