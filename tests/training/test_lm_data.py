@@ -297,6 +297,30 @@ def test_dataset_rows_are_documents_separated_by_eos(tokenizers, tmp_path):
             assert stream == expected
 
 
+@pytest.mark.parametrize("keep_linebreaks", [True, False])
+def test_a_folder_of_text_files_gives_the_stream_of_the_same_files(keep_linebreaks, tokenizers, tmp_path):
+    """`--dataset_name` a local folder of .txt files (the `datasets` text builder) reads them as
+    `--train_file`/`--validation_file` do: lines with their line breaks (or without, with
+    `--no_keep_linebreaks`), blank lines kept, not a document per line."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for split, seed in (("train", 3), ("validation", 4)):
+        (folder / f"{split}.txt").write_text(shakespeare_like(40, seed=seed), encoding="utf-8")
+    assert readers.is_text_folder(folder) and not readers.is_text_folder(tmp_path / "nowhere")
+    common = {"block_size": 8, "output_dir": str(tmp_path / "out"), "keep_linebreaks": keep_linebreaks}
+    by_folder = language_modeling.LanguageModelling.from_options(dataset_name=str(folder), **common)
+    by_files = language_modeling.LanguageModelling.from_options(
+        train_file=str(folder / "train.txt"), validation_file=str(folder / "validation.txt"), **common)
+    for kind in ("byte-level", "bpe"):
+        tokenizer = tokenizers[kind]
+        streams = [{split: _stream_of(part) for split, part in task.tokenize(task.read_splits(0), tokenizer).items()}
+                   for task in (by_folder, by_files)]
+        assert streams[0] == streams[1] and set(streams[0]) == {"train", "validation"}
+        if kind == "byte-level":
+            assert (tokenizer.eos_token_id in streams[0]["train"]) is False
+            assert (_decoded(tokenizer, streams[0]["train"]) == (folder / "train.txt").read_text()) is keep_linebreaks
+
+
 # --------------------------------------------------------------------------------------------
 # An exported language model continues a prompt
 # --------------------------------------------------------------------------------------------
