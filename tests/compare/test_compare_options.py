@@ -62,6 +62,16 @@ def test_help_by_python_m_imports_no_torch(module):
     assert "hf_powernorm.compare.options" in imported and not {"torch", "transformers"} & imported
 
 
+def test_the_help_of_norms_names_every_norm_of_the_registry():
+    from hf_powernorm.compare.options import NORMS
+    from hf_powernorm.normalization import NORM_CLASSES
+
+    assert NORMS == tuple(NORM_CLASSES)
+    norms = next(a for a in compare.build_parser()._actions if a.dest == "norms")
+    listed = norms.help.partition("of the norm registry: ")[2].partition(";")[0]
+    assert listed.split(", ") == list(NORM_CLASSES)
+
+
 def test_a_command_that_runs_loads_the_library_and_registers_the_family(tmp_path):
     script = tmp_path / "hf-powernorm"
     script.write_text(CONSOLE_SCRIPT + "import transformers\nprint(transformers.AutoConfig.for_model("
