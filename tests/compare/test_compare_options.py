@@ -234,6 +234,30 @@ def test_a_train_file_edited_in_place_redoes_the_runs_and_says_the_data_changed(
     _data_changed(argv, capsys, lambda: train.write_text(text.replace("a", "e"), encoding="utf-8"))
 
 
+def test_each_data_file_is_in_the_fingerprint(gpt2_case, tmp_path):
+    """An edit of the validation or test file changes the data's fingerprint as one of the train
+    file does: the runs scored on it are redone."""
+    from hf_powernorm.compare.options import parse_args
+    from hf_powernorm.compare.plan import fingerprint
+
+    model, task, data = gpt2_case
+    data = [*data]
+    texts = {}
+    for split in ("train", "validation", "test"):
+        given = Path(data[data.index(f"--{split}_file") + 1])
+        texts[split] = given.read_text(encoding="utf-8")
+        (tmp_path / given.name).write_text(texts[split], encoding="utf-8")
+        data[data.index(f"--{split}_file") + 1] = str(tmp_path / given.name)
+    options = parse_args(["--model_name_or_path", model, "--task", task, *data, "--norms", "layernorm",
+                          "--output_dir", str(tmp_path / "out")])
+    seen = [fingerprint(options)]
+    for split in ("train", "validation", "test"):
+        (tmp_path / f"{split}.txt").write_text(texts[split].replace("a", "e"), encoding="utf-8")  # same size
+        seen.append(fingerprint(options))
+        assert seen[-1]["data"] != seen[-2]["data"], split
+        assert {k: v for k, v in seen[-1].items() if k != "data"} == {k: v for k, v in seen[0].items() if k != "data"}
+
+
 def test_a_local_dataset_folder_edited_in_place_redoes_the_runs(gpt2_case, capsys, tmp_path):
     from datasets import Dataset
 
