@@ -270,6 +270,29 @@ def test_no_keep_linebreaks_joins_the_lines_across_blank_lines(tokenizers, tmp_p
     stream = [token for ids in lines["train"]["input_ids"] for token in ids]
     assert _stream_of(blocks) == stream
     assert tokenizer.decode(stream) == TEXT.replace("\n", "")
+    # The task's own pass reads --no_keep_linebreaks too.
+    assert list(task.tokenize(raw, tokenizer)["train"]["input_ids"]) == list(
+        training.lm_blocks(lines, block_size=8)["train"]["input_ids"])
+
+
+def test_a_tokenizer_without_an_end_token_puts_only_text_in_the_stream(tokenizers, tmp_path):
+    """A tokenizer with no EOS and no line break in its vocabulary: lines and documents follow one
+    another with nothing between them, never a `None` id."""
+    from transformers import PreTrainedTokenizerFast
+
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=tokenizers["bpe"].backend_tokenizer, pad_token="<pad>",
+                                     unk_token="<unk>")
+    assert no_eos.eos_token_id is None and not tokenization.writes_line_breaks(no_eos)
+    assert tokenization.sequence_ends(no_eos) == ((), ())
+    path = tmp_path / "speech.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    raw = _text_file_blocks(path, no_eos)[1]
+    expected = [t for text in raw["train"]["text"] for t in no_eos(text, add_special_tokens=False)["input_ids"]]
+    for documents in ((), ("train", "validation")):
+        lines = training.tokenize_lines(raw, no_eos, documents=documents)
+        stream = [token for ids in lines["train"]["input_ids"] for token in ids]
+        assert stream == expected and None not in stream
+        assert _stream_of(training.lm_blocks(lines, block_size=8)["train"]) == expected
 
 
 def test_dataset_rows_are_documents_separated_by_eos(tokenizers, tmp_path):
