@@ -516,6 +516,30 @@ def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_pa
     assert "tokenizer.json" in uploaded[0][1]
 
 
+def test_save_models_added_to_a_finished_comparison_keeps_the_models(gpt2_case, tmp_path, capsys):
+    """A finished comparison run again with `--save_models`: its runs, which kept no model, run again
+    to the same scores and keep them; with `--report_only` nothing can be kept: exit 2, one line."""
+    model, task, data = gpt2_case
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "layernorm", *TINY,
+            "--output_dir", str(tmp_path / "out")]
+    compare.main(argv)
+    first = _rows(tmp_path / "out")
+    assert not (tmp_path / "out" / "models").exists()
+    capsys.readouterr()
+    _one_line_error([*argv, "--save_models", "--report_only"], capsys, "--save_models kept no model")
+    capsys.readouterr()
+    compare.main([*argv, "--save_models"])
+    err = capsys.readouterr().err
+    assert "layernorm-lr0.0005-seed1: finished without --save_models" in err and "0 of 1 runs finished" in err
+    assert (tmp_path / "out" / "models" / "layernorm" / "model.safetensors").is_file()
+    again = _rows(tmp_path / "out")
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in again] == \
+           [{k: v for k, v in r.items() if k != "seconds"} for r in first]
+    capsys.readouterr()
+    compare.main([*argv, "--save_models"])  # kept now: nothing to run again
+    assert "1 of 1 runs finished, 0 to run" in capsys.readouterr().err
+
+
 def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(tmp_path, monkeypatch):
     import matplotlib.figure
 
