@@ -41,13 +41,23 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
 
     NFKC normalisation, whitespace kept as `▁` (Metaspace) so decoding restores the text, special
     tokens `<s>` (0), `<pad>` (1), `</s>` (2), `<unk>` (3) as in fairseq's dictionaries and the
-    model config's defaults. By default nothing is added to an encoded text, so that a prompt stays
+    model config's defaults; a line break encodes as `</s>`, which ends each line in training. By default nothing is added to an encoded text, so that a prompt stays
     open for generation (as GPT-2's and Llama's tokenizers leave it); `append_eos=True` appends `</s>`
     to every text (as BART's and Marian's tokenizers end a source or a sentence to classify). Either
     way the data passes end each sequence with one `</s>` (as fairseq appends EOS to source, target
     and language-model lines): the ids they give are the same.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= len(SPECIAL_TOKENS):
@@ -59,6 +69,12 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress)
     tokenizer.train_from_iterator(texts, trainer)
+    # A line break (LF, CRLF or CR, as `read_lines` splits) encodes as the `</s>` that ends each line
+    # of the training text: the normalizer writes it as `</s>`, which the special token then matches,
+    # so a prompt of several lines is encoded as its lines are in training, with no unknown token.
+    line_break = normalizers.Replace(Regex(r"\r\n|\r|\n"), "</s>")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), line_break])
+    tokenizer.add_special_tokens([AddedToken("</s>", special=True, normalized=True)])
     if append_eos:
         eos_id = tokenizer.token_to_id("</s>")
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -182,8 +198,8 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str],
 
 def writes_line_breaks(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether `tokenizer` encodes a line break as text that decodes back to it (GPT-2's byte-level
-    BPE, Llama's byte fallback), unlike a vocabulary without one (this package's BPE, trained on
-    lines), which would make it unknown or drop it."""
+    BPE, Llama's byte fallback), unlike a vocabulary without one, which makes it unknown, drops it,
+    or (this package's BPE, trained on lines) encodes it as the `</s>` that ends a line."""
     ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
     return bool(ids) and tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == "\n"
 

@@ -366,6 +366,25 @@ def test_translation_and_classification_tokenizers_end_a_text_with_eos_as_barts_
     assert _task_hashes(*appending) == {k: v for k, v in SMOKE_HASHES.items() if k.startswith(("translation", "class"))}
 
 
+def test_the_recipes_bpe_encodes_a_prompt_with_blank_lines_as_its_training_stream(tokenizers, tmp_path):
+    """This package's BPE ends each training line with `</s>`: a prompt with line breaks (LF, CRLF)
+    and blank lines encodes to the ids the same text has in the training stream, with no unknown
+    token, also once saved and loaded again."""
+    bpe = tokenizers["bpe"]
+    bpe.save_pretrained(tmp_path / "bpe")
+    reloaded = training.load_tokenizer(tmp_path / "bpe")
+    text = "First Citizen:\nBefore we proceed.\n\nAll:\nSpeak, speak.\n"
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    raw = _text_file_blocks(tmp_path / "prompt.txt", bpe)[1]
+    stream = [t for ids in training.tokenize_lines(raw, bpe)["train"]["input_ids"] for t in ids]
+    for tokenizer in (bpe, reloaded):
+        for prompt in (text, text.replace("\n", "\r\n")):
+            ids = tokenizer(prompt)["input_ids"]
+            assert ids == stream and tokenizer.unk_token_id not in ids
+    assert not tokenization.writes_line_breaks(bpe)  # the training stream still ends lines with `</s>`
+    assert bpe("the dog")["input_ids"] == bpe("the dog", add_special_tokens=False)["input_ids"]
+
+
 def test_exported_tokenizer_leaves_a_prompt_open_and_generation_continues_it(tmp_path):
     from transformers import AutoTokenizer, pipeline
 
