@@ -32,6 +32,9 @@ TASKS = ("causal-lm", "classification", "seq2seq")
 # The schedules of `training.optimization.SCHEDULER_TYPES` (a test holds them equal).
 SCHEDULES = ("inverse_sqrt", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
              "constant_with_warmup")
+# The names of the norm registry (`normalization.NORM_CLASSES`; a test holds them equal), for the help.
+NORMS = ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "layernorm", "rmsnorm", "groupnorm",
+         "none", "dyt", "derf")
 MAX_SEED = 2**32 - 1
 # Recipe options that a comparison does not take: it sets them itself (the norms, one run per seed,
 # which draws its dropout too, the checkpoints of --checkpoint_runs, the function kept unless
@@ -172,8 +175,8 @@ class CompareOptions:
     task: str = option(EMBEDDED_TASK, "what the model is fine-tuned and scored on; causal-lm reads a 'text' (or "
                                       "'sentence') column, classification 'text' and 'label', seq2seq "
                                       "'translation' ({lang: text})", choices=TASKS)
-    norms: list[str] = option([BASELINE, "powernorm"], f"norms to compare (names of the norm registry, e.g. rmsnorm, "
-                                                       f"dyt), the first the baseline of the verdict; '{BASELINE}' is "
+    norms: list[str] = option([BASELINE, "powernorm"], f"norms to compare, of the norm registry: {', '.join(NORMS)}; "
+                                                       f"the first the baseline of the verdict; '{BASELINE}' is "
                                                        f"the model's own norms, unchanged (named by their class in "
                                                        f"the report); '{BASELINE} {BASELINE}' is the A/A run, the "
                                                        f"baseline against itself", runtime=True, nargs="*")

@@ -179,7 +179,7 @@ def continue_or_clear(folder: Path, checkpoint_runs: bool) -> None:
 def redo_changed_runs(cells: Sequence, output_dir: str | Path) -> list[str]:
     """Set aside (as `result.changed.json`) the result of each finished run whose fingerprint differs
     from the inputs' now, saying which input changed; returns the names of those runs."""
-    from ..training.grid import RESULT_NAME, cell_result
+    from ..training.grid import cell_result
 
     current = saved_comparison(output_dir)["fingerprint"]
     redone = []
@@ -190,8 +190,35 @@ def redo_changed_runs(cells: Sequence, output_dir: str | Path) -> list[str]:
         ran = result.get("fingerprint", {})
         changed = [part for part in current if ran.get(part) != current[part]]
         if changed:
-            path = Path(output_dir) / "cells" / cell.name / RESULT_NAME
-            path.replace(path.with_suffix(".changed.json"))
+            _set_aside_result(output_dir, cell, "changed")
             print(f"{cell.name}: the {' and '.join(changed)} changed since it ran; running it again", file=sys.stderr)
             redone.append(cell.name)
     return redone
+
+
+def redo_runs_without_models(cells: Sequence, output_dir: str | Path) -> list[str]:
+    """With `--save_models`: set aside (as `result.without_model.json`) the result of each finished
+    run that validated but kept no model (it ran without the option), so that it runs again, to the
+    same scores, and keeps it; returns the names of those runs."""
+    from ..training.checkpoints import BEST_MODEL_DIR
+    from ..training.grid import cell_result
+
+    redone = []
+    for cell in cells:
+        result = cell_result(output_dir, cell)
+        run = Path(output_dir) / "cells" / cell.name / "run"
+        if result is None or result.get("best_validation") is None or (run / BEST_MODEL_DIR).is_dir():
+            continue
+        _set_aside_result(output_dir, cell, "without_model")
+        print(f"{cell.name}: finished without --save_models, so it kept no model; running it again to keep it",
+              file=sys.stderr)
+        redone.append(cell.name)
+    return redone
+
+
+def _set_aside_result(output_dir: str | Path, cell, why: str) -> None:
+    """The result of a finished run renamed `result.<why>.json`: the run counts as not finished."""
+    from ..training.grid import RESULT_NAME
+
+    path = Path(output_dir) / "cells" / cell.name / RESULT_NAME
+    path.replace(path.with_suffix(f".{why}.json"))

@@ -30,6 +30,7 @@ from .plan import (
     continue_or_clear,
     make_cells,
     redo_changed_runs,
+    redo_runs_without_models,
     run_args,
     save_comparison,
     saved_comparison,
@@ -159,21 +160,18 @@ def embedded_model(folder: Path) -> str:
 
 
 def load_model_tokenizer(path: str, trust_remote_code: bool = False):
-    """The model's own tokenizer; one without a padding token pads with its end (else unknown)
-    token, which the masks and the -100 labels leave out of every loss and statistic."""
+    """The model's own tokenizer; one without a padding token pads with its end token
+    (`pad_with_eos`, the recipes' rule)."""
     from transformers import AutoTokenizer
+
+    from ..training.tokenization import pad_with_eos
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise ValueError(f"the tokenizer of --model_name_or_path {path} cannot be loaded: "
                          f"{str(error).strip().splitlines()[0]}") from None
-    if tokenizer.pad_token is None:
-        fallback = tokenizer.eos_token or tokenizer.unk_token
-        if fallback is None:
-            raise ValueError(f"the tokenizer of {path} has no padding, end or unknown token to pad with")
-        tokenizer.pad_token = fallback
-    return tokenizer
+    return pad_with_eos(tokenizer, path)
 
 
 def load_raw_data(options: CompareOptions):
@@ -390,10 +388,13 @@ def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]
     """The unfinished runs of `cells`, one after the other in this process (under `accelerate
     launch` every process runs every cell together, the main process clearing its folder and
     writing its result), or with `--jobs N` by `run_grid` in N processes at once. A finished run
-    whose inputs changed since is run again, and what is left to run is said first; each run
+    whose inputs changed since is run again (and with `--save_models` one that kept no model), and
+    what is left to run is said first; each run
     shows one progress bar, announced by a line."""
     if not options.report_only and (world_size() == 1 or int(os.environ.get("RANK", "0")) == 0):
         redo_changed_runs(cells, options.output_dir)
+        if options.save_models:  # added to runs that finished without it: they run again to keep their models
+            redo_runs_without_models(cells, options.output_dir)
         finished = sum(cell_result(options.output_dir, cell) is not None for cell in cells)
         print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
     if options.executor != "local" and not options.report_only:
@@ -627,6 +628,10 @@ def _main(options: CompareOptions) -> list[dict[str, Any]]:
         print(write_outputs(results, chosen, options, facts))
         if options.save_models:
             kept = keep_best_models(results, chosen, options)
+            if not kept:
+                raise ValueError("--save_models kept no model: no finished run holds its best model (a run that "
+                                 "finished without --save_models keeps none; the same command without "
+                                 "--report_only runs it again)")
             print(f"kept models: {', '.join(str(folder) for folder in kept.values())}", file=sys.stderr)
             if options.push_to_hub:
                 print(f"pushed to the Hub: {', '.join(push_models(kept, options))}", file=sys.stderr)

@@ -12,7 +12,8 @@ complete (`atomic_files.py`); its manifest `checkpoint.json` is written last: ev
 size and SHA-256, the step, the command-line options a resumed run must share (`RESUME_OPTIONS`),
 and the hash of what must not change when the run resumes (the model class, its config but for the
 fields of `RESUMABLE_CONFIG_FIELDS`, the tokenizer). A folder without a manifest that matches its
-files is incomplete: resuming (`resuming.py`) and averaging pass it over. Nothing the project writes
+files is incomplete: resuming (`resuming.py`) and averaging pass it over; one whose files fail
+their SHA-256 is set aside as `step_<N>.corrupt` when a run resumes (`set_aside`). Nothing the project writes
 is unpickled; Accelerate's optimizer and RNG files are pickles, so checkpoint folders are trusted
 local files and never part of an export.
 """
@@ -68,6 +69,9 @@ RESUMABLE_CONFIG_FIELDS = ("transformers_version", "_name_or_path", "architectur
 RESUME_OPTIONS = ("preset", "config_name", "config_overrides", "norm_type", "encoder_norm_type",
                   "decoder_norm_type", *PN_OPTIONS, "gradient_accumulation_steps", "lr_scheduler_type",
                   "num_warmup_steps", "warmup_init_lr")
+# A checkpoint whose files fail their SHA-256 is set aside as `step_<N>.corrupt`: out of every
+# listing (not a `<prefix>_<N>` name), kept to be looked into.
+CORRUPT_SUFFIX = ".corrupt"
 _CHECKPOINT_NAME = re.compile(r"^(?P<prefix>.*?)[_-]?(?P<number>\d+)$")
 _LEFTOVER_NAME = re.compile(r"^\.(?P<name>step_\d+|best_model)\.(?:tmp|old)-\d+$")
 
@@ -180,6 +184,21 @@ def _check_file(folder: Path, name: str, expected: dict[str, Any], verify_hashes
         raise IncompleteCheckpointError(f"{folder}: {name} has {size} bytes, the manifest says {expected['size']}")
     if verify_hashes and _sha256(path) != expected["sha256"]:
         raise IncompleteCheckpointError(f"{folder}: {name} does not match its SHA-256 in the manifest")
+
+
+def set_aside(folder: str | Path) -> Path:
+    """Rename checkpoint `folder` (one whose files fail their SHA-256) to `<name>.corrupt`, replacing
+    an older one of that name, so that no run resumes from it; return the new path."""
+    folder = Path(folder)
+    target = folder.with_name(folder.name + CORRUPT_SUFFIX)
+    remove_path(target)
+    folder.rename(target)
+    return target
+
+
+def corrupt_checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoints of `directory` set aside by `set_aside`."""
+    return sorted(path for path in Path(directory).glob(f"*{CORRUPT_SUFFIX}") if path.is_dir())
 
 
 def checkpoint_step(folder: str | Path) -> int:

@@ -66,6 +66,7 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
                                   save_function=accelerator.save)
         if accelerator.is_main_process:
+            _take_the_models_length(tokenizer, unwrapped.config)
             tokenizer.save_pretrained(output_dir)
             save_results(output_dir, results)
             scores = {k: round(v, 4) for k, v in results.items() if isinstance(v, float) and math.isfinite(v)}
@@ -84,6 +85,15 @@ def save_outputs(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         _push(output_dir, args.hub_model_id, results)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def _take_the_models_length(tokenizer: Any, config: Any) -> None:
+    """The exported tokenizer's `model_max_length`: the positions the model takes, not the block or
+    sequence length the run tokenized for (kept where the config names no positions)."""
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions:
+        tokenizer.model_max_length = positions
+        tokenizer.init_kwargs["model_max_length"] = positions
 
 
 @contextlib.contextmanager

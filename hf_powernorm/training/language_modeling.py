@@ -1,10 +1,10 @@
 """The language-modelling task `causal-lm` of `recipes/train_lm.py` (the paper's Section 5.2): its
-arguments, its data (fixed-length blocks of the token stream: the lines of text files with their
-line breaks unless `--no_keep_linebreaks`, the rows of a dataset as documents; `tokenize_lines`),
-its loss (next-token cross-entropy, label-smoothed with `args.label_smoothing` where a study sets
-it), and perplexity per token and per word. The recipe and `hf_powernorm.studies.converted_models` run it through `run_task` with
-`main(argv)`, the studies' language models through `train_and_score`, `hf-powernorm compare` on a
-pretrained causal LM.
+arguments, its data (fixed-length blocks of the token stream: the lines of text files, or of a local
+folder of them, with their line breaks unless `--no_keep_linebreaks`, the rows of a dataset as
+documents; `tokenize_lines`), its loss (next-token cross-entropy, label-smoothed with
+`args.label_smoothing` where a study sets it), and perplexity per token and per word. The recipe and
+`hf_powernorm.studies.converted_models` run it through `run_task` with `main(argv)`, the studies'
+language models through `train_and_score`, `hf-powernorm compare` on a pretrained causal LM.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from .checkpoints import (
     average_buffers_across_processes,
     best_model_step,
     check_output_dir,
+    corrupt_checkpoints,
     load_best_model,
     prune_checkpoints,
     resume_options,
@@ -106,14 +107,18 @@ def quiet_other_processes(accelerator: Accelerator) -> None:
 
 def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace,
                        input_options: Sequence[str] = DATA_FILE_OPTIONS) -> bool:
-    """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, created.
+    """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, or
+    when it was to be resumed but every checkpoint failed its hash (but for those set aside); created.
     Returns whether the run starts it empty (not resuming the run it holds)."""
+    asked_to_resume = bool(getattr(args, "resume_from_checkpoint", None))
     check_run_start(accelerator, args, input_options)
     output_dir = Path(args.output_dir)
     fresh = not getattr(args, "resume_from_checkpoint", None)
     if accelerator.is_main_process:
         if getattr(args, "overwrite_output_dir", False) and output_dir.is_dir():
             clear_folder(output_dir, keep=(LOCK_NAME,))  # the lock of this run, held by `hold_output_folder`
+        elif asked_to_resume and fresh:  # every checkpoint set aside: start over, keeping them to look into
+            clear_folder(output_dir, keep=(LOCK_NAME, *(path.name for path in corrupt_checkpoints(output_dir))))
         output_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     return fresh
@@ -124,7 +129,8 @@ def check_run_start(accelerator: Accelerator, args: argparse.Namespace,
     """The checks that need no data, before any is read or anything written: the batch budget
     against the maximum lengths, the output folder (`check_output_dir`), and the checkpoint to
     resume: complete, and of this run's command-line configuration and tokenizer.
-    `args.resume_from_checkpoint` becomes the checkpoint's path (`latest` resolved)."""
+    `args.resume_from_checkpoint` becomes the checkpoint's path (`latest` resolved), or None where
+    every checkpoint was set aside (`resolve_resume_path`): the run starts over."""
     check_batch_budget(args)
     resume_from = getattr(args, "resume_from_checkpoint", None)
     if resume_from and not getattr(args, "do_train", True):
@@ -133,9 +139,12 @@ def check_run_start(accelerator: Accelerator, args: argparse.Namespace,
                      inputs=[getattr(args, name, None) for name in
                              (*input_options, *MODEL_PATH_OPTIONS, "model_name_or_path")])
     if resume_from:
-        path = resolve_resume_path(resume_from, args.output_dir, report=accelerator.print)
-        check_resume_options(path, args)
-        args.resume_from_checkpoint = str(path)
+        with accelerator.main_process_first():  # the main process sets aside what fails its hash
+            path = resolve_resume_path(resume_from, args.output_dir, report=accelerator.print,
+                                       set_aside_corrupt=accelerator.is_main_process)
+        if path is not None:
+            check_resume_options(path, args)
+        args.resume_from_checkpoint = None if path is None else str(path)
 
 
 def start_run(accelerator: Accelerator, args: argparse.Namespace, name: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from accelerate.logging import get_logger
 
 from ..configuration_powernorm import PowerNormTransformerConfig
-from ..normalization import NORM_CLASSES
+from ..normalization import NORM_CLASSES, normalize_norm_name
 from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
 
 logger = get_logger(__name__)
@@ -210,7 +210,34 @@ def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num
         return load_and_convert(args, auto_class, tokenizer, num_processes, calibration, **fields)
     if args.model_name_or_path:
         return load_pretrained_model(args, model_class, tokenizer, num_processes, max_length, **fields)
-    return model_class(build_config(args, tokenizer, num_processes, default_size, max_length, **fields))
+    model = model_class(build_config(args, tokenizer, num_processes, default_size, max_length, **fields))
+    warn_causal_leak(model, args.gradient_accumulation_steps)
+    return model
+
+
+def warn_causal_leak(model: torch.nn.Module, gradient_accumulation_steps: int = 1) -> None:
+    """A new causal language model whose norms take batch statistics in training (PN during its
+    warmup, BN always) says so once at the start, as its model card does: those statistics mix the
+    positions of a batch, so later tokens leak into earlier ones' training outputs."""
+    from ..converter import causal_norms, mixes_positions
+    from ..modeling_powernorm import PowerNormTransformerForCausalLM
+
+    config = model.config
+    norm = normalize_norm_name(config.decoder_norm_type)
+    if not (isinstance(model, PowerNormTransformerForCausalLM) and mixes_positions(norm, config.norm_kwargs(norm))):
+        return
+    cls = NORM_CLASSES[norm]
+    fields = [cls.config_options[option] for option in cls.mixing_options]
+    if fields:  # counted in forward passes in the config
+        updates = sum(getattr(config, field) for field in fields) // gradient_accumulation_steps
+        when = f"for its first {updates} updates (its warmup)"
+        avoid = f"pass {' '.join(f'--{field} 0' for field in fields)} to use running statistics from the start, or "
+    else:
+        when, avoid = "at every update", "use "
+    logger.warning(f"{type(model).__name__}: its {norm} norms train on batch statistics {when}: they mix the "
+                   f"positions of a batch, so the statistics of later tokens leak into earlier positions' training "
+                   f"outputs (eval mode is unaffected); {avoid}a norm that keeps the positions apart "
+                   f"({causal_norms()}, with --norm_type)", main_process_only=True)
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -212,8 +212,9 @@ def _pairs_from_columns(part: Dataset, columns: dict[str, str], languages: tuple
 def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | None = None,
                     data_files: dict[str, str] | None = None, columns: dict[str, str] | None = None) -> DatasetDict:
     """Language-modelling text as a `DatasetDict` with one `text` column: a line per row (its line
-    break left out) of a plain-text file (`.txt`, `.raw`, `.tokens`, ...), a document per row of
-    JSON lines with a `text` field or of a dataset (`lm_document_splits` tells which).
+    break left out) of a plain-text file (`.txt`, `.raw`, `.tokens`, ...) or of a local folder of
+    them, a document per row of JSON lines with a `text` field or of a dataset (`lm_document_splits`
+    tells which).
     Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`; `columns`
     (`{"text": name}`) names another column.
     """
@@ -234,12 +235,24 @@ def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | No
 def lm_document_splits(splits: Iterable[str], *, dataset_name: str | None = None,
                        data_files: dict[str, str] | None = None) -> list[str]:
     """The splits among `splits` whose rows `load_lm_dataset` reads as documents: those of a
-    dataset (`dataset_name`, JSON lines, the embedded corpus), not lines of a plain-text file. A
-    split carved out of train (`split_train`) is read as train is."""
-    if dataset_name or not data_files:
+    dataset (a Hub id or a saved dataset as `dataset_name`, JSON lines, the embedded corpus), not
+    lines of plain text: a plain-text file, or a local folder of them as `dataset_name`, which gives
+    the stream that the same files give as data files (`is_text_folder`). A split carved out of
+    train (`split_train`) is read as train is."""
+    if dataset_name:
+        return [] if is_text_folder(dataset_name) else list(splits)
+    if not data_files:
         return list(splits)
     return [split for split in splits
             if str(data_files.get(split, data_files.get("train", ""))).endswith(_JSON_SUFFIXES)]
+
+
+def is_text_folder(path: str | Path) -> bool:
+    """Whether `path` is a local folder of plain-text files, which `datasets` reads with its text
+    builder (a line per row), not a saved dataset."""
+    if not Path(path).is_dir() or is_saved_dataset(path):
+        return False
+    return datasets.load_dataset_builder(str(path)).name == "text"
 
 
 def _rename_text_column(dataset: Dataset, origin: str) -> Dataset:

@@ -1,11 +1,13 @@
 """Resuming a run from a checkpoint (`--resume_from_checkpoint PATH|latest`): which checkpoint
-(`latest`: the newest complete one), whether it belongs to this run (the command-line options of
+(`latest`: the newest complete one whose files pass their SHA-256; one that fails it is set
+aside, and without any left the run starts over), whether it belongs to this run (the command-line options of
 `RESUME_OPTIONS`, the tokenizer, the model class and config), and loading its training state.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,22 +20,29 @@ from .checkpoints import (
     IncompleteCheckpointError,
     checkpoint_step,
     config_hash,
+    corrupt_checkpoints,
     incomplete_checkpoints,
     list_checkpoints,
     load_scheduler_state,
     read_manifest,
     read_training_state,
     run_identity,
+    set_aside,
     tokenizer_hash,
 )
 from .tokenization import has_tokenizer, load_tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
-                        report: Callable[[str], None] = print) -> Path:
+                        report: Callable[[str], None] = print, set_aside_corrupt: bool = True) -> Path | None:
     """`--resume_from_checkpoint`: a complete `step_<N>` folder, or `latest`, the newest complete
     one in `output_dir` (`report` names the incomplete ones passed over). Every file is checked
-    against the manifest's SHA-256."""
+    against the manifest's SHA-256: for `latest`, a checkpoint that fails it is set aside as
+    `step_<N>.corrupt` with a warning naming it (`set_aside_corrupt`: on the main process, the others
+    waiting), and the next one down is tried; None where every checkpoint was set aside, now or by
+    an earlier attempt: the run starts over."""
     if resume_from_checkpoint != "latest":
         path = Path(resume_from_checkpoint)
         checkpoint_step(path)
@@ -50,17 +59,22 @@ def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
         try:
             read_manifest(path)
         except IncompleteCheckpointError as error:
-            skipped.append((path, str(error).removeprefix(f"{path}: ")))
+            if set_aside_corrupt:
+                logger.warning(f"{error}: set aside as {set_aside(path)}, resuming from the newest valid "
+                               f"checkpoint instead")
             continue
         chosen = path
         break
     reasons = ", ".join(f"{path.name} ({reason})" for path, reason in skipped)
-    if chosen is None:
-        raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
-                         + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: start the "
-                         "run again with --overwrite_output_dir instead of --resume_from_checkpoint")
     if skipped:
         report(f"Passing over incomplete checkpoints in {output_dir}: {reasons}")
+    if chosen is None and output_dir.is_dir() and corrupt_checkpoints(output_dir):
+        logger.warning(f"no valid checkpoint left in {output_dir}: the run starts over")
+        return None
+    if chosen is None:
+        raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
+                         + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: run the "
+                         "command without --resume_from_checkpoint in a new --output_dir")
     return chosen
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import types
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -29,6 +30,9 @@ from transformers import PreTrainedTokenizerBase
 
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order: ids 0-3
 
+logger = logging.getLogger(__name__)
+_PADDED_WITH_EOS: set[str] = set()  # the tokenizers announced: a command loading one again says it once
+
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
                         show_progress: bool = False, model_max_length: int | None = None,
@@ -37,13 +41,23 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
 
     NFKC normalisation, whitespace kept as `▁` (Metaspace) so decoding restores the text, special
     tokens `<s>` (0), `<pad>` (1), `</s>` (2), `<unk>` (3) as in fairseq's dictionaries and the
-    model config's defaults. By default nothing is added to an encoded text, so that a prompt stays
+    model config's defaults; a line break encodes as `</s>`, which ends each line in training. By default nothing is added to an encoded text, so that a prompt stays
     open for generation (as GPT-2's and Llama's tokenizers leave it); `append_eos=True` appends `</s>`
     to every text (as BART's and Marian's tokenizers end a source or a sentence to classify). Either
     way the data passes end each sequence with one `</s>` (as fairseq appends EOS to source, target
     and language-model lines): the ids they give are the same.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= len(SPECIAL_TOKENS):
@@ -55,6 +69,12 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress)
     tokenizer.train_from_iterator(texts, trainer)
+    # A line break (LF, CRLF or CR, as `read_lines` splits) encodes as the `</s>` that ends each line
+    # of the training text: the normalizer writes it as `</s>`, which the special token then matches,
+    # so a prompt of several lines is encoded as its lines are in training, with no unknown token.
+    line_break = normalizers.Replace(Regex(r"\r\n|\r|\n"), "</s>")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), line_break])
+    tokenizer.add_special_tokens([AddedToken("</s>", special=True, normalized=True)])
     if append_eos:
         eos_id = tokenizer.token_to_id("</s>")
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -77,12 +97,31 @@ def load_tokenizer(path: str | Path, model_max_length: int | None = None):
     # Where it was loaded from, not what it is: kept, they would travel into every export (and to the Hub).
     for name in ("is_local", "local_files_only"):
         tokenizer.init_kwargs.pop(name, None)
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name) is None:
-            raise ValueError(f"tokenizer {path} has no {name.removesuffix('_id')}; the recipes need one")
+    pad_with_eos(tokenizer, str(path))
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {path} has no eos_token; the recipes need one")
     if model_max_length:
         tokenizer.model_max_length = model_max_length
         tokenizer.init_kwargs["model_max_length"] = model_max_length
+    return tokenizer
+
+
+def pad_with_eos(tokenizer: PreTrainedTokenizerBase, source: str) -> PreTrainedTokenizerBase:
+    """The rule for a tokenizer without a padding token (GPT-2's, Llama's), the same in the recipes
+    and `hf-powernorm compare`: it pads with its end-of-sequence token, as Transformers' `run_clm.py`
+    does (the attention masks and the -100 labels leave padding out of every loss and statistic),
+    said once in the log; without an end token either, a ValueError naming the fix."""
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError(f"the tokenizer of {source} has no padding token and no end-of-sequence token to pad "
+                         f"with: set one of its tokens as tokenizer.pad_token and save it with save_pretrained")
+    tokenizer.pad_token = tokenizer.eos_token
+    if source in _PADDED_WITH_EOS:
+        return tokenizer
+    _PADDED_WITH_EOS.add(source)
+    logger.warning(f"the tokenizer of {source} has no padding token: padding with its end-of-sequence token "
+                   f"{tokenizer.eos_token!r} (left out of the loss by the masks)")
     return tokenizer
 
 
@@ -159,8 +198,8 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str],
 
 def writes_line_breaks(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether `tokenizer` encodes a line break as text that decodes back to it (GPT-2's byte-level
-    BPE, Llama's byte fallback), unlike a vocabulary without one (this package's BPE, trained on
-    lines), which would make it unknown or drop it."""
+    BPE, Llama's byte fallback), unlike a vocabulary without one, which makes it unknown, drops it,
+    or (this package's BPE, trained on lines) encodes it as the `</s>` that ends a line."""
     ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
     return bool(ids) and tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == "\n"
 

@@ -62,6 +62,16 @@ def test_help_by_python_m_imports_no_torch(module):
     assert "hf_powernorm.compare.options" in imported and not {"torch", "transformers"} & imported
 
 
+def test_the_help_of_norms_names_every_norm_of_the_registry():
+    from hf_powernorm.compare.options import NORMS
+    from hf_powernorm.normalization import NORM_CLASSES
+
+    assert NORMS == tuple(NORM_CLASSES)
+    norms = next(a for a in compare.build_parser()._actions if a.dest == "norms")
+    listed = norms.help.partition("of the norm registry: ")[2].partition(";")[0]
+    assert listed.split(", ") == list(NORM_CLASSES)
+
+
 def test_a_command_that_runs_loads_the_library_and_registers_the_family(tmp_path):
     script = tmp_path / "hf-powernorm"
     script.write_text(CONSOLE_SCRIPT + "import transformers\nprint(transformers.AutoConfig.for_model("
@@ -222,6 +232,30 @@ def test_a_train_file_edited_in_place_redoes_the_runs_and_says_the_data_changed(
             "--output_dir", str(tmp_path / "out")]
     # The same size and name: only the contents tell the edit apart.
     _data_changed(argv, capsys, lambda: train.write_text(text.replace("a", "e"), encoding="utf-8"))
+
+
+def test_each_data_file_is_in_the_fingerprint(gpt2_case, tmp_path):
+    """An edit of the validation or test file changes the data's fingerprint as one of the train
+    file does: the runs scored on it are redone."""
+    from hf_powernorm.compare.options import parse_args
+    from hf_powernorm.compare.plan import fingerprint
+
+    model, task, data = gpt2_case
+    data = [*data]
+    texts = {}
+    for split in ("train", "validation", "test"):
+        given = Path(data[data.index(f"--{split}_file") + 1])
+        texts[split] = given.read_text(encoding="utf-8")
+        (tmp_path / given.name).write_text(texts[split], encoding="utf-8")
+        data[data.index(f"--{split}_file") + 1] = str(tmp_path / given.name)
+    options = parse_args(["--model_name_or_path", model, "--task", task, *data, "--norms", "layernorm",
+                          "--output_dir", str(tmp_path / "out")])
+    seen = [fingerprint(options)]
+    for split in ("train", "validation", "test"):
+        (tmp_path / f"{split}.txt").write_text(texts[split].replace("a", "e"), encoding="utf-8")  # same size
+        seen.append(fingerprint(options))
+        assert seen[-1]["data"] != seen[-2]["data"], split
+        assert {k: v for k, v in seen[-1].items() if k != "data"} == {k: v for k, v in seen[0].items() if k != "data"}
 
 
 def test_a_local_dataset_folder_edited_in_place_redoes_the_runs(gpt2_case, capsys, tmp_path):

@@ -7,6 +7,7 @@ import argparse
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -123,7 +124,10 @@ def _compare_killed(argv, crash):
     compare.main(argv)
 
 
-def test_checkpoint_runs_a_killed_run_goes_on_to_the_scores_of_an_unbroken_one(gpt2_case, capsys, tmp_path):
+def _killed_at_update_3(gpt2_case, tmp_path) -> tuple[list[str], Path]:
+    """An unbroken comparison in `tmp_path/unbroken`, and the same with `--checkpoint_runs` in
+    `tmp_path/out` killed while writing the checkpoint of update 3 (one at each validation, every
+    update here): the command that resumes it, and its run's folder."""
     import multiprocessing
     import signal
 
@@ -131,24 +135,35 @@ def test_checkpoint_runs_a_killed_run_goes_on_to_the_scores_of_an_unbroken_one(g
     argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "powernorm", *TINY,
             "--max_train_steps", "4"]
     compare.main([*argv, "--output_dir", str(tmp_path / "unbroken")])
-    out = tmp_path / "out"
-    resumable = [*argv, "--output_dir", str(out), "--checkpoint_runs"]
-    # Killed while writing the checkpoint of update 3 (one at each validation, every update here).
+    resumable = [*argv, "--output_dir", str(tmp_path / "out"), "--checkpoint_runs"]
     child = multiprocessing.get_context("fork").Process(target=_compare_killed, args=(resumable, "0@3"))
     child.start()
     child.join(300)
-    run = out / "cells" / "powernorm-lr0.0005-seed1" / "run"
+    run = tmp_path / "out" / "cells" / "powernorm-lr0.0005-seed1" / "run"
     assert child.exitcode == -signal.SIGKILL and (run / "step_2").is_dir() and not (run / "step_3").exists()
-    capsys.readouterr()
-    compare.main(resumable)
-    assert f"Resuming from {run / 'step_2'}" in capsys.readouterr().out
-    unbroken, resumed = _rows(tmp_path / "unbroken"), _rows(out)
-    assert len(resumed) == len(unbroken) > 0
+    return resumable, run
+
+
+def _assert_unbroken_scores(unbroken: Path, out: Path) -> None:
+    """The rows of `out`'s results.csv are those of `unbroken`'s, scores to float precision."""
+    expected, rows = _rows(unbroken), _rows(out)
+    assert len(rows) == len(expected) > 0
     scores = ("loss", "nll", "perplexity")
-    for a, b in zip(unbroken, resumed):
+    for a, b in zip(expected, rows):
         assert {k: v for k, v in a.items() if k not in ("seconds", *scores)} == \
                {k: v for k, v in b.items() if k not in ("seconds", *scores)}
         assert {k: float(b[k]) for k in scores} == pytest.approx({k: float(a[k]) for k in scores}, rel=1e-5)
+
+
+def test_checkpoint_runs_a_killed_run_goes_on_to_the_scores_of_an_unbroken_one(gpt2_case, capsys, tmp_path):
+    import multiprocessing
+
+    resumable, run = _killed_at_update_3(gpt2_case, tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    compare.main(resumable)
+    assert f"Resuming from {run / 'step_2'}" in capsys.readouterr().out
+    _assert_unbroken_scores(tmp_path / "unbroken", out)
     assert not list(run.glob("step_*"))  # the checkpoint served its end
 
     # Inputs changed since the stopped attempt: its checkpoint is not gone on from.
@@ -160,7 +175,25 @@ def test_checkpoint_runs_a_killed_run_goes_on_to_the_scores_of_an_unbroken_one(g
     (out / "cells" / "powernorm-lr0.0005-seed1" / "started.json").write_text('{"train_file": "another"}')
     capsys.readouterr()
     compare.main(resumable)
-    assert "Resuming from" not in capsys.readouterr().out and len(_rows(out)) == len(unbroken)
+    assert "Resuming from" not in capsys.readouterr().out and len(_rows(out)) == len(_rows(tmp_path / "unbroken"))
+
+
+def test_checkpoint_runs_a_checkpoint_failing_its_hash_is_set_aside_and_the_rerun_scores(gpt2_case, capsys,
+                                                                                      tmp_path, caplog):
+    """One flipped byte in a stopped run's checkpoint: the same command sets it aside, naming it,
+    starts the run over, and exits with the scores of an unbroken run."""
+    resumable, run = _killed_at_update_3(gpt2_case, tmp_path)
+    weights = bytearray((run / "step_2" / "model.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 1
+    (run / "step_2" / "model.safetensors").write_bytes(bytes(weights))
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        cli.main(["compare", *resumable])  # exits 0: no SystemExit
+    assert "Resuming from" not in capsys.readouterr().out
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{run / 'step_2'}: model.safetensors does not match its SHA-256" in warned
+    assert f"set aside as {run / 'step_2.corrupt'}" in warned and "starts over" in warned
+    _assert_unbroken_scores(tmp_path / "unbroken", tmp_path / "out")
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,6 +540,30 @@ def test_save_models_keeps_each_norms_best_model_and_pushes_it(gpt2_case, tmp_pa
     assert repos == ["me/gpt2-powernorm"] and hub.repos[-1] == ("me/gpt2-powernorm", {"private": None,
                                                                                      "exist_ok": True})
     assert {"model.safetensors", "tokenizer.json", "comparison_run.json"} <= set(hub.commits[0]["files"])
+
+
+def test_save_models_added_to_a_finished_comparison_keeps_the_models(gpt2_case, tmp_path, capsys):
+    """A finished comparison run again with `--save_models`: its runs, which kept no model, run again
+    to the same scores and keep them; with `--report_only` nothing can be kept: exit 2, one line."""
+    model, task, data = gpt2_case
+    argv = ["--model_name_or_path", model, "--task", task, *data, "--seeds", "1", "--norms", "layernorm", *TINY,
+            "--output_dir", str(tmp_path / "out")]
+    compare.main(argv)
+    first = _rows(tmp_path / "out")
+    assert not (tmp_path / "out" / "models").exists()
+    capsys.readouterr()
+    _one_line_error([*argv, "--save_models", "--report_only"], capsys, "--save_models kept no model")
+    capsys.readouterr()
+    compare.main([*argv, "--save_models"])
+    err = capsys.readouterr().err
+    assert "layernorm-lr0.0005-seed1: finished without --save_models" in err and "0 of 1 runs finished" in err
+    assert (tmp_path / "out" / "models" / "layernorm" / "model.safetensors").is_file()
+    again = _rows(tmp_path / "out")
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in again] == \
+           [{k: v for k, v in r.items() if k != "seconds"} for r in first]
+    capsys.readouterr()
+    compare.main([*argv, "--save_models"])  # kept now: nothing to run again
+    assert "1 of 1 runs finished, 0 to run" in capsys.readouterr().err
 
 
 def test_the_plot_puts_training_loss_beside_validation_on_log_axes_with_markers(tmp_path, monkeypatch):

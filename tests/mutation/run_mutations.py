@@ -215,6 +215,10 @@ BATCHING = "hf_powernorm/training/batching.py"
 CHECKPOINTS = "hf_powernorm/training/checkpoints.py"
 RESUMING = "hf_powernorm/training/resuming.py"
 LOOP = "hf_powernorm/training/loop.py"
+LANGUAGE_MODELING = "hf_powernorm/training/language_modeling.py"
+LOCKING = "hf_powernorm/training/locking.py"
+PLAN = "hf_powernorm/compare/plan.py"
+LM_DATA_TESTS = "tests/training/test_lm_data.py"
 TRAINING_TESTS = ("tests/training/test_training_loop.py",)
 DATA_TESTS = ("tests/training/test_training_data.py",)
 
@@ -262,6 +266,33 @@ TRAINING_MUTATIONS: list[Mutation] = [
         "    return completed, batches // batches_per_epoch, 0, state\n",
         ("tests/training/test_recipes_lm_cls.py::test_lm_resume_from_latest_matches_an_unbroken_run",),
         "a resumed run starts its epoch from the first batch again instead of where it stopped"),
+    Mutation(
+        "task-ignores-no-keep-linebreaks", LANGUAGE_MODELING,
+        '                               keep_linebreaks=getattr(args, "keep_linebreaks", True), **options)\n',
+        "                               keep_linebreaks=True, **options)\n",
+        (f"{LM_DATA_TESTS}::test_no_keep_linebreaks_joins_the_lines_across_blank_lines",),
+        "the language-modelling task's tokenize keeps line breaks under --no_keep_linebreaks"),
+    Mutation(
+        "line-end-without-eos-is-none", TOKENIZATION,
+        "    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)\n",
+        "    return (tokenizer.eos_token_id,)\n",
+        (f"{LM_DATA_TESTS}::test_a_tokenizer_without_an_end_token_puts_only_text_in_the_stream",),
+        "a tokenizer without EOS ends every line of a text file with a None id"),
+    Mutation(
+        "fingerprint-reads-the-train-file-only", PLAN,
+        "    data = [Path(getattr(options, k)) for k in task_class(options).input_path_options "
+        "if getattr(options, k, None)]\n",
+        "    data = [Path(getattr(options, k)) for k in task_class(options).input_path_options[:1] "
+        "if getattr(options, k, None)]\n",
+        ("tests/compare/test_compare_options.py::test_each_data_file_is_in_the_fingerprint",),
+        "compare's fingerprint hashes the train file only: an edited validation or test file reuses the runs"),
+    Mutation(
+        "lock-without-flock-takes-a-live-holders", LOCKING,
+        '        return not (holder and (holder.get("host") != socket.gethostname() '
+        'or _pid_alive(holder.get("pid"))))\n',
+        "        return True\n",
+        ("tests/training/test_training_locking.py::test_without_flock_the_holders_pid_decides",),
+        "without flock, the lock of a live holder (here or on another host) is taken over"),
 ]
 
 MUTATIONS = NORMALIZATION_MUTATIONS + MODELING_MUTATIONS + TRAINING_MUTATIONS

@@ -39,9 +39,10 @@ def shakespeare_like(lines: int, seed: int = 0) -> str:
     return "".join(line + "\n" for line in out[:lines])
 
 
-def byte_level_tokenizer(texts, vocab_size: int = 301, bos: bool = False):
+def byte_level_tokenizer(texts, vocab_size: int = 301, bos: bool = False, eos: bool = True):
     """A GPT-2-style tokenizer: byte-level BPE, `<|endoftext|>` its only special token, nothing
-    appended to a text (with `bos`, `<|endoftext|>` put before it, as Llama puts `<s>`)."""
+    appended to a text (with `bos`, `<|endoftext|>` put before it, as Llama puts `<s>`); no padding
+    token, and with `eos=False` no special token at all."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,6 +54,8 @@ def byte_level_tokenizer(texts, vocab_size: int = 301, bos: bool = False):
     if bos:
         backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
                                                                special_tokens=[("<|endoftext|>", 0)])
+    if not eos:
+        return PreTrainedTokenizerFast(tokenizer_object=backend)
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                    unk_token="<|endoftext|>")
 
@@ -267,6 +270,29 @@ def test_no_keep_linebreaks_joins_the_lines_across_blank_lines(tokenizers, tmp_p
     stream = [token for ids in lines["train"]["input_ids"] for token in ids]
     assert _stream_of(blocks) == stream
     assert tokenizer.decode(stream) == TEXT.replace("\n", "")
+    # The task's own pass reads --no_keep_linebreaks too.
+    assert list(task.tokenize(raw, tokenizer)["train"]["input_ids"]) == list(
+        training.lm_blocks(lines, block_size=8)["train"]["input_ids"])
+
+
+def test_a_tokenizer_without_an_end_token_puts_only_text_in_the_stream(tokenizers, tmp_path):
+    """A tokenizer with no EOS and no line break in its vocabulary: lines and documents follow one
+    another with nothing between them, never a `None` id."""
+    from transformers import PreTrainedTokenizerFast
+
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=tokenizers["bpe"].backend_tokenizer, pad_token="<pad>",
+                                     unk_token="<unk>")
+    assert no_eos.eos_token_id is None and not tokenization.writes_line_breaks(no_eos)
+    assert tokenization.sequence_ends(no_eos) == ((), ())
+    path = tmp_path / "speech.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    raw = _text_file_blocks(path, no_eos)[1]
+    expected = [t for text in raw["train"]["text"] for t in no_eos(text, add_special_tokens=False)["input_ids"]]
+    for documents in ((), ("train", "validation")):
+        lines = training.tokenize_lines(raw, no_eos, documents=documents)
+        stream = [token for ids in lines["train"]["input_ids"] for token in ids]
+        assert stream == expected and None not in stream
+        assert _stream_of(training.lm_blocks(lines, block_size=8)["train"]) == expected
 
 
 def test_dataset_rows_are_documents_separated_by_eos(tokenizers, tmp_path):
@@ -294,6 +320,30 @@ def test_dataset_rows_are_documents_separated_by_eos(tokenizers, tmp_path):
             assert stream == expected
 
 
+@pytest.mark.parametrize("keep_linebreaks", [True, False])
+def test_a_folder_of_text_files_gives_the_stream_of_the_same_files(keep_linebreaks, tokenizers, tmp_path):
+    """`--dataset_name` a local folder of .txt files (the `datasets` text builder) reads them as
+    `--train_file`/`--validation_file` do: lines with their line breaks (or without, with
+    `--no_keep_linebreaks`), blank lines kept, not a document per line."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for split, seed in (("train", 3), ("validation", 4)):
+        (folder / f"{split}.txt").write_text(shakespeare_like(40, seed=seed), encoding="utf-8")
+    assert readers.is_text_folder(folder) and not readers.is_text_folder(tmp_path / "nowhere")
+    common = {"block_size": 8, "output_dir": str(tmp_path / "out"), "keep_linebreaks": keep_linebreaks}
+    by_folder = language_modeling.LanguageModelling.from_options(dataset_name=str(folder), **common)
+    by_files = language_modeling.LanguageModelling.from_options(
+        train_file=str(folder / "train.txt"), validation_file=str(folder / "validation.txt"), **common)
+    for kind in ("byte-level", "bpe"):
+        tokenizer = tokenizers[kind]
+        streams = [{split: _stream_of(part) for split, part in task.tokenize(task.read_splits(0), tokenizer).items()}
+                   for task in (by_folder, by_files)]
+        assert streams[0] == streams[1] and set(streams[0]) == {"train", "validation"}
+        if kind == "byte-level":
+            assert (tokenizer.eos_token_id in streams[0]["train"]) is False
+            assert (_decoded(tokenizer, streams[0]["train"]) == (folder / "train.txt").read_text()) is keep_linebreaks
+
+
 # --------------------------------------------------------------------------------------------
 # An exported language model continues a prompt
 # --------------------------------------------------------------------------------------------
@@ -314,6 +364,25 @@ def test_translation_and_classification_tokenizers_end_a_text_with_eos_as_barts_
         ids = tokenizer("the dog")["input_ids"]
         assert ids == tokenizer("the dog", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert _task_hashes(*appending) == {k: v for k, v in SMOKE_HASHES.items() if k.startswith(("translation", "class"))}
+
+
+def test_the_recipes_bpe_encodes_a_prompt_with_blank_lines_as_its_training_stream(tokenizers, tmp_path):
+    """This package's BPE ends each training line with `</s>`: a prompt with line breaks (LF, CRLF)
+    and blank lines encodes to the ids the same text has in the training stream, with no unknown
+    token, also once saved and loaded again."""
+    bpe = tokenizers["bpe"]
+    bpe.save_pretrained(tmp_path / "bpe")
+    reloaded = training.load_tokenizer(tmp_path / "bpe")
+    text = "First Citizen:\nBefore we proceed.\n\nAll:\nSpeak, speak.\n"
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    raw = _text_file_blocks(tmp_path / "prompt.txt", bpe)[1]
+    stream = [t for ids in training.tokenize_lines(raw, bpe)["train"]["input_ids"] for t in ids]
+    for tokenizer in (bpe, reloaded):
+        for prompt in (text, text.replace("\n", "\r\n")):
+            ids = tokenizer(prompt)["input_ids"]
+            assert ids == stream and tokenizer.unk_token_id not in ids
+    assert not tokenization.writes_line_breaks(bpe)  # the training stream still ends lines with `</s>`
+    assert bpe("the dog")["input_ids"] == bpe("the dog", add_special_tokens=False)["input_ids"]
 
 
 def test_exported_tokenizer_leaves_a_prompt_open_and_generation_continues_it(tmp_path):
@@ -361,3 +430,66 @@ def test_compare_on_a_gpt2_style_model_and_text_with_blank_lines(tokenizers, tmp
         (norm, split) for norm in ("layernorm", "rmsnorm") for split in ("test", "validation")]
     assert all(float(r["perplexity"]) > 1 for r in rows)
     assert "test perplexity" in (output / "report.md").read_text(encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# A tokenizer without a padding token: one rule for the recipes and `compare`
+# --------------------------------------------------------------------------------------------
+
+def _gpt2_folder(folder: Path, tokenizer) -> Path:
+    """A tiny GPT-2 saved with `tokenizer` (no padding token in either)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_lm_recipe_pads_a_gpt2_style_tokenizer_with_its_eos_and_says_so_once(tokenizers, tmp_path, caplog):
+    """A GPT-2-style model folder without a padding token converts, trains and exports, padding with
+    its end token as `compare` does; the log says so once."""
+    tokenizer = tokenizers["byte-level"]
+    assert tokenizer.pad_token is None
+    folder = _gpt2_folder(tmp_path / "gpt2", tokenizer)
+    (tmp_path / "speech.txt").write_text(shakespeare_like(200, seed=2), encoding="utf-8")
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        results = train_lm.main(["--train_file", str(tmp_path / "speech.txt"), "--model_name_or_path", str(folder),
+                                 "--convert_norms", "powernorm", "--block_size", "16", "--max_tokens", "64",
+                                 "--max_train_steps", "2", "--warmup_steps", "1", "--output_dir", str(out)])
+    assert results["test_perplexity"] > 1 and (out / "model.safetensors").is_file()
+    said = [r.getMessage() for r in caplog.records if "no padding token" in r.getMessage()]
+    assert len(said) == 1 and "'<|endoftext|>'" in said[0], said
+    assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == "<|endoftext|>"
+    assert compare.load_model_tokenizer(str(folder)).pad_token_id == tokenizer.eos_token_id
+
+
+def test_a_tokenizer_without_padding_or_end_token_is_one_line_in_the_recipe_and_compare(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Nothing to pad with: the recipe and `compare` refuse alike, exit 2, one line naming the fix."""
+    import sys
+
+    from hf_powernorm import cli
+    from hf_powernorm.training.tasks import run_script
+
+    bare = byte_level_tokenizer(shakespeare_like(100).splitlines(), eos=False)
+    assert bare.pad_token is None and bare.eos_token is None and bare.unk_token is None
+    folder = _gpt2_folder(tmp_path / "bare", bare)
+    with pytest.raises(ValueError, match="no padding token and no end-of-sequence token"):
+        tokenization.pad_with_eos(bare, "a test")
+    (tmp_path / "speech.txt").write_text(shakespeare_like(100), encoding="utf-8")
+    data = ["--train_file", str(tmp_path / "speech.txt"), "--model_name_or_path", str(folder), "--block_size", "16",
+            "--max_tokens", "64"]
+    monkeypatch.setattr(sys, "argv", ["train_lm.py"])
+    capsys.readouterr()
+    for command in (lambda: run_script(train_lm.main, [*data, "--convert_norms", "powernorm",
+                                                         "--output_dir", str(tmp_path / "lm")]),
+                    lambda: cli.main(["compare", *data, "--norms", "rmsnorm", "--output_dir", str(tmp_path / "cmp")])):
+        with pytest.raises(SystemExit) as stopped:
+            command()
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if ": error: " in line]
+        assert stopped.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert f"the tokenizer of {folder} has no padding token" in lines[0] and "save_pretrained" in lines[0]

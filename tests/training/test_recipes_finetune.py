@@ -132,7 +132,8 @@ def test_a_second_run_over_the_same_data_reads_the_cache(tmp_path, capfd):
 def test_the_exported_tokenizer_loads_without_a_question(first_run, run_without_the_package, tmp_path):
     """`AutoTokenizer` always reads the folder's config.json, whose remote-code `auto_map` makes it
     ask before running code; `trust_remote_code=False` answers no up front and the tokenizer loads
-    all the same (it needs no code), as does `PreTrainedTokenizerFast` directly."""
+    all the same (it needs no code), as does `PreTrainedTokenizerFast` directly. Its maximum length
+    is the model's positions, not the training block's."""
     out = first_run[0]
     child = run_without_the_package(
         "from transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
@@ -143,7 +144,8 @@ def test_the_exported_tokenizer_loads_without_a_question(first_run, run_without_
         tmp_path / "hf")
     assert child.returncode == 0, child.stderr[-3000:]
     assert "Do you wish to run the custom code" not in child.stdout + child.stderr
-    assert child.stdout.split() == ["16", "16", "True"]
+    positions = json.loads((out / "config.json").read_text())["max_position_embeddings"]
+    assert positions > 16 and child.stdout.split() == [str(positions), str(positions), "True"]
 
 
 def test_record_norm_stats_writes_every_norm_layer(tmp_path):

@@ -118,7 +118,14 @@ def test_killed_checkpoint_writes_resume_to_the_weights_of_an_unbroken_run(lm_fi
     assert steps == [1, 2, 3, 4, 5, 6]  # each update logged once, whatever was redone
 
 
-def test_latest_passes_over_incomplete_checkpoints_and_says_so(unbroken, tmp_path, capsys):
+def _flip_a_byte(checkpoint: Path) -> None:
+    """One byte of the checkpoint's weights changed, its size kept: only the SHA-256 tells."""
+    weights = bytearray((checkpoint / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (checkpoint / "model.safetensors").write_bytes(bytes(weights))
+
+
+def test_latest_passes_over_incomplete_checkpoints_and_sets_aside_corrupt_ones(unbroken, tmp_path, capsys, caplog):
     out = tmp_path / "run"
     out.mkdir()
     for step in (2, 3, 4):
@@ -128,21 +135,61 @@ def test_latest_passes_over_incomplete_checkpoints_and_says_so(unbroken, tmp_pat
     broken.mkdir()
     for path in (unbroken / "step_6").iterdir():
         (broken / path.name).write_bytes(path.read_bytes())
-    weights = bytearray((broken / "model.safetensors").read_bytes())
-    weights[-1] ^= 1
-    (broken / "model.safetensors").write_bytes(bytes(weights))
+    _flip_a_byte(broken)
     (out / "step_7").mkdir()  # an empty folder, as an older version left one
-    assert training.resolve_resume_path("latest", out) == out / "step_4"
-    said = capsys.readouterr().out
-    for name, reason in ((".step_5.tmp-123", "an interrupted write"), ("step_7", "no checkpoint.json"),
-                         ("step_6", "model.safetensors does not match its SHA-256")):
-        assert f"{name} ({reason}" in said, said
     with pytest.raises(ValueError, match=r"step_6 is not a complete checkpoint: .*SHA-256"):
         training.resolve_resume_path(str(broken), out)
+    with caplog.at_level("WARNING"):
+        assert training.resolve_resume_path("latest", out) == out / "step_4"
+    said = capsys.readouterr().out
+    for name, reason in ((".step_5.tmp-123", "an interrupted write"), ("step_7", "no checkpoint.json")):
+        assert f"{name} ({reason}" in said, said
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"{broken}: model.safetensors does not match its SHA-256" in warned[0]
+    assert f"set aside as {out / 'step_6.corrupt'}" in warned[0]
+    assert not broken.exists() and (out / "step_6.corrupt" / "model.safetensors").is_file()
+    assert training.resolve_resume_path("latest", out) == out / "step_4"  # nothing left to set aside
     (tmp_path / "only" / "step_1").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"no complete step_\* checkpoint in .*only; incomplete: step_1 \(.*\)\. "
-                                         r"Nothing to resume: start the run again with --overwrite_output_dir"):
+                                         r"Nothing to resume: run the command without --resume_from_checkpoint"):
         training.resolve_resume_path("latest", tmp_path / "only")
+
+
+def test_a_corrupt_checkpoint_never_blocks_the_rerun(lm_files, unbroken, tmp_path, capsys, caplog, reset_accelerate):
+    """A flipped byte in the newest checkpoint: the same command resumes from the one before; in
+    every checkpoint: it starts over. Either way it ends with the weights of an unbroken run, the
+    corrupt checkpoints set aside and named."""
+    import shutil
+
+    out = tmp_path / "run"
+    again = [*RUN, *lm_files, "--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    shutil.copytree(unbroken, out)
+    _flip_a_byte(out / "step_6")
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        train_lm.main(again)
+    assert f"Resuming from {out / 'step_5'}" in capsys.readouterr().out
+    assert any(f"{out / 'step_6'}: model.safetensors does not match" in r.getMessage() for r in caplog.records)
+    for name in ("step_6/model.safetensors", "model.safetensors", "best_model/model.safetensors"):
+        _assert_same_weights(out / name, unbroken / name)
+    assert (out / "step_6.corrupt").is_dir()
+
+    shutil.rmtree(out)
+    shutil.copytree(unbroken, out)
+    for checkpoint in out.glob("step_*"):
+        _flip_a_byte(checkpoint)
+    reset_accelerate()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        results = train_lm.main(again)
+    assert "Resuming from" not in capsys.readouterr().out and results["test_perplexity"] > 1
+    assert any("no valid checkpoint left" in r.getMessage() and "starts over" in r.getMessage()
+               for r in caplog.records)
+    assert sorted(p.name for p in out.glob("step_*.corrupt")) == [f"step_{n}.corrupt" for n in range(1, 7)]
+    for name in ("step_6/model.safetensors", "model.safetensors", "best_model/model.safetensors"):
+        _assert_same_weights(out / name, unbroken / name)
+    steps = [r["step"] for r in training.read_run_log(out) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the earlier attempt's log went with it
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +323,7 @@ def test_checks_that_need_no_data_come_before_any_work(lm_files, unbroken, tmp_p
         (train_lm, ["--output_dir", str(occupied)], r"already holds another run's files \(model.safetensors\): "
                                                     r"pass --overwrite_output_dir"),
         (train_lm, ["--output_dir", str(tmp_path / "a"), "--resume_from_checkpoint", "latest"],
-         r"latest: no complete step_\* checkpoint"),
+         r"latest: no complete step_\* checkpoint .*without --resume_from_checkpoint"),
         (train_lm, ["--output_dir", str(tmp_path / "a"), "--resume_from_checkpoint", str(tmp_path / "step_3")],
          r"step_3 is not a complete checkpoint"),
         (train_lm, ["--output_dir", str(unbroken), "--resume_from_checkpoint", "latest", "--overwrite_output_dir"],

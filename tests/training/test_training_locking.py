@@ -72,6 +72,37 @@ def test_stale_lock_file_is_taken_over(tmp_path):
     assert tmp_path.is_dir() and not (tmp_path / LOCK_NAME).exists()  # a folder it did not create stays
 
 
+@pytest.mark.parametrize("holder", ["live", "killed", "another host"])
+def test_without_flock_the_holders_pid_decides(holder, tmp_path, monkeypatch):
+    """On a file system without flock (some network mounts) a lock whose holder runs here, alive,
+    or on another host is refused; one whose process is gone is taken over."""
+    import errno
+    import socket
+
+    from hf_powernorm.training import locking
+
+    def no_flock(descriptor, operation):
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(locking.fcntl, "flock", no_flock)
+    if holder == "killed":
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait(timeout=30)
+        pid = gone.pid
+    else:
+        pid = os.getpid() if holder == "live" else 2 ** 22 + 1
+    host = "elsewhere" if holder == "another host" else socket.gethostname()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": "x"}))
+    if holder == "killed":
+        with hold_output_folder(tmp_path):
+            assert read_lock(tmp_path)["pid"] == os.getpid()
+        return
+    with pytest.raises(FolderInUse, match=f"in use by process {pid} on {host}"):
+        with hold_output_folder(tmp_path):
+            pass
+    assert read_lock(tmp_path) == {"pid": pid, "host": host, "started": "x"}
+
+
 def test_released_on_exception_and_outputs_kept(tmp_path):
     folder = tmp_path / "run"
     with pytest.raises(KeyError):

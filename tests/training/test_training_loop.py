@@ -57,6 +57,34 @@ def test_model_config_from_the_command_line(bpe):
     paper = training.build_config(parser.parse_args(["--preset", "iwslt14-small"]), bpe, 1, {"hidden_size": 64}, 100)
     assert (paper.hidden_size, paper.powernorm_warmup_steps, paper.decoder_norm_type) == (512, 8000, "layernorm")
 
+
+def test_a_new_causal_lm_training_on_batch_statistics_says_so_at_the_start(bpe, caplog, reset_accelerate):
+    """The LM recipe's default PN trains its first updates (its warmup) on batch statistics, which
+    mix the positions of a batch: one warning names the leak and the options that avoid it."""
+    from accelerate import PartialState
+
+    from hf_powernorm import PowerNormTransformerForCausalLM
+    from hf_powernorm.training import language_modeling
+
+    PartialState(cpu=True)
+
+    def warned(argv: list[str]) -> list[str]:
+        args = language_modeling.parse_args(argv)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            training.build_model(args, PowerNormTransformerForCausalLM, bpe, 1, language_modeling.DEFAULT_SIZE,
+                                 args.block_size)
+        return [r.getMessage() for r in caplog.records if "leak" in r.getMessage()]
+
+    said = warned([])  # PN's warmup follows the learning-rate warmup: 100 updates
+    assert len(said) == 1 and "powernorm norms train on batch statistics for its first 100 updates" in said[0]
+    assert "pass --powernorm_warmup_steps 0 --powernorm_warmup_ramp_steps 0" in said[0] and "rmsnorm" in said[0]
+    assert "for its first 105 updates" in warned(["--gradient_accumulation_steps", "2",
+                                                  "--powernorm_warmup_ramp_steps", "5"])[0]
+    assert "at every update" in warned(["--decoder_norm_type", "batchnorm"])[0]
+    assert warned(["--powernorm_warmup_steps", "0"]) == [] and warned(["--decoder_norm_type", "layernorm"]) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Optimizer, schedule, losses
 # ---------------------------------------------------------------------------------------------
