@@ -1,6 +1,6 @@
 """`hf-powernorm compare`'s arms differ in their norms alone: one pipeline for every arm (the residual
 stream centred and a tied head untied in the baseline too), the invariants recorded per run, the
-A/A run (the baseline against itself) on a tied GPT-2, an OPT, a Llama and a BART, and
+A/A run (the baseline against itself) on a tied GPT-2, an OPT, an untied GPT-NeoX, a Llama and a BART, and
 `--keep_tied_head`."""
 
 import json
@@ -39,9 +39,18 @@ def _lm_files(folder: Path) -> list[str]:
 
 
 def _save_lm(kind: str, folder: Path) -> tuple[str, list[str]]:
-    """A tiny causal LM of `kind` (GPT-2 and OPT tie their head; Llama does not), trained-like, saved
-    with a BPE of the corpus; the model folder and the data options."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    """A tiny causal LM of `kind` (GPT-2 and OPT tie their head; GPT-NeoX and Llama do not), trained-like,
+    saved with a BPE of the corpus; the model folder and the data options."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+    )
 
     data = _lm_files(folder)
     tokenizer = _tokenizer(synthetic_lm_corpus({"train": 60}, seed=5)["train"]["text"])
@@ -53,6 +62,10 @@ def _save_lm(kind: str, folder: Path) -> tuple[str, list[str]]:
         "opt": (OPTForCausalLM, lambda: OPTConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
                                                   ffn_dim=37, num_attention_heads=4, max_position_embeddings=40,
                                                   word_embed_proj_dim=32, **special)),
+        "gpt_neox": (GPTNeoXForCausalLM, lambda: GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32,
+                                                               num_hidden_layers=2, num_attention_heads=4,
+                                                               intermediate_size=37, max_position_embeddings=40,
+                                                               **special)),
         "llama": (LlamaForCausalLM, lambda: LlamaConfig(vocab_size=len(tokenizer), hidden_size=32,
                                                         intermediate_size=37, num_hidden_layers=2,
                                                         num_attention_heads=4, num_key_value_heads=2,
@@ -111,7 +124,7 @@ def test_every_arm_of_a_tied_gpt2_holds_the_baselines_parameters_and_head(tied_g
         assert outside_norms(kept) == outside_norms(baseline)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "opt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "opt", "gpt_neox", "llama"])
 def test_the_aa_run_gives_identical_scores_and_no_verdict(kind, tied_gpt2, tmp_path):
     model, data = tied_gpt2 if kind == "gpt2" else _save_lm(kind, tmp_path / kind)
     seeds = ["1", "2"] if kind == "gpt2" else ["1"]
@@ -126,6 +139,9 @@ def test_the_aa_run_gives_identical_scores_and_no_verdict(kind, tied_gpt2, tmp_p
     report = (output / "report.md").read_text(encoding="utf-8")
     assert "- layernorm-again: the same function as" in report and "so no verdict" in report
     assert "better |" not in report
+    # A LayerNorm model has its stream centred in both arms; a head that was never tied stays separate.
+    head = results["layernorm"][0]["conversion"]["head"]
+    assert head == {"gpt2": "untied", "opt": "untied", "gpt_neox": "separate", "llama": "separate"}[kind]
 
 
 def test_the_aa_run_of_a_seq2seq_model(bart_case, tmp_path):
