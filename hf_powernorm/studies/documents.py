@@ -49,10 +49,10 @@ SIGNIFICANCE, POWER = 0.05, 0.8
 # them (its constants, repeated here so that documents are written without its training imports).
 TASKS = {"ptb": (1500, 4500), "multi30k": (2000, 4000), "tinyshakespeare": (1500, 4500)}
 TASK_NAMES = {"ptb": "PTB", "multi30k": "Multi30k", "tinyshakespeare": "tinyshakespeare (PTB's picks)"}
-SCORES = {"ptb": (("perplexity", "test perplexity, best validated model (lower is better)"),),
+SCORES = {"ptb": (("perplexity", "test perplexity per BPE token, best validated model (lower is better)"),),
           "multi30k": (("bleu_averaged", "test BLEU, average of the last 5 checkpoints (the paper's inference)"),
                        ("bleu", "test BLEU, best validated checkpoint")),
-          "tinyshakespeare": (("perplexity", "test perplexity, best validated model (lower is better)"),)}
+          "tinyshakespeare": (("perplexity", "test perplexity per BPE token, best validated model (lower is better)"),)}
 LOWER_IS_BETTER = {"ptb": True, "multi30k": False, "tinyshakespeare": True}
 ARMS = {"powernorm": "PN (its picks)", "powernorm-authors": "PN, authors' alphas 0.9/0.9 (own rate, warmup)",
         "powernorm-fwd0.9": "PN, alpha_fwd 0.9 / alpha_bkw 1.0", "powernorm-all": "PN in every layer",
