@@ -6,7 +6,8 @@ Outside the generated sections, every paired interval quoted as `+X [+LO, +HI]` 
 `results.csv` gives for some pair of arms at one task, budget and score; every `Holm p` is a Holm-adjusted
 p-value of the binding family (45), protocol 2's (29) or the binding family without tinyshakespeare, at
 the digits quoted (a value followed by `->`, what a verdict read before a change, excepted); and a clause that says "every seed", "all five seeds" or "N of N seeds" beside an
-interval quotes a comparison whose per-seed differences all have one sign (five of them for "five")."""
+interval quotes a comparison whose per-seed differences all have one sign (five of them for "five").
+The caveat on verdicts near 0.05 is checked figure by figure."""
 
 import re
 from pathlib import Path
@@ -104,3 +105,32 @@ def test_a_hand_edited_figure_is_caught(finals, edit):
     assert old in prose["STUDIES.md"]
     prose["STUDIES.md"] = prose["STUDIES.md"].replace(old, new, 1)
     assert misquoted(prose, finals) != []
+
+
+def fragility_misquoted(text: str, finals: dict) -> list[str]:
+    """The caveat on verdicts near 0.05: each p-value it quotes is a Holm p of the three families (or,
+    after "misses by", a distance of one from 0.05), and its range of detectable differences is the
+    tinyshakespeare rows' (rounded)."""
+    caveat = re.search(r"Fragility near 0\.05:\*? (.*?)(?:\n\n|$)", text, re.S).group(1)
+    caveat = " ".join(caveat.split())
+    holm = holm_values(finals)
+    wrong = []
+    for before, value in re.findall(r"(misses by )?(0\.0\d+)", caveat):
+        digits = len(value.split(".")[1])
+        candidates = [abs(p - 0.05) for p in holm] if before else holm
+        if not any(f"{p:.{digits}f}" == value for p in candidates):
+            wrong.append(f"{before}{value}")
+    rows = [c for c in documents.comparisons(finals) if c["task"] == "tinyshakespeare"]
+    detectable = [documents.detectable_difference(list(c["verdict"].differences.values()),
+                                                  0.05 / (c["family"] - c["step"] + 1)) for c in rows]
+    quoted = re.search(r"detectable differences are (\d+)-(\d+)", caveat)
+    if quoted is None or quoted.groups() != (f"{min(detectable):.0f}", f"{max(detectable):.0f}"):
+        wrong.append(f"detectable {quoted and quoted.group(0)} against {min(detectable):.0f}-{max(detectable):.0f}")
+    return wrong
+
+
+def test_the_caveat_on_verdicts_near_005_quotes_the_data(finals):
+    text = (ROOT / "STUDIES.md").read_text(encoding="utf-8")
+    assert fragility_misquoted(text, finals) == []
+    assert fragility_misquoted(text.replace("(0.0497)", "(0.0487)"), finals) == ["0.0487"]
+    assert fragility_misquoted(text.replace("misses by 0.0055", "misses by 0.0065"), finals) == ["misses by 0.0065"]
