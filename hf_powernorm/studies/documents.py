@@ -247,7 +247,8 @@ def paper_table(finals: dict) -> list[str]:
 # The answer's rows: PN (its picks, the authors' alphas) against LayerNorm, each score named by its unit.
 ANSWER_ARMS = {"powernorm": "its picks", "powernorm-authors": "authors' alphas 0.9/0.9"}
 UNITS = {"perplexity": "test perplexity per BPE token (lower is better)",
-         "bleu_averaged": "test BLEU, average of the last 5 checkpoints", "bleu": "test BLEU, best validated checkpoint"}
+         "bleu_averaged": "test BLEU, average of the last 5 checkpoints",
+         "bleu": "test BLEU, best validated checkpoint"}
 
 
 def _behind(c: dict) -> int:
@@ -269,7 +270,8 @@ def answer_table(finals: dict) -> list[str]:
     rows = answer_rows(finals)
     family = rows[0]["family"] if rows else 0
     lines = [f"| task | updates | score | PN | PN minus LayerNorm, mean [95% CI] | seeds | PN behind on | "
-             f"Holm p (of {family}) | verdict | detectable at 80% power |", "|---|---:|---|---|---|---|---:|---:|---|---:|"]
+             f"Holm p (of {family}) | verdict | detectable at 80% power |",
+             "|---|---:|---|---|---|---|---:|---:|---|---:|"]
     for c in rows:
         v, n = c["verdict"], len(c["verdict"].differences)
         lines.append(f"| {TASK_NAMES[c['task']]} | {c['updates']:,} | {UNITS[c['metric']]} | {ANSWER_ARMS[c['arm']]} | "
@@ -305,7 +307,8 @@ def answer_text(finals: dict) -> list[str]:
         f"{rows[0]['family']} comparisons of the tuned comparison: "
         + ("no comparison shows PN better than LayerNorm. " if not wins else
            f"PN better in {len(wins)} of its {len(rows)} rows. ")
-        + f"PN at its tuned picks is {_seed_words(ptb[0])} on PTB at {ptb[0]['updates']:,} updates ({_interval(ptb[0])} "
+        + f"PN at its tuned picks is {_seed_words(ptb[0])} on PTB at {ptb[0]['updates']:,} updates "
+        f"({_interval(ptb[0])} "
         f"test perplexity per BPE token, {shown(ptb[0])}) and {_seed_words(ptb[1])} at {ptb[1]['updates']:,} "
         f"({_interval(ptb[1])}, {shown(ptb[1])}); on Multi30k {_seed_words(short)} at {short['updates']:,} updates "
         f"({_interval(short)} BLEU on the paper's averaged checkpoints, {shown(short)}) and at {long['updates']:,} "

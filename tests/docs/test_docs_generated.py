@@ -54,6 +54,8 @@ def test_studies_md_opens_with_the_answer_and_pns_table():
     answer = documents.section("tuned_comparison: the answer", ROOT)
     table = documents.section("tuned_comparison: PN against LayerNorm", ROOT)
     assert answer in opening and table in opening and len(answer.splitlines()) <= 10
+    caveats = next(i for i, line in enumerate(lines) if line.startswith("Caveats."))
+    assert lines.index("", caveats) <= 40, "the caveats end within the first 40 lines"
     assert "Fragility near 0.05" in opening and "docs/protocol_convergence.md" in opening
     assert answer in (ROOT / "README.md").read_text(encoding="utf-8")
 

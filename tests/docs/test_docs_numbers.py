@@ -5,8 +5,8 @@ earlier studies, the README, docs/studies.md and the binding family's part of do
 Outside the generated sections, every paired interval quoted as `+X [+LO, +HI]` is one that
 `results.csv` gives for some pair of arms at one task, budget and score; every `Holm p` is a Holm-adjusted
 p-value of the binding family (45), protocol 2's (29) or the binding family without tinyshakespeare, at
-the digits quoted (a value followed by `->`, what a verdict read before a change, excepted); and a clause that says "every seed", "all five seeds" or "N of N seeds" beside an
-interval quotes a comparison whose per-seed differences all have one sign (five of them for "five").
+the digits quoted (a value followed by `->`, what a verdict read before a change, excepted); and a
+clause that says "every seed", "all five seeds" or "N of N seeds" beside an interval quotes a comparison whose per-seed differences all have one sign (five of them for "five").
 The caveat on verdicts near 0.05 is checked figure by figure."""
 
 import re
