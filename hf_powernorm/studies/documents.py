@@ -307,7 +307,7 @@ def answer_text(finals: dict) -> list[str]:
         f"{rows[0]['family']} comparisons of the tuned comparison: "
         + ("no comparison shows PN better than LayerNorm. " if not wins else
            f"PN better in {len(wins)} of its {len(rows)} rows. ")
-        + f"PN at its tuned picks is {_seed_words(ptb[0])} on PTB at {ptb[0]['updates']:,} updates "
+        + f"PN at its tuned picks, against LayerNorm, is {_seed_words(ptb[0])} on PTB at {ptb[0]['updates']:,} updates "
         f"({_interval(ptb[0])} "
         f"test perplexity per BPE token, {shown(ptb[0])}) and {_seed_words(ptb[1])} at {ptb[1]['updates']:,} "
         f"({_interval(ptb[1])}, {shown(ptb[1])}); on Multi30k {_seed_words(short)} at {short['updates']:,} updates "
@@ -317,7 +317,7 @@ def answer_text(finals: dict) -> list[str]:
                    f"updates ({_interval(c)})." for c in losses if c["arm"] == "powernorm-authors")
         + " The scale is small: a 2-layer decoder of width 128 on PTB and tinyshakespeare, a 2+2-layer encoder-decoder "
         "of width 64 on Multi30k, 3 seeds at the short budgets and 5 at the long ones, on a CPU. The paper's PTB gain "
-        "does not appear; its IWSLT14, WMT14 and WikiText-103 results were not run.")
+        "does not appear; its IWSLT14, WMT14 and WikiText-103 experiments were not run here.")
     return _wrap(text)
 
 
