@@ -3,8 +3,8 @@ and PTB's picks carried unchanged to a second language-modelling corpus (tinysha
 
 The question: at a fair setting - the paper's training regime as far as a CPU allows, and the same
 tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm without centering) is the
-control for PN's other difference, dropping the mean. STUDIES.md holds the results, the reasons for
-each rule and when each was written.
+control for PN's other difference, dropping the mean. STUDIES.md holds the answer; docs/tuned_comparison.md
+the binding table, the reasons for each rule and when each was written; docs/tuned_comparison_log.md the runs' log.
 
 Regime (Shen et al., 2020, Appendix B, where the CPU allows it): residual dropout 0.3 (attention
 and activation dropout 0.1), label smoothing 0.1 (the LM included), Adam with the inverse-square-root

@@ -1,8 +1,8 @@
-"""The documents against their data: every generated section of STUDIES.md, BENCHMARKS.md, README.md
-and docs/compare.md equals what `python -m hf_powernorm.studies docs` writes from the files under `results/`; the tuned
-comparison's tables agree with the study's own `summary.md`; the headline leads with the binding family
-and quotes only intervals its tables hold; and the export keeps the blind rule (no tuning run's cell
-holds a test score)."""
+"""The documents against their data: every generated section of `documents.DOCUMENTS` equals what
+`python -m hf_powernorm.studies docs` writes from the files under `results/`; the tuned comparison's tables
+agree with the study's own `summary.md`; STUDIES.md opens with the answer and PN's table (the README
+with the same answer) and its tuned comparison quotes only intervals its tables hold; and the export
+keeps the blind rule (no tuning run's cell holds a test score)."""
 
 import csv
 import json
@@ -21,11 +21,12 @@ from hf_powernorm.training.statistics import t_quantile
 ROOT = Path(__file__).resolve().parents[2]
 TUNED = ROOT / "results" / "tuned_comparison"
 STUDIES_MD = ROOT / "STUDIES.md"
+TUNED_PAGE = ROOT / "docs" / "tuned_comparison.md"
 
 
 def _headline(text: str) -> str:
-    """The headline over the binding family, up to protocol 1's record."""
-    return text[text.index("## Headline"):text.index("**Protocol 1 (superseded")]
+    """STUDIES.md's answer and its tuned comparison, up to the earlier studies."""
+    return text[:text.index("## The earlier studies")]
 
 
 def _outside_generated(text: str) -> str:
@@ -40,8 +41,23 @@ def test_each_document_equals_its_data(name):
 
 def test_every_results_table_of_studies_md_that_has_a_summary_is_generated():
     names = documents.sections(STUDIES_MD.read_text(encoding="utf-8"))
-    assert names[0] == "tuned_comparison: binding family" and "tuned_comparison: protocol 2" in names
+    assert names[:2] == ["tuned_comparison: the answer", "tuned_comparison: PN against LayerNorm"]
     assert {"norm_comparison/summary.md#1", "pn_ablation/summary.md#1", "warmup_switch/summary.md#1"} <= set(names)
+    page = documents.sections(TUNED_PAGE.read_text(encoding="utf-8"))
+    assert page == ["tuned_comparison: binding family", "tuned_comparison: protocol 2"]
+
+
+def test_studies_md_opens_with_the_answer_and_pns_table():
+    lines = STUDIES_MD.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 900
+    opening = "\n".join(lines[:40])
+    answer = documents.section("tuned_comparison: the answer", ROOT)
+    table = documents.section("tuned_comparison: PN against LayerNorm", ROOT)
+    assert answer in opening and table in opening and len(answer.splitlines()) <= 10
+    caveats = next(i for i, line in enumerate(lines) if line.startswith("Caveats."))
+    assert lines.index("", caveats) <= 40, "the caveats end within the first 40 lines"
+    assert "Fragility near 0.05" in opening and "docs/protocol_convergence.md" in opening
+    assert answer in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def _copy_data(tmp_path: Path) -> Path:
@@ -71,7 +87,8 @@ def test_a_changed_data_file_changes_the_documents_and_the_check_fails(tmp_path,
     with pytest.raises(SystemExit) as stopped:
         documents.main(["--check", "--root", str(root)])
     assert stopped.value.code == 1 and "STUDIES.md" in capsys.readouterr().out
-    assert documents.main(["--root", str(root)]) == ["STUDIES.md"]
+    assert documents.main(["--root", str(root)]) == ["STUDIES.md", "README.md", "docs/studies.md",
+                                                      "docs/tuned_comparison.md"]
     assert documents.main(["--check", "--root", str(root)]) == []
 
 
@@ -131,7 +148,7 @@ def test_the_detectable_difference_has_the_power_it_claims():
 def test_the_headline_quotes_only_intervals_that_its_tables_hold():
     text = STUDIES_MD.read_text(encoding="utf-8")
     headline = _headline(text)
-    generated = "".join(documents.section(name, ROOT) for name in documents.sections(headline))
+    generated = "".join(documents.section(name, ROOT) for name in documents.TABLES)
     interval = re.compile(r"[+-]\d+\.\d+ \[[+-]\d+\.\d+, [+-]\d+\.\d+\]")
     quoted = interval.findall(" ".join(_outside_generated(headline).split()))
     assert quoted and [q for q in quoted if q not in generated] == []
@@ -139,7 +156,7 @@ def test_the_headline_quotes_only_intervals_that_its_tables_hold():
 
 def test_the_tuned_comparison_never_words_no_difference_shown_as_equality():
     text = STUDIES_MD.read_text(encoding="utf-8")
-    prose = " ".join(_outside_generated(text[text.index("## Headline"):text.index("## The earlier studies")]).split())
+    prose = " ".join(_outside_generated(_headline(text)).split())
     assert re.findall(r"\bno difference\b(?! (?:is )?shown)", prose) == []
     assert re.findall(r"(?<!top )(?<!word-)\blevel\b", prose) == []
     assert "WikiText-103" in _headline(text) and "over protocol 2's 29" in _headline(text)
