@@ -144,8 +144,8 @@ def summary(table: list[dict[str, Any]], planned: int) -> list[str]:
         lines.append(f"| {ARM_NAMES[arm]} | {tuned._mean_std(list(found['baseline'].values()))} | "
                      f"{tuned._mean_std(list(found['other'].values()))} | {len(verdict.differences)} | "
                      f"{paired_cell(verdict)} | {p_value} | {detectable} | {words} |")
-    lines += ["", "| arm | runs | stopped by the rule | updates to the best, median (range) | stopped at, median (range) "
-              "| CPU-hours per run, mean | CPU-hours |", "|---|---:|---:|---|---|---:|---:|"]
+    lines += ["", "| arm | runs | stopped by the rule | updates to the best, median (range) "
+              "| stopped at, median (range) | CPU-hours per run, mean | CPU-hours |", "|---|---:|---:|---|---|---:|---:|"]
     for arm in ARMS:
         runs = [row for row in table if row["arm"] == arm]
         hours = [row["cpu_hours"] for row in runs]

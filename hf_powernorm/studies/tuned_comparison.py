@@ -528,14 +528,6 @@ def _score_label(split: str, metric: str, scored: str) -> str:
     return f"{split} {metric.partition('_')[0]} ({scored})"
 
 
-def _headline_keys(task: str) -> list[str]:
-    return [f"{split}_{metric}" for split, metric, _ in HEADLINES[task]]
-
-
-def _scores(results: list[dict[str, Any]], norm: str, updates: int, key: str) -> list[float]:
-    return [r[key] for r in results if r["norm"] == norm and r["updates"] == updates]
-
-
 class Protocol:
     """Runs (or, with `report_only`, reads) one task's stages in order; each stage's cells come from
     the picks of the stages before it. `stages` maps a stage name to its cells' results. `tune` runs

@@ -118,7 +118,8 @@ def test_every_arm_of_a_tied_gpt2_holds_the_baselines_parameters_and_head(tied_g
         return sum(p.numel() for name, p in kept.named_parameters() if ".ln_" not in name and "norm" not in name)
 
     baseline = AutoModelForCausalLM.from_pretrained(output / "models" / "layernorm")
-    converted = {norm: load_converted(output / "models" / norm, AutoModelForCausalLM) for norm in ("powernorm", "rmsnorm")}
+    converted = {norm: load_converted(output / "models" / norm, AutoModelForCausalLM)
+                 for norm in ("powernorm", "rmsnorm")}
     for kept in (baseline, *converted.values()):
         assert kept.lm_head.weight is not kept.get_input_embeddings().weight
         assert outside_norms(kept) == outside_norms(baseline)
