@@ -1151,14 +1151,33 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "hf_powernorm"
 
 
+def _check_parents(path: pathlib.Path) -> None:
+    """Refuse `path` when a folder above it (as written or resolved) can be written by others and is not
+    sticky: another user could rename the cache away and put their own in its place."""
+    path = path.absolute()
+    for parent in {*path.parents, *path.resolve().parents}:
+        mode = parent.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            raise RuntimeError(f"kernel cache {path} lies in {parent}, which others can write "
+                               f"(mode {stat.S_IMODE(mode):o}, not sticky); set HF_POWERNORM_CACHE to a private folder")
+
+
 def _private_dir(path: pathlib.Path) -> pathlib.Path:
-    """`path`, created with mode 0700, or made 0700 when it is ours; another user's is refused."""
+    """`path`, created with mode 0700, or made 0700 when it is ours; another user's is refused, as is a
+    folder under one others can write. Tightened, it loses the files named as the cache names its own
+    (`powernorm_*`), which others could have planted; other files are left alone."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_parents(path)
     info = path.stat()
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         raise RuntimeError(f"kernel cache {path} belongs to another user (uid {info.st_uid})")
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(path, 0o700)
+        for planted in path.glob("powernorm_*"):
+            if planted.is_dir() and not planted.is_symlink():
+                shutil.rmtree(planted)
+            else:
+                planted.unlink()
     return path
 
 
@@ -1184,15 +1203,82 @@ def _record_path(target: pathlib.Path) -> pathlib.Path:
     return target.with_suffix(".json")
 
 
-def _trusted(target: pathlib.Path, digest: str | None = None) -> bool:
-    """True when the record next to `target` names this source and flags (`digest`, the C library's
-    by default) and `target`'s hash."""
+def _open_own_file(path: pathlib.Path) -> int:
+    """A read-only descriptor of `path` after `lstat` found a regular file (not a link) this user owns,
+    opened without following a link and checked by `fstat` to be that same file."""
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        raise OSError(f"{path} is not a regular file of this user's")
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    opened = os.fstat(descriptor)
+    if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+        os.close(descriptor)
+        raise OSError(f"{path} changed while it was opened")
+    return descriptor
+
+
+def _descriptor_digest(descriptor: int) -> str:
+    with os.fdopen(os.dup(descriptor), "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _trusted_descriptor(target: pathlib.Path, digest: str | None = None) -> int | None:
+    """An open descriptor of `target` when the record next to it names this source and flags (`digest`,
+    the C library's by default) and the hash of the bytes read through that descriptor; else None."""
     try:
-        record = json.loads(_record_path(target).read_text())
-        expected = _source_digest() if digest is None else digest
-        return record.get("source_and_flags") == expected and record.get("library") == _file_digest(target)
+        with os.fdopen(_open_own_file(_record_path(target)), "rb") as handle:
+            record = json.loads(handle.read())
+        if record.get("source_and_flags") != (_source_digest() if digest is None else digest):
+            return None
+        descriptor = _open_own_file(target)
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
+    try:
+        if _descriptor_digest(descriptor) == record.get("library"):
+            return descriptor
+    except OSError:
+        pass
+    os.close(descriptor)
+    return None
+
+
+def _trusted(target: pathlib.Path, digest: str | None = None) -> bool:
+    """Whether a record of `digest` (the C library's by default) trusts `target` (`_trusted_descriptor`)."""
+    descriptor = _trusted_descriptor(target, digest)
+    if descriptor is not None:
+        os.close(descriptor)
+    return descriptor is not None
+
+
+def _descriptor_path(descriptor: int) -> str | None:
+    path = f"/proc/self/fd/{descriptor}"
+    return path if os.path.exists(path) else None
+
+
+def _load_opened(descriptor: int, target: pathlib.Path, loader):
+    """`loader(path)` on the file open as `descriptor`, whose bytes were hashed: through `/proc/self/fd/N`
+    where that exists; elsewhere by `target`, refused when it names another file before or after loading.
+    The descriptor stays open: the dynamic loader knows a library by its path, and a number reused by a
+    later file would name the library already loaded."""
+    opened = os.fstat(descriptor)
+
+    def unchanged() -> bool:
+        info = os.lstat(target)
+        return (info.st_dev, info.st_ino) == (opened.st_dev, opened.st_ino)
+
+    try:
+        by_descriptor = _descriptor_path(descriptor)
+        if by_descriptor is not None:
+            return loader(by_descriptor)
+        if not unchanged():
+            raise RuntimeError(f"{target} was replaced after its hash was checked")
+        loaded = loader(str(target))
+        if not unchanged():
+            raise RuntimeError(f"{target} was replaced while it was loaded")
+        return loaded
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 def _write_atomically(target: pathlib.Path, data: bytes) -> None:
@@ -1239,7 +1325,16 @@ def _build_lock(target: pathlib.Path):
     except ImportError:
         yield
         return
-    with open(target.with_suffix(".lock"), "a") as handle:
+    lock = target.with_suffix(".lock")
+    try:  # never through a link: a planted one would have the lock created or opened at its target
+        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        if os.path.islink(lock):
+            raise RuntimeError(f"kernel cache lock {lock} is a symbolic link; remove it") from err
+        raise
+    with os.fdopen(descriptor, "r+b") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise RuntimeError(f"kernel cache lock {lock} is not a regular file")
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -1247,18 +1342,22 @@ def _build_lock(target: pathlib.Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _built(target: pathlib.Path, digest: str, build, announce: str | None = None) -> pathlib.Path:
-    """`target` once a record of `digest` trusts it: built by `build(target)` where none does, one
-    process at a time (another's build waited for, then used); `announce` logged before a build."""
-    if not _trusted(target, digest):
+def _built(target: pathlib.Path, digest: str, build, announce: str | None = None) -> int:
+    """An open descriptor of `target` once a record of `digest` trusts it: built by `build(target)` where
+    none does, one process at a time (another's build waited for, then used); `announce` logged before a
+    build."""
+    descriptor = _trusted_descriptor(target, digest)
+    if descriptor is None:
         with _build_lock(target):
-            if not _trusted(target, digest):  # else built by another process while this one waited
+            descriptor = _trusted_descriptor(target, digest)
+            if descriptor is None:  # else built by another process while this one waited
                 if announce:
                     logger.warning(announce)
                 build(target)
-                if not _trusted(target, digest):
+                descriptor = _trusted_descriptor(target, digest)
+                if descriptor is None:
                     raise RuntimeError(f"{target} changed while it was being built")
-    return target
+    return descriptor
 
 
 def _warn_unavailable(what: str, err: BaseException, instead: str) -> None:
@@ -1307,8 +1406,8 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         digest = _source_digest()
-        target = _built(_private_dir(_cache_dir()) / f"powernorm_cpu_{digest[:16]}.so", digest, _compile)
-        _library = _bind(ctypes.CDLL(str(target)))
+        target = _private_dir(_cache_dir()) / f"powernorm_cpu_{digest[:16]}.so"
+        _library = _bind(_load_opened(_built(target, digest, _compile), target, ctypes.CDLL))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         _warn_unavailable("PowerNorm CPU kernels", err, "using the eager implementation")
         _library = None
@@ -1729,9 +1828,9 @@ def load_operator():
         folder = _private_dir(_cache_dir())
         # a pause of seconds in a first training step: said, once per torch version and source
         announce = f"Building the C++ operator of DyT and Derf in {folder} (once per torch version, about 15 s)"
-        target = _built(folder / f"powernorm_operator_{digest[:16]}.so", digest,
-                        lambda target: _compile_operator(target, namespace), announce)
-        torch.ops.load_library(str(target))
+        target = folder / f"powernorm_operator_{digest[:16]}.so"
+        descriptor = _built(target, digest, lambda target: _compile_operator(target, namespace), announce)
+        _load_opened(descriptor, target, torch.ops.load_library)
         operators = getattr(torch.ops, namespace)
         operators.bind(ctypes.cast(library.elementwise_forward, ctypes.c_void_p).value,
                        ctypes.cast(library.elementwise_backward, ctypes.c_void_p).value)

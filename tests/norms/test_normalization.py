@@ -1287,6 +1287,135 @@ def test_a_library_without_a_matching_record_is_never_loaded(monkeypatch, tmp_pa
     assert builds == [library] and loaded == []
 
 
+def _cache_with_library(monkeypatch, cache):
+    """A fresh `kernels_cpu` on `cache`, which holds a copy of the built C library and its record (no compile)."""
+    import shutil
+
+    from hf_powernorm import kernels_cpu
+
+    assert kernels_cpu.load() is not None
+    name = f"powernorm_cpu_{kernels_cpu._source_digest()[:16]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    for suffix in (".so", ".json"):
+        shutil.copyfile(kernels_cpu._cache_dir() / (name + suffix), cache / (name + suffix))
+    return _fresh_kernels(monkeypatch, cache), cache / f"{name}.so"
+
+
+def _refuse_builds_and_record_loads(monkeypatch, kernels_cpu):
+    builds, loaded = [], []
+
+    def refuse_to_build(target):
+        builds.append(target)
+        raise RuntimeError("no build in this test")
+
+    monkeypatch.setattr(kernels_cpu, "_compile", refuse_to_build)
+    monkeypatch.setattr(kernels_cpu.ctypes, "CDLL", lambda path: loaded.append(path))
+    return builds, loaded
+
+
+def test_a_cache_folder_made_private_loses_the_files_planted_before(monkeypatch, tmp_path):
+    """A library and a matching record written while the folder was group-writable are removed when it
+    is made 0700, and so never loaded; a file the cache did not name is left alone."""
+    import stat
+
+    kernels_cpu, library = _cache_with_library(monkeypatch, tmp_path / "shared")
+    (tmp_path / "shared" / "notes.txt").write_text("not the cache's")
+    (tmp_path / "shared").chmod(0o770)
+    builds, loaded = _refuse_builds_and_record_loads(monkeypatch, kernels_cpu)
+    assert kernels_cpu.load() is None
+    assert builds == [library] and loaded == []
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o700
+    left = sorted(path.name for path in (tmp_path / "shared").iterdir())
+    assert left == ["notes.txt", library.with_suffix(".lock").name]  # the lock of the refused build
+
+
+@pytest.mark.parametrize("plant", ["library_link", "record_link", "another_owner"])
+def test_only_regular_files_of_this_user_are_trusted(monkeypatch, tmp_path, plant):
+    """A library or a record that is a link (to a file that would pass the hash check) or belongs to
+    another user is not trusted."""
+    kernels_cpu, library = _cache_with_library(monkeypatch, tmp_path / "elsewhere")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    for path in (library, library.with_suffix(".json")):
+        linked = plant == "library_link" and path == library or plant == "record_link" and path != library
+        if linked:
+            (cache / path.name).symlink_to(path)
+        else:
+            os.replace(path, cache / path.name)
+    library = cache / library.name
+    if plant == "another_owner":
+        monkeypatch.setattr(kernels_cpu.os, "getuid", lambda: os.stat(library).st_uid + 1)
+        assert not kernels_cpu._trusted(library)
+        return
+    assert not kernels_cpu._trusted(library)
+    kernels_cpu = _fresh_kernels(monkeypatch, cache)
+    builds, loaded = _refuse_builds_and_record_loads(monkeypatch, kernels_cpu)
+    assert kernels_cpu.load() is None and builds == [library] and loaded == []
+
+
+def test_the_library_loaded_is_the_file_whose_hash_was_checked(monkeypatch, tmp_path):
+    """A file swapped in after the hash check is not the one loaded: the loader reads the open file."""
+    import ctypes
+    import pathlib
+
+    kernels_cpu, library = _cache_with_library(monkeypatch, tmp_path)
+    checked, seen, real = library.read_bytes(), [], ctypes.CDLL
+
+    def swap_then_load(path):
+        planted = library.with_suffix(".planted")
+        planted.write_bytes(b"planted")
+        os.replace(planted, library)
+        seen.append(pathlib.Path(path).read_bytes())
+        return real(path)
+
+    monkeypatch.setattr(kernels_cpu.ctypes, "CDLL", swap_then_load)
+    assert kernels_cpu.load() is not None
+    assert seen == [checked]
+
+
+def test_without_proc_a_swap_while_loading_is_refused(monkeypatch, tmp_path, caplog):
+    """Where no `/proc/self/fd` exists the library is loaded by path, and a path naming another file
+    after loading is refused (the kernels then not used)."""
+    kernels_cpu, library = _cache_with_library(monkeypatch, tmp_path)
+    monkeypatch.setattr(kernels_cpu, "_descriptor_path", lambda descriptor: None)
+
+    def load_then_swap(path):
+        planted = library.with_suffix(".planted")
+        planted.write_bytes(b"planted")
+        os.replace(planted, library)
+
+    monkeypatch.setattr(kernels_cpu.ctypes, "CDLL", load_then_swap)
+    with caplog.at_level("WARNING", logger="hf_powernorm.kernels_cpu"):
+        assert kernels_cpu.load() is None
+    assert "was replaced while it was loaded" in caplog.text
+
+
+def test_the_build_lock_is_never_opened_through_a_link(monkeypatch, tmp_path, caplog):
+    """A `.lock` planted as a link is refused, naming it; its target is neither created nor opened."""
+    kernels_cpu = _fresh_kernels(monkeypatch, tmp_path / "cache")
+    (tmp_path / "cache").mkdir(mode=0o700)
+    lock = tmp_path / "cache" / f"powernorm_cpu_{kernels_cpu._source_digest()[:16]}.lock"
+    lock.symlink_to(tmp_path / "victim")
+    builds, _ = _refuse_builds_and_record_loads(monkeypatch, kernels_cpu)
+    with caplog.at_level("WARNING", logger="hf_powernorm.kernels_cpu"):
+        assert kernels_cpu.load() is None
+    assert builds == [] and not (tmp_path / "victim").exists()
+    assert f"{lock} is a symbolic link" in caplog.text
+
+
+@pytest.mark.parametrize("mode, usable", [(0o777, False), (0o775, False), (0o1777, True), (0o755, True)])
+def test_a_cache_under_a_folder_others_can_write_is_refused(monkeypatch, tmp_path, caplog, mode, usable):
+    """Another user could rename the cache away from under a parent they can write (unless it is sticky,
+    as /tmp is): the kernels are then not used, with a warning naming that parent."""
+    parent = tmp_path / "parent"
+    kernels_cpu, _ = _cache_with_library(monkeypatch, parent / "kernels")
+    parent.chmod(mode)
+    with caplog.at_level("WARNING", logger="hf_powernorm.kernels_cpu"):
+        assert (kernels_cpu.load() is not None) == usable
+    if not usable:
+        assert f"lies in {parent}, which others can write" in caplog.text
+
+
 def _kernel_importers() -> set[str]:
     """The package's files (by path below it) that import `kernels_cpu` or `kernels_triton`."""
     import ast
