@@ -11,12 +11,13 @@ differs is run again, and the log says which input changed (`redo_changed_runs`)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 HOLDER_FILES = (".lock",)
 
 
+# The comparison a job of `--executor submitit` or `ray` was given with its cell, by output folder:
+# read in its place of `compare.json`, which could have been edited while the job waited in a queue.
+_GIVEN: dict[Path, dict[str, Any]] = {}
+
+
 def saved_comparison(output_dir: str | Path) -> dict[str, Any]:
-    """The `compare.json` of `output_dir`: `settings`, `args` (the options), `fingerprint`, `model`."""
+    """The `compare.json` of `output_dir`: `settings`, `args` (the options), `fingerprint`, `model`; in a
+    job, the one it was given (`given_comparison`)."""
+    given = _GIVEN.get(Path(output_dir).absolute())
+    if given is not None:
+        return given
     return json.loads((Path(output_dir) / SETTINGS_NAME).read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def given_comparison(output_dir: str | Path, saved: dict[str, Any]) -> Iterator[None]:
+    """`saved` read as `output_dir`'s comparison while the block runs (a job's cell, with its options)."""
+    key = Path(output_dir).absolute()
+    _GIVEN[key] = saved
+    try:
+        yield
+    finally:
+        del _GIVEN[key]
 
 
 def save_comparison(options: CompareOptions, facts: dict[str, Any]) -> None:

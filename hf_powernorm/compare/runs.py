@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from .options import BASELINES, CompareOptions, library_args, world_size
 from .plan import (
     check_output_folder,
     continue_or_clear,
+    given_comparison,
     make_cells,
     redo_changed_runs,
     redo_runs_without_models,
@@ -398,7 +400,9 @@ def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]
         finished = sum(cell_result(options.output_dir, cell) is not None for cell in cells)
         print(f"{finished} of {len(cells)} runs finished, {len(cells) - finished} to run", file=sys.stderr)
     if options.executor != "local" and not options.report_only:
-        failed = submit_cells(cells, run_job, options)
+        # Each job is given the options with its cell: none reads `compare.json`, which could change while it waits.
+        failed = submit_cells(cells, functools.partial(run_job, comparison=saved_comparison(options.output_dir)),
+                              options)
         if failed:
             raise RunsFailed(failed, NO_VERDICT)
         return [cell_result(options.output_dir, cell) for cell in cells]
@@ -409,19 +413,23 @@ def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]
     return [r for r in (cell_result(options.output_dir, cell) for cell in cells) if r is not None]
 
 
-def run_job(cell: Cell, output_dir: str, gpus_per_run: int = 0, log: str | None = None) -> None:
+def run_job(cell: Cell, output_dir: str, gpus_per_run: int = 0, log: str | None = None,
+            comparison: dict[str, Any] | None = None) -> None:
     """One run of `--executor submitit` or `ray`, in its job's process: the cell run and its result
     written, as the local grid does; with more than one GPU, through `accelerate launch` of this
     module (one process per GPU, as `accelerate launch hf-powernorm compare` runs each cell). `log`:
-    a file for the run's output (Ray's tasks; submitit keeps its own)."""
+    a file for the run's output (Ray's tasks; submitit keeps its own); `comparison`: the options and
+    fingerprint the driver submitted with the cell, read instead of `compare.json`."""
     import torch
 
-    torch.set_num_threads(saved_comparison(output_dir)["args"]["cpus_per_run"])  # the cores the job was given
-    with output_to(log):
+    comparison = saved_comparison(output_dir) if comparison is None else comparison
+    torch.set_num_threads(comparison["args"]["cpus_per_run"])  # the cores the job was given
+    with output_to(log), given_comparison(output_dir, comparison):
         if gpus_per_run > 1:
             cell_file = Path(output_dir) / JOBS_FOLDER / f"{cell.name}.cell.json"
             cell_file.parent.mkdir(parents=True, exist_ok=True)
-            cell_file.write_text(json.dumps({"name": cell.name, "options": cell.options, "paths": cell.paths}))
+            cell_file.write_text(json.dumps({"name": cell.name, "options": cell.options, "paths": cell.paths,
+                                             "comparison": comparison}))
             import socket
             import subprocess
 
@@ -683,7 +691,8 @@ def _run_launched_cell(output_dir: str, cell_file: str) -> None:
     """`accelerate launch -m hf_powernorm.compare.runs OUTPUT_DIR CELL_JSON`: one cell of a job with
     several GPUs, run by every process together (`run_job`)."""
     saved = json.loads(Path(cell_file).read_text(encoding="utf-8"))
-    run_cells_here([Cell(saved["name"], saved["options"], tuple(saved["paths"]))], output_dir)
+    with given_comparison(output_dir, saved["comparison"]):
+        run_cells_here([Cell(saved["name"], saved["options"], tuple(saved["paths"]))], output_dir)
 
 
 if __name__ == "__main__":

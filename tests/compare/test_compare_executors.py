@@ -80,11 +80,11 @@ def test_ray_tasks_match_local(gpt2_options, local_outputs, job_environment, tmp
         f"{p.name}.log" for p in (tmp_path / "cells").iterdir() if p.is_dir())
 
 
-def failing_second_seed(cell, output_dir, gpus_per_run=0, log=None):
+def failing_second_seed(cell, output_dir, gpus_per_run=0, log=None, **given):
     """A job that fails for the runs of seed 2 (an error in the run), and runs the others."""
     if cell.options["seed"] == 2:
         raise RuntimeError(f"{cell.name} ran out of memory")
-    compare_runs.run_job(cell, output_dir, gpus_per_run, log)
+    compare_runs.run_job(cell, output_dir, gpus_per_run, log, **given)
 
 
 def test_a_failed_job_is_reported_with_its_log_and_no_verdict(gpt2_options, job_environment, tmp_path,
@@ -137,3 +137,38 @@ def test_help_lists_the_executor_options():
                    "--timeout_min", "--slurm_extra KEY=VALUE", "--ray_address"):
         assert option in text, option
     assert "with no sbatch on PATH, submitit's local executor runs the jobs as subprocesses" in text
+
+
+def test_a_job_runs_on_the_options_submitted_with_its_cell(tmp_path, monkeypatch):
+    """The driver gives each job the comparison with its cell: a `compare.json` edited while the job
+    waits in the queue (another model, remote code trusted) is not what the job runs."""
+    import json
+
+    from hf_powernorm.compare.options import CompareOptions
+    from hf_powernorm.training.grid import Cell
+
+    options = CompareOptions(output_dir=str(tmp_path), executor="submitit", model_name_or_path="mine")
+    saved = {"args": options.to_json(), "fingerprint": {"model": "0"}}
+    (tmp_path / "compare.json").write_text(json.dumps(saved))
+    cell = Cell("layernorm-lr0.001-seed1", {"norm": "layernorm", "seed": 1, "learning_rate": 1e-3})
+    submitted = []
+    monkeypatch.setattr(compare_runs, "submit_cells", lambda cells, job, options: submitted.append(job) or [])
+    monkeypatch.setattr(compare_runs, "cell_result", lambda output_dir, cell: None)
+    compare_runs.run_cells([cell], options)
+    edited = {"args": {**saved["args"], "model_name_or_path": "theirs", "trust_remote_code": True},
+              "fingerprint": saved["fingerprint"]}
+    (tmp_path / "compare.json").write_text(json.dumps(edited))
+    ran = []
+
+    def read_options(cell, folder):  # what the run would train on, in place of training
+        folder.mkdir(parents=True)
+        ran.append(compare_runs.run_args(cell, folder))
+        return {}
+
+    monkeypatch.setattr(compare_runs, "run_cell", read_options)
+    (job,) = submitted
+    job(cell, str(tmp_path), 0, None)
+    (args,) = ran
+    assert args.model_name_or_path == "mine" and not args.trust_remote_code
+    assert compare_runs.saved_comparison(tmp_path) == edited  # outside the job, the folder's own
+
