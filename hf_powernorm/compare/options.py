@@ -383,10 +383,12 @@ def _check_runs(options: CompareOptions) -> None:
 
 def check_executor(options: CompareOptions) -> None:
     """The executor's options (`training.executors`), and its optional dependency installed (else
-    one line naming the extra that installs it), before any other check or work."""
-    from ..training.executors import executor_settings
+    one line naming the extra that installs it), before any other check or work; for jobs, an output
+    folder only this user can write."""
+    from ..training.executors import check_private_output, executor_settings
 
-    executor_settings(options)
+    if executor_settings(options).executor != "local" and not options.report_only:
+        check_private_output(options.output_dir)
 
 
 def _check_quantities(options: CompareOptions) -> None:

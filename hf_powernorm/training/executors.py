@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import os
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -184,6 +185,23 @@ class RunsFailed(RuntimeError):
 Job = Callable[[Any, str, int, "str | None"], None]
 
 
+def check_private_output(output_dir: str | Path) -> None:
+    """Refuse (ValueError, with the reason) an output folder for jobs that others could write: the folder
+    itself writable by group or others, or a folder above it writable by them and not sticky (they could
+    put another in its place). The driver and the jobs unpickle what its `jobs/` holds."""
+    folder = Path(output_dir).absolute()
+    for above in (folder, *folder.parents):
+        try:
+            mode = above.stat().st_mode
+        except FileNotFoundError:
+            continue  # to be created by the command, private
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and (above == folder or not mode & stat.S_ISVTX):
+            where = "the output folder" if above == folder else f"{above}, a folder above it,"
+            raise ValueError(f"--output_dir {output_dir}: {where} can be written by other users (mode "
+                             f"{stat.S_IMODE(mode):o}); the jobs' files there are unpickled and run, so --executor "
+                             f"submitit and ray need a folder only you can write")
+
+
 def submit_jobs(todo: Sequence[Any], job: Job, output_dir: str | Path, settings: ExecutorSettings, *,
                 name: str) -> list[FailedRun]:
     """Run each cell of `todo` (objects with a `name`) as a job of `settings.executor` (Slurm's jobs
@@ -191,6 +209,7 @@ def submit_jobs(todo: Sequence[Any], job: Job, output_dir: str | Path, settings:
     and return those that failed."""
     if not todo:
         return []
+    check_private_output(output_dir)
     jobs = Path(output_dir) / JOBS_FOLDER
     jobs.mkdir(mode=0o700, parents=True, exist_ok=True)
     jobs.chmod(0o700)  # also one made before: the jobs' pickles there are unpickled by the driver and the jobs

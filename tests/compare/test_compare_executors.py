@@ -172,3 +172,11 @@ def test_a_job_runs_on_the_options_submitted_with_its_cell(tmp_path, monkeypatch
     assert args.model_name_or_path == "mine" and not args.trust_remote_code
     assert compare_runs.saved_comparison(tmp_path) == edited  # outside the job, the folder's own
 
+
+def test_an_output_folder_others_can_write_is_refused_for_jobs(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=r"a folder above it, can be written by other users \(mode 777\)"):
+        compare.main(["--executor", "submitit", "--output_dir", str(shared / "out")])
+    assert not (shared / "out").exists()

@@ -47,3 +47,26 @@ def test_the_jobs_folder_is_private_to_this_user(tmp_path, monkeypatch):
     for output_dir in (tmp_path / "new", tmp_path / "old"):
         executors.submit_jobs([Cell("a", {"x": 1})], square, output_dir, ExecutorSettings("submitit"), name="test")
         assert (output_dir / executors.JOBS_FOLDER).stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode, where", [
+    (None, "the output folder"), (0o777, "a folder above it"), (0o1777, None), (0o755, None),
+])
+def test_an_output_folder_others_can_write_is_refused(tmp_path, monkeypatch, mode, where):
+    """Others could swap the jobs' pickles in a folder they can write, or rename one above it away (unless
+    it is sticky, as /tmp is): refused, naming which folder and its mode."""
+    monkeypatch.setattr(executors, "_submitit_runs", lambda *args: [])
+    output_dir = tmp_path / "parent" / "out"
+    output_dir.mkdir(parents=True)
+    output_dir.chmod(0o770 if mode is None else 0o700)
+    if mode is not None:
+        (tmp_path / "parent").chmod(mode)
+    submit = lambda: executors.submit_jobs([Cell("a", {"x": 1})], square, output_dir, ExecutorSettings("submitit"),
+                                           name="test")
+    if where is None:
+        submit()
+        assert (output_dir / executors.JOBS_FOLDER).is_dir()
+        return
+    with pytest.raises(ValueError, match=f"{where},? can be written by other users"):
+        submit()
+    assert not (output_dir / executors.JOBS_FOLDER).exists()
