@@ -230,8 +230,9 @@ class DataSeen:
     batches: int = 0
     first_batches_sha256: str = ""
 
-    def add(self, batch: dict[str, torch.Tensor]) -> None:
-        self.tokens += int(batch["attention_mask"].sum())
+    def add(self, batch: dict[str, torch.Tensor], tokens: int) -> None:
+        """Count one micro-batch of `tokens` real tokens (its mask's sum, taken once by the loop)."""
+        self.tokens += tokens
         if self.batches < self.FIRST_BATCHES:
             ids = batch["input_ids"].detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
             self.first_batches_sha256 = hashlib.sha256(self.first_batches_sha256.encode() + ids).hexdigest()
@@ -406,8 +407,9 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     for epoch in range(start_epoch if completed < max_steps else epochs, epochs):
         for batch in _epoch_batches(accelerator, loader, sampler, epoch, skip):
             losses.append(_micro_step(args, accelerator, model, optimizer, loss_fn, batch, recorder, completed + 1))
-            progress.tokens += int(batch["attention_mask"].sum())
-            seen.add(batch)
+            tokens = int(batch["attention_mask"].sum())
+            progress.tokens += tokens
+            seen.add(batch, tokens)
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()  # one schedule step per update, whatever the number of processes
