@@ -3,6 +3,6 @@ hf_powernorm.benchmarks`, figures in BENCHMARKS.md) and the data pipeline (`data
 hf_powernorm.benchmarks.data`); `timing` holds how they measure (interleaved repeats, clocks,
 threads, allocator control) and write their tables."""
 
-from .suite import LAYER_CASES, MARK_BEGIN, MARK_END, MEMORY_CASES, MEMORY_OPTIONS, main
+from .suite import ANSWER_ROWS, ANSWER_TITLE, LAYER_CASES, MARK_BEGIN, MARK_END, MEMORY_CASES, MEMORY_OPTIONS, main
 
-__all__ = ["LAYER_CASES", "MARK_BEGIN", "MARK_END", "MEMORY_CASES", "MEMORY_OPTIONS", "main"]
+__all__ = ["ANSWER_ROWS", "ANSWER_TITLE", "LAYER_CASES", "MARK_BEGIN", "MARK_END", "MEMORY_CASES", "MEMORY_OPTIONS", "main"]

@@ -4,6 +4,7 @@
                                       [--write BENCHMARKS.md]
 
 Tables (markdown, printed; `--write` also replaces the measured section of that file):
+- first, the answer: each norm's training step and eval forward / `F.layer_norm`'s, median ratios only;
 - layer training step (forward + backward) and eval forward (no_grad), each norm / `F.layer_norm`;
 - saved-for-backward memory of each norm's training forward / `F.layer_norm`'s;
 - model train step (forward, backward, AdamW step): PN encoder / LN encoder, and our LN model /
@@ -71,10 +72,16 @@ LAYER_CASES = {
 EVAL_CASES = {
     **{label: LAYER_CASES[label] for label in ("powernorm G=4", "powernorm no GS")},
     "powernorm G=4, folded (group scaling only)": ("groupscale", {"group_num": GROUP_NUM}, True),
-    **{label: LAYER_CASES[label] for label in ("powernorm G=4, torch ops", "batchnorm (masked)", "rmsnorm",
-                                                "layernorm (registry)", "dyt", "derf")},
+    **{label: LAYER_CASES[label] for label in ("powernorm G=4, torch ops", "powernorm_v", "batchnorm (masked)",
+                                                "batchrenorm", "mabn", "rmsnorm", "layernorm (registry)", "dyt",
+                                                "derf")},
     "x.clone() (no norm: one read and one write)": ("copy", {}, True),
 }
+# The first table's rows: every norm of the registry that has a layer row, each as a module would train and evaluate.
+ANSWER_ROWS = ["powernorm G=4", "powernorm no GS", "powernorm_v", "batchnorm (masked)", "batchrenorm", "mabn",
+               "rmsnorm", "dyt", "derf", "layernorm (registry)"]
+ANSWER_TITLE = ("Each norm's CPU cost against LayerNorm (`F.layer_norm`): training step (forward + backward) / "
+                "eval forward, median time ratio (below 1: cheaper)")
 # Every norm of the registry but the identity, in the registry's order.
 MEMORY_CASES = [name for name in NORM_CLASSES if name != "none"]
 MEMORY_OPTIONS = {"powernorm": {"group_num": GROUP_NUM}, "groupnorm": {"group_num": GROUP_NUM}}
@@ -559,6 +566,21 @@ def allocator_table(shapes, repeats, warmup, device) -> tuple[list[str], list[li
 # Report
 
 
+def answer_table(train: tuple[list[str], list[list[str]]],
+                 evaluation: tuple[list[str], list[list[str]]]) -> tuple[list[str], list[list[str]]]:
+    """The two layer tables' median ratios side by side, `train / eval`, for the rows of `ANSWER_ROWS`."""
+    header, train_rows = train
+    if evaluation[0] != header:
+        raise ValueError(f"the layer tables' columns differ: {header} and {evaluation[0]}")
+    medians = {}
+    for rows in (train_rows, evaluation[1]):
+        for label, *cells in rows:
+            medians.setdefault(label, []).append([cell.split(" ", 1)[0] for cell in cells])
+    rows = [[label, *(f"{t} / {e}" for t, e in zip(*medians[label]))] for label in ANSWER_ROWS
+            if len(medians.get(label, [])) == 2]
+    return header, rows
+
+
 def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]]:
     shapes = QUICK_SHAPES if args.quick else LAYER_SHAPES
     repeats, warmup = (3, 1) if args.quick else (args.repeats, args.warmup)
@@ -572,11 +594,12 @@ def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]
     tables = [("Allocator effect: F.layer_norm forward + backward, 1 thread, median ms",
                *allocator_table(shapes, repeats, warmup, args.device))]
     control_allocator()
-    tables.append(("Layer training step (forward + backward) / F.layer_norm's: median (25-75%), candidate ms",
-                   *layer_table(shapes, args.threads, repeats, warmup, args.device, train=True,
-                                compiled=args.compile and not args.quick)))
-    tables.append(("Layer eval forward (no_grad) / F.layer_norm's: median (25-75%), candidate ms",
-                   *layer_table(shapes, args.threads, repeats, warmup, args.device, train=False)))
+    train = layer_table(shapes, args.threads, repeats, warmup, args.device, train=True,
+                        compiled=args.compile and not args.quick)
+    evaluation = layer_table(shapes, args.threads, repeats, warmup, args.device, train=False)
+    tables.insert(0, (ANSWER_TITLE, *answer_table(train, evaluation)))
+    tables.append(("Layer training step (forward + backward) / F.layer_norm's: median (25-75%), candidate ms", *train))
+    tables.append(("Layer eval forward (no_grad) / F.layer_norm's: median (25-75%), candidate ms", *evaluation))
     tables.append(("Memory: saved for backward, and the peak of a training step, / F.layer_norm's",
                    *memory_table(shapes[-1], args.device)))
     tables.append(("Models: time ratios (median, 25-75%), candidate ms; generate: BART's time / ours "

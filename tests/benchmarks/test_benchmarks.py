@@ -12,12 +12,19 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     target.write_text(f"# Benchmarks\n\nkept above\n\n{benchmarks.MARK_BEGIN}\nold figures\n{benchmarks.MARK_END}\n\nkept below\n")
     tables = benchmarks.main(["--quick", "--write", str(target)])
     titles = [title for title, _, _ in tables]
-    assert len(titles) == 6
+    assert len(titles) == 7 and titles[0] == benchmarks.ANSWER_TITLE
     for word in ("Allocator", "training step", "eval forward", "Memory", "Models", "First-call"):
         assert any(word in title for title in titles), word
     for title, header, rows in tables:
         assert rows, title
         assert all(len(row) == len(header) for row in rows), title
+    answer, train, evaluation = tables[0][2], tables[2][2], tables[3][2]
+    assert [row[0] for row in answer] == benchmarks.ANSWER_ROWS  # every norm has both a training and an eval row
+    medians = {table: {row[0]: [cell.split(" ")[0] for cell in row[1:]] for row in rows}
+               for table, rows in (("train", train), ("eval", evaluation))}
+    for label, *cells in answer:  # each cell: that norm's two medians, from the two layer tables
+        assert cells == [f"{t} / {e}" for t, e in zip(medians["train"][label], medians["eval"][label])]
+    tables = tables[1:]
     layer = {row[0]: row[1:] for row in tables[1][2]}
     assert set(layer) == set(benchmarks.LAYER_CASES)
     assert all(cell.count("(") == 1 and cell.endswith(" ms") for cells in layer.values() for cell in cells)
@@ -32,6 +39,9 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     assert written.startswith("# Benchmarks\n\nkept above\n") and written.rstrip().endswith("kept below")
     assert "old figures" not in written and written.count(benchmarks.MARK_BEGIN) == 1
     assert "Command: `python -m hf_powernorm.benchmarks --quick" in written
+    section = written[written.index(benchmarks.MARK_BEGIN):]
+    assert section.splitlines()[1].startswith("Machine: ")  # date, machine and command, then the answer
+    assert section.splitlines()[3] == f"#### {benchmarks.ANSWER_TITLE}"
     assert "| powernorm G=4 |" in capsys.readouterr().out
 
 
