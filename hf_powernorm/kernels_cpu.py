@@ -49,6 +49,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from ctypes import c_float, c_int, c_long, c_longlong, c_void_p
 
 import torch
 
@@ -290,34 +291,50 @@ def _warn_unavailable(what: str, err: BaseException, instead: str) -> None:
     logger.warning("%s unavailable (%s %s); %s", what, err, detail.decode(errors="replace")[-500:], instead)
 
 
+# Each C function's (return type, argument types), in the order of its parameters in the C source:
+# a pointer (`c_void_p`) is a tensor's data, NULL or a `ctypes.byref` output; a bool passes as an int.
+_SIGNATURES = {
+    "pn_rows": (None, [c_void_p, c_void_p, c_long, c_long, c_long, c_float, c_int, c_void_p, c_void_p, c_void_p,
+                       c_void_p]),
+    "pn_backward": (None, [c_void_p, c_void_p, c_void_p, c_int, c_long, c_long, c_long, c_float, c_int, c_void_p,
+                           c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p]),
+    "pn_statistics": (c_int, [c_void_p, c_float, c_long, c_void_p, c_void_p, c_float, c_long, c_long, c_float,
+                              c_int, c_int, c_void_p, c_void_p, c_void_p]),
+    "pn_gradient_statistics": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_float, c_long, c_int,
+                                       c_float, c_void_p, c_void_p]),
+    "pn_step_forward": (c_int, [c_void_p, c_void_p, c_int, c_long, c_long, c_long, c_float, c_int, c_void_p,
+                                c_void_p, c_void_p, c_void_p, c_float, c_long, c_long, c_float, c_int, c_int, c_int,
+                                c_void_p, c_void_p, c_void_p]),
+    "pn_step_backward": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_long, c_long, c_long, c_float, c_int,
+                                 c_void_p, c_void_p, c_void_p, c_float, c_int, c_float, c_int, c_void_p, c_void_p]),
+    "pnv_step_forward": (c_int, [c_void_p, c_void_p, c_int, c_long, c_long, c_long, c_float, c_int, c_void_p,
+                                 c_void_p, c_void_p, c_void_p, c_float, c_float, c_int, c_int, c_void_p, c_void_p,
+                                 c_void_p]),
+    "pnv_step_backward": (None, [c_void_p, c_void_p, c_void_p, c_int, c_long, c_long, c_long, c_float, c_int,
+                                 c_void_p, c_void_p, c_float, c_int, c_int, c_void_p, c_void_p]),
+    "bn_step_forward": (c_int, [c_void_p, c_void_p, c_int, c_long, c_long, c_int, c_void_p, c_void_p, c_void_p,
+                                c_void_p, c_void_p, c_float, c_float, c_int, c_float, c_float, c_int, c_int,
+                                c_void_p, c_void_p, c_void_p]),
+    "bn_step_backward": (None, [c_void_p, c_void_p, c_void_p, c_int, c_long, c_long, c_int, c_void_p, c_void_p,
+                                c_float, c_int, c_int, c_void_p, c_void_p]),
+    "mabn_step_forward": (c_int, [c_void_p, c_void_p, c_int, c_long, c_long, c_int, c_void_p, c_void_p, c_void_p,
+                                  c_void_p, c_long, c_void_p, c_float, c_float, c_long, c_float, c_long, c_int,
+                                  c_int, c_void_p, c_void_p, c_void_p]),
+    "mabn_step_backward": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_long, c_long, c_int, c_void_p, c_void_p,
+                                   c_void_p, c_long, c_longlong, c_long, c_float, c_int, c_int, c_void_p, c_void_p]),
+    "norm_eval": (None, [c_void_p, c_long, c_long, c_long, c_float, c_int, c_void_p, c_void_p, c_void_p, c_void_p,
+                         c_float, c_int, c_void_p]),
+    "elementwise_forward": (None, [c_void_p, c_long, c_long, c_int, c_float, c_float, c_void_p, c_void_p, c_int,
+                                   c_void_p]),
+    "elementwise_backward": (None, [c_void_p, c_void_p, c_long, c_long, c_int, c_float, c_float, c_void_p, c_int,
+                                    c_void_p, c_void_p]),
+}
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    f = ctypes.c_float
-    lib.pn_rows.argtypes = [p, p, n, n, n, f, i, p, p, p, p]
-    lib.pn_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, p, p, p, p, p]
-    lib.pn_statistics.argtypes = [p, f, n, p, p, f, n, n, f, i, i, p, p, p]
-    lib.pn_gradient_statistics.argtypes = [p, p, p, p, p, f, n, i, f, p, p]
-    lib.norm_eval.argtypes = [p, n, n, n, f, i, p, p, p, p, f, i, p]
-    lib.norm_eval.restype = None
-    lib.pn_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, n, n, f, i, i, i, p, p, p]
-    lib.pn_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, p, f, i, f, i, p, p]
-    lib.pn_step_forward.restype = lib.pn_step_backward.restype = i
-    lib.bn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, p, f, f, i, f, f, i, i, p, p, p]
-    lib.bn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, f, i, i, p, p]
-    lib.bn_step_forward.restype, lib.bn_step_backward.restype = i, None
-    lib.pnv_step_forward.argtypes = [p, p, i, n, n, n, f, i, p, p, p, p, f, f, i, i, p, p, p]
-    lib.pnv_step_forward.restype = i
-    lib.pnv_step_backward.argtypes = [p, p, p, i, n, n, n, f, i, p, p, f, i, i, p, p]
-    lib.pnv_step_backward.restype = None
-    lib.mabn_step_forward.argtypes = [p, p, i, n, n, i, p, p, p, p, n, p, f, f, n, f, n, i, i, p, p, p]
-    lib.mabn_step_backward.argtypes = [p, p, p, i, n, n, i, p, p, p, n, ctypes.c_longlong, n, f, i, i, p, p]
-    lib.mabn_step_forward.restype = lib.mabn_step_backward.restype = i
-    for fn in (lib.pn_rows, lib.pn_backward):
-        fn.restype = None
-    lib.pn_statistics.restype = lib.pn_gradient_statistics.restype = i
-    lib.elementwise_forward.argtypes = [p, n, n, i, f, f, p, p, i, p]
-    lib.elementwise_backward.argtypes = [p, p, n, n, i, f, f, p, i, p, p]
-    lib.elementwise_forward.restype = lib.elementwise_backward.restype = None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
     return lib
 
 
