@@ -1,38 +1,21 @@
 """Fused CPU kernels for PowerNorm, its relatives, DyT and Derf (float32, contiguous `(tokens, C)` inputs).
 
-A composition of torch ops takes about ten passes over memory per training step; on a CPU, where
-each elementwise pass costs about as much as a whole `layer_norm`, that is several times LayerNorm.
-These kernels do the arithmetic in two passes per training step once the denominator is the running
-statistic (statistics and output together; the backward sums and input gradient together), three
-during warmup (the output needs the batch statistic first), one in eval, parallel over tokens with
-OpenMP. They save nothing but `x`: the group scales and `z0 = x * r` are recomputed per token.
-`pn_step_forward`/`pn_step_backward` take a whole PN step in one call each (statistics, buffer
-updates and parameter gradients included, the attention mask read as it is); `pnv_step_forward`/`pnv_step_backward` take
-PN-V's step likewise (two passes each way: its exact gradient needs a batch sum first);
-`bn_step_*` (masked BN and BRN) and `mabn_step_*` (MABN, its moving averages included) the same
-way, two passes each way (`bn_moments`, then `affine_backward_rows`); `norm_eval` is
-every eval-mode norm in one pass, with streaming stores for outputs of `STREAM_BYTES` and more;
-`elementwise_forward`/`elementwise_backward` DyT and Derf, one pass each way (their tanh and erf in
-arithmetic the compiler vectorises: libm's are scalar calls; built with multiply-adds and the widest
-vectors), saving `x` alone.
-`torch.compile` of the same arithmetic (`norm_dispatch.py`'s pure tensor functions, inductor's C++)
-measured several times slower here: its reductions over tokens are not vectorised (BENCHMARKS.md).
+The loader of the C kernels (their source: `kernels_cpu_source.py`) and of DyT's and Derf's torch
+operator (its C++ source: `kernels_cpu_operator_source.py`), and the Python functions that call
+them: `pn_step_forward`/`pn_step_backward` (a whole PN training step in one call each way),
+`pnv_step_*` (PN-V), `bn_step_*` (masked BN and BRN), `mabn_step_*` (MABN), `norm_eval` (every
+eval-mode norm in one pass), `elementwise_forward`/`elementwise_backward` (DyT and Derf), and PN's
+parts `pn_rows`, `pn_backward`, `pn_statistics` and `pn_gradient_statistics`.
 
-The C source (`kernels_cpu_source.py`) is compiled on first use with the system C compiler into a cache directory
-(`$HF_POWERNORM_CACHE`, else `$XDG_CACHE_HOME/hf_powernorm`, else `~/.cache/hf_powernorm`) and loaded
-with `ctypes`: no build step at install time and no torch headers, so it builds in about a second.
-The directory is private (mode 0700, owned by the user; another owner's is refused), and a library
-is loaded only when the record written next to it names the hash of this source and these flags
-and the library's own hash; any other file of that name is rebuilt, never loaded.
-Without a compiler, or with `HF_POWERNORM_KERNELS=0`, `load()` returns None and PowerNorm runs
-its torch ops; the results agree to float32 rounding (tested).
-
-DyT's and Derf's training step also runs as one torch operator with a C++ autograd node around the
-same two kernels (`load_operator()`, its C++ source in `kernels_cpu_operator_source.py`): built on first use with the C++ compiler
-and torch's own headers into the same cache (about 15 s, once per torch build and source, recorded
-and checked the same way), because the Python around a small step cost as much as its arithmetic.
-Without it (no C++ compiler, `HF_POWERNORM_OPERATOR=0`) the step runs a Python autograd function
-around the same kernels, to the same bits (tested).
+`load()` compiles the C source on first use with the system C compiler into a private cache
+(`$HF_POWERNORM_CACHE`, else `$XDG_CACHE_HOME/hf_powernorm`, else `~/.cache/hf_powernorm`), loads
+the library with `ctypes` only when the record next to it names this source, these flags and the
+library's own hash, and binds each function from `_SIGNATURES`. Without a compiler, or with
+`HF_POWERNORM_KERNELS=0`, it returns None and the norms run their torch ops (the same results to
+float32 rounding, tested). `load_operator()` builds the operator with the C++ compiler and torch's
+headers into the same cache (about 15 s, once per torch build; without it, or with
+`HF_POWERNORM_OPERATOR=0`, None). Why the kernels are written as they are: docs/cpu_kernels.md;
+what the cache checks: docs/trust.md.
 """
 
 from __future__ import annotations
@@ -618,18 +601,7 @@ def pn_gradient_statistics(sums: torch.Tensor, weight: torch.Tensor, v: torch.Te
     return status, grad_weight
 
 
-# ----------------------------------------------------------------------------------------------
-# DyT's and Derf's training step as one torch operator with a C++ autograd node
-#
-# A Python autograd function and its tensor bookkeeping cost DyT's step at (1024, 512) on one thread
-# about 0.3x of `F.layer_norm`'s whole step, most of it Python run with caches the kernels have just
-# flushed; a C++ node pays what LayerNorm's own node pays. So the same two C kernels also run behind
-# one operator, `elementwise_norm`, built with torch's headers into a second library of the cache
-# (about 15 s, once per torch version and source), its namespace named by the build's digest so that
-# two sources never clash in one process. Without a C++ compiler or torch's headers the step runs as
-# before (`norm_dispatch._ElementwiseNormFunction`), to the same bits. Its backward under
-# `create_graph=True` is the formula in ATen ops (differentiable in turn), not the kernels.
-
+# DyT's and Derf's training step as one torch operator with a C++ autograd node (docs/cpu_kernels.md)
 _OPERATOR_FLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared"]
 _operator = None
 _operator_tried = False
