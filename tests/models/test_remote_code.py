@@ -202,11 +202,12 @@ def test_copied_code_requires_no_optional_package(saved):
 
 def test_save_pretrained_copies_how_the_norms_run_beside_what_they_compute(saved):
     """`normalization.py` imports `norm_dispatch.py`, the only importer of the kernel files: all four
-    travel with every checkpoint."""
+    travel with every checkpoint, and the C and C++ sources that `kernels_cpu.py` imports with them."""
     _, dirs, _ = saved
     for key in ("seq2seq", "causal", "classifier", "folded"):
         files = set(os.listdir(dirs[key]))
-        assert {"normalization.py", "norm_dispatch.py", "kernels_cpu.py", "kernels_triton.py"} <= files, key
+        assert {"normalization.py", "norm_dispatch.py", "kernels_cpu.py", "kernels_triton.py", "kernels_cpu_source.py",
+                "kernels_cpu_operator_source.py"} <= files, key
 
 def test_save_pretrained_writes_code_files_and_full_auto_map(saved):
     _, dirs, _ = saved
