@@ -53,14 +53,13 @@ from .converted_norms import (
     EPS_ATTRIBUTES,
     MaskAwareNorm,
     NormMaskContext,
-    _encoder_prefix,
-    _epsilon,
-    _hook_stacks,
-    _inside,
-    _language_model_prefixes,
-    _role,
+    is_under,
+    language_model_prefixes,
+    mask_roles,
+    norm_epsilon,
     norm_size,
     replay_conversion,
+    text_config,
 )
 from .modeling_converted import load_converted, load_converted_config
 from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
@@ -122,7 +121,7 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
         raise ValueError(f"cannot convert {where}: a gated norm (its forward takes a gate beside its input), "
                          "which no registry norm computes")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
-    eps = _epsilon(module, weight)
+    eps = norm_epsilon(module, weight)
     if eps is None:
         raise ValueError(f"cannot convert {where}: no float epsilon attribute among {EPS_ATTRIBUTES}")
     kind = _probe_kind(module, weight, bias, eps, hidden_size)
@@ -366,12 +365,12 @@ def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict
     RMSNorm: the RMSNorm inside converts, its gate stays), normalizes over `hidden_size` (its 1-D
     weight, bias or `normalized_shape`), is not a child of an attention block (a module whose class is named
     `*Attention*` and holds `nn.Linear` projections, as OLMo2's `q_norm` over all heads is) and, in
-    a composite model (Gemma 3's, LLaVA's), lies in its language model (`_language_model_prefixes`:
+    a composite model (Gemma 3's, LLaVA's), lies in its language model (`language_model_prefixes`:
     a vision tower's norms see patches, not the tokens the padding mask describes); a string or a
     callable selects among every candidate (see `convert_norms`).
     """
     selector = _selector(modules)
-    language = _language_model_prefixes(model)
+    language = language_model_prefixes(model)
     selected, kept = {}, []
     for name, module in model.named_modules():
         if not name or not is_norm_candidate(module):
@@ -415,7 +414,7 @@ def _kept_by_default(model: nn.Module, name: str, module: nn.Module, size: int |
                      language: tuple[str, ...] | None) -> str | None:
     """Why the default rule keeps the norm `module` at path `name` (off the residual stream), or None
     when it converts."""
-    if language is not None and not _inside(name, language):
+    if language is not None and not is_under(name, language):
         return (f"outside the language model ({', '.join(language)}): it does not normalize the tokens "
                 "the padding mask describes")
     held = held_norms(module, name)
@@ -651,15 +650,11 @@ def _calibrate(model: nn.Module, plans: dict[str, _Plan], batches: Iterable[dict
     (masked with the batch's padding masks, as the converted norms will be)."""
     from transformers.utils import logging as hf_logging
 
-    config = _model_config(model)
-    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
-    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    masks = mask_roles(model, plans)
     moments = {name: _Moments() for name in plans}
-    handles = _hook_stacks(model, context, encoder_prefix)
-    language = _language_model_prefixes(model)
+    handles = masks.hook(model)
     for name, plan in plans.items():
-        role = _role(name, encoder_prefix, context.encoder_decoder, language)
-        hook = _CalibrationHook(moments[name], plan, context, role, name)
+        hook = _CalibrationHook(moments[name], plan, masks.context, masks.roles[name], name)
         handles.append(model.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
     training, first = model.training, None
     model.eval()
@@ -760,8 +755,7 @@ def _model_config(model: nn.Module):
 
 
 def _hidden_size(config) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden_size = getattr(text_config, "hidden_size", None)
+    hidden_size = getattr(text_config(config), "hidden_size", None)
     if not isinstance(hidden_size, int):
         raise ValueError(f"cannot read the hidden size from {type(config).__name__}: hidden_size={hidden_size!r}")
     return hidden_size
@@ -774,8 +768,7 @@ def _resolve_options(norm_type: str, options: dict, config, preserve_function: b
     if preserve_function:
         options.update(_preserving_options(norm_type, options))
     accepted = inspect.signature(NORM_CLASSES[norm_type].__init__).parameters
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text_config, "num_attention_heads", None)
+    heads = getattr(text_config(config), "num_attention_heads", None)
     if "group_num" in accepted and "group_num" not in options and isinstance(heads, int):
         options["group_num"] = heads
     try:
