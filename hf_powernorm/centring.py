@@ -101,9 +101,18 @@ def centre_residual_stream(model: nn.Module, hidden_size: int, norms: dict[str, 
                            run: Callable[[], torch.Tensor]) -> Centring:
     """Find the writers of `model`'s residual stream and centre them in place (module docstring).
 
-    `norms`: every norm of the model by path (their outputs tell the readers apart); `run`: the
-    model's output (logits) on a probe batch, in eval mode. The output stays within
-    `tolerance(dtype)` of its RMS (the dtype of its parameters); a RuntimeError says otherwise.
+    Args:
+        model (`nn.Module`):
+            The model, whose writers are centred in place.
+        hidden_size (`int`):
+            The width of the residual stream.
+        norms (`dict[str, nn.Module]`):
+            Every norm of the model by path (their outputs tell the readers apart).
+        run (`Callable[[], torch.Tensor]`):
+            The model's output (logits) on a probe batch, in eval mode.
+
+    The output stays within `tolerance(dtype)` of its RMS (the dtype of its parameters); a RuntimeError
+    says otherwise.
     """
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     reference = run()

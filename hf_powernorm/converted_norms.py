@@ -6,7 +6,9 @@ converted model needs at run time and at load time, with no probe and no weight 
 model from `config.powernorm_conversion` alone:
 
 - `NormMaskContext` and `MaskAwareNorm`: the padding mask of each forward, pushed by hooks on the top
-  model (and the encoder), read by each converted norm (`converter.py`'s docstring says how);
+  model (and the encoder), read by each converted norm (docs/conversion.md says how);
+- `mask_roles(model, names)`: a model's mask context, its hooks and the mask each norm reads, for the
+  converted norms and for `convert_norms`' calibration of their sources alike;
 - `replay_conversion(model, record)`: build the recorded norms in place of the model's own, on the
   `meta` device too, in the module paths of `model`, which may be another head of the model that was
   converted (`LlamaModel` for a converted `LlamaForCausalLM`).
