@@ -1,26 +1,24 @@
 """Power Normalization for the Hugging Face ecosystem: norm layers, models and recipes.
 
 Importing the package loads the library (`_library.py`: the norms, the models, the converter) and
-registers the family with the Auto classes. One process is spared it: the `hf-powernorm` command
-(or `python -m hf_powernorm.studies`) asked for a help text, whose parsers import no torch
-(`cli.py`); there the library loads when a name of it is first used, or when the command goes on
-to run (`load_library`).
+registers the family with the Auto classes. One process is spared it: a command of the package
+asked for a help text (`hf-powernorm ... --help`, `python -m hf_powernorm.<module> ... --help`),
+whose parsers import no torch (`cli.py`); there the library loads when a name of it is first used,
+or when the command goes on to run (`load_library`).
 """
 
 import sys
 from pathlib import Path
 
 __version__ = "0.1.0"
-# How the `hf-powernorm` command starts: its console script, or `python -m` of one of these modules.
-COMMAND_NAME, COMMAND_MODULES = "hf-powernorm", ("hf_powernorm.cli", "hf_powernorm.compare", "hf_powernorm.studies")
+COMMAND_NAME = "hf-powernorm"  # the console script
 
 
 def _command_asks_for_help() -> bool:
-    """Whether this process is the `hf-powernorm` command asking for a help text."""
-    started = getattr(sys, "orig_argv", [])
-    pairs = set(zip(started, started[1:]))
-    by_module = sys.argv[:1] == ["-m"] and any(("-m", module) in pairs for module in COMMAND_MODULES)
-    if not (by_module or Path(sys.argv[0]).name == COMMAND_NAME):
+    """Whether this process is a command of the package asking for a help text: the `hf-powernorm`
+    console script, or `python -m` of a module of the package, whose `sys.argv[0]` is `-m` while the
+    package imports (Python sets it so until it has found the module)."""
+    if not (sys.argv[:1] == ["-m"] or Path(sys.argv[0]).name == COMMAND_NAME):
         return False
     return asks_for_help(sys.argv[1:])
 

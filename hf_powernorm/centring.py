@@ -21,7 +21,7 @@ head untied).
 then a head whose weight is a centred embedding's is untied (`tie_word_embeddings=False` in the
 config: the head keeps the uncentred table, which the final norm's output meets), and the writers
 are centred in float64. Whether each norm's input is centred is measured by the caller, on the
-calibration batches. Imports torch only: remote code copies this file beside the model.
+calibration batches.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .converted_norms import text_config
 
 
 @dataclass(eq=False)  # compared by identity: its tensors have no truth value
@@ -99,9 +101,18 @@ def centre_residual_stream(model: nn.Module, hidden_size: int, norms: dict[str, 
                            run: Callable[[], torch.Tensor]) -> Centring:
     """Find the writers of `model`'s residual stream and centre them in place (module docstring).
 
-    `norms`: every norm of the model by path (their outputs tell the readers apart); `run`: the
-    model's output (logits) on a probe batch, in eval mode. The output stays within
-    `tolerance(dtype)` of its RMS (the dtype of its parameters); a RuntimeError says otherwise.
+    Args:
+        model (`nn.Module`):
+            The model, whose writers are centred in place.
+        hidden_size (`int`):
+            The width of the residual stream.
+        norms (`dict[str, nn.Module]`):
+            Every norm of the model by path (their outputs tell the readers apart).
+        run (`Callable[[], torch.Tensor]`):
+            The model's output (logits) on a probe batch, in eval mode.
+
+    The output stays within `tolerance(dtype)` of its RMS (the dtype of its parameters); a RuntimeError
+    says otherwise.
     """
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     reference = run()
@@ -210,13 +221,9 @@ def _untie_head(model: nn.Module, writers: list[Writer]) -> str | None:
         return None
     head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     config = getattr(model, "config", None)
-    for part in {id(c): c for c in (config, _text_config(config)) if c is not None}.values():
+    for part in {id(c): c for c in (config, text_config(config)) if c is not None}.values():
         part.tie_word_embeddings = False
     return next(name for name, module in model.named_modules() if module is head)
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else None
 
 
 def _unique(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:

@@ -6,7 +6,9 @@ converted model needs at run time and at load time, with no probe and no weight 
 model from `config.powernorm_conversion` alone:
 
 - `NormMaskContext` and `MaskAwareNorm`: the padding mask of each forward, pushed by hooks on the top
-  model (and the encoder), read by each converted norm (`converter.py`'s docstring says how);
+  model (and the encoder), read by each converted norm (docs/conversion.md says how);
+- `mask_roles(model, names)`: a model's mask context, its hooks and the mask each norm reads, for the
+  converted norms and for `convert_norms`' calibration of their sources alike;
 - `replay_conversion(model, record)`: build the recorded norms in place of the model's own, on the
   `meta` device too, in the module paths of `model`, which may be another head of the model that was
   converted (`LlamaModel` for a converted `LlamaForCausalLM`).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -153,7 +156,7 @@ class MaskAwareNorm(nn.Module):
         return f"role={self.role!r}"
 
 
-def _epsilon(module: nn.Module, weight: torch.Tensor | None) -> float | None:
+def norm_epsilon(module: nn.Module, weight: torch.Tensor | None) -> float | None:
     """The norm's epsilon; `torch.nn.RMSNorm(eps=None)` uses the machine epsilon of its dtype."""
     eps = next((getattr(module, a) for a in EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float)), None)
     if eps is None and isinstance(module, getattr(nn, "RMSNorm", ())) and module.eps is None:
@@ -188,21 +191,18 @@ def replay_conversion(model: nn.Module, conversion: dict) -> tuple[dict, list[tu
     before it existed) takes the size from the module's shapes and the epsilon from its attribute.
     Returns the record as set (in `model`'s module paths) and `(path, old class, new class)` per norm.
     """
-    config = model.config
     record = _checked_record(conversion, model)
     norm_type = record["norm_type"]
-    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
-    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
-    language = _language_model_prefixes(model)
+    masks = mask_roles(model, record["modules"])
     replaced = []
     for name in record["modules"]:
         old, entry = model.get_submodule(name), record["norms"][name]
         norm = _placed_like(build_norm(norm_type, entry["size"], **entry["options"]), old)
-        role = _role(name, encoder_prefix, context.encoder_decoder, language)
-        _set_submodule(model, name, MaskAwareNorm(norm, context, role, name))
+        _set_submodule(model, name, MaskAwareNorm(norm, masks.context, masks.roles[name], name))
         replaced.append((name, type(old).__name__, type(norm).__name__))
-    _install_hooks(model, context, encoder_prefix)
-    setattr(config, CONVERSION_CONFIG_KEY, record)
+    masks.hook(model)
+    model._powernorm_mask_context = masks.context
+    setattr(model.config, CONVERSION_CONFIG_KEY, record)
     return record, replaced
 
 
@@ -226,7 +226,7 @@ def _checked_record(conversion, model: nn.Module) -> dict:
 
 def _legacy_entry(module: nn.Module, name: str, options: dict) -> dict:
     """The `norms` entry of a record written before it existed: size and epsilon from the module."""
-    size, eps = norm_size(module), _epsilon(module, getattr(module, "weight", None))
+    size, eps = norm_size(module), norm_epsilon(module, getattr(module, "weight", None))
     if size is None or eps is None:
         raise ValueError(f"cannot read the size and epsilon of {name!r} ({type(module).__name__}) for a conversion "
                          "record without 'norms'")
@@ -284,6 +284,73 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child, module)
 
 
+# ----------------------------------------------------------------------------------------------
+# Which mask each norm reads
+
+
+@dataclass
+class MaskRoles:
+    """The mask context of a model's converted norms and the role of each: `roles` maps a norm's module
+    path to the mask it reads (`main`, `encoder`, `decoder`, or `unmasked` outside a composite model's
+    language model); `encoder_prefix` is the encoder's path in an encoder-decoder model, else None."""
+
+    context: NormMaskContext
+    roles: dict[str, str]
+    encoder_prefix: str | None = None
+
+    def hook(self, model: nn.Module) -> list:
+        """Register the hooks that push the call's masks on `context` (on the top model, and on the
+        encoder, which `generate` calls on its own) and pop them, even on error; their handles."""
+        stacks = [(model, self.context.top_pre_hook)]
+        if self.encoder_prefix is not None:
+            stacks.append((model.get_submodule(self.encoder_prefix), self.context.encoder_pre_hook))
+        handles = []
+        for module, pre_hook in stacks:
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(self.context.pop_hook, always_call=True))
+        return handles
+
+
+def mask_roles(model: nn.Module, names: Iterable[str]) -> MaskRoles:
+    """A fresh `NormMaskContext` for `model` and the role of each norm at the module paths `names`:
+    what the converted norms read at run time and the calibration of their sources reads before."""
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    encoder_prefix = _encoder_prefix(model) if encoder_decoder else None
+    language = language_model_prefixes(model)
+    roles = {name: _role(name, encoder_prefix, encoder_decoder, language) for name in names}
+    return MaskRoles(NormMaskContext(encoder_decoder), roles, encoder_prefix)
+
+
+def text_config(config):
+    """The config of a model's language model: `config.get_text_config()` where the config has it (a
+    composite model's is of another class), else `config` itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def language_model_prefixes(model: nn.Module) -> tuple[str, ...] | None:
+    """The module paths of a composite model's language model: the outermost sub-models built from
+    its text config (`text_config`, a config of another class than the model's), such as Gemma 3's
+    or LLaVA's `model.language_model`; None for a model that is its own language model (or whose
+    language model is not a sub-model of its own)."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    text = text_config(config)
+    if text is config or type(text) is type(config):
+        return None
+    prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if (name and isinstance(module, PreTrainedModel) and type(module.config) is type(text)
+                and not is_under(name, prefixes)):
+            prefixes.append(name)
+    return tuple(prefixes) or None
+
+
+def is_under(name: str, prefixes: Iterable[str]) -> bool:
+    """Whether the module path `name` is one of `prefixes` or lies inside one."""
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
 def _encoder_prefix(model: nn.Module) -> str:
     """The module path of the encoder of an encoder-decoder model."""
     encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
@@ -293,58 +360,17 @@ def _encoder_prefix(model: nn.Module) -> str:
     raise ValueError(f"cannot find the encoder of encoder-decoder model {type(model).__name__} (get_encoder())")
 
 
-def _language_model_prefixes(model: nn.Module) -> tuple[str, ...] | None:
-    """The module paths of a composite model's language model: the outermost sub-models built from
-    its text config (`config.get_text_config()`, a config of another class than the model's), such
-    as Gemma 3's or LLaVA's `model.language_model`; None for a model that is its own language model
-    (or whose language model is not a sub-model of its own)."""
-    from transformers import PreTrainedModel
-
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is config or type(text) is type(config):
-        return None
-    prefixes: list[str] = []
-    for name, module in model.named_modules():
-        if (name and isinstance(module, PreTrainedModel) and type(module.config) is type(text)
-                and not _inside(name, prefixes)):
-            prefixes.append(name)
-    return tuple(prefixes) or None
-
-
-def _inside(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
-
-
 def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool,
           language: tuple[str, ...] | None = None) -> str:
     """Which of the call's masks a norm reads: none outside a composite model's language model
     (every position of a vision tower's input is real), else the encoder's or the decoder's, or the
     one mask of a decoder-only model."""
-    if language is not None and not _inside(name, language):
+    if language is not None and not is_under(name, language):
         return UNMASKED
     if not encoder_decoder:
         return MAIN
-    return ENCODER if _inside(name, (encoder_prefix,)) else DECODER
+    return ENCODER if is_under(name, (encoder_prefix,)) else DECODER
 
 
-def _install_hooks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> None:
-    """Pre-hooks push the call's masks, forward hooks (run on error too) pop them."""
-    _hook_stacks(model, context, encoder_prefix)
-    model._powernorm_mask_context = context
-
-
-def _hook_stacks(model: nn.Module, context: NormMaskContext, encoder_prefix: str | None) -> list:
-    """Register the mask hooks of the top model (and encoder); returns their handles."""
-    stacks = [(model, context.top_pre_hook)]
-    if encoder_prefix is not None:
-        stacks.append((model.get_submodule(encoder_prefix), context.encoder_pre_hook))
-    handles = []
-    for module, pre_hook in stacks:
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(context.pop_hook, always_call=True))
-    return handles
-
-
-__all__ = ["CONVERSION_CONFIG_KEY", "MaskAwareNorm", "NormMaskContext", "check_unpatched", "norm_size",
-           "replay_conversion"]
+__all__ = ["CONVERSION_CONFIG_KEY", "MaskAwareNorm", "MaskRoles", "NormMaskContext", "check_unpatched", "is_under",
+           "language_model_prefixes", "mask_roles", "norm_epsilon", "norm_size", "replay_conversion", "text_config"]

@@ -10,28 +10,13 @@ start from the source's function (`convert_norms`). The conversion is recorded i
 (no weight read, so on the `meta` device too) and `load_converted(path, auto_class)` rebuilds a
 saved converted model with its running statistics.
 
-Which modules are norms (found by structure, not by a list of classes): a module that is a
-`torch.nn.LayerNorm` / `torch.nn.RMSNorm`, or whose class (or a base class) is named `*LayerNorm`,
-`*RMSNorm`, `*NormGated` or `*L2Norm` (`LlamaRMSNorm`, `T5LayerNorm`, `MambaRMSNormGated`, ...).
-Which convert (`select_norms`): by default those over the model's hidden size outside attention
-blocks (the residual stream), in a composite model those of its language model only; the others are
-kept and reported with the reason (`_kept_by_default`: QK-norms, latent projection norms, SSM inner
-norms, gated norms, position-table norms, weightless L2 norms, a vision tower's); `modules=` (a
-regular expression or a predicate) selects
-among all of them. A selected norm converts when it has no submodules, a 1-D `weight` (or none)
-and optional 1-D `bias` over its size, an epsilon attribute (`eps`, `variance_epsilon` or
-`epsilon`), and when a probe on random inputs shows it computes `LN(x) * w + b`, `LN(x) * (1 + w) + b`
-(Nemotron's `LayerNorm1P`), `RMS(x) * w` or `RMS(x) * (1 + w)` (Gemma's) over the last dimension; any
-other selected norm raises a `ValueError` naming it.
-
-How the mask reaches the norms: forward pre-hooks on the top model (and on the encoder of an
-encoder-decoder model, which `generate` calls on its own) push the call's `attention_mask` (and
-`decoder_attention_mask`) on a small context object shared by the new norms; a forward hook that
-runs even on error pops it. Each new norm is wrapped in `MaskAwareNorm`, which reads the mask of
-its stack (encoder or decoder) and passes `attention_mask=` on. A call without a mask treats every
-token as real; with a KV cache the mask covers past and new positions, and the norms take its last
-`seq` columns, the new positions. A kernel patch that rebinds a converted norm's `forward` on the
-instance (Liger's, `kernels`' `kernelize`) is refused at the next forward (`check_unpatched`).
+This file finds the norms (`is_norm_candidate`: by structure, not by a list of classes), selects
+those over the residual stream (`select_norms`; the others are kept, with the reason), reads and
+probes each (`read_source_norm`) and, for `preserve_function`, calibrates them on batches of the
+source model. `converted_norms.py` holds what a converted model needs without this file: the mask
+context and hooks (`mask_roles`, shared with the calibration), the wrapper that passes the mask on
+(`MaskAwareNorm`) and the replay of the record. Which norms are found and converted, and how the
+padding mask reaches them: docs/conversion.md.
 """
 
 from __future__ import annotations
@@ -53,14 +38,13 @@ from .converted_norms import (
     EPS_ATTRIBUTES,
     MaskAwareNorm,
     NormMaskContext,
-    _encoder_prefix,
-    _epsilon,
-    _hook_stacks,
-    _inside,
-    _language_model_prefixes,
-    _role,
+    is_under,
+    language_model_prefixes,
+    mask_roles,
+    norm_epsilon,
     norm_size,
     replay_conversion,
+    text_config,
 )
 from .modeling_converted import load_converted, load_converted_config
 from .normalization import NORM_CLASSES, build_norm, normalize_norm_name
@@ -122,7 +106,7 @@ def read_source_norm(module: nn.Module, name: str, hidden_size: int) -> SourceNo
         raise ValueError(f"cannot convert {where}: a gated norm (its forward takes a gate beside its input), "
                          "which no registry norm computes")
     weight, bias = _vector(module, "weight", hidden_size, where), _vector(module, "bias", hidden_size, where)
-    eps = _epsilon(module, weight)
+    eps = norm_epsilon(module, weight)
     if eps is None:
         raise ValueError(f"cannot convert {where}: no float epsilon attribute among {EPS_ATTRIBUTES}")
     kind = _probe_kind(module, weight, bias, eps, hidden_size)
@@ -235,18 +219,11 @@ class ConversionReport:
         return "\n".join(lines)
 
 
+# Over 50 lines: its docstring names every argument (Args); the code is 22 lines.
 def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=None, preserve_function: bool = False,
                   calibration_batches: Iterable[dict] | None = None, centre_stream: bool = True,
                   **options) -> ConversionReport:
     """Replace the per-token norms of a Transformers `model` by `build_norm(norm_type, ...)`, in place.
-
-    Which norms (`modules`): None converts the norms over the residual stream (`select_norms`: over
-    the hidden size, not inside an attention block, inside the language model of a composite model
-    such as Gemma 3's) and keeps QK-norms, per-head norms, those of a vision tower or projector and
-    norm-named wrappers around a norm (whose norm converts), listed in `report.kept` with the reason;
-    a string is a regular expression searched in each candidate norm's module path, a callable
-    `(name, module) -> bool` a predicate: either selects among every candidate norm, QK-norms
-    included where `norm_type` can be built over their size.
 
     Weights map where both norms have them (`weight`, `bias`; `1 + w` for norms that scale by it),
     the source's epsilon is kept unless `eps` is given, and `group_num` defaults to the config's
@@ -255,12 +232,35 @@ def convert_norms(model: nn.Module, norm_type: str = "powernorm", *, modules=Non
     statistics and step counters, and receive each forward's padding mask; `apply_conversion` replays
     the record in `model.config.powernorm_conversion` on a freshly built model.
 
-    `preserve_function=True` makes the converted model compute what the source computed before any
-    update, in eval and in the first training forward (`PRESERVING` lists the targets): exactly for
-    RMSNorm sources and for LayerNorm sources once `centre_stream` centres their inputs, by a
-    least-squares fit named in `report.approximate` otherwise (`docs/conversion.md`,
-    `docs/conversion_families.md`). `calibration_batches` (model inputs, run in eval mode without
-    gradients) calibrate that and measure `report.start_gap`, the largest change of the first logits.
+    Args:
+        model (`PreTrainedModel`):
+            The Transformers model to convert.
+        norm_type (`str`, *optional*, defaults to `"powernorm"`):
+            A name of the norm registry (`NORM_CLASSES`).
+        modules (`str` or callable, *optional*):
+            Which norms convert. None: the norms over the residual stream (`select_norms`: over the
+            hidden size, not inside an attention block, inside the language model of a composite model
+            such as Gemma 3's); QK-norms, per-head norms, those of a vision tower or projector and
+            norm-named wrappers around a norm (whose norm converts) are kept, listed in `report.kept`
+            with the reason. A string is a regular expression searched in each candidate norm's module
+            path, a callable `(name, module) -> bool` a predicate: either selects among every candidate
+            norm, QK-norms included where `norm_type` can be built over their size.
+        preserve_function (`bool`, *optional*, defaults to `False`):
+            Make the converted model compute what the source computed before any update, in eval and
+            in the first training forward (`PRESERVING` lists the targets): exactly for RMSNorm sources
+            and for LayerNorm sources once `centre_stream` centres their inputs, by a least-squares fit
+            named in `report.approximate` otherwise (`docs/conversion.md`, `docs/conversion_families.md`).
+        calibration_batches (iterable of `dict`, *optional*):
+            Model inputs, run in eval mode without gradients, that calibrate `preserve_function` and
+            measure `report.start_gap`, the largest change of the first logits.
+        centre_stream (`bool`, *optional*, defaults to `True`):
+            With `preserve_function` and calibration batches, centre the writers of the residual stream
+            where LayerNorm sources need it (`centring.py`).
+        options:
+            The new norms' options (`eps`, `group_num`, `alpha_fwd`, ...), JSON values.
+
+    Returns:
+        `ConversionReport`: what was replaced and kept, and how close the function stayed.
     """
     config = _model_config(model)
     _refuse_converted(model, config)
@@ -366,12 +366,12 @@ def select_norms(model: nn.Module, hidden_size: int, modules=None) -> tuple[dict
     RMSNorm: the RMSNorm inside converts, its gate stays), normalizes over `hidden_size` (its 1-D
     weight, bias or `normalized_shape`), is not a child of an attention block (a module whose class is named
     `*Attention*` and holds `nn.Linear` projections, as OLMo2's `q_norm` over all heads is) and, in
-    a composite model (Gemma 3's, LLaVA's), lies in its language model (`_language_model_prefixes`:
+    a composite model (Gemma 3's, LLaVA's), lies in its language model (`language_model_prefixes`:
     a vision tower's norms see patches, not the tokens the padding mask describes); a string or a
     callable selects among every candidate (see `convert_norms`).
     """
     selector = _selector(modules)
-    language = _language_model_prefixes(model)
+    language = language_model_prefixes(model)
     selected, kept = {}, []
     for name, module in model.named_modules():
         if not name or not is_norm_candidate(module):
@@ -415,7 +415,7 @@ def _kept_by_default(model: nn.Module, name: str, module: nn.Module, size: int |
                      language: tuple[str, ...] | None) -> str | None:
     """Why the default rule keeps the norm `module` at path `name` (off the residual stream), or None
     when it converts."""
-    if language is not None and not _inside(name, language):
+    if language is not None and not is_under(name, language):
         return (f"outside the language model ({', '.join(language)}): it does not normalize the tokens "
                 "the padding mask describes")
     held = held_norms(module, name)
@@ -651,15 +651,11 @@ def _calibrate(model: nn.Module, plans: dict[str, _Plan], batches: Iterable[dict
     (masked with the batch's padding masks, as the converted norms will be)."""
     from transformers.utils import logging as hf_logging
 
-    config = _model_config(model)
-    context = NormMaskContext(encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
-    encoder_prefix = _encoder_prefix(model) if context.encoder_decoder else None
+    masks = mask_roles(model, plans)
     moments = {name: _Moments() for name in plans}
-    handles = _hook_stacks(model, context, encoder_prefix)
-    language = _language_model_prefixes(model)
+    handles = masks.hook(model)
     for name, plan in plans.items():
-        role = _role(name, encoder_prefix, context.encoder_decoder, language)
-        hook = _CalibrationHook(moments[name], plan, context, role, name)
+        hook = _CalibrationHook(moments[name], plan, masks.context, masks.roles[name], name)
         handles.append(model.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
     training, first = model.training, None
     model.eval()
@@ -760,8 +756,7 @@ def _model_config(model: nn.Module):
 
 
 def _hidden_size(config) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden_size = getattr(text_config, "hidden_size", None)
+    hidden_size = getattr(text_config(config), "hidden_size", None)
     if not isinstance(hidden_size, int):
         raise ValueError(f"cannot read the hidden size from {type(config).__name__}: hidden_size={hidden_size!r}")
     return hidden_size
@@ -774,8 +769,7 @@ def _resolve_options(norm_type: str, options: dict, config, preserve_function: b
     if preserve_function:
         options.update(_preserving_options(norm_type, options))
     accepted = inspect.signature(NORM_CLASSES[norm_type].__init__).parameters
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text_config, "num_attention_heads", None)
+    heads = getattr(text_config(config), "num_attention_heads", None)
     if "group_num" in accepted and "group_num" not in options and isinstance(heads, int):
         options["group_num"] = heads
     try:

@@ -161,6 +161,7 @@ def _card_data(
     )
 
 
+# Over 50 lines: its signature and docstring name eleven arguments; the code is 22 lines.
 def render_model_card(
     model: Any,
     *,
@@ -177,9 +178,24 @@ def render_model_card(
 ) -> ModelCard:
     """The card of `model` (a PowerNorm Transformer head) for the Hub repository `repo_id`.
 
-    `results` maps metric names to values (e.g. `{"bleu": 35.4}`); they become the card's
-    `metrics`, a results table and, with `datasets`, a `model-index` entry. `with_tokenizer`: the
-    repository holds tokenizer files, and the card shows how to load them.
+    Args:
+        model (`PowerNormTransformerPreTrainedModel`):
+            The head the card describes (its task, norms, running statistics and architecture).
+        repo_id (`str`):
+            The Hub repository, `owner/name`; its last part names the model.
+        license (`str`, *optional*, defaults to `"apache-2.0"`), language, datasets, tags:
+            The card's metadata.
+        results (`dict[str, float]`, *optional*):
+            Metric names to values (e.g. `{"bleu": 35.4}`): the card's `metrics`, a results table and,
+            with `datasets`, a `model-index` entry.
+        training_command (`str`, *optional*):
+            The command that trained the model, shown in the card.
+        description (`str`, *optional*):
+            The card's opening text; by default one line naming the task.
+        with_tokenizer (`bool`, *optional*, defaults to `False`):
+            The repository holds tokenizer files, and the card shows how to load them.
+        template_path (`str` or `Path`, *optional*):
+            A card template in place of `TEMPLATE_PATH`.
     """
     head = type(model).__name__
     if head not in _HEADS:
@@ -235,7 +251,20 @@ def render_conversion_card(
     training_command: str | None = None,
 ) -> str:
     """The card of a Transformers model whose norms `convert_norms` replaced: what was converted, how
-    to load it with its statistics (`load_converted`), the training command and the scores."""
+    to load it with its statistics (`load_converted`), the training command and the scores.
+
+    Args:
+        model (`PreTrainedModel`):
+            A model converted by `convert_norms` (its `config.powernorm_conversion`).
+        repo_id (`str`, *optional*, defaults to `"PATH"`):
+            The repository or folder the card's loading code names.
+        results (`dict[str, float]`, *optional*):
+            Metric names to values, the card's results table.
+        description (`str`, *optional*):
+            The card's opening text.
+        training_command (`str`, *optional*):
+            The command that trained the model.
+    """
     conversion, name = getattr(model.config, CONVERSION_CONFIG_KEY), type(model).__name__
     auto = auto_class_name(model)
     lines = ["---", "license: apache-2.0", "library_name: transformers", "tags:", "- powernorm", "- normalization",
@@ -272,9 +301,21 @@ def push_to_hub(
     if needed, after every check: the card renders, the model and tokenizer save, the folder holds
     weights. A failed check leaves no repository behind.
 
-    `model` is a PowerNorm Transformer head (its card: `render_model_card`) or a Transformers model
-    whose norms `convert_norms` replaced (`render_conversion_card`); `card_options` go to that
-    function (license, language, datasets, results, training_command, ...) unless a ready `card` is given.
+    Args:
+        model (`PreTrainedModel`):
+            A PowerNorm Transformer head (its card: `render_model_card`) or a Transformers model whose
+            norms `convert_norms` replaced (`render_conversion_card`).
+        repo_id (`str`):
+            The Hub repository, created if it does not exist.
+        tokenizer (*optional*):
+            A tokenizer saved beside the model.
+        card (`ModelCard`, *optional*):
+            A ready card, in place of the rendered one.
+        commit_message, private, token, revision, create_pr:
+            As `huggingface_hub.HfApi.create_repo` and `create_commit` take them.
+        card_options:
+            Passed to the card's function (license, language, datasets, results, training_command,
+            ...) unless `card` is given.
     """
     render = _card_renderer(model, tokenizer, card, card_options)
     rendered = render(repo_id)
@@ -329,7 +370,15 @@ def upload_saved_model(
     """Upload in one commit the files at the top of `folder` (what `save_pretrained`, a tokenizer's
     `save_pretrained` and the card wrote there), leaving its sub-folders (checkpoints, logs) and
     hidden files (the lock of the run writing it) out; a symbolic link there is refused, not followed.
-    The repository `repo_id` must exist."""
+
+    Args:
+        folder (`str` or `Path`):
+            The saved model's folder.
+        repo_id (`str`):
+            The Hub repository, which must exist.
+        commit_message, token, revision, create_pr:
+            As `huggingface_hub.HfApi.create_commit` takes them.
+    """
     files = _files_to_upload(Path(folder), repo_id)
     operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files]
     return HfApi(token=token).create_commit(repo_id, operations, commit_message=commit_message, revision=revision,

@@ -11,7 +11,8 @@ norm layer with:
   and the range of `psi2_B / phi`;
 - the gradient contributions through the batch statistics that a batch norm (eq. 3: `g_mu`,
   `g_sigma2`) and PN-V (eq. 6: `g_psi2`) would route at this position, computed in float32 from the
-  layer's input, the gradient of its output and the mask, independently of the layer's backward;
+  layer's input, the gradient of its output and the mask, independently of the layer's backward
+  (the formulas: docs/norms.md);
 - the gradient norms of the layer's weight and bias;
 - Lemma 2's condition: the fraction of channels with `|gamma_i| <= (psi_B)_i` and the range of
   `|gamma_i| / (psi_B)_i` (below 1, PN-V lowers the Lipschitz constant of the loss);
@@ -19,14 +20,6 @@ norm layer with:
   the real tokens' elements whose argument `z = alpha x (+ shift)` has `|z| > 1` and `|z| > 2`
   (`squash_beyond_1`, `squash_beyond_2`): near 0 the squash is about linear, a per-channel scale
   of `x` that normalizes nothing; near 1 it maps `x` to about its sign (None for other norms).
-
-Gradient contributions, per real token i and channel c, with `g = dL/dy` over the real tokens,
-`gamma` the layer's weight (1 without one) and `N` real tokens:
-`g_mu[i, c] = -(gamma_c / sigma_c) mean_j g[j, c]`,
-`g_sigma2[i, c] = -(gamma_c / sigma_c) xhat[i, c] mean_j g[j, c] xhat[j, c]`, `xhat = (x - mu_B) / sigma`,
-`g_psi2[i, c] = -(gamma_c / psi_c) xhat'[i, c] mean_j g[j, c] xhat'[j, c]`, `xhat' = x / psi`,
-with `sigma = sqrt(sigma2_B + eps)` and `psi = sqrt(psi2_B + eps)`. A row holds the root mean square
-over real tokens of each token's norm, `||G||_F / sqrt(N)`.
 
 When off (`every_n_steps` 0 or None) the recorder registers nothing; when on it holds hooks only
 between `before_forward` of a recorded step and the following `after_backward`. Only the first
@@ -86,8 +79,15 @@ class NormStatisticsRecorder:
         optimizer.zero_grad()
     recorder.close()
     ```
-    Rows are appended to `output_file` as JSON lines, one per (step, layer), with flat keys;
-    `per_channel=True` adds the per-channel statistics as lists.
+    Args:
+        model (`nn.Module`):
+            Any model holding norms of the registry (a PowerNorm Transformer, a converted model).
+        every_n_steps (`int`, *optional*):
+            Record the steps that are multiples of it; 0 or None records nothing and registers no hook.
+        output_file (`str` or `os.PathLike`, *optional*, defaults to `"norm_stats.jsonl"`):
+            Rows are appended to it as JSON lines, one per (step, layer), with flat keys.
+        per_channel (`bool`, *optional*, defaults to `False`):
+            Add the per-channel statistics to each row, as lists.
     """
 
     def __init__(self, model: nn.Module, every_n_steps: int | None = None,

@@ -226,9 +226,17 @@ def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | No
                    **config_kwargs) -> nn.Module:
     """Load a model saved after `convert_norms`, with every weight and running buffer.
 
-    `path` is a local folder or a Hub repo id; `model_class` an Auto class (`AutoModelForCausalLM`)
-    or a model class (`LlamaForCausalLM`); `dtype` casts the loaded model (running statistics stay
-    float32); the model is returned in eval mode, as `from_pretrained` returns it. The model is built
+    Args:
+        path (`str` or `os.PathLike`):
+            A local folder or a Hub repo id.
+        model_class:
+            An Auto class (`AutoModelForCausalLM`) or a model class (`LlamaForCausalLM`).
+        dtype (`torch.dtype`, *optional*):
+            Cast the loaded model to it (running statistics stay float32).
+        config_kwargs:
+            Passed to the config's `from_pretrained` (attributes to override).
+
+    The model is returned in eval mode, as `from_pretrained` returns it. The model is built
     as `config.powernorm_conversion` records (its converted class, `modeling_converted.py`) and loaded
     by Transformers' own `from_pretrained`, so checkpoint key renamings (GPT-NeoX's `embed_out`),
     shards and tied weights are handled as for the original model; a key the converted model lacks

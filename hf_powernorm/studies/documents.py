@@ -188,7 +188,6 @@ VARIANTS = (("powernorm-fwd0.9", "powernorm", "alpha_fwd 0.9 in place of PN's pi
             ("powernorm-authors", "powernorm-fwd0.9", "alpha_bkw 0.9 in place of 1.0 (and the authors' arm's own rate, warmup)"),
             ("powernorm-authors", "powernorm", "the authors' alphas in place of PN's picks"),
             ("powernorm-all", "powernorm", "PN in every layer in place of PN in the encoder"))
-VARIANT_NAMES = {**ARMS, "powernorm-fwd0.9": "PN, alpha_fwd 0.9 / alpha_bkw 1.0"}
 
 
 def variants_table(finals: dict) -> list[str]:

@@ -1,43 +1,15 @@
 """LayerNorm, BatchNorm and no normalization in a post-norm Transformer encoder on Financial PhraseBank.
 
-Reproduces "The Benefits of Normalization Layers in Transformers" (Yu, 2024): a sentence classifier
-made of the original Transformer encoder with post-norm residual blocks (`x <- Norm(x + F(x))`),
-mean-pooled over the real tokens, trained with plain SGD (no momentum, no weight decay, no clipping,
-no warmup) on the sentences of Financial PhraseBank on which all annotators agree, with Kaiming
-initialization for the ReLU feed-forward layers and Xavier initialization elsewhere. Norms: the
-document's `layernorm`, `batchnorm` (padding left out of the statistics) and `none`, and this
-project's `powernorm` and `rmsnorm` as an extension. The study measures:
-
-1. convergence (document Tables 1-6): every model shape (1 or 5 layers x narrow / normal / wide) x
-   learning rate (10, 1, 0.5, 0.1, 1e-2, 1e-3, 1e-4) x norm x seed, trained `--epochs` epochs. A run
-   *diverges* when a training loss is NaN/inf or above `DIVERGENCE_FACTOR` x max(initial loss, ln 3)
-   (it stops there); it *converges* when it does not diverge and its last epoch's mean training loss
-   is below its first epoch's. A cell is converged when most of its seeds are. A stricter reading,
-   *fit*, also asks for a last-epoch training loss below the entropy of the label prior;
-2. the expected per-layer gradient norm at initialization (mean over `--grad_batches` training
-   batches, the weights and norm buffers restored after each) of the shallow and the deep
-   normal-width model (document Figures 2-3);
-3. the initialization scale: every weight matrix drawn from U(-0.1, 0.1) or U(-100, 100) instead,
-   at the normal width, 1 layer at learning rate 0.1 and 5 layers at 1e-3 (the largest learning
-   rates at which the document's three norms all converge);
-4. loss curves of the 1-layer wide model at a converging (0.1) and a borderline (0.5) learning rate
-   (document Figure 4), from the convergence runs;
-5. the Lipschitz constant and smoothness of the loss along the gradient during training
-   (Santurkar et al. 2018, document Figures 5-6): every `--probe_every` updates of the 1-layer
-   wide model at learning rate 0.1, on a fixed training batch in train mode,
-   `max_a |L(W) - L(W - a g)| / (a ||g||)` and `max_a ||g(W) - g(W - a g)|| / (a ||g||)` for `a` in
-   `PROBE_FRACTIONS` x lr; the weights and norm buffers are restored after each probe.
-
-Where the document is silent the study chooses: hidden sizes 32 / 64 / 128 (narrow / normal /
-wide) with 4 heads and feed-forward width 4 x hidden, sinusoidal positions and
-sqrt(hidden)-scaled embeddings as in the original Transformer, no dropout, batches of 32 sentences
-of similar length (shuffled by seed and epoch), sentences cut at 64 WordPiece tokens, an 80/10/10
-train/validation/test split (seed 0), a WordPiece vocabulary of 2000 trained on the training split
-(the document uses BERT's; pass `--tokenizer PATH` for a saved one), 3 epochs, seeds 1-3, and
-PowerNorm's statistic warmup of 50 forward passes (the learning rate has no warmup).
-
-A grid cell is one part of the study for one seed, covering every norm of `--norms`: one model
-shape of the convergence grid, the initialization runs, the Lipschitz runs, or the gradient norms.
+Reproduces "The Benefits of Normalization Layers in Transformers" (Yu, 2024) with the model family's
+post-norm encoder, plain SGD and the sentences of Financial PhraseBank on which all annotators agree;
+norms: the document's `layernorm`, `batchnorm` (padding left out of the statistics) and `none`, and
+this project's `powernorm` and `rmsnorm` as an extension. It measures (1) which learning rates
+converge (document Tables 1-6), (2) the per-layer gradient norms at initialization (Figures 2-3),
+(3) the need for a careful initialization, (4) loss curves (Figure 4) and (5) the Lipschitz constant
+and smoothness of the loss along the gradient (Figures 5-6). Each measurement's definition, the
+criterion of convergence and the choices where the document is silent: docs/phrasebank_norms.md,
+"What the code measures". A grid cell is one part of the study for one seed, covering every norm of
+`--norms`.
 
 Writes `results.csv` (one row per training run), `gradient_norms.csv`, `lipschitz.csv`,
 `summary.md` and the figures `gradient_norms.png`, `loss_curves.png`, `lipschitz.png` into

@@ -6,62 +6,21 @@ tuning effort for every norm - does PN beat LayerNorm? RMSNorm (LayerNorm withou
 control for PN's other difference, dropping the mean. STUDIES.md holds the answer; docs/tuned_comparison.md
 the binding table, the reasons for each rule and when each was written; docs/tuned_comparison_log.md the runs' log.
 
-Regime (Shen et al., 2020, Appendix B, where the CPU allows it): residual dropout 0.3 (attention
-and activation dropout 0.1), label smoothing 0.1 (the LM included), Adam with the inverse-square-root
-schedule after a linear warmup, PN's warmup equal to the learning-rate warmup, 2,048 tokens per
-update in one batch, gradient clipping 0.25 and weight decay 0.01 (LM). Multi30k: PN in the
-encoder and LayerNorm in the decoder (the paper's translation models), plus PN in every layer
-(`powernorm-all`, PN's picks reused); test BLEU of the average of the last 5 checkpoints (one every
-200 updates), beam 5, length penalty 1.0, and of the best validated checkpoint.
-
-Blind protocol: tuning runs (stages 1-4) score validation only; only the finals score test, and
-they run after every pick is fixed. Tuning runs validate on the first `max_eval_samples` Multi30k
-sentences; the finals validate and test on the whole splits (PTB: always the whole splits).
-
-1. `lr`: peak learning rate x warmup for each norm at the short budget, seed 1 (PN at alpha_fwd =
-   alpha_bkw = 0.9, running denominator); a pick at the edge of a norm's rates gets the next rate
-   beyond (x2 or /2) at every warmup, up to twice; on `WARMUP_EDGE_TASKS` a pick at the edge of the
-   warmups gets the next warmup (x2 below the short budget, or /2) at the picked rate and x2, /2 of
-   it, then up to two rates beyond at that warmup;
-2. `alpha` (PN): alpha_fwd x alpha_bkw at PN's pick; 3. `denominator` (PN): batch against running;
-4. `recheck`, the same for every arm tuned (`RECHECKED`: LayerNorm, PN at its picks, RMSNorm and PN
-   at the authors' alphas, `powernorm-authors`, whose short-budget pick is PN's stage-1 pick): the
-   learning rate at the long budget (the pick x `recheck`) at the pick's warmup and, on
-   `WARMUP_EDGE_TASKS` where that warmup lies at the edge of the warmups its norm ran, at the next
-   warmup beyond (below the long budget); a long-budget pick at the edge of the rates run at its
-   warmup gets the next rate beyond, up to twice;
-5. `final`: each arm's pick at the short budget (`--seeds`) and the long budget (`--long_seeds`),
-   scoring test once; at the long budget also PN's pick with alpha_fwd 0.9 and alpha_bkw 1.0
-   (`powernorm-fwd0.9`, which separates the two alphas); on Multi30k PN in every layer (`--seeds`);
-6. `transfer` (task `tinyshakespeare`, its files from `--transfer_data_dir`): PTB's picks of
-   LayerNorm, PN and RMSNorm unchanged at both PTB budgets, `--seeds`, test scored once;
-7. DyT and Derf (`ELEMENTWISE`; `--no-elementwise` leaves them out), task by task once every other
-   final has run (PTB, then Multi30k): `lr-elementwise` as stage 1 (at the model family's initial
-   alpha 1.0, with the same edge rules), `alpha_init` in the place of PN's alphas (the initial alpha
-   before attention x the one before the FFN and in the final norm, `ALPHAS_INIT`: 12 runs, as PN's
-   alpha_fwd x alpha_bkw), `recheck-elementwise` as stage 4 where the long budget has finals; finals
-   at both budgets on PTB and at the short one on Multi30k, at the other arms' seeds. Their tuning
-   reads validation only, as every tuning run.
-
-Verdicts (`reports.paired_verdicts`): per headline score, each arm against LayerNorm (DyT and Derf
-also against PN, `COMPARED`) over the seeds both have (at least 3): the mean paired difference with its 95% t interval; Holm's adjustment over
-every comparison that has one; an arm is better or worse when its adjusted p-value is below
-0.05, else no difference is shown.
-
-Outputs in `--output_dir`: `results.csv` (one row per run, stage and evaluation: the `COLUMNS`, with
-`examples` the sentences the row scored), `curves.csv` (validation per evaluation), `picks.json`,
-`summary.md` (the headline table with the paired statistics, then each final's scores seed by seed)
-and `curves_<task>_<updates>.png` (validation curves of the finals).
+Stages, each tuning run scoring validation only: 1. `lr` (peak learning rate x warmup per norm,
+short budget), 2. `alpha` and 3. `denominator` (PN), 4. `recheck` (the learning rate at the long
+budget), 5. `final` (the picks over seeds, scoring test once, after every pick is fixed),
+6. `transfer` (PTB's picks on tinyshakespeare), 7. DyT and Derf (`ELEMENTWISE`): `lr-elementwise`,
+`alpha_init` and `recheck-elementwise`, then their finals. Verdicts: `reports.paired_verdicts`, each
+arm against LayerNorm (DyT and Derf also against PN) over paired seeds, Holm-adjusted. Outputs in
+`--output_dir`: `results.csv`, `curves.csv`, `picks.json`, `summary.md`, `curves_<task>_<updates>.png`.
+The regime, each stage's rules and the outputs: docs/tuned_comparison.md, "How the code runs the study".
 
     python recipes/studies/tuned_comparison.py --data_dir DIR --transfer_data_dir DIR2 --jobs 1
     python recipes/studies/tuned_comparison.py --smoke --output_dir /tmp/tc  # embedded corpora, seconds
 
-Resumable (finished runs are never redone, a killed run goes on from its last checkpoint); every
-task's tuning runs before any task's finals, and every task's main finals before the alpha arm and
-PN in every layer (what the cut rule drops first).
+Resumable (finished runs are never redone, a killed run goes on from its last checkpoint);
 `--report_only` writes the outputs of the runs finished so far, `--export_dir DIR` copies them with
-each finished run's result and validation records into DIR (`results/tuned_comparison/` is such a
-copy: its `cells/`, copied into an output folder, resumes the study on another machine).
+each finished run's records into DIR (`results/tuned_comparison/` is such a copy).
 """
 
 from __future__ import annotations
