@@ -452,7 +452,7 @@ class _PowerNormFunction(torch.autograd.Function):
     is recomputed in the backward, which needs one batch reduction, `sum(dY * z0)` (`Gamma =
     mean_V(Z^2) = v / s^2` is known from the forward). On CPU float32 inputs the work runs in the
     fused kernels of `kernels_cpu.py`; elsewhere, and in a graph being compiled, in the pure tensor
-    functions above.
+    functions of `norm_functional.py`.
     """
 
     @staticmethod
@@ -501,15 +501,9 @@ class _PowerNormFunction(torch.autograd.Function):
 
 
 def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward) -> tuple:
-    """The operator's scalar arguments as `pn_denominators`' options (`_pn_norm_options` for a module)."""
+    """The operator's scalar arguments as `pn_denominators`' options."""
     return (eps, warmup_steps, ramp_steps, alpha_fwd, "reference" if reference else "cumulative",
             "batch" if batch_backward else "running")
-
-
-def _pn_norm_options(norm) -> tuple:
-    """`pn_denominators`' options of the module `norm`."""
-    return _pn_options(norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd,
-                       norm.warmup_statistic == "reference", norm.backward_denominator == "batch")
 
 
 def _c_step_usable(x: torch.Tensor, vectors: tuple[torch.Tensor, ...], counter: torch.Tensor | None = None) -> bool:
@@ -813,7 +807,9 @@ def _pn_step_denominators(norm, sum_sq: torch.Tensor, count: torch.Tensor | floa
     count = sums[-1].clone()  # not a view: the step keeps it (a compiled graph refuses kept views)
     warn_if_ddp_overwrites_statistics(norm)
     v, inv_s, inv_s_b, usable, non_finite, next_phi = pn_denominators(
-        sums[:-1], count, norm.running_phi, norm.next_step(), _pn_norm_options(norm))
+        sums[:-1], count, norm.running_phi, norm.next_step(),
+        _pn_options(norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd,
+                    norm.warmup_statistic == "reference", norm.backward_denominator == "batch"))
     warn_non_finite(type(norm).__name__, "batch statistic", non_finite)
     norm.take_step(next_phi, usable)
     norm.record_step(StepRecord("torch", (v, inv_s, inv_s_b), count, usable))

@@ -67,7 +67,7 @@ def all_finite(*statistics: torch.Tensor) -> torch.Tensor:
 
 
 def lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float | torch.Tensor,
-           keep: torch.Tensor | None = None) -> torch.Tensor:
+          keep: torch.Tensor | None = None) -> torch.Tensor:
     """`buffer += weight * (end - buffer)` in place, where the device flag `keep` holds (always
     without one), computed in `end`'s dtype also when someone else has cast the buffer (FSDP v1's
     `MixedPrecision(buffer_dtype=torch.bfloat16)`). `weight` may be a 0-dim tensor on the device."""
@@ -104,7 +104,7 @@ def channel_groups(values: torch.Tensor, group_num: int | None) -> torch.Tensor:
 
 
 def pn_group_scaled(xf: torch.Tensor, group_num: int | None,
-                     group_eps: float = GROUP_SCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    group_eps: float = GROUP_SCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`z0 = GS(x)` of float `(tokens, C)` and the per-token group scales `r` (tokens, G, 1)."""
     if group_num is None:
         return xf, None
@@ -115,7 +115,7 @@ def pn_group_scaled(xf: torch.Tensor, group_num: int | None,
 
 
 def pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,
-             group_eps: float = GROUP_SCALE_EPS):
+            group_eps: float = GROUP_SCALE_EPS):
     """`z0 = GS(x)`, `sum_V z0^2` per channel and the real-token count (pure tensor code)."""
     z0, _ = pn_group_scaled(x.to(stat_dtype(x)), group_num, group_eps)
     return z0, token_sum(z0.square(), token_weights), token_count(z0, token_weights)
@@ -123,7 +123,7 @@ def pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int 
 
 
 def pn_denominators(sum_sq: torch.Tensor, count: torch.Tensor, phi: torch.Tensor, step: torch.Tensor,
-                     options: tuple) -> tuple[torch.Tensor, ...]:
+                    options: tuple) -> tuple[torch.Tensor, ...]:
     """The step's statistics from the (reduced) sums, decided on the device (pure tensor code).
 
     Returns `v`, `1/s`, `1/s_backward`, `usable`, `non_finite` (a batch with real tokens and
@@ -149,7 +149,7 @@ def pn_denominators(sum_sq: torch.Tensor, count: torch.Tensor, phi: torch.Tensor
 
 
 def pn_next_phi(phi: torch.Tensor, v: torch.Tensor, step: torch.Tensor, usable: torch.Tensor,
-                 options: tuple) -> torch.Tensor:
+                options: tuple) -> torch.Tensor:
     """`running_phi` after step t, per `warmup_statistic` (see `PowerNorm`), float32."""
     _, warmup, _, alpha_fwd, statistic, _ = options
     ema_rate, cumulative_rate = 1.0 - alpha_fwd, 1.0 / step.to(v.dtype)
@@ -168,8 +168,8 @@ def pn_output(z0: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> tor
 
 
 def pn_input_gradient(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, weight: torch.Tensor,
-                 nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None,
-                 group_eps: float = GROUP_SCALE_EPS):
+                      nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None,
+                      group_eps: float = GROUP_SCALE_EPS):
     """Input gradient and batch sums of PN's approximate backward (pure tensor code).
 
     With `Z = z0 / s`, `g = weight * dY`: `dz0 = dY * a - (real) * c * z0`, `a = weight / s_b`,
@@ -194,7 +194,7 @@ def pn_input_gradient(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Te
 
 
 def pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, options, group_eps=GROUP_SCALE_EPS):
-    """A whole training forward as one pure function (what `_compiled` compiles): `(y, 1/s,
+    """A whole training forward as one pure function (what the dispatch compiles): `(y, 1/s,
     1/s_backward, v, count, usable, non_finite, next_phi)`; the caller writes the buffers."""
     z0, sum_sq, count = pn_sums(x, token_weights, group_num, group_eps)
     v, inv_s, inv_s_b, usable, non_finite, next_phi = pn_denominators(sum_sq, count, phi, step, options)
@@ -203,11 +203,11 @@ def pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, optio
 
 
 def pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, group_num, rate,
-                       group_eps=GROUP_SCALE_EPS):
+                      group_eps=GROUP_SCALE_EPS):
     """A whole backward as one pure function: `(dx, dweight, dbias, next_nu, non_finite)`, with
     `nu <- nu * (1 - rate * Gamma) + rate * Lambda` (eq. 13) where the step is usable and Lambda finite."""
-    grad_x, sum_dy_z0, real_dy_z0, sum_dy = pn_input_gradient(dy, x, token_weights, weight, nu, inv_s, inv_s_b, group_num,
-                                                         group_eps)
+    grad_x, sum_dy_z0, real_dy_z0, sum_dy = pn_input_gradient(dy, x, token_weights, weight, nu, inv_s, inv_s_b,
+                                                               group_num, group_eps)
     lam = weight.to(inv_s.dtype) * inv_s * real_dy_z0 / count.clamp_min(1.0)
     has_tokens, finite = count > 0, all_finite(lam)
     updated = nu * (1.0 - rate * (v * inv_s.square()).float()) + rate * lam.float()

@@ -200,7 +200,7 @@ class _RunningStatsNorm(_Norm):
     def record_step(self, record: StepRecord | None) -> None:
         """Keep how this training step ran and its statistics: a checkpointing recomputation of the
         step takes the same path and reuses them, updating nothing."""
-        self.__dict__["last_step"] = record  # a plain attribute: nn.Module.__setattr__ costs more than a small step
+        self.__dict__["last_step"] = record  # plain: nn.Module.__setattr__ costs more than a small step
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -361,7 +361,7 @@ class PowerNorm(_RunningStatsNorm):
         return min(max(step - self.warmup_steps, 0) / (self.warmup_ramp_steps + 1), 1.0)
 
     def update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor,
-                   usable: torch.Tensor) -> None:
+                  usable: torch.Tensor) -> None:
         """`nu <- nu * (1 - (1 - a) * Gamma) + (1 - a) * Lambda` (eq. 13), Lambda summed over ranks;
         only where the forward step took a statistic and Lambda is finite (decided on the device)."""
         if sync_enabled(self.sync_stats, self.process_group):
