@@ -90,8 +90,10 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS + MODEL_TESTS, "PN's num_batches_tracked never increments, so warmup never ends"),
     Mutation(
         "pn-recomputation-updates-again", DISPATCH,
-        "    if in_recomputation() and last is not None:\n",
-        "    if False:\n",
+        "        if in_recomputation():\n            record = norm.last_step\n"
+        "            y = _pn_output_pass(x, weight, bias, record.stats[1], norm.group_num, norm.group_eps)\n",
+        "        if False:\n            record = norm.last_step\n"
+        "            y = _pn_output_pass(x, weight, bias, record.stats[1], norm.group_num, norm.group_eps)\n",
         NORM_TESTS + MODEL_TESTS, "activation checkpointing's recomputed forward updates PN's buffers twice"),
     Mutation(
         "padding-counted-in-statistics", DISPATCH,
