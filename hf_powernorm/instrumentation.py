@@ -36,13 +36,13 @@ from functools import partial
 import torch
 from torch import nn
 
+from .norm_dispatch import in_recomputation
 from .normalization import (
     NORM_CLASSES,
     Identity,
     PowerNorm,
     PowerNormV,
     _ElementwiseNorm,
-    _in_recomputation,
     group_scale,
 )
 
@@ -148,7 +148,7 @@ class NormStatisticsRecorder:
     # -- hooks --
 
     def _capture_input(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if name in self._captured or _in_recomputation():
+        if name in self._captured or in_recomputation():
             return
         hidden_states = args[0] if args else kwargs["hidden_states"]
         mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")

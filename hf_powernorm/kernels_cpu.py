@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
 _library = None
 _tried = False
-GROUP_SCALE_EPS = 1e-5  # group scaling's epsilon, the reference code's (PN's `group_eps` default)
+from .norm_functional import GROUP_SCALE_EPS  # noqa: E402 - the constant lives with the maths
 
 
 def _cache_dir() -> pathlib.Path:

@@ -1,38 +1,18 @@
-"""How the norms of `normalization.py` run: the backend choice, the autograd functions, the
+"""How the norms of `normalization.py` run: the path a step takes, the autograd functions, the
 `torch.library` operators and the eval maps, apart from what each norm computes.
 
-`normalization.py` holds the modules, their options, traits and running statistics; each module's
-`forward` is one call into this file (`forward_power_norm`, `forward_batch_norm`, ...), which picks
-the path for the input at hand:
+Each module's `forward` is one call into this file (`forward_power_norm`, `forward_batch_norm`,
+...), which picks the path for the input at hand once per step: the C kernels of `kernels_cpu.py`
+(eager CPU float32), the `hf_powernorm::pn_step_*` and `bn_step_*` operators (compiled graphs; the
+Triton kernels of `kernels_triton.py` on CUDA), DyT's and Derf's C++ operator, or the torch ops
+over the pure functions of `norm_functional.py`. A running-statistics norm keeps the path its step
+took in `last_step` (a `StepRecord`), which a checkpointing recomputation follows. The one switch
+is `kernel_backend(name)`.
 
-- the C kernels of `kernels_cpu.py` for eager CPU float32 inputs: the training steps of PN, PN-V,
-  BN, BRN, MABN and RMSNorm (each batch-statistic norm's step in two C calls, forward and backward,
-  its statistics and buffer updates included), DyT's and Derf's one pass each way, and every
-  eval-mode norm's affine map (`_eval_map`);
-- PN's and BN's steps as two operators each, `hf_powernorm::pn_step_forward` / `pn_step_backward`
-  and `bn_step_forward` / `bn_step_backward` (`torch.library`): the C kernels on the CPU, the
-  Triton kernels of `kernels_triton.py` on CUDA (PN), the pure tensor functions below elsewhere,
-  `torch.compile`d where compilation is on; one node each in a compiled graph;
-- DyT's and Derf's CPU training step as one C++ operator around their C kernels
-  (`kernels_cpu.load_operator`: its autograd node in C++, no Python on the way), else the same
-  kernels in a Python autograd function; DyT and Derf in the Triton kernels on CUDA;
-- the torch ops everywhere else.
-
-The one switch is `kernel_backend(name)` (`"auto"`, `"c"`, `"triton"`, `"compile"`, `"torch"`).
-Compilation of PN's pure tensor functions: an explicit `kernel_backend("compile")` compiles on any
-device and `"torch"`, `"c"` and `"triton"` never compile, whatever the environment; under `"auto"`
-(no block) the environment variable `HF_POWERNORM_COMPILE` decides: `"auto"` (default) on CUDA with
-Triton installed, `"1"` on any device, `"0"` never. So the explicit call wins over the variable.
-
-This is the only file that imports `kernels_cpu.py` and `kernels_triton.py`. It imports nothing of
-`normalization.py` (which imports it): the functions here take the module itself as an argument and
-read its options and buffers, or call its statistics methods (`_update_nu`, `_forward_statistics`,
-`_differentiable_backward`, ...).
-
-A training step never waits for the device: the guards (no real token, non-finite statistics),
-PN's warmup switch and the step counters are decided on the device with `torch.where`, so
-`torch.compile` traces a step in one graph. Only eager code on the CPU, where reading a value
-costs nothing, reads one (a non-finite warning's flag, the C kernels' step counter).
+This is the only file that imports the kernel files, and it imports nothing of
+`normalization.py`: it reads a module's options, its tensors (`norm.tensors(...)`) and calls its
+public statistics methods. `docs/norm_internals.md` has the paths, the precedence of the compile
+setting, and why no training step waits for the device.
 """
 
 from __future__ import annotations
@@ -40,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import math
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels_cpu import (
-    GROUP_SCALE_EPS,
     SQUASH,
     bn_step_backward,
     bn_step_forward,
@@ -78,6 +57,27 @@ from .kernels_triton import elementwise_usable as triton_elementwise_usable
 from .kernels_triton import pn_step_backward as triton_step_backward
 from .kernels_triton import pn_step_forward as triton_step_forward
 from .kernels_triton import usable as triton_usable
+from .norm_functional import (
+    GROUP_SCALE_EPS,
+    TWO_OVER_SQRT_PI,
+    bn_affine,
+    bn_train_forward,
+    cast,
+    elementwise_formula,
+    eval_map_formula,
+    lerp_,
+    mask_weights,
+    pn_denominators,
+    pn_group_scaled,
+    pn_input_gradient,
+    pn_output,
+    pn_sums,
+    pn_train_backward,
+    pn_train_forward,
+    stat_dtype,
+    token_count,
+    token_sum,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,26 +108,10 @@ def _flatten(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, h
         return flat, None
     # Always the weights, even when every token is real: asking would synchronise with the device.
     real = attention_mask.reshape(-1).to(flat.device) != 0
-    return flat, real.to(_stat_dtype(flat))
+    return flat, real.to(stat_dtype(flat))
 
 
-def _token_sum(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Sum `(tokens, C)` over real tokens with the 0/1 weights, no gather: eagerly a matrix-vector
-    product; in a compiled graph a weighted sum, which the compiler fuses with what computes `values`."""
-    if weights is None:
-        return values.sum(0)
-    if torch.compiler.is_compiling():
-        return (values * weights[:, None]).sum(0)
-    return weights @ values
-
-
-def _token_count(flat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    if weights is None:  # a fill on the device, not a copy from the host
-        return torch.full((), flat.shape[0], device=flat.device, dtype=_stat_dtype(flat))
-    return weights.sum()
-
-
-def _sync_enabled(sync_stats: bool, process_group) -> bool:
+def sync_enabled(sync_stats: bool, process_group) -> bool:
     return (
         sync_stats
         and dist.is_available()
@@ -136,15 +120,34 @@ def _sync_enabled(sync_stats: bool, process_group) -> bool:
     )
 
 
-def _all_reduce_(tensor: torch.Tensor, process_group) -> torch.Tensor:
+def all_reduce_(tensor: torch.Tensor, process_group) -> torch.Tensor:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
     return tensor
+
+
+class StepRecord(NamedTuple):
+    """How a running-statistics norm's training step ran (`path`) and what a checkpointing
+    recomputation of it reuses; the module keeps the last one (`record_step`, `last_step`).
+
+    `path`: `"c"` (the direct C calls), `"operator"` (the `hf_powernorm` operators) or `"torch"` (an
+    autograd function over the torch ops). `stats`: PN's `(v, 1/s, 1/s_backward)`, as a (3, C) tensor
+    or a triple; BN's `(mean, 1/sigma, r, d)` (4, C) and BRN's torch-ops `(r, d)`; MABN's C `out` or
+    torch-ops `(1/chi, r, t, usable)`. `count` and `usable`: the real-token count and whether the
+    step took a statistic (floats and bools where taken on the host); `step`: MABN's t in C; `info`:
+    the operators' `(count, usable, non-finite)`."""
+
+    path: str
+    stats: torch.Tensor | tuple = ()
+    count: torch.Tensor | float | None = None
+    usable: torch.Tensor | bool | None = None
+    step: int | None = None
+    info: torch.Tensor | None = None
 
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
-def _in_recomputation() -> bool:
+def in_recomputation() -> bool:
     """True while autograd runs a backward pass: activation checkpointing recomputes forwards there.
 
     False while `torch.compile` traces: the query would break the graph, and a compiled graph
@@ -154,7 +157,7 @@ def _in_recomputation() -> bool:
     return _GRAPH_TASK_ID() != -1
 
 
-def _host_readable(flag: torch.Tensor) -> bool:
+def host_readable(flag: torch.Tensor) -> bool:
     """Whether reading `flag` costs no synchronisation and no graph break: eager, on the CPU."""
     return not torch.compiler.is_compiling() and flag.device.type == "cpu"
 
@@ -169,24 +172,10 @@ def _refuse_double_backward(name: str) -> None:
         )
 
 
-def _lerp_(buffer: torch.Tensor, end: torch.Tensor, weight: float | torch.Tensor,
-           keep: torch.Tensor | None = None) -> torch.Tensor:
-    """`buffer += weight * (end - buffer)` in place, where the device flag `keep` holds (always
-    without one), computed in `end`'s dtype also when someone else has cast the buffer (FSDP v1's
-    `MixedPrecision(buffer_dtype=torch.bfloat16)`). `weight` may be a 0-dim tensor on the device."""
-    start = buffer if buffer.dtype == end.dtype else buffer.to(end.dtype)
-    if isinstance(weight, torch.Tensor):
-        weight = weight.to(end.dtype)
-    updated = torch.lerp(start, end, weight)
-    if keep is not None:
-        updated = torch.where(keep, updated, start)
-    return buffer.copy_(updated)
-
-
 _BROADCAST_WARNED = []  # one warning per process
 
 
-def _warn_if_ddp_overwrites_statistics(module: nn.Module) -> None:
+def warn_if_ddp_overwrites_statistics(module: nn.Module) -> None:
     """Called where a norm takes a statistic: DDP syncing buffers (`broadcast_buffers`, the default,
     Trainer's too) overwrites every rank's running statistics with rank 0's at each forward."""
     if torch.compiler.is_compiling():
@@ -207,16 +196,6 @@ def _warn_if_ddp_overwrites_statistics(module: nn.Module) -> None:
     )
 
 
-def _stat_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """Statistics are float32, or float64 for float64 inputs (so `gradcheck` can run)."""
-    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor.to(dtype)` without the call where it would return `tensor` (it costs a small norm's work)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
 def _float32(device: torch.device):
     """Statistics stay float32 under autocast: matrix products would otherwise run in half precision.
     Outside autocast nothing to undo (entering `torch.autocast` costs more than a small norm's work)."""
@@ -225,37 +204,18 @@ def _float32(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _warn_non_finite(name: str, what: str, skipped: torch.Tensor | bool) -> None:
+def warn_non_finite(name: str, what: str, skipped: torch.Tensor | bool) -> None:
     """Warn when the device flag `skipped` says a finite-statistics guard held back an update.
 
     Only where the flag can be read for free (eager, CPU): elsewhere the update is still skipped on
     the device, silently, because reading the flag would wait for the device or break the graph."""
-    if skipped if isinstance(skipped, bool) else _host_readable(skipped) and bool(skipped):
+    if skipped if isinstance(skipped, bool) else host_readable(skipped) and bool(skipped):
         warnings.warn(
             f"{name}: non-finite {what} (NaN or inf in the input or gradient); the running statistics "
             "were not updated for this batch",
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-def _all_finite(*statistics: torch.Tensor) -> torch.Tensor:
-    """One boolean 0-dim tensor on the device: every value of every statistic is finite."""
-    finite = torch.isfinite(statistics[0]).all()
-    for statistic in statistics[1:]:
-        finite = finite & torch.isfinite(statistic).all()
-    return finite
-
-
-def _select_row(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`table[index]` for a 0-dim index tensor, without reading the index on the host."""
-    return table.index_select(0, index.view(1))[0]
-
-
-def _write_row_(table: torch.Tensor, index: torch.Tensor, row: torch.Tensor, keep: torch.Tensor) -> None:
-    """`table[index] = row` where `keep` holds, on the device (row left as it was otherwise)."""
-    current = _select_row(table, index)
-    table.index_copy_(0, index.view(1), torch.where(keep, row.to(table.dtype), current).unsqueeze(0))
 
 
 def group_scale(hidden_states: torch.Tensor, group_num: int | None,
@@ -273,7 +233,7 @@ def group_scale(hidden_states: torch.Tensor, group_num: int | None,
     if not torch.is_grad_enabled() and _fused_kernels_usable(hidden_states):  # inference: one pass in C
         return norm_eval(hidden_states.contiguous(), group_num, group_eps=group_eps)
     # RMSNorm without a weight over each group: torch's fused kernel where it has one (CUDA)
-    grouped = hidden_states.to(_stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
+    grouped = hidden_states.to(stat_dtype(hidden_states)).unflatten(-1, (group_num, channels // group_num))
     return F.rms_norm(grouped, (channels // group_num,), None, group_eps).flatten(-2)
 
 
@@ -403,33 +363,65 @@ def _eval_in_c(norm, hidden_states: torch.Tensor) -> torch.Tensor | None:
     do not apply (or the module trains)."""
     if norm.training:
         return None
-    weight, bias = norm._parameters["weight"], norm._parameters["bias"]
-    mean, var, group_num = norm._eval_statistics()
+    weight, bias = norm.tensors("weight", "bias")
+    mean, var, group_num, group_eps = norm.eval_statistics()
     if not _eval_map_usable(hidden_states, weight, bias, mean, var):
         return None
-    return _eval_map(hidden_states, group_num, weight, bias, mean, var, norm.eps,
-                     norm.__dict__.get("group_eps", GROUP_SCALE_EPS))
+    return _eval_map(hidden_states, group_num, weight, bias, mean, var, norm.eps, group_eps)
 
 
-def _c_step(norm, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _c_step(norm, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+            *options) -> torch.Tensor:
     """A training step in the C kernels through `function` (an autograd function taking `x`, the
-    weight, the bias, the mask as the kernels read it and the module): no view node where the
-    input is already `(tokens, hidden)`."""
+    weight, the bias, the mask as the kernels read it, the module and `options`): no view node where
+    the input is already `(tokens, hidden)`."""
     flat, _ = _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
-    parameters = norm._parameters
-    y = function.apply(flat, parameters["weight"], parameters["bias"], _kernel_mask(attention_mask), norm)
+    weight, bias = norm.tensors("weight", "bias")
+    y = function.apply(flat, weight, bias, _kernel_mask(attention_mask), norm, *options)
     return y if flat is hidden_states else y.view_as(hidden_states)
 
 
-def _operator_step(norm, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _operator_step(norm, function, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                   *options) -> torch.Tensor:
     """A training step through `function`, an autograd function around the module's `hf_powernorm`
     operators, the mask as `(tokens,)` on the input's device: no view node where the input is
     already `(tokens, hidden)`."""
     flat, _ = _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
     mask = None if attention_mask is None else attention_mask.reshape(-1).to(flat.device)
-    parameters = norm._parameters
-    y = function.apply(flat.contiguous(), parameters["weight"], parameters["bias"], mask, norm)
+    weight, bias = norm.tensors("weight", "bias")
+    y = function.apply(flat.contiguous(), weight, bias, mask, norm, *options)
     return y if flat is hidden_states else y.view_as(hidden_states)
+
+
+def _recorded_path(norm) -> str | None:
+    """The path of the norm's last training step (`StepRecord.path`), None before its first."""
+    last = norm.last_step
+    return None if last is None else last.path
+
+
+def _step_in_c(norm, x, names: tuple[str, ...], counter: bool = True, refuse: bool = False) -> bool:
+    """Whether a running-statistics norm's training step runs in the direct C calls: `_c_step_usable`
+    for `x`, the norm's tensors called `names` and (with `counter`) its step counter, unless `refuse`;
+    a checkpointing recomputation only where its step ran there (it reuses that step's statistics)."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    if in_recomputation():
+        return _fused_kernels_usable(x) and _recorded_path(norm) == "c"
+    if refuse:
+        return False
+    *vectors, steps = norm.tensors(*names, "num_batches_tracked")
+    return _c_step_usable(x, vectors, steps if counter else None)
+
+
+def _in_operators(norm, x, names: tuple[str, ...], refuse: bool = False) -> bool:
+    """Whether a training step runs in the norm's `hf_powernorm` operators: a tensor input, float32
+    buffers `names`, an int64 counter, unless `refuse`; a recomputation only where its step did."""
+    if not isinstance(x, torch.Tensor) or refuse:
+        return False
+    if in_recomputation():
+        return _recorded_path(norm) == "operator"
+    *buffers, steps = norm.tensors(*names, "num_batches_tracked")
+    return all(buffer.dtype == torch.float32 for buffer in buffers) and steps.dtype == torch.int64
 
 
 def _statistics_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, c_step,
@@ -452,117 +444,6 @@ def _statistics_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Te
 # PowerNorm
 
 
-def _grouped(values: torch.Tensor, group_num: int | None) -> torch.Tensor:
-    """`(tokens, C)` as `(tokens, G, C/G)`; one group without group scaling."""
-    return values.unflatten(-1, (group_num or 1, -1))
-
-
-def _pn_group_scaled(xf: torch.Tensor, group_num: int | None,
-                     group_eps: float = GROUP_SCALE_EPS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`z0 = GS(x)` of float `(tokens, C)` and the per-token group scales `r` (tokens, G, 1)."""
-    if group_num is None:
-        return xf, None
-    grouped = _grouped(xf, group_num)
-    r = torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)
-    return (grouped * r).flatten(-2), r
-
-
-def _pn_sums(x: torch.Tensor, token_weights: torch.Tensor | None, group_num: int | None,
-             group_eps: float = GROUP_SCALE_EPS):
-    """`z0 = GS(x)`, `sum_V z0^2` per channel and the real-token count (pure tensor code)."""
-    z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num, group_eps)
-    return z0, _token_sum(z0.square(), token_weights), _token_count(z0, token_weights)
-
-
-def _pn_denominators(sum_sq: torch.Tensor, count: torch.Tensor, phi: torch.Tensor, step: torch.Tensor,
-                     options: tuple) -> tuple[torch.Tensor, ...]:
-    """The step's statistics from the (reduced) sums, decided on the device (pure tensor code).
-
-    Returns `v`, `1/s`, `1/s_backward`, `usable`, `non_finite` (a batch with real tokens and
-    non-finite statistics: worth a warning) and the next `running_phi`; an unusable batch (no real
-    token, non-finite `v`) divides by the running statistic and leaves `running_phi` as it was.
-    `options`: `(eps, warmup_steps, warmup_ramp_steps, alpha_fwd, warmup_statistic, backward_denominator)`.
-    """
-    eps, warmup, ramp, _, _, backward = options
-    v = sum_sq / count.clamp_min(1.0)
-    has_tokens, finite = count > 0, _all_finite(v)
-    usable = has_tokens & finite
-    phi_v = phi.to(v.dtype)
-    running, batch = torch.rsqrt(phi_v + eps), torch.rsqrt(v + eps)
-    # s^2 = (1 - r) * (v + eps) + r * (phi + eps), r = clamp((t - W) / (K + 1), 0, 1): exactly the
-    # batch (r = 0) or the running (r = 1) denominator at the ends.
-    weight = ((step - warmup) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)
-    blended = torch.rsqrt((1.0 - weight) * v + weight * phi_v + eps)
-    inv_s = torch.where(weight == 0.0, batch, torch.where(weight == 1.0, running, blended))
-    inv_s_b = inv_s if backward == "running" else batch
-    inv_s, inv_s_b = torch.where(usable, inv_s, running), torch.where(usable, inv_s_b, running)
-    return v, inv_s, inv_s_b, usable, has_tokens & ~finite, _pn_next_phi(phi, v.float(), step, usable, options)
-
-
-def _pn_next_phi(phi: torch.Tensor, v: torch.Tensor, step: torch.Tensor, usable: torch.Tensor,
-                 options: tuple) -> torch.Tensor:
-    """`running_phi` after step t, per `warmup_statistic` (see `PowerNorm`), float32."""
-    _, warmup, _, alpha_fwd, statistic, _ = options
-    ema_rate, cumulative_rate = 1.0 - alpha_fwd, 1.0 / step.to(v.dtype)
-    phi = phi.to(v.dtype)
-    if statistic == "cumulative":
-        updated = torch.lerp(phi, v, torch.where(step <= warmup, cumulative_rate, ema_rate))
-    else:  # phi * (t - 1) / t + v / t while t < W, then the EMA step
-        updated = torch.lerp(torch.where(step < warmup, torch.lerp(phi, v, cumulative_rate), phi), v, ema_rate)
-    return torch.where(usable, updated, phi)
-
-
-def _pn_output(z0: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(shift.to(z0.dtype), z0, scale.to(z0.dtype))
-
-
-def _pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor | None, weight: torch.Tensor,
-                 nu: torch.Tensor, inv_s: torch.Tensor, inv_s_b: torch.Tensor, group_num: int | None,
-                 group_eps: float = GROUP_SCALE_EPS):
-    """Input gradient and batch sums of PN's approximate backward (pure tensor code).
-
-    With `Z = z0 / s`, `g = weight * dY`: `dz0 = dY * a - (real) * c * z0`, `a = weight / s_b`,
-    `c = nu / (s * s_b)` (eqs. 11-12), then the exact group-scaling backward
-    `dx = r * (dz0 - z0 * mean_group(dz0 * z0))`; `z0` and `r` are recomputed from `x`. Returns
-    `dx`, `sum_all(dY * z0)`, `sum_V(dY * z0)` and `sum_all(dY)`.
-    """
-    dtype = _stat_dtype(x)
-    z0, r = _pn_group_scaled(x.to(dtype), group_num, group_eps)
-    dy = dy.to(dtype)
-    dy_z0 = dy * z0
-    sums = dy_z0.sum(0), _token_sum(dy_z0, token_weights), dy.sum(0)
-    a, c = weight.to(dtype) * inv_s_b, nu.to(dtype) * inv_s * inv_s_b
-    correction = z0 * c if token_weights is None else z0 * c * token_weights[:, None]
-    grad_z0 = dy * a - correction
-    if r is None:
-        return grad_z0, *sums
-    dz, z = _grouped(grad_z0, group_num), _grouped(z0, group_num)
-    grad_x = r * (dz - z * (dz * z).mean(-1, keepdim=True))
-    return grad_x.flatten(-2), *sums
-
-
-def _pn_train_forward(x, token_weights, weight, bias, phi, step, group_num, options, group_eps=GROUP_SCALE_EPS):
-    """A whole training forward as one pure function (what `_compiled` compiles): `(y, 1/s,
-    1/s_backward, v, count, usable, non_finite, next_phi)`; the caller writes the buffers."""
-    z0, sum_sq, count = _pn_sums(x, token_weights, group_num, group_eps)
-    v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(sum_sq, count, phi, step, options)
-    return _pn_output(z0, weight * inv_s, bias).to(x.dtype), inv_s, inv_s_b, v, count, usable, non_finite, next_phi
-
-
-def _pn_train_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, v, count, usable, group_num, rate,
-                       group_eps=GROUP_SCALE_EPS):
-    """A whole backward as one pure function: `(dx, dweight, dbias, next_nu, non_finite)`, with
-    `nu <- nu * (1 - rate * Gamma) + rate * Lambda` (eq. 13) where the step is usable and Lambda finite."""
-    grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(dy, x, token_weights, weight, nu, inv_s, inv_s_b, group_num,
-                                                         group_eps)
-    lam = weight.to(inv_s.dtype) * inv_s * real_dy_z0 / count.clamp_min(1.0)
-    has_tokens, finite = count > 0, _all_finite(lam)
-    updated = nu * (1.0 - rate * (v * inv_s.square()).float()) + rate * lam.float()
-    next_nu = torch.where(usable & has_tokens & finite, updated, nu)
-    grad_weight, grad_bias = (inv_s * sum_dy_z0).to(weight.dtype), sum_dy.to(weight.dtype)
-    return grad_x.to(dy.dtype), grad_weight, grad_bias, next_nu, usable & has_tokens & ~finite
-
-
 class _PowerNormFunction(torch.autograd.Function):
     """Group scaling, PN forward and the approximate backward of eqs. (11)-(13).
 
@@ -571,7 +452,7 @@ class _PowerNormFunction(torch.autograd.Function):
     is recomputed in the backward, which needs one batch reduction, `sum(dY * z0)` (`Gamma =
     mean_V(Z^2) = v / s^2` is known from the forward). On CPU float32 inputs the work runs in the
     fused kernels of `kernels_cpu.py`; elsewhere, and in a graph being compiled, in the pure tensor
-    functions above.
+    functions of `norm_functional.py`.
     """
 
     @staticmethod
@@ -582,9 +463,9 @@ class _PowerNormFunction(torch.autograd.Function):
                 x = x.contiguous()
                 y, stats = _pn_fused_forward(x, weight, bias, token_weights, norm)
             else:
-                z0, sum_sq, count = _pn_sums(x, token_weights, norm.group_num, norm.group_eps)
+                z0, sum_sq, count = pn_sums(x, token_weights, norm.group_num, norm.group_eps)
                 stats = _pn_step_denominators(norm, sum_sq, count)
-                y = _pn_output(z0, weight * stats[0], bias)
+                y = pn_output(z0, weight * stats[1], bias)
         ctx.save_for_backward(x, token_weights, weight)
         ctx.stats = stats
         ctx.norm = norm
@@ -595,9 +476,9 @@ class _PowerNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         _refuse_double_backward("PowerNorm")
         x, token_weights, weight = ctx.saved_tensors
-        inv_s, inv_s_b, v, count, usable = ctx.stats
+        v, inv_s, inv_s_b, count, usable = ctx.stats
         norm = ctx.norm
-        nu = norm.running_nu  # nu of the previous step (eq. 11): read before `_update_nu` writes it
+        nu = norm.running_nu  # nu of the previous step (eq. 11): read before `update_nu` writes it
         with _float32(grad_output.device):
             if ctx.fused:
                 grad_x, sums = pn_backward(grad_output.float().contiguous(), x, token_weights, norm.group_num,
@@ -609,54 +490,18 @@ class _PowerNormFunction(torch.autograd.Function):
                             None, None)
                 sum_dy_z0, real_dy_z0, sum_dy = sums.float()
             else:
-                grad_x, sum_dy_z0, real_dy_z0, sum_dy = _pn_backward(
+                grad_x, sum_dy_z0, real_dy_z0, sum_dy = pn_input_gradient(
                     grad_output, x, token_weights, weight, nu, inv_s, inv_s_b, norm.group_num, norm.group_eps)
             # Gamma = mean_V(Z^2) = v / s^2 and Lambda = mean_V(g * Z), g = gamma * dY, Z = z0 / s.
             w = weight.to(inv_s.dtype)
-            norm._update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count, usable)
+            norm.update_nu(v * inv_s.square(), w * inv_s * real_dy_z0, count, usable)
         grad_weight = (inv_s * sum_dy_z0).to(weight.dtype)
         grad_bias = sum_dy.to(weight.dtype)
         return grad_x.to(ctx.input_dtype), grad_weight, grad_bias, None, None
 
 
-class _PowerNormCStepFunction(torch.autograd.Function):
-    """PN's eager CPU float32 training step in two direct C calls, `kernels_cpu.pn_step_forward` and
-    `pn_step_backward` (`_pn_step_in_c` says when): the kernels of the operators' CPU
-    implementation without the operators' dispatch and wrapping, which cost more than a small step
-    (about 0.1 ms, 1.3x the whole step at (64, 32)); compiled graphs and CUDA take the operators.
-    A checkpointing recomputation reuses its step's statistics and updates nothing (the output pass
-    alone, the same bits). Saves `x`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        x = x.contiguous()
-        if _in_recomputation():
-            stats, count, usable = norm._last_step
-            y = _pn_output_pass(x, weight, bias, stats[1], norm.group_num, norm.group_eps)
-        else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            status, y, stats, count = _pn_c_step_forward(norm, x, mask, weight, bias)
-            _warn_non_finite("PowerNorm", "batch statistic", status < 0)
-            usable = status == 1
-            # plain attributes (nn.Module.__setattr__ costs more than this whole function otherwise)
-            norm.__dict__.update(_last_step=(stats, count, usable), _last_denominators=None)
-        ctx.save_for_backward(x, mask, weight)
-        ctx.step = (norm, stats, count, usable)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        _refuse_double_backward("PowerNorm")
-        x, mask, weight = ctx.saved_tensors
-        norm, stats, count, usable = ctx.step
-        status, grad_x, grads = _pn_c_step_backward(norm, grad_output.float().contiguous(), x, mask, weight, stats,
-                                                    count, usable)
-        _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
-        return grad_x, grads[0], grads[1], None, None
-
-
 def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward) -> tuple:
-    """The operator's scalar arguments as `_pn_denominators`' options."""
+    """The operator's scalar arguments as `pn_denominators`' options."""
     return (eps, warmup_steps, ramp_steps, alpha_fwd, "reference" if reference else "cumulative",
             "batch" if batch_backward else "running")
 
@@ -671,12 +516,12 @@ def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_nu
                            alpha_fwd, reference, batch_backward, group_eps):
     """The forward operator in the pure tensor functions (compiled where `_compile_wanted`)."""
     options = _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backward)
-    forward = _compiled(_pn_train_forward) if _compile_wanted(x) else _pn_train_forward
+    forward = _compiled(pn_train_forward) if _compile_wanted(x) else pn_train_forward
     with _float32(x.device):
         y, inv_s, inv_s_b, v, count, usable, non_finite, next_phi = forward(
-            x, _mask_weights(mask, _stat_dtype(x)), weight, bias, running_phi, counter + 1, group_num or None, options,
+            x, mask_weights(mask, stat_dtype(x)), weight, bias, running_phi, counter + 1, group_num or None, options,
             group_eps)
-    _warn_non_finite("PowerNorm", "batch statistic", non_finite)
+    warn_non_finite("PowerNorm", "batch statistic", non_finite)
     running_phi.copy_(next_phi)
     counter.add_(usable.to(counter.dtype))
     return y, torch.stack([v, inv_s, inv_s_b]), torch.stack([count, usable, non_finite]).to(v.dtype)
@@ -691,7 +536,7 @@ def _pn_step_forward_cpu(x, mask, weight, bias, running_phi, counter, group_num,
     status, y, stats, count = pn_step_forward(
         x.contiguous(), _kernel_mask(mask), group_num, weight, bias, running_phi, counter, eps, warmup_steps,
         ramp_steps, 1.0 - alpha_fwd, reference, batch_backward, group_eps)
-    _warn_non_finite("PowerNorm", "batch statistic", status < 0)
+    warn_non_finite("PowerNorm", "batch statistic", status < 0)
     return y, stats, torch.tensor([count, float(status == 1), float(status < 0)])
 
 
@@ -707,7 +552,7 @@ def _pn_step_forward_cuda(x, mask, weight, bias, running_phi, counter, group_num
 
 def _pn_step_forward_fake(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
                           alpha_fwd, reference, batch_backward, group_eps):
-    dtype = _stat_dtype(x)
+    dtype = stat_dtype(x)
     return x.new_empty(x.shape), x.new_empty((3, x.shape[1]), dtype=dtype), x.new_empty((3,), dtype=dtype)
 
 
@@ -716,12 +561,12 @@ def _pn_step_backward_torch(dy, x, mask, weight, running_nu, stats, info, group_
     grads)`, `grads` (2, C) = `(dweight, dbias)` in the weight's dtype."""
     v, inv_s, inv_s_b = stats.unbind(0)
     count, usable = info[0], info[1] != 0
-    backward = _compiled(_pn_train_backward) if _compile_wanted(x) else _pn_train_backward
+    backward = _compiled(pn_train_backward) if _compile_wanted(x) else pn_train_backward
     with _float32(x.device):
         grad_x, grad_weight, grad_bias, next_nu, non_finite = backward(
-            dy, x, _mask_weights(mask, _stat_dtype(x)), weight, running_nu, inv_s, inv_s_b, v, count, usable,
+            dy, x, mask_weights(mask, stat_dtype(x)), weight, running_nu, inv_s, inv_s_b, v, count, usable,
             group_num or None, 1.0 - alpha_bkw, group_eps)
-    _warn_non_finite("PowerNorm", "gradient statistic", non_finite)
+    warn_non_finite("PowerNorm", "gradient statistic", non_finite)
     running_nu.copy_(next_nu)
     return grad_x.to(x.dtype), torch.stack([grad_weight, grad_bias.to(grad_weight.dtype)])
 
@@ -735,7 +580,7 @@ def _pn_step_backward_cpu(dy, x, mask, weight, running_nu, stats, info, group_nu
     status, grad_x, grads = pn_step_backward(dy.float().contiguous(), x.contiguous(), _kernel_mask(mask), group_num,
                                              weight, running_nu, stats, count, usable == 1.0, 1.0 - alpha_bkw,
                                              group_eps)
-    _warn_non_finite("PowerNorm", "gradient statistic", status < 0)
+    warn_non_finite("PowerNorm", "gradient statistic", status < 0)
     return grad_x, grads
 
 
@@ -776,38 +621,59 @@ def _register_step_operators(schemas: dict[str, str]) -> torch.library.Library |
 
 
 class _PowerNormStepFunction(torch.autograd.Function):
-    """PN's training step through its two operators (`STEP_SCHEMAS`), which take the statistics and
-    update the buffers (`_pn_in_one_operator` says when: compiled graphs, CUDA, and eager steps the C
-    kernels do not take). A checkpointing recomputation reuses its step's
-    statistics and updates nothing (the output pass alone, the same bits). Saves `x`."""
+    """PN's training step, which takes the statistics and updates the buffers, along `path`:
+
+    - `"c"`, eager CPU float32 (`_pn_step_in_c`): two direct C calls, `kernels_cpu.pn_step_forward`
+      and `pn_step_backward`, without the operators' dispatch and wrapping, which cost more than a
+      small step (about 0.1 ms, 1.3x the whole step at (64, 32));
+    - `"operator"` (`_pn_in_operators`): its two operators (`STEP_SCHEMAS`), for compiled graphs,
+      CUDA, and eager steps the C kernels do not take.
+
+    A checkpointing recomputation reuses its step's statistics and updates nothing (the output pass
+    alone, the same bits). Saves `x`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mask, norm):
-        if _in_recomputation():
-            stats, info = norm._last_step
-            y = _pn_output_pass(x, weight, bias, stats[1], norm.group_num, norm.group_eps)
+    def forward(ctx, x, weight, bias, mask, norm, path):
+        if path == "c":
+            x = x.contiguous()
+        if in_recomputation():
+            record = norm.last_step
+            y = _pn_output_pass(x, weight, bias, record.stats[1], norm.group_num, norm.group_eps)
         else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            buffers = norm._buffers
-            y, stats, info = torch.ops.hf_powernorm.pn_step_forward(
-                x, mask, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.group_num or 0,
-                norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd,
-                norm.warmup_statistic == "reference", norm.backward_denominator == "batch", norm.group_eps)
-            if not torch.compiler.is_compiling():  # for a recomputation; plain attributes (cheaper)
-                norm.__dict__.update(_last_step=(stats, info), _last_denominators=None)
-        ctx.save_for_backward(x, mask, weight, stats, info)
-        ctx.norm = norm
+            warn_if_ddp_overwrites_statistics(norm)
+            phi, counter = norm.tensors("running_phi", "num_batches_tracked")
+            reference, batch_backward = norm.warmup_statistic == "reference", norm.backward_denominator == "batch"
+            if path == "c":
+                status, y, stats, count = pn_step_forward(
+                    x, mask, norm.group_num, weight, bias, phi, counter, norm.eps, norm.warmup_steps,
+                    norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd, reference, batch_backward, norm.group_eps)
+                warn_non_finite("PowerNorm", "batch statistic", status < 0)
+                record = StepRecord("c", stats, count, status == 1)
+            else:
+                y, stats, info = torch.ops.hf_powernorm.pn_step_forward(
+                    x, mask, weight, bias, phi, counter, norm.group_num or 0, norm.eps, norm.warmup_steps,
+                    norm.warmup_ramp_steps, norm.alpha_fwd, reference, batch_backward, norm.group_eps)
+                record = StepRecord("operator", stats, info=info)
+            if not torch.compiler.is_compiling():  # kept for a recomputation
+                norm.record_step(record)
+        ctx.save_for_backward(x, mask, weight, record.stats, record.info)
+        ctx.step = (norm, path, record.count, record.usable)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
         _refuse_double_backward("PowerNorm")
         x, mask, weight, stats, info = ctx.saved_tensors
-        norm = ctx.norm
+        norm, path, count, usable = ctx.step
+        (nu,) = norm.tensors("running_nu")
+        if path == "c":
+            status, grad_x, grads = pn_step_backward(grad_output.float().contiguous(), x, mask, norm.group_num, weight,
+                                                     nu, stats, count, usable, 1.0 - norm.alpha_bkw, norm.group_eps)
+            warn_non_finite("PowerNorm", "gradient statistic", status < 0)
+            return grad_x, grads[0], grads[1], None, None, None
         grad_x, grads = torch.ops.hf_powernorm.pn_step_backward(
-            grad_output, x, mask, weight, norm._buffers["running_nu"], stats, info, norm.group_num or 0,
-            norm.alpha_bkw, norm.group_eps)
-        return grad_x, grads[0], _cast(grads[1], norm.bias.dtype), None, None
+            grad_output, x, mask, weight, nu, stats, info, norm.group_num or 0, norm.alpha_bkw, norm.group_eps)
+        return grad_x, grads[0], cast(grads[1], norm.bias.dtype), None, None, None
 
 
 def _pn_output_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, inv_s: torch.Tensor,
@@ -818,8 +684,8 @@ def _pn_output_pass(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, i
         y, _, _ = pn_rows(x.contiguous(), None, group_num, scale, bias, statistics=False, eps=group_eps)
         return y
     with _float32(x.device):
-        z0, _ = _pn_group_scaled(x.to(_stat_dtype(x)), group_num, group_eps)
-        return _pn_output(z0, scale, bias.detach()).to(x.dtype)
+        z0, _ = pn_group_scaled(x.to(stat_dtype(x)), group_num, group_eps)
+        return pn_output(z0, scale, bias.detach()).to(x.dtype)
 
 
 def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -832,11 +698,6 @@ def _kernel_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask.dtype in (torch.int64, torch.bool, torch.uint8):
         return mask.contiguous()
     return (mask != 0).float()
-
-
-def _mask_weights(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A kernel mask (`_kernel_mask`) as the 0/1 token weights of the torch ops, in `dtype`."""
-    return None if mask is None else (mask != 0).to(dtype)
 
 
 def _eval_map_usable(x: torch.Tensor, *vectors: torch.Tensor | None) -> bool:
@@ -866,20 +727,6 @@ def _eval_map(x: torch.Tensor, group_num: int | None, weight, bias, mean, var, e
     return norm_eval(x, group_num, weight, bias, mean, var, eps, group_eps)  # reads the data, no autograd
 
 
-def _eval_map_torch(x, group_num, weight, bias, mean, var, eps, group_eps):
-    """`_eval_map` in torch ops (differentiable, for a gradient that must be differentiable in turn)."""
-    if group_num is not None:
-        grouped = x.unflatten(-1, (group_num, -1))
-        x = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + group_eps)).flatten(-2)
-    scale = weight if weight is not None else torch.ones_like(x[0])
-    if var is not None:
-        scale = scale * torch.rsqrt(var + eps)
-    shift = bias if bias is not None else torch.zeros_like(scale)
-    if mean is not None:
-        shift = shift - mean * scale
-    return torch.addcmul(shift, x, scale)
-
-
 class _EvalMapFunction(torch.autograd.Function):
     """`_eval_map` with its gradient: `dx` is the group-scaling backward of `dY * scale`
     (`pn_backward` with a = scale, c = 0); `dweight = (sum(dY * GS(x)) - mean * sum(dY)) / sqrt(var + eps)`,
@@ -901,7 +748,7 @@ class _EvalMapFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True
             with torch.enable_grad():
                 inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
-                y = _eval_map_torch(x, group_num, weight, bias, mean, var, eps, group_eps)
+                y = eval_map_formula(x, group_num, weight, bias, mean, var, eps, group_eps)
                 grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True))
             result = [next(grads) if t is not None and t.requires_grad else None for t in (x, weight, bias)]
             return result[0], None, result[1], result[2], None, None, None, None
@@ -926,121 +773,89 @@ def _pn_fused_forward(x, weight, bias, token_weights, norm):
     statistic (known before the batch statistic: CPU, so the step counter is read for free), else a
     statistics pass and an output pass."""
     weight = weight.detach().float()
-    if norm._divides_by_running_statistic():
+    if norm.divides_by_running_statistic():
         scale = weight * torch.rsqrt(norm.running_phi + norm.eps)  # phi before this step's update
         y, sum_sq, count = pn_rows(x, token_weights, norm.group_num, scale, bias, eps=norm.group_eps)
         return y, _pn_step_denominators(norm, sum_sq, count)
     _, sum_sq, count = pn_rows(x, token_weights, norm.group_num, eps=norm.group_eps)
     stats = _pn_step_denominators(norm, sum_sq, count)
-    y, _, _ = pn_rows(x, None, norm.group_num, weight * stats[0], bias, statistics=False, eps=norm.group_eps)
+    y, _, _ = pn_rows(x, None, norm.group_num, weight * stats[1], bias, statistics=False, eps=norm.group_eps)
     return y, stats
 
 
 def _pn_step_denominators(norm, sum_sq: torch.Tensor, count: torch.Tensor | float):
     """Forward statistics of one PN training step; updates `running_phi` and the step counter.
 
-    Returns `(1/s, 1/s_backward, v, real-token count, usable)`, all tensors on the device;
+    Returns `(v, 1/s, 1/s_backward, real-token count, usable)`, all tensors on the device;
     `usable` is false when the step takes no statistic (no real token or non-finite values):
     then both denominators are the running one and no buffer changes. Nothing is read on the
     host, so no step waits for the device or breaks a compiled graph. A checkpointing
     recomputation reuses the step's statistics and updates nothing.
     """
-    if _in_recomputation() and norm._last_step is not None:  # the step ran in `_PowerNormCStepFunction`
-        stats, count, usable = norm._last_step
-        return stats[1], stats[2], stats[0], count, usable
-    if _in_recomputation() and norm._last_denominators is not None:
-        return norm._last_denominators  # same step: reuse its statistics, update nothing
-    norm._last_step = None
+    last = norm.last_step
+    if in_recomputation() and last is not None:
+        return (*last.stats, last.count, last.usable)  # same step: reuse its statistics, update nothing
     if _pn_statistics_on_host(norm, sum_sq):
-        norm._last_denominators = _pn_host_denominators(norm, sum_sq, float(count))
-        return norm._last_denominators
+        statistics = _pn_host_denominators(norm, sum_sq, float(count))
+        norm.record_step(StepRecord("torch", statistics[:3], *statistics[3:]))
+        return statistics
     if not isinstance(count, torch.Tensor):
         count = torch.full((), count, dtype=sum_sq.dtype, device=sum_sq.device)
     sums = torch.cat([sum_sq, count.to(sum_sq.dtype).view(1)])
-    if _sync_enabled(norm.sync_stats, norm.process_group):
-        _all_reduce_(sums, norm.process_group)
+    if sync_enabled(norm.sync_stats, norm.process_group):
+        all_reduce_(sums, norm.process_group)
     count = sums[-1].clone()  # not a view: the step keeps it (a compiled graph refuses kept views)
-    _warn_if_ddp_overwrites_statistics(norm)
-    v, inv_s, inv_s_b, usable, non_finite, next_phi = _pn_denominators(
-        sums[:-1], count, norm.running_phi, norm._next_step(), norm._options())
-    _warn_non_finite(type(norm).__name__, "batch statistic", non_finite)
-    norm._take_step(next_phi, usable)
-    norm._last_denominators = (inv_s, inv_s_b, v, count, usable)
-    return norm._last_denominators
+    warn_if_ddp_overwrites_statistics(norm)
+    v, inv_s, inv_s_b, usable, non_finite, next_phi = pn_denominators(
+        sums[:-1], count, norm.running_phi, norm.next_step(),
+        _pn_options(norm.eps, norm.warmup_steps, norm.warmup_ramp_steps, norm.alpha_fwd,
+                    norm.warmup_statistic == "reference", norm.backward_denominator == "batch"))
+    warn_non_finite(type(norm).__name__, "batch statistic", non_finite)
+    norm.take_step(next_phi, usable)
+    norm.record_step(StepRecord("torch", (v, inv_s, inv_s_b), count, usable))
+    return v, inv_s, inv_s_b, count, usable
 
 
 def _pn_step_in_c(norm, x: torch.Tensor) -> bool:
-    """Whether PN's training step runs in `_PowerNormCStepFunction`: eager (not compiling) CPU
-    float32 input with the C kernels, float32 contiguous parameters and buffers, an int64 counter,
-    no process group to sum over, and in a checkpointing recomputation only if the step itself
-    ran there (its `_last_step` is `(stats, count, usable)`; the operators' is `(stats, info)`)."""
-    if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-        return False
-    if _in_recomputation():
-        return norm._last_step is not None and len(norm._last_step) == 3
-    if _sync_enabled(norm.sync_stats, norm.process_group):
-        return False
-    tensors = (norm._parameters["weight"], norm._parameters["bias"], norm._buffers["running_phi"],
-               norm._buffers["running_nu"])
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
-        norm._buffers["num_batches_tracked"].dtype == torch.int64)
+    """Whether PN's training step takes the path `"c"` of `_PowerNormStepFunction` (`_step_in_c`):
+    float32 contiguous parameters and buffers, an int64 counter, no process group to sum over."""
+    return _step_in_c(norm, x, ("weight", "bias", "running_phi", "running_nu"),
+                      refuse=sync_enabled(norm.sync_stats, norm.process_group))
 
 
-def _pn_in_one_operator(norm, x: torch.Tensor) -> bool:
-    """Whether PN's training step runs in the `hf_powernorm::pn_step_*` operators: a tensor input,
-    float32 running statistics, an int64 counter, no process group to sum over, and in a
-    checkpointing recomputation only if the step itself did (which reuses its statistics)."""
-    if not isinstance(x, torch.Tensor) or _sync_enabled(norm.sync_stats, norm.process_group):
-        return False
-    if _in_recomputation():
-        return norm._last_step is not None and len(norm._last_step) == 2
-    buffers = norm._buffers
-    return (buffers["running_phi"].dtype == torch.float32 and buffers["running_nu"].dtype == torch.float32
-            and buffers["num_batches_tracked"].dtype == torch.int64)
-
-
-def _pn_c_step_forward(norm, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor):
-    """`kernels_cpu.pn_step_forward` with the module's buffers and options: `(status, y, stats, count)`."""
-    buffers = norm._buffers
-    return pn_step_forward(
-        x, mask, norm.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.eps,
-        norm.warmup_steps, norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd, norm.warmup_statistic == "reference",
-        norm.backward_denominator == "batch", norm.group_eps)
-
-
-def _pn_c_step_backward(norm, dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor,
-                        stats: torch.Tensor, count: float, usable: bool):
-    """`kernels_cpu.pn_step_backward` with the module's buffers and options: `(status, dx, grads)`."""
-    return pn_step_backward(dy, x, mask, norm.group_num, weight, norm._buffers["running_nu"], stats, count, usable,
-                            1.0 - norm.alpha_bkw, norm.group_eps)
+def _pn_in_operators(norm, x: torch.Tensor) -> bool:
+    """Whether PN's training step takes the path `"operator"` of `_PowerNormStepFunction`
+    (`_in_operators`): float32 running statistics, an int64 counter, no process group to sum over."""
+    return _in_operators(norm, x, ("running_phi", "running_nu"), refuse=sync_enabled(norm.sync_stats,
+                                                                                     norm.process_group))
 
 
 def _pn_statistics_on_host(norm, sum_sq: torch.Tensor) -> bool:
     """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
     sums and buffers, no process group to sum over. A few dozen torch ops on C-vectors cost more
     there than the passes over the batch; the C function does the same arithmetic in one call."""
-    return (_host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
-            and not _sync_enabled(norm.sync_stats, norm.process_group)
+    return (host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
+            and not sync_enabled(norm.sync_stats, norm.process_group)
             and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
                     for buffer in (norm.running_phi, norm.running_nu)))
 
 
 def _pn_host_denominators(norm, sum_sq: torch.Tensor, count: float):
     """`_pn_step_denominators` in C on the CPU: the same tuple, with the count a float and `usable` a bool."""
-    _warn_if_ddp_overwrites_statistics(norm)
+    warn_if_ddp_overwrites_statistics(norm)
     status, v, inv_s, inv_s_b = pn_statistics(
         sum_sq, count, norm.running_phi, norm.num_batches_tracked, norm.eps, norm.warmup_steps,
         norm.warmup_ramp_steps, 1.0 - norm.alpha_fwd, norm.warmup_statistic == "reference",
         norm.backward_denominator == "batch")
-    _warn_non_finite(type(norm).__name__, "batch statistic", status < 0)
-    return inv_s, inv_s_b, v, count, status == 1
+    warn_non_finite(type(norm).__name__, "batch statistic", status < 0)
+    return v, inv_s, inv_s_b, count, status == 1
 
 
 def _pn_host_gradient_statistics(norm, sums, weight, v, inv_s, count: float, usable: bool):
-    """The module's `_update_nu` in C after `_pn_host_denominators`; returns the weight and bias gradients."""
+    """The module's `update_nu` in C after `_pn_host_denominators`; returns the weight and bias gradients."""
     status, grad_weight = pn_gradient_statistics(sums, weight, v, inv_s, count, usable, 1.0 - norm.alpha_bkw,
                                                  norm.running_nu)
-    _warn_non_finite(type(norm).__name__, "gradient statistic", status < 0)
+    warn_non_finite(type(norm).__name__, "gradient statistic", status < 0)
     return grad_weight, sums[2].float()
 
 
@@ -1048,9 +863,9 @@ def forward_power_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.
     """`PowerNorm.forward`: the C step, the operators, the autograd function over the torch ops
     (process groups, cast buffers) in training; the C eval map or the torch ops in eval."""
     if norm.training and _pn_step_in_c(norm, hidden_states):
-        return _c_step(norm, _PowerNormCStepFunction, hidden_states, attention_mask)
-    if norm.training and _pn_in_one_operator(norm, hidden_states):
-        return _operator_step(norm, _PowerNormStepFunction, hidden_states, attention_mask)
+        return _c_step(norm, _PowerNormStepFunction, hidden_states, attention_mask, "c")
+    if norm.training and _pn_in_operators(norm, hidden_states):
+        return _operator_step(norm, _PowerNormStepFunction, hidden_states, attention_mask, "operator")
     flat, token_weights = _flatten(hidden_states, attention_mask, norm.hidden_size, norm.training)
     if norm.training:
         return _PowerNormFunction.apply(flat, norm.weight, norm.bias, token_weights, norm).view_as(hidden_states)
@@ -1058,7 +873,7 @@ def forward_power_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.
     if out is not None:
         return out
     scale, shift = norm.affine_after_group_scale()
-    dtype = _stat_dtype(flat)
+    dtype = stat_dtype(flat)
     with _float32(flat.device):
         z0 = group_scale(flat, norm.group_num, norm.group_eps).to(dtype)
         out = torch.addcmul(shift.to(dtype), z0, scale.to(dtype)).to(flat.dtype)
@@ -1080,12 +895,12 @@ class _PowerNormVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
         x = x.contiguous()
-        _warn_if_ddp_overwrites_statistics(norm)
-        buffers = norm._buffers
+        warn_if_ddp_overwrites_statistics(norm)
+        phi, counter = norm.tensors("running_phi", "num_batches_tracked")
         status, y, inv_s, count = pnv_step_forward(  # statistics, running update and output in one C call
-            x, mask, norm.group_num, weight, bias, buffers["running_phi"], buffers["num_batches_tracked"], norm.eps,
-            1.0 - norm.alpha_fwd, not _in_recomputation())
-        _warn_non_finite("PowerNormV", "batch statistic", status < 0)
+            x, mask, norm.group_num, weight, bias, phi, counter, norm.eps, 1.0 - norm.alpha_fwd,
+            not in_recomputation())
+        warn_non_finite("PowerNormV", "batch statistic", status < 0)
         ctx.save_for_backward(x, mask, weight, bias, inv_s)
         ctx.step = (norm, count, status == 1)  # host values: nothing to read back in the backward
         return y
@@ -1095,8 +910,8 @@ class _PowerNormVFunction(torch.autograd.Function):
         x, mask, weight, bias, inv_s = ctx.saved_tensors
         norm, count, usable = ctx.step
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
-            token_weights = _mask_weights(mask, x.dtype)
-            return (*_PowerNormVFunction._differentiable_backward(norm, x, token_weights, weight, bias,
+            token_weights = mask_weights(mask, x.dtype)
+            return (*_PowerNormVFunction.differentiable_backward(norm, x, token_weights, weight, bias,
                                                                   torch.tensor(count), torch.tensor(usable),
                                                                   grad_output), None, None)
         grad_x, grads = pnv_step_backward(grad_output.float().contiguous(), x, mask, norm.group_num, weight, inv_s,
@@ -1104,36 +919,34 @@ class _PowerNormVFunction(torch.autograd.Function):
         return grad_x, grads[0], grads[1], None, None
 
     @staticmethod
-    def _differentiable_backward(norm, x, token_weights, weight, bias, count, usable, grad_output):
+    def differentiable_backward(norm, x, token_weights, weight, bias, count, usable, grad_output):
         """The same gradient through torch ops (the statistic as the forward took it: `running_phi`
         is unchanged when the batch was unusable)."""
         with torch.enable_grad():
             z0 = group_scale(x, norm.group_num)
-            v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
+            v = token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
             y = torch.addcmul(bias, z0 * torch.rsqrt(torch.where(usable, v, norm.running_phi) + norm.eps), weight)
             return torch.autograd.grad(y, (x, weight, bias), grad_output, create_graph=True)
 
 
 def _pnv_step_in_c(norm, x: torch.Tensor) -> bool:
-    """PN-V's step in the C kernels: CPU float32 input, contiguous float32 parameters and statistic."""
-    if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-        return False
-    tensors = (norm._parameters["weight"], norm._parameters["bias"], norm._buffers["running_phi"])
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    """PN-V's step in the C kernels: CPU float32 input, contiguous float32 parameters and statistic
+    (a recomputation takes the step again: the kernel then updates nothing)."""
+    return isinstance(x, torch.Tensor) and _c_step_usable(x, norm.tensors("weight", "bias", "running_phi"))
 
 
 def _pnv_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
     """PN-V in torch ops (training: the batch statistic where usable, `running_phi` otherwise, and
     its EMA update)."""
-    dtype = _stat_dtype(flat)
+    dtype = stat_dtype(flat)
     z0 = group_scale(flat, norm.group_num).to(dtype)
     phi = norm.running_phi.to(dtype)
     if norm.training:
-        count = _token_count(z0, token_weights)
-        v = _token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
-        usable = norm._usable(count, v)
+        count = token_count(z0, token_weights)
+        v = token_sum(z0.square(), token_weights) / count.clamp_min(1.0)
+        usable = norm.usable_batch(count, v)
         phi = torch.where(usable, v, phi)  # the running statistic for an unusable batch
-        norm._update(v, usable)
+        norm.update_running(v, usable)
     return torch.addcmul(norm.bias.to(dtype), z0 * torch.rsqrt(phi + norm.eps), norm.weight.to(dtype))
 
 
@@ -1158,19 +971,20 @@ class _BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
         x = x.contiguous()
-        if _in_recomputation():
-            out, count, usable = norm._last_step
+        if in_recomputation():
+            record = norm.last_step
+            out, count, usable = record.stats, record.count, record.usable
             _, y, _, _ = bn_step_forward(x, None, weight, bias, norm.running_mean, norm.running_var,
                                          norm.num_batches_tracked, norm.eps, norm.momentum, False, 1.0, 0.0, out)
         else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            renorm = norm._renorm
+            warn_if_ddp_overwrites_statistics(norm)
+            renorm = norm.renorm
             status, y, out, count = bn_step_forward(
                 x, mask, weight, bias, norm.running_mean, norm.running_var, norm.num_batches_tracked, norm.eps,
                 norm.momentum, renorm, norm.rmax if renorm else 1.0, norm.dmax if renorm else 0.0)
-            _warn_non_finite(type(norm).__name__, "batch statistic", status < 0)
+            warn_non_finite(type(norm).__name__, "batch statistic", status < 0)
             usable = status == 1
-            norm.__dict__["_last_step"] = (out, count, usable)  # a plain attribute: no nn.Module.__setattr__
+            norm.record_step(StepRecord("c", out, count, usable))
         ctx.save_for_backward(x, mask, weight, out)
         ctx.step = (norm, count, usable)
         return y
@@ -1182,54 +996,23 @@ class _BatchNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
             mean, inv_std, r, d = out
             usable = torch.tensor(usable)
-            return (*norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, usable, grad_output),
+            return (*norm.differentiable_backward(x, mask, weight, mean, inv_std, r, d, usable, grad_output),
                     None, None)
         grad_x, grads = bn_step_backward(grad_output.float().contiguous(), x, mask, weight, out, count, usable)
         return grad_x, grads[0], grads[1], None, None
 
 
-def _bn_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`y = x * a + b`, `a = weight r / sigma`, `b = bias + weight d - mean a`, in `out`'s dtype."""
-    mean, inv_std, r, d = out.unbind(0)
-    weight = weight.to(out.dtype)
-    a = weight * r * inv_std
-    return torch.addcmul(bias.to(out.dtype) + weight * d - mean * a, x.to(out.dtype), a)
-
-
-def _bn_train_forward(x, token_weights, weight, bias, running_mean, running_var, eps, renorm, rmax, dmax):
-    """Masked BN's (BRN's) training forward as a pure function of float `(tokens, C)` `x`: `(y, out,
-    count, usable, non_finite, batch_mean, batch_var)` (`bn_step_forward`'s arithmetic)."""
-    count = _token_count(x, token_weights)
-    n = count.clamp_min(1.0)
-    batch_mean = _token_sum(x, token_weights) / n
-    batch_var = _token_sum((x - batch_mean).square(), token_weights) / n
-    has_tokens, finite = count > 0, _all_finite(batch_mean, batch_var)
-    usable = has_tokens & finite
-    mean, var = running_mean.to(x.dtype), running_var.to(x.dtype)
-    inv_run = torch.rsqrt(var + eps)
-    one = torch.ones_like(batch_mean)
-    if renorm:
-        r = (torch.sqrt(batch_var + eps) * inv_run).clamp(1.0 / rmax, rmax)
-        d = ((batch_mean - mean) * inv_run).clamp(-dmax, dmax)
-    else:
-        r, d = one, torch.zeros_like(batch_mean)
-    inv_std = torch.where(usable, torch.rsqrt(batch_var + eps), inv_run)
-    out = torch.stack([torch.where(usable, batch_mean, mean), inv_std, torch.where(usable, r, one),
-                       torch.where(usable, d, 0.0)])
-    return _bn_affine(x, weight, bias, out), out, count, usable, has_tokens & ~finite, batch_mean, batch_var
-
-
 def _bn_step_forward_torch(x, mask, weight, bias, running_mean, running_var, counter, eps, momentum, renorm, rmax,
                            dmax):
     """The forward operator in torch ops (any device and dtype)."""
-    dtype = _stat_dtype(x)
+    dtype = stat_dtype(x)
     with _float32(x.device):
-        y, out, count, usable, non_finite, batch_mean, batch_var = _bn_train_forward(
-            x.to(dtype), _mask_weights(mask, dtype), weight, bias, running_mean, running_var, eps, renorm, rmax, dmax)
+        y, out, count, usable, non_finite, batch_mean, batch_var = bn_train_forward(
+            x.to(dtype), mask_weights(mask, dtype), weight, bias, running_mean, running_var, eps, renorm, rmax, dmax)
         # in float32, as the C kernel and `MaskedBatchNorm._update`: the unbiased variance into the EMA
         n = count.float()
-        _lerp_(running_mean, batch_mean.float(), momentum, keep=usable)
-        _lerp_(running_var, batch_var.float() * (n / (n - 1.0).clamp_min(1.0)), momentum, keep=usable)
+        lerp_(running_mean, batch_mean.float(), momentum, keep=usable)
+        lerp_(running_var, batch_var.float() * (n / (n - 1.0).clamp_min(1.0)), momentum, keep=usable)
     counter.add_(usable.to(counter.dtype))
     return y.to(x.dtype), out, torch.stack([count, usable, non_finite]).to(out.dtype)
 
@@ -1246,7 +1029,7 @@ def _bn_step_forward_cpu(x, mask, weight, bias, running_mean, running_var, count
 
 def _bn_step_forward_fake(x, mask, weight, bias, running_mean, running_var, counter, eps, momentum, renorm, rmax,
                           dmax):
-    dtype = _stat_dtype(x)
+    dtype = stat_dtype(x)
     return x.new_empty(x.shape), x.new_empty((4, x.shape[1]), dtype=dtype), x.new_empty((3,), dtype=dtype)
 
 
@@ -1266,7 +1049,7 @@ def _bn_step_backward_torch(dy, x, mask, weight, out, info):
         c = torch.where(usable, a * inv_std.square() * s2 / n, 0.0)
         correction = c * xf + (torch.where(usable, a * s1 / n, 0.0) - c * mean)
         if mask is not None:
-            correction = correction * _mask_weights(mask, dtype)[:, None]
+            correction = correction * mask_weights(mask, dtype)[:, None]
         grad_x = a * g - correction
         grads = torch.stack([r * inv_std * s2 + d * s1, s1])
     return grad_x.to(x.dtype), grads.to(weight.dtype)
@@ -1288,7 +1071,7 @@ def _bn_step_backward_fake(dy, x, mask, weight, out, info):
 # The training steps of PN and of masked BN (and BRN) as operators of the `hf_powernorm` namespace
 # (`torch.library`), two each, one per direction, so that `torch.compile` sees one node each (no
 # guard of ours inside) and eager code one dispatched call each (eager CPU float32 steps call the
-# same C kernels directly instead: `_PowerNormCStepFunction`, `_BatchNormFunction`). The buffer
+# same C kernels directly instead: `_PowerNormStepFunction`'s path `"c"`, `_BatchNormFunction`). The buffer
 # updates happen inside them, declared as mutated arguments in the schemas: `pn_step_forward` writes
 # `running_phi` and the step counter, `pn_step_backward` `running_nu`, `bn_step_forward`
 # `running_mean`, `running_var` and the step counter. Kernels: the C kernels for CPU float32
@@ -1318,24 +1101,25 @@ _STEP_LIBRARY = _register_step_operators(STEP_SCHEMAS)  # kept: the registration
 
 class _BatchNormStepFunction(torch.autograd.Function):
     """Masked BN's and BRN's training step through their two operators (`STEP_SCHEMAS`)
-    (`_bn_in_one_operator` says when). A checkpointing recomputation reuses its step's
+    (`_bn_in_operators` says when). A checkpointing recomputation reuses its step's
     statistics and updates nothing (the output pass alone, the same bits). Saves `x`; create_graph=True
     takes the torch ops' differentiable gradient, as `_BatchNormFunction` does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
-        if _in_recomputation():
-            out, info = norm._last_step
+        if in_recomputation():
+            record = norm.last_step
+            out, info = record.stats, record.info
             y = _bn_output_pass(norm, x, weight, bias, out)
         else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            renorm, buffers = norm._renorm, norm._buffers
+            warn_if_ddp_overwrites_statistics(norm)
+            renorm = norm.renorm
             y, out, info = torch.ops.hf_powernorm.bn_step_forward(
-                x, mask, weight, bias, buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"],
+                x, mask, weight, bias, *norm.tensors("running_mean", "running_var", "num_batches_tracked"),
                 norm.eps, norm.momentum, renorm, norm.rmax if renorm else 1.0, norm.dmax if renorm else 0.0)
-            if not torch.compiler.is_compiling():  # for a recomputation; a plain attribute (cheaper)
-                _warn_non_finite(type(norm).__name__, "batch statistic", info[2] != 0)
-                norm.__dict__["_last_step"] = (out, info)
+            if not torch.compiler.is_compiling():  # kept for a recomputation
+                warn_non_finite(type(norm).__name__, "batch statistic", info[2] != 0)
+                norm.record_step(StepRecord("operator", out, info=info))
         ctx.save_for_backward(x, mask, weight, out, info)
         ctx.norm = norm
         return y
@@ -1346,73 +1130,55 @@ class _BatchNormStepFunction(torch.autograd.Function):
         norm = ctx.norm
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
             mean, inv_std, r, d = out
-            return (*norm._differentiable_backward(x, mask, weight, mean, inv_std, r, d, info[1] != 0, grad_output),
+            return (*norm.differentiable_backward(x, mask, weight, mean, inv_std, r, d, info[1] != 0, grad_output),
                     None, None)
         grad_x, grads = torch.ops.hf_powernorm.bn_step_backward(grad_output, x, mask, weight, out, info)
-        return grad_x, grads[0], _cast(grads[1], norm.bias.dtype), None, None
+        return grad_x, grads[0], cast(grads[1], norm.bias.dtype), None, None
 
 
 def _bn_output_pass(norm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """A recomputed step's output from its statistics `out`, on the path its operator took."""
-    buffers = norm._buffers
-    if _c_step_usable(x, (weight, bias, buffers["running_mean"], buffers["running_var"]),
-                      buffers["num_batches_tracked"]):
-        _, y, _, _ = bn_step_forward(x.contiguous(), None, weight, bias, buffers["running_mean"],
-                                     buffers["running_var"], buffers["num_batches_tracked"], norm.eps, norm.momentum,
+    mean, var, counter = norm.tensors("running_mean", "running_var", "num_batches_tracked")
+    if _c_step_usable(x, (weight, bias, mean, var), counter):
+        _, y, _, _ = bn_step_forward(x.contiguous(), None, weight, bias, mean, var, counter, norm.eps, norm.momentum,
                                      False, 1.0, 0.0, out)
         return y
-    dtype = _stat_dtype(x)
+    dtype = stat_dtype(x)
     with _float32(x.device):
-        return _bn_affine(x.to(dtype), weight.detach(), bias.detach(), out).to(x.dtype)
+        return bn_affine(x.to(dtype), weight.detach(), bias.detach(), out).to(x.dtype)
 
 
 def _bn_step_in_c(norm, x: torch.Tensor) -> bool:
-    """Whether BN's (BRN's) training step runs in `_BatchNormFunction`: eager CPU float32 input with
-    the C kernels, float32 contiguous parameters and running statistics; a recomputation only when
-    its step ran there (it reuses that step's statistics, `_last_step` = `(out, count, usable)`)."""
-    if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-        return False
-    if _in_recomputation():
-        last = norm.__dict__.get("_last_step")
-        return last is not None and len(last) == 3
-    tensors = (norm._parameters["weight"], norm._parameters["bias"], norm._buffers["running_mean"],
-               norm._buffers["running_var"])
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    """Whether BN's (BRN's) training step runs in `_BatchNormFunction` (`_step_in_c`): float32
+    contiguous parameters and running statistics."""
+    return _step_in_c(norm, x, ("weight", "bias", "running_mean", "running_var"), counter=False)
 
 
-def _bn_in_one_operator(norm, x: torch.Tensor) -> bool:
+def _bn_in_operators(norm, x: torch.Tensor) -> bool:
     """Whether BN's (BRN's) training step runs in the `hf_powernorm::bn_step_*` operators
-    (`_BatchNormStepFunction`): a tensor input, float32 running statistics, an int64 counter; a
-    recomputation only when its step did (`_last_step` = `(out, info)`)."""
-    if not isinstance(x, torch.Tensor):
-        return False
-    if _in_recomputation():
-        last = norm.__dict__.get("_last_step")
-        return last is not None and len(last) == 2
-    buffers = norm._buffers
-    return (buffers["running_mean"].dtype == torch.float32 and buffers["running_var"].dtype == torch.float32
-            and buffers["num_batches_tracked"].dtype == torch.int64)
+    (`_BatchNormStepFunction`, `_in_operators`): float32 running statistics, an int64 counter."""
+    return _in_operators(norm, x, ("running_mean", "running_var"))
 
 
 def forward_batch_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`MaskedBatchNorm.forward` (and BRN's): the C step, the operators, or the module's torch ops
-    (`_affine_in_torch_ops`); in eval the C eval map where it applies."""
+    (`affine_in_torch_ops`); in eval the C eval map where it applies."""
     in_c = norm.training and _bn_step_in_c(norm, hidden_states)
-    if norm.training and not in_c and _bn_in_one_operator(norm, hidden_states):
+    if norm.training and not in_c and _bn_in_operators(norm, hidden_states):
         return _operator_step(norm, _BatchNormStepFunction, hidden_states, attention_mask)
-    if norm.training and not in_c and not _in_recomputation():
-        norm.__dict__["_last_step"] = None  # this step's statistics are neither path's above
+    if norm.training and not in_c and not in_recomputation():
+        norm.record_step(None)  # the torch ops' step (BRN's records its corrections)
     return _statistics_norm(norm, hidden_states, attention_mask, _BatchNormFunction if in_c else None,
                             _bn_torch_ops)
 
 
 def _bn_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
-    return norm._affine_in_torch_ops(flat.to(_stat_dtype(flat)), token_weights)
+    return norm.affine_in_torch_ops(flat.to(stat_dtype(flat)), token_weights)
 
 
 class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
     """MABN's training step in two C calls, `kernels_cpu.mabn_step_forward` and `mabn_step_backward`:
-    the arithmetic of `_forward_statistics` and `_backward_statistic` with the passes (a moments pass
+    the arithmetic of `forward_statistics` and `backward_statistic` with the passes (a moments pass
     and an output pass `y = x * weight * r / chi + bias`; a sums pass and an input-gradient pass
     `dx = dY * weight * r / chi - (real) * Psi * x / chi^2`), the buffer updates and the parameter
     gradients in C, so that a step costs its passes and little else. A checkpointing recomputation
@@ -1421,23 +1187,21 @@ class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mask, norm):
         x = x.contiguous()
-        buffers = norm._buffers
-        reused = norm._last_step if _in_recomputation() else None
+        phi, window_phi, counter = norm.tensors("running_phi", "window_phi", "num_batches_tracked")
+        reused = norm.last_step if in_recomputation() else None
         if reused is not None:
-            out, count, usable, step = reused
-            _, y, _, _ = mabn_step_forward(x, None, weight, bias, buffers["running_phi"], buffers["window_phi"],
-                                           buffers["num_batches_tracked"], norm.eps, norm.momentum, norm.warmup_steps,
-                                           norm.rmax, norm.renorm_warmup_steps, reused=out)
+            out, count, usable, step = reused.stats, reused.count, reused.usable, reused.step
+            _, y, _, _ = mabn_step_forward(x, None, weight, bias, phi, window_phi, counter, norm.eps, norm.momentum,
+                                           norm.warmup_steps, norm.rmax, norm.renorm_warmup_steps, reused=out)
         else:
-            _warn_if_ddp_overwrites_statistics(norm)
-            step = int(buffers["num_batches_tracked"]) + 1
+            warn_if_ddp_overwrites_statistics(norm)
+            step = int(counter) + 1
             status, y, out, count = mabn_step_forward(
-                x, mask, weight, bias, buffers["running_phi"], buffers["window_phi"], buffers["num_batches_tracked"],
-                norm.eps, norm.momentum, norm.warmup_steps, norm.rmax, norm.renorm_warmup_steps)
-            _warn_non_finite("MovingAverageBatchNorm", "batch statistic", status < 0)
+                x, mask, weight, bias, phi, window_phi, counter, norm.eps, norm.momentum, norm.warmup_steps, norm.rmax,
+                norm.renorm_warmup_steps)
+            warn_non_finite("MovingAverageBatchNorm", "batch statistic", status < 0)
             usable = status == 1
-            # plain attributes (nn.Module.__setattr__ costs more than the statistics otherwise)
-            norm.__dict__.update(_last_step=(out, count, usable, step), _last_statistics=None)
+            norm.record_step(StepRecord("c", out, count, usable, step))
         ctx.save_for_backward(x, mask, weight)
         ctx.step = (norm, out, count, usable, step)
         return y
@@ -1448,8 +1212,9 @@ class _MovingAverageBatchNormStepFunction(torch.autograd.Function):
         x, mask, weight = ctx.saved_tensors
         norm, out, count, usable, step = ctx.step
         status, grad_x, grads = mabn_step_backward(grad_output.float().contiguous(), x, mask, weight, out,
-                                                   norm._buffers["window_gz"], step, norm.warmup_steps, count, usable)
-        _warn_non_finite("MovingAverageBatchNorm", "gradient statistic", status < 0)
+                                                   norm.tensors("window_gz")[0], step, norm.warmup_steps, count,
+                                                   usable)
+        warn_non_finite("MovingAverageBatchNorm", "gradient statistic", status < 0)
         return grad_x, grads[0].to(weight.dtype), grads[1].to(weight.dtype), None, None
 
 
@@ -1471,9 +1236,9 @@ class _MovingAverageBatchNormFunction(torch.autograd.Function):
         with _float32(grad_output.device):
             dy = grad_output.to(z.dtype)
             g = dy * (weight * r)
-            count = _token_count(z, token_weights)
-            psi_batch = _token_sum(g * z, token_weights) / count.clamp_min(1.0)
-            psi = ctx.norm._backward_statistic(psi_batch, step, usable)
+            count = token_count(z, token_weights)
+            psi_batch = token_sum(g * z, token_weights) / count.clamp_min(1.0)
+            psi = ctx.norm.backward_statistic(psi_batch, step, usable)
             correction = z * psi if token_weights is None else z * psi * token_weights[:, None]
             grad_x = (g - correction) * inv_chi
             grad_weight = (dy * z).sum(0) * r if ctx.needs_input_grad[1] else None
@@ -1482,22 +1247,15 @@ class _MovingAverageBatchNormFunction(torch.autograd.Function):
 
 
 def _mabn_step_in_c(norm, x: torch.Tensor) -> bool:
-    """Whether MABN's training step runs in `_MovingAverageBatchNormStepFunction`: eager CPU float32
-    input with the C kernels, float32 contiguous parameters and running statistic."""
-    if not isinstance(x, torch.Tensor) or not _fused_kernels_usable(x):
-        return False
-    if _in_recomputation():  # as the step itself, if it was one
-        return norm._last_step is not None
-    tensors = (norm._parameters["weight"], norm._parameters["bias"], *(norm._buffers[name] for name in
-                                                                       ("running_phi", *norm._window_buffers)))
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and (
-        norm._buffers["num_batches_tracked"].dtype == torch.int64)
+    """Whether MABN's training step runs in `_MovingAverageBatchNormStepFunction` (`_step_in_c`):
+    float32 contiguous parameters, running statistic and windows, an int64 counter."""
+    return _step_in_c(norm, x, ("weight", "bias", *norm.float32_buffers()))
 
 
 def forward_moving_average_batch_norm(norm, hidden_states: torch.Tensor,
                                       attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`MovingAverageBatchNorm.forward`: the C step or the C eval map where they apply, else the
-    torch ops with the module's moving-average statistics (`_forward_statistics`)."""
+    torch ops with the module's moving-average statistics (`forward_statistics`)."""
     in_c = norm.training and _mabn_step_in_c(norm, hidden_states)
     return _statistics_norm(norm, hidden_states, attention_mask,
                             _MovingAverageBatchNormStepFunction if in_c else None, _mabn_torch_ops)
@@ -1505,11 +1263,11 @@ def forward_moving_average_batch_norm(norm, hidden_states: torch.Tensor,
 
 def _mabn_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
     """MABN in torch ops: its autograd function in training, the running statistic's map in eval."""
-    dtype = _stat_dtype(flat)
+    dtype = stat_dtype(flat)
     xf = flat.to(dtype)
     weight, bias = norm.weight.to(dtype), norm.bias.to(dtype)
     if norm.training:
-        statistics = norm._forward_statistics(xf, token_weights)
+        statistics = norm.forward_statistics(xf, token_weights)
         return _MovingAverageBatchNormFunction.apply(xf, weight, bias, token_weights, norm, *statistics)
     return torch.addcmul(bias, xf, weight * torch.rsqrt(norm.running_phi.to(dtype) + norm.eps))
 
@@ -1521,11 +1279,11 @@ def _mabn_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None
 def forward_layer_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`LayerNorm.forward`: `F.layer_norm` in float32 (float64 for float64 inputs)."""
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
-    dtype = _stat_dtype(hidden_states)
+    dtype = stat_dtype(hidden_states)
     with _float32(hidden_states.device):
-        out = F.layer_norm(_cast(hidden_states, dtype), (norm.hidden_size,), _cast(norm.weight, dtype),
-                           _cast(norm.bias, dtype), norm.eps)
-    return _cast(out, hidden_states.dtype)
+        out = F.layer_norm(cast(hidden_states, dtype), (norm.hidden_size,), cast(norm.weight, dtype),
+                           cast(norm.bias, dtype), norm.eps)
+    return cast(out, hidden_states.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -1559,7 +1317,7 @@ class _RMSNormFunction(torch.autograd.Function):
 def forward_rms_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`RMSNorm.forward`: the scaled input, plus the bias where the norm has one (a converted LayerNorm's)."""
     out = _rms_scaled(norm, hidden_states, attention_mask)
-    bias = norm._parameters.get("bias")
+    (bias,) = norm.tensors("bias")
     return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -1567,8 +1325,8 @@ def _rms_scaled(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor 
     """`x / sqrt(mean(x^2) + eps) * weight`: one C pass each way on the CPU in float32, else `F.rms_norm`
     in float32."""
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
-    weight = norm._parameters["weight"]
-    if weight.dtype == torch.float32 and weight.is_contiguous() and _fused_kernels_usable(hidden_states):
+    (weight,) = norm.tensors("weight")
+    if _c_step_usable(hidden_states, (weight,)):
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)):
             # inference: one C pass, x * weight / sqrt(mean(x^2) + eps) as RMSNorm's group scaling
             # (torch's own F.rms_norm took 1.7-2.7x F.layer_norm's time on the CPU: BENCHMARKS.md)
@@ -1576,20 +1334,20 @@ def _rms_scaled(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor 
         flat = hidden_states.reshape(-1, norm.hidden_size)
         y = _RMSNormFunction.apply(flat, weight, norm.eps)
         return y if flat is hidden_states else y.view_as(hidden_states)  # no view node for a no-op
-    dtype = _stat_dtype(hidden_states)
+    dtype = stat_dtype(hidden_states)
     with _float32(hidden_states.device):
-        out = F.rms_norm(_cast(hidden_states, dtype), (norm.hidden_size,), _cast(weight, dtype), norm.eps)
-    return _cast(out, hidden_states.dtype)
+        out = F.rms_norm(cast(hidden_states, dtype), (norm.hidden_size,), cast(weight, dtype), norm.eps)
+    return cast(out, hidden_states.dtype)
 
 
 def forward_group_norm(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """`GroupNorm.forward`: `F.group_norm` over each token's channel groups, in float32."""
     flat, _ = _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
-    dtype = _stat_dtype(flat)
+    dtype = stat_dtype(flat)
     with _float32(flat.device):
-        out = F.group_norm(_cast(flat, dtype), norm.group_num, _cast(norm.weight, dtype), _cast(norm.bias, dtype),
+        out = F.group_norm(cast(flat, dtype), norm.group_num, cast(norm.weight, dtype), cast(norm.bias, dtype),
                            norm.eps)
-    return _cast(out, flat.dtype).view_as(hidden_states)
+    return cast(out, flat.dtype).view_as(hidden_states)
 
 
 def forward_identity(norm, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -1600,15 +1358,6 @@ def forward_identity(norm, hidden_states: torch.Tensor, attention_mask: torch.Te
 
 # ----------------------------------------------------------------------------------------------
 # Element-wise replacements: DyT and Derf
-
-
-_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)  # erf'(z) = 2 / sqrt(pi) * exp(-z^2)
-
-
-def _elementwise_formula(x, alpha, shift, weight, bias, function: str) -> torch.Tensor:
-    """`weight * f(alpha * x + shift) + bias` in plain torch ops (`shift` None: no shift)."""
-    z = x * alpha if shift is None else torch.addcmul(shift, x, alpha)
-    return torch.addcmul(bias, torch.tanh(z) if function == "tanh" else torch.erf(z), weight)
 
 
 def _triton_elementwise_usable(x: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
@@ -1668,7 +1417,7 @@ class _ElementwiseNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable in turn
             inputs = [t for t in (x, alpha, shift, weight, bias) if t is not None]
             with torch.enable_grad():
-                y = _elementwise_formula(x, alpha, shift, weight, bias, ctx.function)
+                y = elementwise_formula(x, alpha, shift, weight, bias, ctx.function)
                 grads = iter(torch.autograd.grad(y, inputs, grad_output, create_graph=True, allow_unused=True))
             return (*(None if t is None else next(grads) for t in (x, alpha, shift, weight, bias)), None, None)
         channels = x.shape[-1]
@@ -1693,14 +1442,14 @@ class _ElementwiseNormFunction(torch.autograd.Function):
         else:
             grad_weight = dy_s.sum(0)
             z = xf * alpha if shift is None else torch.addcmul(shift, xf, alpha)
-            v, scale = dy * torch.exp_(z.square_().neg_()), weight * _TWO_OVER_SQRT_PI
+            v, scale = dy * torch.exp_(z.square_().neg_()), weight * TWO_OVER_SQRT_PI
         grad_alpha = torch.dot((v * xf).sum(0), scale).reshape(alpha.shape)
         grad_shift = None if shift is None else torch.dot(v.sum(0), scale).reshape(shift.shape)
         grad_x = (v * (scale * alpha)).view_as(x) if ctx.needs_input_grad[0] else None
         return grad_x, grad_alpha, grad_shift, grad_weight, grad_bias, None, None
 
 
-def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | None):
+def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | None, parameters: tuple):
     """The C++ operator (`kernels_cpu.load_operator`) where it takes the step: an eager CPU training
     step in float32 (input and parameters), the shapes valid; else None (the general path, which
     raises for bad shapes)."""
@@ -1710,7 +1459,7 @@ def _elementwise_operator(norm, x: torch.Tensor, attention_mask: torch.Tensor | 
         return None
     if attention_mask is not None and attention_mask.shape != x.shape[:-1]:
         return None
-    if any(parameter.dtype != torch.float32 for parameter in norm._parameters.values()):
+    if any(parameter is not None and parameter.dtype != torch.float32 for parameter in parameters):
         return None
     return load_operator()
 
@@ -1722,27 +1471,26 @@ def forward_elementwise(norm, hidden_states: torch.Tensor, attention_mask: torch
     on CUDA; else in float32 (float64 for float64 inputs) the C kernels for the CPU (their forward
     alone under `no_grad`, a decoding step: no autograd; a training step without the operator in
     `_ElementwiseNormFunction`), the torch ops elsewhere, in `_ElementwiseNormFunction`."""
-    operator = _elementwise_operator(norm, hidden_states, attention_mask)
+    parameters = norm.tensors("alpha", "shift", "weight", "bias")  # without `Module.__getattr__`'s detour
+    operator = _elementwise_operator(norm, hidden_states, attention_mask, parameters)
     if operator is not None:  # as little Python as it can: a small step's Python costs as much as its arithmetic
-        parameters = norm._parameters  # what `norm.alpha` reads, without `Module.__getattr__`'s detour
-        return operator(hidden_states, parameters["alpha"], parameters.get("shift"), parameters["weight"],
-                        parameters["bias"], SQUASH[norm._squash])
+        return operator(hidden_states, *parameters, SQUASH[norm.squash])
     _flatten(hidden_states, attention_mask, norm.hidden_size, weights=False)
-    alpha, shift, weight, bias = norm.alpha, getattr(norm, "shift", None), norm.weight, norm.bias
+    alpha, shift, weight, bias = parameters
     if _triton_elementwise_usable(hidden_states, alpha, shift, weight, bias):
         # CUDA: the kernels read every dtype as float32 and write the input's: no cast launched
-        return _ElementwiseNormFunction.apply(hidden_states, alpha, shift, weight, bias, norm._squash, "triton")
-    dtype = _stat_dtype(hidden_states)
-    x, alpha, weight, bias = _cast(hidden_states, dtype), _cast(alpha, dtype), _cast(weight, dtype), _cast(bias, dtype)
-    shift = None if shift is None else _cast(shift, dtype)
+        return _ElementwiseNormFunction.apply(hidden_states, alpha, shift, weight, bias, norm.squash, "triton")
+    dtype = stat_dtype(hidden_states)
+    x, alpha, weight, bias = cast(hidden_states, dtype), cast(alpha, dtype), cast(weight, dtype), cast(bias, dtype)
+    shift = None if shift is None else cast(shift, dtype)
     if not _fused_kernels_usable(x):  # the parameters were cast to x's dtype: float32 where x is
         with _float32(x.device):
             if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap: the formula, which they transform
-                out = _elementwise_formula(x, alpha, shift, weight, bias, norm._squash)
+                out = elementwise_formula(x, alpha, shift, weight, bias, norm.squash)
             else:
-                out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, None)
+                out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm.squash, None)
     elif torch.is_grad_enabled():  # the operator unavailable: the same kernels in a Python autograd function
-        out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm._squash, "c")
+        out = _ElementwiseNormFunction.apply(x, alpha, shift, weight, bias, norm.squash, "c")
     else:
-        out = _elementwise_c_pass(x, norm._squash, alpha.item(), 0.0 if shift is None else shift.item(), weight, bias)
-    return _cast(out, hidden_states.dtype)
+        out = _elementwise_c_pass(x, norm.squash, alpha.item(), 0.0 if shift is None else shift.item(), weight, bias)
+    return cast(out, hidden_states.dtype)

@@ -20,7 +20,8 @@ token. The output has the input's dtype.
 This file holds what each norm computes: its options and their checks, its traits, its parameters
 and running statistics and how a step updates them. How a step runs (the C kernels, the Triton
 kernels, the `torch.library` operators, compiled or plain torch ops, chosen by `kernel_backend`) is
-`norm_dispatch.py`'s: each module's `forward` is one call into it.
+`norm_dispatch.py`'s: each module's `forward` is one call into it. The arithmetic the backends share
+is in `norm_functional.py` (`docs/norm_internals.md`).
 """
 
 from __future__ import annotations
@@ -32,22 +33,10 @@ import re
 import torch
 from torch import nn
 
-from .norm_dispatch import (  # noqa: F401 - re-exported: the backend switch, `group_scale`, `_BROADCAST_WARNED`
-    _BROADCAST_WARNED,
-    GROUP_SCALE_EPS,
+from .norm_dispatch import (  # noqa: F401 - re-exported: the backend switch and `group_scale`
     KERNEL_BACKENDS,
-    _all_finite,
-    _all_reduce_,
-    _host_readable,
-    _in_recomputation,
-    _lerp_,
-    _mask_weights,
-    _sync_enabled,
-    _token_count,
-    _token_sum,
-    _warn_if_ddp_overwrites_statistics,
-    _warn_non_finite,
-    _write_row_,
+    StepRecord,
+    all_reduce_,
     available_kernel_backends,
     current_kernel_backend,
     forward_batch_norm,
@@ -60,7 +49,22 @@ from .norm_dispatch import (  # noqa: F401 - re-exported: the backend switch, `g
     forward_power_norm_v,
     forward_rms_norm,
     group_scale,
+    host_readable,
+    in_recomputation,
     kernel_backend,
+    sync_enabled,
+    warn_if_ddp_overwrites_statistics,
+    warn_non_finite,
+)
+from .norm_functional import (
+    GROUP_SCALE_EPS,
+    all_finite,
+    batch_moments,
+    lerp_,
+    mask_weights,
+    token_count,
+    token_sum,
+    write_row_,
 )
 
 BACKWARD_DENOMINATORS = ("running", "batch")
@@ -139,6 +143,12 @@ class _Norm(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.hidden_size))
 
+    def tensors(self, *names: str) -> tuple[torch.Tensor | None, ...]:
+        """The parameters and buffers called `names` (None for one the norm lacks): what the dispatch
+        hands its kernels, in one call rather than one `nn.Module.__getattr__` each."""
+        parameters, buffers = self._parameters, self._buffers
+        return tuple(parameters[name] if name in parameters else buffers.get(name) for name in names)
+
     def reset_parameters(self) -> None:
         """`weight` back to 1 and `bias` to 0, where the norm has them."""
         for name, value in (("weight", 1.0), ("bias", 0.0)):
@@ -170,6 +180,7 @@ class _RunningStatsNorm(_Norm):
         for name, value in self._running_buffers.items():
             self.register_buffer(name, torch.full((hidden_size,), value, dtype=torch.float32))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.last_step: StepRecord | None = None  # how the last training step ran (`record_step`)
 
     @classmethod
     def buffer_defaults(cls) -> dict[str, float]:
@@ -184,30 +195,39 @@ class _RunningStatsNorm(_Norm):
         with torch.no_grad():
             for name, value in self.buffer_defaults().items():
                 getattr(self, name).fill_(value)
+        self.last_step = None
+
+    def record_step(self, record: StepRecord | None) -> None:
+        """Keep how this training step ran and its statistics: a checkpointing recomputation of the
+        step takes the same path and reuses them, updating nothing."""
+        self.__dict__["last_step"] = record  # plain: nn.Module.__setattr__ costs more than a small step
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
         super().reset_parameters()
 
-    def _usable(self, count: torch.Tensor, *statistics: torch.Tensor, what: str = "batch statistic") -> torch.Tensor:
+    def usable_batch(self, count: torch.Tensor, *statistics: torch.Tensor,
+                     what: str = "batch statistic") -> torch.Tensor:
         """A boolean 0-dim tensor, decided on the device: false for a batch without real tokens, or
         (with a warning where one can be given for free) for non-finite statistics."""
-        _warn_if_ddp_overwrites_statistics(self)
-        has_tokens, finite = count > 0, _all_finite(*statistics)
-        _warn_non_finite(type(self).__name__, what, has_tokens & ~finite)
+        warn_if_ddp_overwrites_statistics(self)
+        has_tokens, finite = count > 0, all_finite(*statistics)
+        warn_non_finite(type(self).__name__, what, has_tokens & ~finite)
         return has_tokens & finite
 
     def _count_batch_(self, usable: torch.Tensor) -> None:
         """`num_batches_tracked += 1` for a usable batch, on the device."""
         self.num_batches_tracked.add_(usable.to(self.num_batches_tracked.dtype))
 
-    def _next_step(self) -> torch.Tensor:
+    def next_step(self) -> torch.Tensor:
         """This training step's t = num_batches_tracked + 1, a 0-dim tensor on the device."""
         return self.num_batches_tracked + 1
 
-    def _eval_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor, int | None]:
-        """`(mean, var, group_num)` of the eval map `GS(x) * weight / sqrt(var + eps) + bias - mean * scale`."""
-        return None, self._buffers["running_phi"], self.__dict__.get("group_num")
+    def eval_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor, int | None, float]:
+        """`(mean, var, group_num, group_eps)` of the eval map `GS(x) * weight / sqrt(var + eps) + bias -
+        mean * scale`."""
+        return None, self._buffers["running_phi"], self.__dict__.get("group_num"), self.__dict__.get(
+            "group_eps", GROUP_SCALE_EPS)
 
     def _apply(self, fn, recurse=True):
         before = {name: self._buffers[name] for name in self.float32_buffers()}
@@ -309,12 +329,6 @@ class PowerNorm(_RunningStatsNorm):
         self.backward_denominator = backward_denominator
         self.sync_stats = bool(sync_stats)
         self.process_group = process_group
-        self._last_denominators = None
-        self._last_step = None
-
-    def reset_running_stats(self) -> None:
-        super().reset_running_stats()
-        self._last_denominators = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_power_norm(self, hidden_states, attention_mask)
@@ -326,19 +340,15 @@ class PowerNorm(_RunningStatsNorm):
 
     # -- statistics, called from `norm_dispatch`'s paths --
 
-    def _options(self) -> tuple:
-        return (self.eps, self.warmup_steps, self.warmup_ramp_steps, self.alpha_fwd, self.warmup_statistic,
-                self.backward_denominator)
-
-    def _divides_by_running_statistic(self) -> bool:
+    def divides_by_running_statistic(self) -> bool:
         """Whether this step's forward denominator is the running one whatever the batch (`t > W + K`,
         not a recomputation, which reuses its step's denominator); for the C kernels' one-pass forward,
         on the CPU, where reading the step counter costs nothing."""
-        if _in_recomputation() or not _host_readable(self.num_batches_tracked):
+        if in_recomputation() or not host_readable(self.num_batches_tracked):
             return False
         return self.running_weight(int(self.num_batches_tracked) + 1) == 1.0
 
-    def _take_step(self, next_phi: torch.Tensor, usable: torch.Tensor) -> None:
+    def take_step(self, next_phi: torch.Tensor, usable: torch.Tensor) -> None:
         """Write the step's `running_phi` and count it (both unchanged for an unusable batch)."""
         with torch.no_grad():
             self.running_phi.copy_(next_phi)
@@ -346,19 +356,19 @@ class PowerNorm(_RunningStatsNorm):
 
     def running_weight(self, step: int) -> float:
         """Weight `r` of the running statistic in the denominator at step t: 0 while `t <= W`,
-        `(t - W) / (K + 1)` over the K ramp steps, 1 after (what `_pn_denominators` computes on
-        the device)."""
+        `(t - W) / (K + 1)` over the K ramp steps, 1 after (what `pn_denominators` computes on the
+        device)."""
         return min(max(step - self.warmup_steps, 0) / (self.warmup_ramp_steps + 1), 1.0)
 
-    def _update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor,
-                   usable: torch.Tensor) -> None:
+    def update_nu(self, gamma: torch.Tensor, lambda_sum: torch.Tensor, count: torch.Tensor,
+                  usable: torch.Tensor) -> None:
         """`nu <- nu * (1 - (1 - a) * Gamma) + (1 - a) * Lambda` (eq. 13), Lambda summed over ranks;
         only where the forward step took a statistic and Lambda is finite (decided on the device)."""
-        if _sync_enabled(self.sync_stats, self.process_group):
-            _all_reduce_(lambda_sum, self.process_group)
+        if sync_enabled(self.sync_stats, self.process_group):
+            all_reduce_(lambda_sum, self.process_group)
         lam = lambda_sum / count.clamp_min(1.0)
-        has_tokens, finite = count > 0, _all_finite(lam)
-        _warn_non_finite(type(self).__name__, "gradient statistic", usable & has_tokens & ~finite)
+        has_tokens, finite = count > 0, all_finite(lam)
+        warn_non_finite(type(self).__name__, "gradient statistic", usable & has_tokens & ~finite)
         usable = usable & has_tokens & finite
         rate = 1.0 - self.alpha_bkw
         with torch.no_grad():
@@ -399,11 +409,11 @@ class PowerNormV(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_power_norm_v(self, hidden_states, attention_mask)
 
-    def _update(self, v: torch.Tensor, usable: torch.Tensor) -> None:
+    def update_running(self, v: torch.Tensor, usable: torch.Tensor) -> None:
         """EMA update of `running_phi` where the batch gives a usable statistic (on the device)."""
-        if not _in_recomputation():
+        if not in_recomputation():
             with torch.no_grad():
-                _lerp_(self.running_phi, v.detach().float(), 1.0 - self.alpha_fwd, keep=usable)
+                lerp_(self.running_phi, v.detach().float(), 1.0 - self.alpha_fwd, keep=usable)
                 self._count_batch_(usable)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,7 +437,7 @@ class MaskedBatchNorm(_RunningStatsNorm):
     short_names = ("bn",)
 
     _running_buffers = {"running_mean": 0.0, "running_var": 1.0}
-    _renorm = False  # Batch Renormalization's corrections r and d (`BatchRenorm`)
+    renorm = False  # Batch Renormalization's corrections r and d (`BatchRenorm`)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__(hidden_size, eps)
@@ -438,51 +448,44 @@ class MaskedBatchNorm(_RunningStatsNorm):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_batch_norm(self, hidden_states, attention_mask)
 
-    def _affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    def affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
         """The forward in torch ops, in the statistics' dtype (training: the batch moments where usable)."""
         dtype = xf.dtype
         mean, var = self.running_mean.to(dtype), self.running_var.to(dtype)
         if self.training:
-            count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
-            usable = self._usable(count, batch_mean, batch_var)
+            count, batch_mean, batch_var = batch_moments(xf, token_weights)
+            usable = self.usable_batch(count, batch_mean, batch_var)
             mean, var = torch.where(usable, batch_mean, mean), torch.where(usable, batch_var, var)
-            self._update(batch_mean, batch_var, count, usable)
+            self.update_running(batch_mean, batch_var, count, usable)
         scale = self.weight.to(dtype) * torch.rsqrt(var + self.eps)
         return torch.addcmul(self.bias.to(dtype), xf - mean, scale)
 
-    def _differentiable_backward(self, x, mask, weight, mean, inv_std, r, d, usable, grad_output):
+    def differentiable_backward(self, x, mask, weight, mean, inv_std, r, d, usable, grad_output):
         """`_BatchNormFunction`'s gradient through torch ops, the statistics recomputed from `x`."""
         with torch.enable_grad():
-            token_weights = _mask_weights(mask, x.dtype)
-            _, batch_mean, batch_var = self._batch_moments(x, token_weights)
+            token_weights = mask_weights(mask, x.dtype)
+            _, batch_mean, batch_var = batch_moments(x, token_weights)
             mean = torch.where(usable, batch_mean, mean)
             inv_std = torch.where(usable, torch.rsqrt(batch_var + self.eps), inv_std)
             y = torch.addcmul(self.bias + weight * d, x - mean, weight * r * inv_std)
             return torch.autograd.grad(y, (x, weight, self.bias), grad_output, create_graph=True)
 
-    @staticmethod
-    def _batch_moments(xf: torch.Tensor, token_weights: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """Real-token count, mean and biased variance of the batch, per channel."""
-        count = _token_count(xf, token_weights)
-        mean = _token_sum(xf, token_weights) / count.clamp_min(1.0)
-        return count, mean, _token_sum((xf - mean).square(), token_weights) / count.clamp_min(1.0)
-
-    def _update(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, usable: torch.Tensor) -> None:
+    def update_running(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, usable: torch.Tensor) -> None:
         """EMA of the mean and of the unbiased variance where the batch is usable (on the device)."""
-        if not _in_recomputation():
+        if not in_recomputation():
             n = count.detach().float()
             unbiased = var.detach().float() * (n / (n - 1.0).clamp_min(1.0))
             with torch.no_grad():
-                _lerp_(self.running_mean, mean.detach().float(), self.momentum, keep=usable)
-                _lerp_(self.running_var, unbiased, self.momentum, keep=usable)
+                lerp_(self.running_mean, mean.detach().float(), self.momentum, keep=usable)
+                lerp_(self.running_var, unbiased, self.momentum, keep=usable)
                 self._count_batch_(usable)
 
     def affine_after_group_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.weight.float() * torch.rsqrt(self.running_var + self.eps)
         return scale, self.bias.float() - self.running_mean * scale
 
-    def _eval_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor, int | None]:
-        return self._buffers["running_mean"], self._buffers["running_var"], None
+    def eval_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor, int | None, float]:
+        return self._buffers["running_mean"], self._buffers["running_var"], None, GROUP_SCALE_EPS
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}"
@@ -507,7 +510,7 @@ class BatchRenorm(MaskedBatchNorm):
     foldable = True
     short_names = ("brn", "batch_renormalization")
 
-    _renorm = True
+    renorm = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, momentum: float = 0.1, rmax: float = 3.0,
                  dmax: float = 5.0):
@@ -516,34 +519,34 @@ class BatchRenorm(MaskedBatchNorm):
         _check_at_least("dmax", dmax, 0.0)
         self.rmax = float(rmax)
         self.dmax = float(dmax)
-        self._last_correction = None
 
-    def _affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    def affine_in_torch_ops(self, xf: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
         """The forward in torch ops: masked BN's with the corrections `r`, `d` in training."""
         dtype = xf.dtype
         weight, bias = self.weight.to(dtype), self.bias.to(dtype)
         mean, scale = self.running_mean.to(dtype), weight * torch.rsqrt(self.running_var.to(dtype) + self.eps)
         if self.training:
-            count, batch_mean, batch_var = self._batch_moments(xf, token_weights)
+            count, batch_mean, batch_var = batch_moments(xf, token_weights)
             r, d = self._correction(batch_mean, batch_var)
-            usable = self._usable(count, batch_mean, batch_var)
+            usable = self.usable_batch(count, batch_mean, batch_var)
             mean = torch.where(usable, batch_mean, mean)
             scale = torch.where(usable, weight * r * torch.rsqrt(batch_var + self.eps), scale)
             bias = torch.where(usable, bias + weight * d, bias)
-            self._update(batch_mean, batch_var, count, usable)
+            self.update_running(batch_mean, batch_var, count, usable)
         return torch.addcmul(bias, xf - mean, scale)
 
     def _correction(self, batch_mean: torch.Tensor, batch_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(r, d)` from the running statistics before this step; a recomputation reuses the step's pair."""
-        if _in_recomputation() and self._last_correction is not None:
-            return self._last_correction
+        last = self.last_step
+        if in_recomputation() and last is not None and last.path == "torch":
+            return last.stats
         with torch.no_grad():
             dtype = batch_mean.dtype
             inv_sigma = torch.rsqrt(self.running_var.to(dtype) + self.eps)
             r = (torch.sqrt(batch_var + self.eps) * inv_sigma).clamp(1.0 / self.rmax, self.rmax)
             d = ((batch_mean - self.running_mean.to(dtype)) * inv_sigma).clamp(-self.dmax, self.dmax)
-        self._last_correction = (r, d)
-        return self._last_correction
+        self.record_step(StepRecord("torch", (r, d)))
+        return r, d
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, momentum={self.momentum}, rmax={self.rmax}, dmax={self.dmax}"
@@ -595,11 +598,6 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
         self.group_num = None
         for name in self._window_buffers:
             self.register_buffer(name, torch.zeros(window, hidden_size, dtype=torch.float32))
-        self._last_statistics = self._last_step = None
-
-    def reset_running_stats(self) -> None:
-        super().reset_running_stats()
-        self._last_statistics = self._last_step = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return forward_moving_average_batch_norm(self, hidden_states, attention_mask)
@@ -607,37 +605,37 @@ class MovingAverageBatchNorm(_RunningStatsNorm):
     def _batch_phase(self, step: torch.Tensor) -> torch.Tensor:
         return (step <= self.window) | (step < self.warmup_steps)
 
-    def _forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
+    def forward_statistics(self, xf: torch.Tensor, token_weights: torch.Tensor | None):
         """`(1/sqrt(chi2 + eps), r, t, usable)` of this step, updating the buffers, all decided on the
         device. An unusable batch (no real token, non-finite values) divides by the running statistic
         with `r = 1`, stores nothing and takes no backward statistic: the eval map, with its gradient.
         (The torch ops' path; the C kernels' step does the same in `kernels_cpu.mabn_step_forward`.)"""
-        if _in_recomputation() and self._last_statistics is not None:
-            return self._last_statistics  # same step: reuse its statistics, update nothing
-        self._last_step = None
+        last = self.last_step
+        if in_recomputation() and last is not None and last.path == "torch":
+            return last.stats  # same step: reuse its statistics, update nothing
         with torch.no_grad():  # no gradient flows through chi2 (see the backward)
-            count = _token_count(xf, token_weights)
-            chi2_batch = _token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
-            usable = self._usable(count, chi2_batch)
-            step = self._next_step()
-            _write_row_(self.window_phi, step % self.window, chi2_batch, keep=usable)
+            count = token_count(xf, token_weights)
+            chi2_batch = token_sum(xf.square(), token_weights) / count.clamp_min(1.0)
+            usable = self.usable_batch(count, chi2_batch)
+            step = self.next_step()
+            write_row_(self.window_phi, step % self.window, chi2_batch, keep=usable)
             chi2 = torch.where(self._batch_phase(step), chi2_batch, self.window_phi.mean(0).to(xf.dtype))
             running = self.running_phi.to(xf.dtype)
             r = torch.sqrt((chi2 + self.eps) / (running + self.eps)).clamp(1.0 / self.rmax, self.rmax)
             r = torch.where(usable & (step > max(self.renorm_warmup_steps, self.warmup_steps)), r, torch.ones_like(r))
             inv_chi = torch.where(usable, torch.rsqrt(chi2 + self.eps), torch.rsqrt(running + self.eps))
-            _lerp_(self.running_phi, chi2.float(), self.momentum, keep=usable)
+            lerp_(self.running_phi, chi2.float(), self.momentum, keep=usable)
             self._count_batch_(usable)
-        self._last_statistics = (inv_chi, r, step, usable)
-        return self._last_statistics
+        self.record_step(StepRecord("torch", (inv_chi, r, step, usable)))
+        return inv_chi, r, step, usable
 
-    def _backward_statistic(self, psi_batch: torch.Tensor, step: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
+    def backward_statistic(self, psi_batch: torch.Tensor, step: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
         """Store `Psi_B` of step t and return the `Psi` its backward uses: 0 after an unusable forward
         (nothing stored), `Psi_B` itself when it is not finite (nothing stored, a warning)."""
-        finite = _all_finite(psi_batch)
-        _warn_non_finite(type(self).__name__, "gradient statistic", usable & ~finite)
+        finite = all_finite(psi_batch)
+        warn_non_finite(type(self).__name__, "gradient statistic", usable & ~finite)
         with torch.no_grad():
-            _write_row_(self.window_gz, step % self.window, psi_batch, keep=usable & finite)
+            write_row_(self.window_gz, step % self.window, psi_batch, keep=usable & finite)
         psi = torch.where(self._batch_phase(step), psi_batch, self.window_gz.mean(0).to(psi_batch.dtype))
         psi = torch.where(finite, psi, psi_batch)
         return torch.where(usable, psi, torch.zeros_like(psi))
@@ -746,7 +744,7 @@ class _ElementwiseNorm(_Norm):
     # compute what the LayerNorm / RMSNorm it replaces computed.
     preserves_function = False
 
-    _squash = ""  # the squashing function: "tanh" or "erf"
+    squash = ""  # the squashing function: "tanh" or "erf"
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_init: float = 0.5) -> None:
         super().__init__(hidden_size, eps)  # `eps` is accepted for the shared interface and unused
@@ -795,7 +793,7 @@ class DyT(_ElementwiseNorm):
 
     short_names = ("dynamic_tanh",)
 
-    _squash = "tanh"
+    squash = "tanh"
 
 
 class Derf(_ElementwiseNorm):
@@ -817,7 +815,7 @@ class Derf(_ElementwiseNorm):
 
     short_names = ("dynamic_erf",)
 
-    _squash = "erf"
+    squash = "erf"
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, alpha_init: float = 0.5, shift_init: float = 0.0) -> None:
         super().__init__(hidden_size, eps, alpha_init)

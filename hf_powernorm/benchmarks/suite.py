@@ -181,8 +181,8 @@ class _ElementwiseCalls(torch.nn.Module):
         norm = self.norm
         alpha, shift = norm.alpha.item(), norm.shift.item() if hasattr(norm, "shift") else 0.0
         weight, bias = norm.weight.detach(), norm.bias.detach()
-        elementwise_forward(x, norm._squash, alpha, shift, weight, bias)
-        elementwise_backward(dy, x, norm._squash, alpha, shift, weight)
+        elementwise_forward(x, norm.squash, alpha, shift, weight, bias)
+        elementwise_backward(dy, x, norm.squash, alpha, shift, weight)
 
 
 def _build(name: str, hidden: int, options: dict, device: str):

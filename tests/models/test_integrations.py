@@ -249,9 +249,9 @@ def _train_under_ddp(norm_name: str, broadcast: bool, steps: int = 3) -> list[st
     """The messages of our warning while a Linear and two norms train (then evaluate) under DDP."""
     import warnings
 
-    from hf_powernorm import normalization
+    from hf_powernorm import norm_dispatch
 
-    normalization._BROADCAST_WARNED.clear()
+    norm_dispatch._BROADCAST_WARNED.clear()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), build_norm(norm_name, HIDDEN),
                                 build_norm(norm_name, HIDDEN))

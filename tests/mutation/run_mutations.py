@@ -33,6 +33,7 @@ COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".cache", "__pycache__", "
                                      "outputs", "runs", "build", "dist")
 NORMALIZATION = "hf_powernorm/normalization.py"
 DISPATCH = "hf_powernorm/norm_dispatch.py"
+FUNCTIONAL = "hf_powernorm/norm_functional.py"
 MODELING = "hf_powernorm/modeling_powernorm.py"
 NORM_TESTS = ("tests/norms/test_normalization.py",)
 MODEL_TESTS = ("tests/models/test_modeling_powernorm.py",)
@@ -58,7 +59,7 @@ NORMALIZATION_MUTATIONS = [
         "        scale = self.weight.float() * torch.rsqrt(self.running_phi)\n",
         NORM_TESTS, "PN's eval forward divides by sqrt(phi) instead of sqrt(phi + eps)"),
     Mutation(
-        "pn-switch-before-warmup-ends", DISPATCH,
+        "pn-switch-before-warmup-ends", FUNCTIONAL,
         "    weight = ((step - warmup) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)\n",
         "    weight = ((step - warmup + 1) / (ramp + 1)).clamp(0.0, 1.0).to(v.dtype)\n",
         NORM_TESTS, "PN's forward uses the running statistic from t = W (t < W) instead of t > W (t <= W)"),
@@ -68,17 +69,17 @@ NORMALIZATION_MUTATIONS = [
         "            updated = self.running_nu * (1.0 - rate * gamma.float()) - rate * lam.float()\n",
         NORM_TESTS, "the running gradient statistic nu subtracts Lambda (eq. 13 sign)"),
     Mutation(
-        "pn-warmup-phi-not-cumulative", DISPATCH,
+        "pn-warmup-phi-not-cumulative", FUNCTIONAL,
         "        updated = torch.lerp(phi, v, torch.where(step <= warmup, cumulative_rate, ema_rate))\n",
         "        updated = torch.lerp(phi, v, ema_rate)\n",
         NORM_TESTS, "during warmup running_phi is an EMA instead of the cumulative mean"),
     Mutation(
-        "pn-backward-denominator-always-batch", DISPATCH,
+        "pn-backward-denominator-always-batch", FUNCTIONAL,
         '    inv_s_b = inv_s if backward == "running" else batch\n',
         "    inv_s_b = batch\n",
         NORM_TESTS, 'backward_denominator="running" divides the backward by the batch statistic'),
     Mutation(
-        "pn-nu-correction-on-padding", DISPATCH,
+        "pn-nu-correction-on-padding", FUNCTIONAL,
         "    correction = z0 * c if token_weights is None else z0 * c * token_weights[:, None]\n",
         "    correction = z0 * c\n",
         NORM_TESTS, "the -nu*Z correction of the backward reaches padded positions (eager path)"),
@@ -89,8 +90,10 @@ NORMALIZATION_MUTATIONS = [
         NORM_TESTS + MODEL_TESTS, "PN's num_batches_tracked never increments, so warmup never ends"),
     Mutation(
         "pn-recomputation-updates-again", DISPATCH,
-        "    if _in_recomputation() and norm._last_denominators is not None:\n",
-        "    if False:\n",
+        "        if in_recomputation():\n            record = norm.last_step\n"
+        "            y = _pn_output_pass(x, weight, bias, record.stats[1], norm.group_num, norm.group_eps)\n",
+        "        if False:\n            record = norm.last_step\n"
+        "            y = _pn_output_pass(x, weight, bias, record.stats[1], norm.group_num, norm.group_eps)\n",
         NORM_TESTS + MODEL_TESTS, "activation checkpointing's recomputed forward updates PN's buffers twice"),
     Mutation(
         "padding-counted-in-statistics", DISPATCH,
@@ -123,7 +126,7 @@ NORMALIZATION_MUTATIONS = [
         "            unbiased = var.detach().float()\n",
         NORM_TESTS, "BN's running variance takes the biased batch variance"),
     Mutation(
-        "non-finite-batch-updates-buffers", DISPATCH,
+        "non-finite-batch-updates-buffers", FUNCTIONAL,
         "    finite = torch.isfinite(statistics[0]).all()\n",
         "    finite = torch.ones((), dtype=torch.bool, device=statistics[0].device)\n",
         NORM_TESTS, "a NaN/inf batch statistic is written into the running buffers"),

@@ -209,7 +209,7 @@ def test_a_failed_compilation_falls_back_to_the_torch_ops(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     norm = _norm("powernorm")
-    with kernel_backend("compile"), pytest.warns(RuntimeWarning, match="torch.compile of _pn_train_forward failed"):
+    with kernel_backend("compile"), pytest.warns(RuntimeWarning, match="torch.compile of pn_train_forward failed"):
         fallback = _train_warning_visible(norm, _steps()[:3])
     assert all(entry.compiled is None for entry in norm_dispatch._COMPILED.values())
     _assert_same_traces(fallback, eager)
@@ -234,7 +234,7 @@ def test_an_explicit_kernel_backend_wins_over_the_compile_variable(monkeypatch, 
         norm = _norm("powernorm").to(torch.bfloat16)
         with kernel_backend(backend):
             _train(norm, norm, batches)
-        assert compiled == (["_pn_train_forward", "_pn_train_backward"] * 2 if compiles else []), backend
+        assert compiled == (["pn_train_forward", "pn_train_backward"] * 2 if compiles else []), backend
 
 
 def test_a_compile_variable_outside_its_values_is_refused(monkeypatch):

@@ -378,7 +378,7 @@ def test_batch_norm_operators_match_the_reference(dtype, renorm):
 @pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
 def test_batch_norm_operator_step_matches_the_autograd_of_its_torch_ops(name):
     """The module's step through the operators (float64: their torch ops, closed-form gradient)
-    against autograd through the layer's own torch-ops forward (`_affine_in_torch_ops`), with a batch
+    against autograd through the layer's own torch-ops forward (`affine_in_torch_ops`), with a batch
     without real tokens and a non-finite one: outputs, gradients, buffers."""
     options = dict(rmax=1.2, dmax=0.3) if name == "batchrenorm" else {}
     norms = [build_norm(name, HIDDEN, **options).double() for _ in range(2)]
@@ -399,7 +399,7 @@ def test_batch_norm_operator_step_matches_the_autograd_of_its_torch_ops(name):
                 if index == 0:
                     y = norm(xi, mask)
                 else:  # the pre-operator path: autograd through the torch ops
-                    y = norm._affine_in_torch_ops(xi.reshape(-1, HIDDEN), mask.reshape(-1).double()).view_as(xi)
+                    y = norm.affine_in_torch_ops(xi.reshape(-1, HIDDEN), mask.reshape(-1).double()).view_as(xi)
             y.backward(dy)
             traces.append((y.detach(), xi.grad, norm.weight.grad, norm.bias.grad, *norm.buffers()))
         for a, b in zip(*traces):
@@ -424,7 +424,7 @@ def test_batch_norm_operator_step_under_checkpointing_updates_once(name):
             y = checkpoint(norm, inp, mask, use_reentrant=False) if wrap else norm(inp, mask)
             y.backward(dy)
         grads.append(xi.grad)
-    assert int(ckpt.num_batches_tracked) == 3 and len(ckpt._last_step) == 2  # the operators' step
+    assert int(ckpt.num_batches_tracked) == 3 and ckpt.last_step.path == "operator"
     for (key, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
         torch.testing.assert_close(a, b, msg=key)
     torch.testing.assert_close(grads[0], grads[1])
