@@ -34,8 +34,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .options import BadInput
-
 LOCK_NAME = ".lock"
 # Errors of a file system without flock (some network mounts): fall back to the holder's pid.
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
@@ -165,7 +163,7 @@ def hold_output_folder(folder: str | Path, enabled: bool = True) -> Iterator[Pat
         yield folder
         return
     if folder.exists() and not folder.is_dir():
-        raise BadInput(f"output folder {folder} is a file, not a folder")
+        raise ValueError(f"output folder {folder} is a file, not a folder")
     created_folder = not folder.exists()
     descriptor = _acquire(folder)
     try:
