@@ -1,9 +1,9 @@
 """One rule for each quantity a command line gives, shared by the recipes and `hf-powernorm compare`.
 
 Each check takes a value and the option that gave it, returns the value (as its type) when it is
-valid and raises a `ValueError` with one line naming the option, the value and what was expected
-otherwise. They need no data and import no torch, so a command runs them all before it writes
-anything: a refused start leaves nothing behind.
+valid and raises a `BadInput` (a ValueError) with one line naming the option, the value and what was
+expected otherwise. They need no data and import no torch, so a command runs them all before it
+writes anything: a refused start leaves nothing behind.
 
     check_learning_rate(args.learning_rate)                 # finite and > 0
     check_grid(args.lr_grid, check_learning_rate, "--lr_grid")
@@ -16,9 +16,17 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from .options import BadInput
-
 T = TypeVar("T")
+
+
+class BadInput(ValueError):
+    """An error in what the user gave (an option, a file, a model, data), raised where it is received:
+    the commands print it as one line with exit status 2. Any other exception is a bug and keeps its
+    traceback. Defined here, the module that imports nothing, so that it loads alone."""
+
+
+class MissingInput(BadInput, FileNotFoundError):
+    """A file or folder the user named that is not there."""
 
 
 def _number(value: Any, option: str, expected: str) -> float:

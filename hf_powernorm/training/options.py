@@ -1,9 +1,9 @@
 """The options the recipes and `hf-powernorm compare` share, each declared once as a dataclass field
 (as fairseq's dataclass configs): its flags, type, group and help, from which a command line is built
 (`add_options`). A command that says an option differently (its own default or help) takes the one
-declaration with those changes (`shared`). Also the user's errors (`BadInput`) and the one test of
-the main process (`is_main_process`). Imports no torch, so a command's `--help` answers at once;
-the checks that need the library are `arguments.py`'s. See docs/options.md.
+declaration with those changes (`shared`). Also the user's errors (`BadInput`, from `checks`) and
+the one test of the main process (`is_main_process`). Imports no torch, so a command's `--help`
+answers at once; the checks that need the library are `arguments.py`'s. See docs/options.md.
 """
 
 from __future__ import annotations
@@ -14,14 +14,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import BadInput, MissingInput
 
-class BadInput(ValueError):
-    """An error in what the user gave (an option, a file, a model, data): the commands print it as one
-    line with exit status 2. Any other exception is a bug and keeps its traceback."""
-
-
-class MissingInput(BadInput, FileNotFoundError):
-    """A file or folder the user named that is not there."""
+__all__ = ["BadInput", "MissingInput", "RecipeOptions", "add_options", "flag", "group_num", "is_main_process",
+           "option", "shared", "world_size"]
 
 
 def world_size() -> int:
