@@ -603,13 +603,15 @@ def run_comparison(options: CompareOptions) -> list[dict[str, Any]]:
     for this process (`FolderInUse`, a ValueError's one line, when another holds it); returns the
     rows of results.csv. Interrupted (Ctrl-C), it writes the report of the runs finished so far and
     raises KeyboardInterrupt with a line that says so; the same command resumes."""
-    from ..training.locking import FolderInUse
+    from ..training.locking import FolderInUse, NotALock
 
     try:
         with hold_output_folder(options.output_dir, enabled=is_main_process()), _quiet_libraries():
             return _main(options)
     except FolderInUse as error:  # raised on entry only: another process holds the folder
         raise BadInput(f"--output_dir {error}") from None
+    except NotALock as error:  # raised on entry only: the folder's lock is not one
+        raise BadInput(str(error)) from None
 
 
 def _main(options: CompareOptions) -> list[dict[str, Any]]:
