@@ -1,8 +1,9 @@
 """The `hf-powernorm` command. `hf-powernorm compare ...` answers "does PN help my model?" on the
 user's model and data (`hf_powernorm.compare`); `hf-powernorm studies <study> ...` runs one of the
-studies (`hf_powernorm.studies`, the same as `python -m hf_powernorm.studies`). A bad option stops
-with its message, before any training. A help text needs no library: this module, the command's
-parsers and the package's import on the way to them import no torch (`hf_powernorm.__init__`)."""
+studies (`hf_powernorm.studies`, the same as `python -m hf_powernorm.studies`). A bad input stops
+with its message in one line (exit status 2); any other error keeps its traceback. A help text needs
+no library: this module, the command's parsers and the package's import on the way to them import no
+torch (`hf_powernorm.__init__`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import asks_for_help, load_library
+from .training.options import BadInput
 
 # Each subcommand is a module with `main(argv)`, imported only when it runs.
 COMMANDS = {"compare": "hf_powernorm.compare", "studies": "hf_powernorm.studies.__main__"}
@@ -20,11 +22,12 @@ SUMMARIES = {"compare": "does Power Normalization help my model? Each norm fine-
 
 
 def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str]) -> None:
-    """`entry(argv)`, a bad input (ValueError, FileNotFoundError) shown as one line and exit status 2,
-    Ctrl-C as one line (what the command saved, from the interrupt's message) and exit status 130."""
+    """`entry(argv)`, a bad input (`BadInput`) shown as one line and exit status 2, Ctrl-C as one line
+    (what the command saved, from the interrupt's message) and exit status 130; any other error is a
+    bug and keeps its traceback."""
     try:
         entry(argv)
-    except (ValueError, FileNotFoundError) as error:
+    except BadInput as error:
         one_line = " ".join(str(error).split())  # a library's message may span lines
         print(f"hf-powernorm {name}: error: {one_line}", file=sys.stderr)
         raise SystemExit(2) from None

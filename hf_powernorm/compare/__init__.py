@@ -1,35 +1,8 @@
-"""Does Power Normalization help my model? One command that answers it on the user's model and data.
-
-For each norm of `--norms` and each seed of `--seeds`, the model of `--model_name_or_path` (a Hub id
-or a folder) has its norms converted by `convert_norms` (`layernorm`: the model's own norms,
-unchanged, named by their class in the report; a model loaded from weights is converted keeping its
-function unless `--no_preserve_function`; `--convert_modules` selects the norms), is fine-tuned by
-the training library's `fit` at equal settings (with `--tune_lr`, each norm's learning rate is
-chosen on validation from `--lr_grid`, with the first seed), and is scored on validation before
-and after fine-tuning and on test. The runs form a resumable grid (`training/grid.py`): a finished
-run is not redone unless its fingerprint (model, tokenizer, the data's contents, settings) changed,
-`--jobs N` runs N at once on CPU, and under `accelerate launch` every run uses all the processes.
-Writes into `--output_dir`:
-
-- `results.csv`: one row per run and evaluated split, with its time;
-- `report.md`: mean ± standard deviation over the seeds per norm, the checks that withhold a
-  verdict (degenerate scores, a best model at the last update, no better than before
-  fine-tuning), the verdict of each norm against the first from the paired test differences over
-  the seeds (a 95% t interval, Holm over the comparisons; none for a norm that computes the same
-  function as the first, within a relative 1e-6), seq2seq sample outputs, the settings;
-- `validation_curves.png`: training loss and validation score against updates (log axis for
-  losses and perplexity), the mean over seeds with markers and the seeds' range as a band;
-- with `--save_models`, `models/<norm>`: each norm's best model (and `--push_to_hub` uploads it).
-
-Bad input stops with one line before anything is written; the output folder is held by one
-process at a time (a second start on it stops, naming the first); Ctrl-C writes the report of the
-runs finished so far, and the same command resumes (with `--checkpoint_runs`, a run cut short goes
-on from its last validation instead of starting again). Data comes as the recipes take it:
-`--dataset_name` (a Hub id, a local folder of files or of `save_to_disk`) or
-`--train_file/--validation_file/--test_file`, with `--text_column` etc. naming other columns,
-tokenized by cached `Dataset.map` passes. Without a model and data, a tiny GPT-2 trains on the
-embedded English corpus (under two minutes on 2 CPU cores). A model that brings its own code runs
-only with `--trust_remote_code`.
+"""Does Power Normalization help my model? `hf-powernorm compare` answers it on the user's model and
+data: each norm of `--norms` converted into the model of `--model_name_or_path` by `convert_norms`,
+fine-tuned by the training library's `fit` at equal settings over the seeds of `--seeds` (a
+resumable grid of runs), and scored, with a paired verdict against the first norm. What it writes
+and how it runs: `hf-powernorm compare --help` and docs/compare.md.
 
     hf-powernorm compare --model_name_or_path gpt2 --task causal-lm --dataset_name wikitext \\
         --dataset_config_name wikitext-2-raw-v1 --norms layernorm powernorm --seeds 1 2 3 \\

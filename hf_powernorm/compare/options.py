@@ -1,25 +1,28 @@
 """The options of `hf-powernorm compare`: one typed object (`CompareOptions`), its command line and
 its checks.
 
-Each field is an option: its metadata holds the flag's help, group and argparse settings, from
-which `build_parser` builds the command line, every default printed once. This module imports
-neither torch nor Transformers, so `--help` answers at once; `parse_args` imports the training
-library only once the command line has parsed, to check the values before anything is written.
-The options are saved to `compare.json` (`to_json`) and read back (`from_json`) field by field;
-`settings` are the fields that change what a comparison measures (not where or how fast it runs).
+Each field is an option: the options it shares with the recipes are their declarations
+(`training.options.shared`), with a comparison's own default or help where it says them
+differently; `build_parser` builds the command line from the fields, every default printed once.
+This module imports neither torch nor Transformers, so `--help` answers at once; `parse_args`
+imports the training library only once the command line has parsed, to check the values before
+anything is written. The options are saved to `compare.json` (`to_json`) and read back
+(`from_json`) field by field; `settings` are the fields that change what a comparison measures
+(not where or how fast it runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..training import options as training_options
+from ..training.options import BadInput, add_options, shared, world_size
 
 BASELINE = "layernorm"  # the model's own norms, unchanged
 # The baseline named twice in `--norms` (`--norms layernorm layernorm`): its second arm, the A/A run, the
@@ -29,9 +32,6 @@ BASELINES = (BASELINE, BASELINE_AGAIN)
 EMBEDDED_TASK = "causal-lm"  # the task of the embedded default
 # The tasks of the training registry (`training.tasks.task_names()`; a test holds them equal).
 TASKS = ("causal-lm", "classification", "seq2seq")
-# The schedules of `training.optimization.SCHEDULER_TYPES` (a test holds them equal).
-SCHEDULES = ("inverse_sqrt", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-             "constant_with_warmup")
 # The names of the norm registry (`normalization.NORM_CLASSES`; a test holds them equal), for the help.
 NORMS = ("powernorm", "powernorm_v", "batchnorm", "batchrenorm", "mabn", "layernorm", "rmsnorm", "groupnorm",
          "none", "dyt", "derf")
@@ -55,28 +55,54 @@ GROUPS = {"data": "data", "model": "tokenizer and model",
 # The executors of `training.executors.EXECUTORS` (a test holds them equal, and the options' help).
 EXECUTORS = ("local", "submitit", "ray")
 
+# `--help`: what a comparison does and writes (the description), how it runs and an example (the epilog).
+DESCRIPTION = "Does Power Normalization help my model? One command that answers it on the user's model and data."
+EPILOG = (
+    "For each norm of `--norms` and each seed of `--seeds`, the model of `--model_name_or_path` (a Hub id\n"
+    "or a folder) has its norms converted by `convert_norms` (`layernorm`: the model's own norms,\n"
+    "unchanged, named by their class in the report; a model loaded from weights is converted keeping its\n"
+    "function unless `--no_preserve_function`; `--convert_modules` selects the norms), is fine-tuned by\n"
+    "the training library's `fit` at equal settings (with `--tune_lr`, each norm's learning rate is\n"
+    "chosen on validation from `--lr_grid`, with the first seed), and is scored on validation before\n"
+    "and after fine-tuning and on test. The runs form a resumable grid (`training/grid.py`): a finished\n"
+    "run is not redone unless its fingerprint (model, tokenizer, the data's contents, settings) changed,\n"
+    "`--jobs N` runs N at once on CPU, and under `accelerate launch` every run uses all the processes.\n"
+    "Writes into `--output_dir`:\n"
+    "\n"
+    "- `results.csv`: one row per run and evaluated split, with its time;\n"
+    "- `report.md`: mean ± standard deviation over the seeds per norm, the checks that withhold a\n"
+    "  verdict (degenerate scores, a best model at the last update, no better than before\n"
+    "  fine-tuning), the verdict of each norm against the first from the paired test differences over\n"
+    "  the seeds (a 95% t interval, Holm over the comparisons; none for a norm that computes the same\n"
+    "  function as the first, within a relative 1e-6), seq2seq sample outputs, the settings;\n"
+    "- `validation_curves.png`: training loss and validation score against updates (log axis for\n"
+    "  losses and perplexity), the mean over seeds with markers and the seeds' range as a band;\n"
+    "- with `--save_models`, `models/<norm>`: each norm's best model (and `--push_to_hub` uploads it).\n"
+    "\n"
+    "Bad input stops with one line before anything is written; the output folder is held by one\n"
+    "process at a time (a second start on it stops, naming the first); Ctrl-C writes the report of the\n"
+    "runs finished so far, and the same command resumes (with `--checkpoint_runs`, a run cut short goes\n"
+    "on from its last validation instead of starting again). Data comes as the recipes take it:\n"
+    "`--dataset_name` (a Hub id, a local folder of files or of `save_to_disk`) or\n"
+    "`--train_file/--validation_file/--test_file`, with `--text_column` etc. naming other columns,\n"
+    "tokenized by cached `Dataset.map` passes. Without a model and data, a tiny GPT-2 trains on the\n"
+    "embedded English corpus (under two minutes on 2 CPU cores). A model that brings its own code runs\n"
+    "only with `--trust_remote_code`.\n"
+    "\n"
+    "    hf-powernorm compare --model_name_or_path gpt2 --task causal-lm --dataset_name wikitext \\\n"
+    "        --dataset_config_name wikitext-2-raw-v1 --norms layernorm powernorm --seeds 1 2 3 \\\n"
+    "        --max_train_steps 1000 --output_dir outputs/compare-gpt2"
+)
 
-def option(default: Any = None, help: str = "", group: str = "comparison", *, runtime: bool = False,
-           **argparse_settings: Any) -> Any:
-    """A field that is a command-line option. `runtime`: it changes where or how fast a comparison
-    runs, or what it keeps, not what it measures (left out of the settings and the fingerprint)."""
-    metadata = {"help": help, "group": group, "runtime": runtime, "argparse": argparse_settings}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+
+def option(default: Any = None, help: str = "", group: str = "comparison", **settings: Any) -> Any:
+    """A comparison's own option (`training.options.option`; `runtime`: left out of the settings and
+    the fingerprint)."""
+    return training_options.option(default, help, group, **settings)
 
 
 def flag(help: str, group: str = "comparison", *, runtime: bool = False) -> Any:
-    return option(False, help, group, runtime=runtime, action="store_true")
-
-
-def _group_num(value: str) -> int | str:
-    """`--powernorm_group_num`: a positive count, or 'none' (no group scaling)."""
-    if value.lower() == "none":
-        return "none"
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}")
-    return int(value)
+    return training_options.flag(help, group, runtime=runtime)
 
 
 @dataclass
@@ -85,92 +111,84 @@ class CompareOptions:
     `prepare` settle from them (the model's folder, whether its function is kept)."""
 
     # data
-    dataset_name: str | None = option(
-        help="a Hub dataset (needs network, or the datasets cache), a local folder of data files, or a folder of "
-             "Dataset.save_to_disk / DatasetDict.save_to_disk", group="data")
-    dataset_config: str | None = option(help="the Hub dataset's configuration", group="data",
-                                        flags=("--dataset_config_name", "--dataset_config"))
-    train_file: str | None = option(
-        help="training data: .txt (causal-lm), .csv/.json/.jsonl (any task), .txt 'sentence@label' "
-             "(classification); validation and test are carved out of it (10%% each) when not given", group="data")
-    validation_file: str | None = option(help="validation data, the format of --train_file (picks each run's best "
-                                              "model)", group="data")
-    test_file: str | None = option(help="test data, the format of --train_file (the verdict's scores)", group="data")
-    max_train_samples: int | None = option(help="train on the first N examples", group="data", type=int)
-    max_eval_samples: int | None = option(help="evaluate on the first N examples of each split", group="data",
-                                          type=int)
-    preprocessing_num_workers: int | None = option(help="processes for tokenization", group="data", runtime=True,
-                                                   type=int)
-    overwrite_cache: bool = flag("tokenize again instead of reading the cache", "data", runtime=True)
+    dataset_name: str | None = shared("dataset_name", help="a Hub dataset (needs network, or the datasets cache), a "
+                                                           "local folder of data files, or a folder of "
+                                                           "Dataset.save_to_disk / DatasetDict.save_to_disk")
+    dataset_config: str | None = shared("dataset_config", help="the Hub dataset's configuration")
+    train_file: str | None = shared("train_file", help="training data: .txt (causal-lm), .csv/.json/.jsonl (any task), "
+                                                       ".txt 'sentence@label' (classification); validation and test "
+                                                       "are carved out of it (10%% each) when not given")
+    validation_file: str | None = shared("validation_file", help="validation data, the format of --train_file (picks "
+                                                                 "each run's best model)")
+    test_file: str | None = shared("test_file", help="test data, the format of --train_file (the verdict's scores)")
+    max_train_samples: int | None = shared("max_train_samples")
+    max_eval_samples: int | None = shared("max_eval_samples")
+    preprocessing_num_workers: int | None = shared("preprocessing_num_workers", runtime=True)
+    overwrite_cache: bool = shared("overwrite_cache", runtime=True)
     # tokenizer and model
-    model_name_or_path: str | None = option(
-        help="the model to compare norms on: a folder or a Hub id (offline: from the cache); default: a tiny GPT-2 "
-             "on the embedded corpus", group="model")
-    trust_remote_code: bool = flag("run the code a model folder or Hub repository brings with it (its auto_map), "
-                                   "as from_pretrained(trust_remote_code=True) does; without it such a model is "
-                                   "refused", "model", runtime=True)
-    calibration_batches: int = option(8, "training batches that calibrate PN's running statistic where a norm "
-                                         "keeps the pretrained function (see --no_preserve_function); 0: none, the "
-                                         "statistic starts at 1", "model", type=int, metavar="N")
+    model_name_or_path: str | None = shared("model_name_or_path", help="the model to compare norms on: a folder or a "
+                                                                       "Hub id (offline: from the cache); default: a "
+                                                                       "tiny GPT-2 on the embedded corpus")
+    trust_remote_code: bool = shared("trust_remote_code", help="run the code a model folder or Hub repository brings "
+                                                               "with it (its auto_map), as "
+                                                               "from_pretrained(trust_remote_code=True) does; "
+                                                               "without it such a model is refused", runtime=True)
+    calibration_batches: int = shared("calibration_batches", help="training batches that calibrate PN's running "
+                                                                  "statistic where a norm keeps the pretrained "
+                                                                  "function (see --no_preserve_function); 0: none, "
+                                                                  "the statistic starts at 1")
     # power normalization
-    powernorm_alpha_fwd: float | None = option(help="EMA factor of the forward statistic", group="powernorm",
-                                               type=float)
-    powernorm_alpha_bkw: float | None = option(help="EMA factor of the gradient statistic", group="powernorm",
-                                               type=float)
-    powernorm_warmup_steps: int | None = option(
+    powernorm_alpha_fwd: float | None = shared("powernorm_alpha_fwd")
+    powernorm_alpha_bkw: float | None = shared("powernorm_alpha_bkw")
+    powernorm_warmup_steps: int | None = shared("powernorm_warmup_steps",
         help="updates using batch statistics; default: none where the function is kept, else 0 for causal-lm and "
-             "seq2seq (a decoder's batch mixes positions) and --num_warmup_steps for classification",
-        group="powernorm", type=int)
-    powernorm_group_num: int | str | None = option(help="group scaling groups, or 'none'; default: one per "
-                                                        "attention head", group="powernorm", type=_group_num)
-    powernorm_backward_denominator: str | None = option(
-        help="'running' (the paper's eq. 12) or 'batch' (the reference code)", group="powernorm")
-    powernorm_warmup_statistic: str | None = option(
-        help="the running statistic during warmup: 'cumulative' mean of the batch statistics, or 'reference' "
-             "(the authors' code: cumulative then EMA step)", group="powernorm")
-    powernorm_warmup_ramp_steps: int | None = option(
-        help="updates after warmup over which the denominator blends from the batch statistic to the running "
-             "one; 0: the paper's switch", group="powernorm", type=int)
-    sync_stats: bool | None = option(help="sum PN/BN statistics over processes; default: on with several "
-                                          "processes (either way they are averaged before the model is evaluated "
-                                          "or saved)", group="powernorm", action=argparse.BooleanOptionalAction)
+             "seq2seq (a decoder's batch mixes positions) and --num_warmup_steps for classification")
+    powernorm_group_num: int | str | None = shared("powernorm_group_num")
+    powernorm_backward_denominator: str | None = shared("powernorm_backward_denominator",
+        help="'running' (the paper's eq. 12) or 'batch' (the reference code)", choices=None)
+    powernorm_warmup_statistic: str | None = shared("powernorm_warmup_statistic",
+        help="the running statistic during warmup: 'cumulative' mean of the batch statistics, or 'reference' (the "
+             "authors' code: cumulative then EMA step)", choices=None)
+    powernorm_warmup_ramp_steps: int | None = shared("powernorm_warmup_ramp_steps",
+        help="updates after warmup over which the denominator blends from the batch statistic to the running one; 0: "
+             "the paper's switch")
+    sync_stats: bool | None = shared("sync_stats", help="sum PN/BN statistics over processes; default: on with several "
+                                                        "processes (either way they are averaged before the model is "
+                                                        "evaluated or saved)")
     # training
-    max_tokens: int = option(1024, "padded tokens per batch", "training", type=int)
-    per_device_train_batch_size: int | None = option(help="examples per batch and process, instead of the "
-                                                          "--max_tokens budget", group="training", type=int)
-    learning_rate: float = option(5e-4, "peak learning rate of every norm; with --tune_lr, the middle of the "
-                                        "grid unless --lr_grid is given", "training", type=float)
-    lr_scheduler_type: str = option("linear", "fairseq's inverse_sqrt, or a schedule of transformers.get_scheduler",
-                                    "training", choices=SCHEDULES)
-    num_warmup_steps: int = option(20, "learning-rate warmup in updates", "training", type=int,
-                                   flags=("--num_warmup_steps", "--warmup_steps"))
-    warmup_init_lr: float = option(1e-7, "inverse_sqrt: the first update's learning rate", "training", type=float)
-    weight_decay: float = option(1e-4, "AdamW weight decay (not on biases and norm weights)", "training", type=float)
-    clip_norm: float = option(0.0, "largest gradient norm; 0: no clipping", "training", type=float)
-    gradient_accumulation_steps: int = option(1, "batches per update", "training", type=int)
-    num_train_epochs: int = option(3, "passes over the training data, unless --max_train_steps is given",
-                                   "training", type=int)
-    max_train_steps: int | None = option(help="optimizer updates; overrides the epochs", group="training", type=int)
-    mixed_precision: str | None = option(help="default: the accelerate config's", group="training",
-                                         choices=("no", "fp16", "bf16"))
-    cpu: bool = flag("train on CPU even if an accelerator is present", "training", runtime=True)
-    output_dir: str = option("outputs/compare", "the comparison's folder: new, empty, or holding this comparison "
-                                                "(resumed)", "training", runtime=True)
-    overwrite_output_dir: bool = flag("clear --output_dir first if it holds another comparison (its "
-                                      "compare.json)", "training", runtime=True)
-    record_norm_stats: int = option(0, "write what every norm layer sees every N updates to each run's "
-                                       "norm_stats.jsonl; 0: never", "training", type=int, nargs="?", const=1,
-                                    metavar="EVERY_N")
-    with_tracking: bool = flag("log loss, learning rate, validation and final scores to --report_to", "training",
-                               runtime=True)
-    report_to: str = option("tensorboard", "with --with_tracking: 'all' or comma-separated Accelerate trackers "
-                                           "(tensorboard, wandb, mlflow, ...)", "training", runtime=True)
+    max_tokens: int = shared("max_tokens", help="padded tokens per batch")
+    per_device_train_batch_size: int | None = shared("per_device_train_batch_size")
+    learning_rate: float = shared("learning_rate", default=5e-4, help="peak learning rate of every norm; with "
+                                                                        "--tune_lr, the middle of the grid unless "
+                                                                        "--lr_grid is given")
+    lr_scheduler_type: str = shared("lr_scheduler_type", default="linear",
+        help="fairseq's inverse_sqrt, or a schedule of transformers.get_scheduler")
+    num_warmup_steps: int = shared("num_warmup_steps", default=20)
+    warmup_init_lr: float = shared("warmup_init_lr", help="inverse_sqrt: the first update's learning rate")
+    weight_decay: float = shared("weight_decay", help="AdamW weight decay (not on biases and norm weights)")
+    clip_norm: float = shared("clip_norm", help="largest gradient norm; 0: no clipping")
+    gradient_accumulation_steps: int = shared("gradient_accumulation_steps", help="batches per update")
+    num_train_epochs: int = shared("num_train_epochs", default=3, help="passes over the training data, unless "
+                                                                       "--max_train_steps is given")
+    max_train_steps: int | None = shared("max_train_steps")
+    mixed_precision: str | None = shared("mixed_precision", help="default: the accelerate config's")
+    cpu: bool = shared("cpu", runtime=True)
+    output_dir: str = shared("output_dir", default="outputs/compare", help="the comparison's folder: new, empty, or "
+                                                                           "holding this comparison (resumed)",
+        runtime=True)
+    overwrite_output_dir: bool = shared("overwrite_output_dir", help="clear --output_dir first if it holds another "
+                                                                     "comparison (its compare.json)", runtime=True)
+    record_norm_stats: int = shared("record_norm_stats", help="write what every norm layer sees every N updates to "
+                                                              "each run's norm_stats.jsonl; 0: never")
+    with_tracking: bool = shared("with_tracking", help="log loss, learning rate, validation and final scores to "
+                                                       "--report_to", runtime=True)
+    report_to: str = shared("report_to", help="with --with_tracking: 'all' or comma-separated Accelerate trackers "
+                                              "(tensorboard, wandb, mlflow, ...)", runtime=True)
     # evaluation
-    eval_steps: int | None = option(help="validate every N updates; default: --max_train_steps / 8 when it is "
-                                         "given, else after each epoch", group="evaluation", type=int)
-    patience: int | None = option(help="stop after N validations without improvement", group="evaluation", type=int)
-    eval_batch_size: int = option(16, "examples per evaluation batch", "evaluation", runtime=True, type=int,
-                                  flags=("--per_device_eval_batch_size", "--eval_batch_size"))
+    eval_steps: int | None = shared("eval_steps", help="validate every N updates; default: --max_train_steps / 8 when "
+                                                       "it is given, else after each epoch")
+    patience: int | None = shared("patience")
+    eval_batch_size: int = shared("eval_batch_size", default=16, help="examples per evaluation batch", runtime=True)
     # comparison
     task: str = option(EMBEDDED_TASK, "what the model is fine-tuned and scored on; causal-lm reads a 'text' (or "
                                       "'sentence') column, classification 'text' and 'label', seq2seq "
@@ -203,9 +221,10 @@ class CompareOptions:
              "model's id2label when the data's labels are among its names, else the data's labels (sorted); the "
              "embedded corpus: its three classes")
     num_beams: int = option(1, "seq2seq: beams when scoring BLEU", type=int)
-    convert_modules: str | None = option(
-        help="convert only the norms whose module name matches this regular expression (re.search), e.g. "
-             "'encoder' or 'layers\\.([4-9]|1[0-9])\\.'; default: every norm over the hidden size", metavar="REGEX")
+    convert_modules: str | None = shared("convert_modules", help="convert only the norms whose module name matches this"
+                                                                 " regular expression (re.search), e.g. 'encoder' or "
+                                                                 "'layers\\.([4-9]|1[0-9])\\.'; default: every norm "
+                                                                 "over the hidden size", group="comparison")
     keep_tied_head: bool = flag("keep a head tied to the input embeddings tied in every arm: a LayerNorm model's "
                                 "residual stream is then not centred, and its LayerNorms convert approximately (the "
                                 "report gives each one's mean / RMS); by default every arm, the baseline too, has "
@@ -228,11 +247,12 @@ class CompareOptions:
                                  runtime=True)
     save_models: bool = flag("keep each norm's best model (its best run over the seeds, by validation) in "
                              "output_dir/models/<norm>, loadable with load_converted", "kept", runtime=True)
-    push_to_hub: bool = flag("with --save_models: upload each kept model to <--hub_model_id>-<norm>", "kept",
-                             runtime=True)
-    hub_model_id: str | None = option(help="with --push_to_hub: ORG/NAME, each norm's kept model going to "
-                                           "ORG/NAME-<norm>", group="kept", runtime=True)
-    hub_private_repo: bool = flag("with --push_to_hub: create the repositories private", "kept", runtime=True)
+    push_to_hub: bool = shared("push_to_hub", help="with --save_models: upload each kept model to "
+                                                   "<--hub_model_id>-<norm>", group="kept", runtime=True)
+    hub_model_id: str | None = shared("hub_model_id", help="with --push_to_hub: ORG/NAME, each norm's kept model going "
+                                                           "to ORG/NAME-<norm>", group="kept", runtime=True)
+    hub_private_repo: bool = shared("hub_private_repo", help="with --push_to_hub: create the repositories private",
+        group="kept", runtime=True)
     # where the runs go
     executor: str = option("local", "local: the runs in this process, or --jobs processes at once; submitit: one "
                                     "Slurm job per run (with no sbatch on PATH, submitit's local executor runs the "
@@ -279,42 +299,17 @@ class CompareOptions:
 # ---------------------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
-    """A bad option is a ValueError: one line on stderr and exit status 2 (`cli.run_command`)."""
+    """A bad option is a `BadInput`: one line on stderr and exit status 2 (`cli.run_command`)."""
 
     def error(self, message: str):
-        raise ValueError(message)
+        raise BadInput(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `CompareOptions`: a flag per option field, its default said once in its help."""
-    # The package's docstring, read from the package already imported (Python imports it before this
-    # module), not imported back from it.
-    description = sys.modules[__package__].__doc__
-
-    # The usage as the package's docstring tells it: what a comparison does and writes, and an example.
-    paragraphs = [p for p in description.split("\n\n") if not p.startswith("The package:")]
-    parser = _Parser(prog="hf-powernorm compare", description="\n\n".join(paragraphs[:1]),
-                     epilog="\n\n".join(paragraphs[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
-    for spec in dataclasses.fields(CompareOptions):
-        if "help" not in spec.metadata:
-            continue
-        settings = dict(spec.metadata["argparse"])
-        flags, negative = settings.pop("flags", (f"--{spec.name}",)), settings.pop("negative", None)
-        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-        group = groups[spec.metadata["group"]]
-        group.add_argument(*flags, dest=spec.name, default=default, help=_with_default(spec.metadata["help"], default),
-                           **settings)
-        if negative:  # the spelling of Transformers' examples beside argparse's --no-<name>
-            group.add_argument(negative, dest=spec.name, action="store_false", help=argparse.SUPPRESS)
-    return parser
-
-
-def _with_default(help: str, default: Any) -> str:
-    """The help with its default, unless it says the default itself or there is none to say."""
-    if "default:" in help or default in (None, False):
-        return help
-    return f"{help} (default: {default})"
+    parser = _Parser(prog="hf-powernorm compare", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_options(parser, CompareOptions, GROUPS, say_defaults=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
@@ -327,8 +322,8 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     options.model_id = options.model_name_or_path  # as given: a Hub id is resolved to its local snapshot later
     task = task_class(options)
     if options.embedded_default and task.name != EMBEDDED_TASK:
-        raise ValueError(f"--task {task.name} needs --model_name_or_path (a Hub id or a folder); only the embedded "
-                         f"default (a tiny GPT-2, --task {EMBEDDED_TASK}) builds its own model")
+        raise BadInput(f"--task {task.name} needs --model_name_or_path (a Hub id or a folder); only the embedded "
+                       f"default (a tiny GPT-2, --task {EMBEDDED_TASK}) builds its own model")
     _check_columns(options, task)
     _fill_defaults(options, task)
     _check_library_options(options)
@@ -360,24 +355,24 @@ def _check_runs(options: CompareOptions) -> None:
     """The options that say which runs to make: norms, seeds, processes, kept models."""
     options.norms = check_norms(options.norms)
     if not options.seeds:
-        raise ValueError("--seeds is empty: give at least one seed, e.g. --seeds 1 2 3")
+        raise BadInput("--seeds is empty: give at least one seed, e.g. --seeds 1 2 3")
     if len(set(options.seeds)) != len(options.seeds):
-        raise ValueError(f"--seeds repeats a seed: {options.seeds}")
+        raise BadInput(f"--seeds repeats a seed: {options.seeds}")
     outside = [seed for seed in options.seeds if not 0 <= seed <= MAX_SEED]
     if outside:
-        raise ValueError(f"--seeds {outside[0]}: a seed must be between 0 and {MAX_SEED}")
+        raise BadInput(f"--seeds {outside[0]}: a seed must be between 0 and {MAX_SEED}")
     if options.jobs > 1 and world_size() > 1:
-        raise ValueError("--jobs runs several CPU processes; under `accelerate launch` each run already uses "
-                         "every process: leave --jobs at 1")
+        raise BadInput("--jobs runs several CPU processes; under `accelerate launch` each run already uses "
+                       "every process: leave --jobs at 1")
     if options.push_to_hub and not options.save_models:
-        raise ValueError("--push_to_hub uploads the models that --save_models keeps: add --save_models")
+        raise BadInput("--push_to_hub uploads the models that --save_models keeps: add --save_models")
     if options.push_to_hub and not options.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id ORG/NAME (each norm's model goes to ORG/NAME-<norm>)")
+        raise BadInput("--push_to_hub needs --hub_model_id ORG/NAME (each norm's model goes to ORG/NAME-<norm>)")
     if options.convert_modules is not None:
         try:
             re.compile(options.convert_modules)
         except re.error as error:
-            raise ValueError(f"--convert_modules {options.convert_modules!r} is not a regular expression ({error})") \
+            raise BadInput(f"--convert_modules {options.convert_modules!r} is not a regular expression ({error})") \
                 from None
 
 
@@ -405,7 +400,7 @@ def _check_quantities(options: CompareOptions) -> None:
                         ("powernorm_warmup_statistic", WARMUP_STATISTICS)):
         value = getattr(options, name)
         if value is not None and value not in valid:
-            raise ValueError(f"--{name} {value!r}: expected one of {list(valid)}")
+            raise BadInput(f"--{name} {value!r}: expected one of {list(valid)}")
 
 
 def _check_library_options(options: CompareOptions) -> None:
@@ -430,16 +425,16 @@ def _check_columns(options: CompareOptions, task: type) -> None:
             fitting.setdefault(column, []).append(name)
     for name, tasks in fitting.items():
         if getattr(options, name) is not None and name not in task.column_options:
-            raise ValueError(f"--{name} is for --task {' or '.join(tasks)}, not {task.name}")
+            raise BadInput(f"--{name} is for --task {' or '.join(tasks)}, not {task.name}")
     if (options.source_column is None) != (options.target_column is None):
-        raise ValueError("--source_column and --target_column go together: give both, or neither to read the "
-                         "'translation' column")
+        raise BadInput("--source_column and --target_column go together: give both, or neither to read the "
+                       "'translation' column")
     named = [getattr(options, name) for name in fitting if getattr(options, name) is not None]
     if named and options.embedded_default:
-        raise ValueError("the column options name columns of your data: give it with --train_file or "
-                         "--dataset_name")
+        raise BadInput("the column options name columns of your data: give it with --train_file or "
+                       "--dataset_name")
     if named and options.train_file is None and options.dataset_name is None:
-        raise ValueError("the column options need data: give --train_file or --dataset_name")
+        raise BadInput("the column options need data: give --train_file or --dataset_name")
 
 
 def _check_text_files(options: CompareOptions, task: type) -> None:
@@ -449,8 +444,8 @@ def _check_text_files(options: CompareOptions, task: type) -> None:
         if path and Path(path).is_file():
             with open(path, "rb") as handle:
                 if b"\0" in handle.read(8192):
-                    raise ValueError(f"--{name} {path} is not a text file (it holds NUL bytes); give a .txt, "
-                                     f".csv, .json or .jsonl file")
+                    raise BadInput(f"--{name} {path} is not a text file (it holds NUL bytes); give a .txt, "
+                                   f".csv, .json or .jsonl file")
 
 
 def _fill_defaults(options: CompareOptions, task: type) -> None:
@@ -480,21 +475,16 @@ def check_norms(names: Sequence[str]) -> list[str]:
     from ..normalization import NORM_CLASSES, normalize_norm_name
 
     if not names:
-        raise ValueError(f"--norms is empty: give the norms to compare, e.g. --norms layernorm powernorm; "
-                         f"valid: {sorted(NORM_CLASSES)}")
+        raise BadInput(f"--norms is empty: give the norms to compare, e.g. --norms layernorm powernorm; "
+                       f"valid: {sorted(NORM_CLASSES)}")
     norms = []
     for name in names:
         try:
             norms.append(normalize_norm_name(name))
         except ValueError as error:
-            raise ValueError(f"--norms: {error}") from None
+            raise BadInput(f"--norms: {error}") from None
     if norms.count(BASELINE) == 2:  # the A/A run: the baseline's second arm has a name of its own
         norms[norms.index(BASELINE, norms.index(BASELINE) + 1)] = BASELINE_AGAIN
     if len(set(norms)) != len(norms):
-        raise ValueError(f"--norms names a norm twice: {names} (only '{BASELINE}', twice, for the A/A run)")
+        raise BadInput(f"--norms names a norm twice: {names} (only '{BASELINE}', twice, for the A/A run)")
     return norms
-
-
-def world_size() -> int:
-    """The processes of an `accelerate launch` (1 without)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -14,14 +14,14 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .options import BASELINES, CompareOptions, library_args, task_class, world_size
+from ..training.options import BadInput, MissingInput, is_main_process
+from .options import BASELINES, CompareOptions, library_args, task_class
 
 SETTINGS_NAME = "compare.json"
 # What a run of `--checkpoint_runs` records when it starts: the comparison's fingerprint, so that a
@@ -105,7 +105,7 @@ def check_output_folder(options: CompareOptions) -> None:
     `--overwrite_output_dir` clears them, and other files always (`check_clearable`)."""
     folder = Path(options.output_dir)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--output_dir {folder} is a file, not a folder")
+        raise BadInput(f"--output_dir {folder} is a file, not a folder")
     contents = sorted(p.name for p in folder.iterdir() if p.name not in HOLDER_FILES) if folder.is_dir() else []
     if not contents:
         return
@@ -115,12 +115,12 @@ def check_output_folder(options: CompareOptions) -> None:
             return
         reason = f"holds another comparison's results ({differ})"
     elif options.report_only:
-        raise FileNotFoundError(f"--report_only: {folder} holds no comparison ({SETTINGS_NAME} is missing)")
+        raise MissingInput(f"--report_only: {folder} holds no comparison ({SETTINGS_NAME} is missing)")
     else:
         reason = f"holds other files ({', '.join(contents[:6])}{', ...' if len(contents) > 6 else ''})"
     if not options.overwrite_output_dir:
-        raise ValueError(f"--output_dir {folder} {reason}: pass --overwrite_output_dir to clear it, or choose "
-                         f"another --output_dir")
+        raise BadInput(f"--output_dir {folder} {reason}: pass --overwrite_output_dir to clear it, or choose "
+                       f"another --output_dir")
     from ..training.atomic_files import clear_folder
     from ..training.checkpoints import check_clearable
 
@@ -128,7 +128,7 @@ def check_output_folder(options: CompareOptions) -> None:
                                                         "dataset_name")]
     check_clearable(folder, (SETTINGS_NAME,), [path for path in inputs if path and Path(path).exists()],
                     keep=HOLDER_FILES)
-    if world_size() == 1 or int(os.environ.get("RANK", "0")) == 0:
+    if is_main_process():
         clear_folder(folder, keep=HOLDER_FILES)  # the lock stays: this process holds the folder
 
 

@@ -10,7 +10,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -25,7 +24,8 @@ from ..training.readers import split_train
 from ..training.reports import numeric_scores
 from ..training.tasks import Task, get_task, task_names
 from .executors import NO_VERDICT, RunsFailed, submit_cells
-from .options import BASELINES, CompareOptions, library_args, world_size
+from ..training.options import BadInput, MissingInput, is_main_process, world_size
+from .options import BASELINES, CompareOptions, library_args
 from .plan import (
     check_output_folder,
     continue_or_clear,
@@ -68,21 +68,21 @@ def check_model(options: CompareOptions) -> dict[str, int]:
     auto_class = task.auto_model_class()
     if type(config) not in auto_class._model_mapping:
         fitting = [name for name in task_names() if type(config) in get_task(name).auto_model_class()._model_mapping]
-        raise ValueError(f"--task {task.name} does not fit --model_name_or_path {options.model_name_or_path} "
-                         f"(model_type {config.model_type!r} has no {auto_class.__name__}); tasks that fit it: "
-                         f"{fitting or 'none'}")
+        raise BadInput(f"--task {task.name} does not fit --model_name_or_path {options.model_name_or_path} "
+                       f"(model_type {config.model_type!r} has no {auto_class.__name__}); tasks that fit it: "
+                       f"{fitting or 'none'}")
     model = _model_from_config(options)
     task.check_pretrained(model, config)
     norms = find_norms(model, config.get_text_config().hidden_size)
     if not norms:
-        raise ValueError(f"--model_name_or_path {options.model_name_or_path} ({type(model).__name__}) has no norm "
-                         f"that convert_norms knows (LayerNorm or RMSNorm layers): nothing to compare")
+        raise BadInput(f"--model_name_or_path {options.model_name_or_path} ({type(model).__name__}) has no norm "
+                       f"that convert_norms knows (LayerNorm or RMSNorm layers): nothing to compare")
     positions = _positions(config)
     option = f"--{task.length_option}"
     length = getattr(options, task.length_option)
     if positions is not None and length is not None and length > positions:
-        raise ValueError(f"{option} {length} exceeds the {positions} positions of --model_name_or_path "
-                         f"{options.model_name_or_path}; lower {option}")
+        raise BadInput(f"{option} {length} exceeds the {positions} positions of --model_name_or_path "
+                       f"{options.model_name_or_path}; lower {option}")
     counts: dict[str, int] = {}
     for name in norms:
         cls = type(model.get_submodule(name)).__name__
@@ -171,8 +171,8 @@ def load_model_tokenizer(path: str, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise ValueError(f"the tokenizer of --model_name_or_path {path} cannot be loaded: "
-                         f"{str(error).strip().splitlines()[0]}") from None
+        raise BadInput(f"the tokenizer of --model_name_or_path {path} cannot be loaded: "
+                       f"{str(error).strip().splitlines()[0]}") from None
     return pad_with_eos(tokenizer, path)
 
 
@@ -183,7 +183,7 @@ def load_raw_data(options: CompareOptions):
     with reading_data(options):
         raw = split_train(task_of(options).read_splits(seed=0), seed=0)
     if "train" not in raw:
-        raise ValueError(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
+        raise BadInput(f"no train split; found {list(raw)} (pass --train_file, or a --dataset_name with one)")
     from ..training.readers import limit_splits
 
     return limit_splits(raw, options.max_train_samples, options.max_eval_samples)
@@ -202,7 +202,7 @@ def reading_data(options: CompareOptions | argparse.Namespace) -> Iterator[None]
             cause = cause.__cause__ or cause.__context__
         # The readers' own message (e.g. an offline Hub id), else the error deep inside `datasets`.
         reason = str(error) if isinstance(error, RuntimeError) else f"{type(cause).__name__}: {cause}"
-        raise ValueError(f"could not read the data {options.dataset_name or options.train_file}: {reason}") from None
+        raise BadInput(f"could not read the data {options.dataset_name or options.train_file}: {reason}") from None
 
 
 def resolve_label_names(options: CompareOptions | argparse.Namespace) -> None:
@@ -393,7 +393,7 @@ def run_cells(cells: list[Cell], options: CompareOptions) -> list[dict[str, Any]
     whose inputs changed since is run again (and with `--save_models` one that kept no model), and
     what is left to run is said first; each run
     shows one progress bar, announced by a line."""
-    if not options.report_only and (world_size() == 1 or int(os.environ.get("RANK", "0")) == 0):
+    if not options.report_only and is_main_process():
         redo_changed_runs(cells, options.output_dir)
         if options.save_models:  # added to runs that finished without it: they run again to keep their models
             redo_runs_without_models(cells, options.output_dir)
@@ -554,10 +554,10 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
 
     if options.model_name_or_path is not None:
         options.model_name_or_path = resolve_model_path(options.model_name_or_path)
-        with loading_model(options):
-            facts = model_facts(options)
-            options.not_preserved = check_preserving(options)
-            fit_lengths(options, load_model_tokenizer(options.model_name_or_path, options.trust_remote_code))
+        check_own_code(options)
+        facts = model_facts(options)
+        options.not_preserved = check_preserving(options)
+        fit_lengths(options, load_model_tokenizer(options.model_name_or_path, options.trust_remote_code))
         check_batch_budget(library_args(options))
         resolve_label_names(options)
     check_output_folder(options)
@@ -574,17 +574,19 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
     return facts
 
 
-@contextlib.contextmanager
-def loading_model(options: CompareOptions) -> Iterator[None]:
-    """A model that brings its own code (an `auto_map`), without `--trust_remote_code`: one line
-    that says to pass it (Transformers, told `trust_remote_code=False`, refuses without a prompt)."""
-    try:
-        yield
-    except ValueError as error:
-        if options.trust_remote_code or "trust_remote_code" not in str(error):
-            raise
-        raise ValueError(f"--model_name_or_path {options.model_name_or_path} brings its own code (an auto_map in "
-                         f"its config.json): pass --trust_remote_code to run it") from None
+def check_own_code(options: CompareOptions) -> None:
+    """A model that brings its own code, without `--trust_remote_code`: one line that says to pass it,
+    where Transformers (told `trust_remote_code=False`) would refuse it, by its rule: the config's
+    `auto_map` names an `AutoConfig` class and its `model_type` is not one Transformers knows."""
+    from transformers import CONFIG_MAPPING
+
+    path = Path(options.model_name_or_path) / "config.json"
+    if options.trust_remote_code or not path.is_file():
+        return
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if "AutoConfig" in saved.get("auto_map", {}) and saved.get("model_type") not in CONFIG_MAPPING:
+        raise BadInput(f"--model_name_or_path {options.model_name_or_path} brings its own code (an auto_map in "
+                       f"its config.json): pass --trust_remote_code to run it")
 
 
 def model_facts(options: CompareOptions) -> dict[str, Any]:
@@ -601,14 +603,15 @@ def run_comparison(options: CompareOptions) -> list[dict[str, Any]]:
     for this process (`FolderInUse`, a ValueError's one line, when another holds it); returns the
     rows of results.csv. Interrupted (Ctrl-C), it writes the report of the runs finished so far and
     raises KeyboardInterrupt with a line that says so; the same command resumes."""
-    from ..training.locking import FolderInUse
+    from ..training.locking import FolderInUse, NotALock
 
-    main_process = world_size() == 1 or int(os.environ.get("RANK", "0")) == 0
     try:
-        with hold_output_folder(options.output_dir, enabled=main_process), _quiet_libraries():
+        with hold_output_folder(options.output_dir, enabled=is_main_process()), _quiet_libraries():
             return _main(options)
     except FolderInUse as error:  # raised on entry only: another process holds the folder
-        raise ValueError(f"--output_dir {error}") from None
+        raise BadInput(f"--output_dir {error}") from None
+    except NotALock as error:  # raised on entry only: the folder's lock is not one
+        raise BadInput(str(error)) from None
 
 
 def _main(options: CompareOptions) -> list[dict[str, Any]]:
@@ -637,9 +640,9 @@ def _main(options: CompareOptions) -> list[dict[str, Any]]:
         if options.save_models:
             kept = keep_best_models(results, chosen, options)
             if not kept:
-                raise ValueError("--save_models kept no model: no finished run holds its best model (a run that "
-                                 "finished without --save_models keeps none; the same command without "
-                                 "--report_only runs it again)")
+                raise BadInput("--save_models kept no model: no finished run holds its best model (a run that "
+                               "finished without --save_models keeps none; the same command without "
+                               "--report_only runs it again)")
             print(f"kept models: {', '.join(str(folder) for folder in kept.values())}", file=sys.stderr)
             if options.push_to_hub:
                 print(f"pushed to the Hub: {', '.join(push_models(kept, options))}", file=sys.stderr)
@@ -655,7 +658,7 @@ def _run(options: CompareOptions) -> tuple[dict[str, float], list[dict[str, Any]
         grid = finished_results(grid_cells, options.output_dir)
         results = list({r["cell"]: r for r in [*grid, *results]}.values())
     if not results:
-        raise FileNotFoundError(f"--report_only: no finished run under {options.output_dir}/cells")
+        raise MissingInput(f"--report_only: no finished run under {options.output_dir}/cells")
     return chosen, results
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..training.grid import Cell
+from ..training.options import BadInput
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
@@ -46,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for accumulation in args.accumulations:
         mini_batch, rest = divmod(args.update_tokens, accumulation) if accumulation > 0 else (0, 1)
         if rest or mini_batch < args.block_size or mini_batch % args.block_size:
-            raise ValueError(f"--accumulations {accumulation}: update_tokens {args.update_tokens} / {accumulation} "
-                             f"must be a whole number of {args.block_size}-token blocks")
+            raise BadInput(f"--accumulations {accumulation}: update_tokens {args.update_tokens} / {accumulation} "
+                           f"must be a whole number of {args.block_size}-token blocks")
     return args
 
 

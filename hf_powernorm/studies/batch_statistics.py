@@ -40,6 +40,7 @@ from torch import nn
 from .. import MaskedBatchNorm, NormStatisticsRecorder
 from ..instrumentation import read_norm_statistics
 from ..training.grid import Cell
+from ..training.options import BadInput
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import add_study_args, budget_argv, fill_sizes, lm_size, run_lm_study, train_study_lm
 
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     fill_sizes(args, SIZES)
     if args.record_every < 1:
-        raise ValueError(f"--record_every must be at least 1; got {args.record_every}")
+        raise BadInput(f"--record_every must be at least 1; got {args.record_every}")
     return args
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, finished_results, run_grid
+from ..training.options import BadInput
 from ..training.reports import paired_cell, paired_verdicts, save_figure, write_rows
 from . import tuned_comparison as tuned
 from .documents import SIGNIFICANCE, detectable_difference
@@ -71,10 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "records into this folder")
     args = p.parse_args(argv)
     if args.data_dir is None and not args.smoke:
-        raise ValueError("pass --data_dir (a folder with ptb/ptb.{train,valid,test}.txt), or --smoke for the "
-                         "embedded corpus")
+        raise BadInput("pass --data_dir (a folder with ptb/ptb.{train,valid,test}.txt), or --smoke for the "
+                       "embedded corpus")
     if args.export_dir and Path(args.export_dir).resolve() == Path(args.output_dir).resolve():
-        raise ValueError(f"--export_dir must differ from --output_dir; both are {args.export_dir}")
+        raise BadInput(f"--export_dir must differ from --output_dir; both are {args.export_dir}")
     # What `tuned_comparison._inputs` reads: the task's sizes, the data and the smoke switch.
     args.sizes = {TASK: SIZES["smoke" if args.smoke else "real"]}
     return args

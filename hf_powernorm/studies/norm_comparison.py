@@ -40,6 +40,7 @@ from typing import Any
 from ..training import read_run_log, translation
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
+from ..training.options import BadInput, MissingInput
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import (
     DATA_OPTIONS,
@@ -100,25 +101,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         steps = getattr(args, f"{task}_steps")
         if steps is not None:
             if steps < 1:
-                raise ValueError(f"--{task}_steps must be at least 1; got {steps}")
+                raise BadInput(f"--{task}_steps must be at least 1; got {steps}")
             args.sizes[task]["max_train_steps"] = steps
     if "multi30k" in args.tasks and not args.smoke:
         multi30k_files(args.data_dir)  # fails now, not after the PTB runs
     if "ptb" in args.tasks and not args.smoke and not (args.data_dir or args.train_file or args.dataset_name):
-        raise ValueError(f"no PTB data: pass {DATA_OPTIONS}; or --smoke for the embedded corpora")
+        raise BadInput(f"no PTB data: pass {DATA_OPTIONS}; or --smoke for the embedded corpora")
     return args
 
 
 def multi30k_files(data_dir: str | None) -> dict[str, str]:
     if data_dir is None:
-        raise ValueError("--tasks multi30k needs --data_dir (a folder holding multi30k/raw/), or --smoke for the "
-                         "embedded corpus")
+        raise BadInput("--tasks multi30k needs --data_dir (a folder holding multi30k/raw/), or --smoke for the "
+                       "embedded corpus")
     folder = Path(data_dir).resolve() / "multi30k" / "raw"
     files = {"train": folder / "train", "validation": folder / "val", "test": folder / "test_2016_flickr"}
     missing = [str(prefix) + ".de" for prefix in files.values() if not Path(str(prefix) + ".de").is_file()]
     if missing:
-        raise FileNotFoundError(f"--data_dir {data_dir}: no Multi30k files {missing} (--smoke runs on the embedded "
-                                f"corpus)")
+        raise MissingInput(f"--data_dir {data_dir}: no Multi30k files {missing} (--smoke runs on the embedded "
+                           f"corpus)")
     return {split: str(prefix) for split, prefix in files.items()}
 
 

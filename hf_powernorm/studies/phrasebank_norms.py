@@ -46,6 +46,7 @@ from ..training import (
 )
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
+from ..training.options import BadInput, MissingInput
 from ..training.reports import seeds_of
 
 DOCUMENT_NORMS = ("layernorm", "batchnorm", "none")
@@ -111,10 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.phrasebank_file is None and args.data_dir is not None:
         args.phrasebank_file = str(Path(args.data_dir) / PHRASEBANK_FILE)
     if args.phrasebank_file is None and not args.smoke:
-        raise ValueError("no data: pass --phrasebank_file (the Sentences_AllAgree.txt file) or --data_dir (a folder "
-                         f"holding {PHRASEBANK_FILE}); or --smoke for the embedded corpus at tiny sizes")
+        raise BadInput("no data: pass --phrasebank_file (the Sentences_AllAgree.txt file) or --data_dir (a folder "
+                       f"holding {PHRASEBANK_FILE}); or --smoke for the embedded corpus at tiny sizes")
     if args.phrasebank_file is not None and not Path(args.phrasebank_file).is_file():
-        raise FileNotFoundError(f"--phrasebank_file {args.phrasebank_file}: not found")
+        raise MissingInput(f"--phrasebank_file {args.phrasebank_file}: not found")
     return args
 
 
@@ -160,10 +161,10 @@ def load_wordpiece_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"--tokenizer {path}: no such folder")
+        raise MissingInput(f"--tokenizer {path}: no such folder")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:
-        raise ValueError(f"--tokenizer {path} has no padding token; the batches need one")
+        raise BadInput(f"--tokenizer {path} has no padding token; the batches need one")
     return tokenizer
 
 

@@ -19,6 +19,7 @@ from ..training.arguments import add_recipe_args, check_args
 from ..training.corpora import synthetic_lm_corpus
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
+from ..training.options import BadInput, MissingInput
 from ..training.readers import data_files_from_args, load_lm_dataset, split_train
 from ..training.tasks import get_task, train_and_score
 from ..training.tokenization import column_texts, lm_blocks, load_tokenizer, tokenize_lines, train_bpe_tokenizer
@@ -43,18 +44,18 @@ def lm_split_files(data_dir: str | Path | None, output_dir: str | Path, smoke: b
     if data_files:
         missing = [f"--{split}_file" for split in ("train", "validation", "test") if split not in data_files]
         if missing:
-            raise ValueError(f"a study trains on train and scores validation and test: also pass {', '.join(missing)}")
+            raise BadInput(f"a study trains on train and scores validation and test: also pass {', '.join(missing)}")
         return {split: str(Path(path).resolve()) for split, path in data_files.items()}
     if dataset_name:
         return _dataset_split_files(dataset_name, dataset_config, Path(output_dir))
     if data_dir is None and not smoke:
-        raise ValueError(f"no data: pass {DATA_OPTIONS}; or --smoke for the embedded corpus at tiny sizes")
+        raise BadInput(f"no data: pass {DATA_OPTIONS}; or --smoke for the embedded corpus at tiny sizes")
     if not smoke:
         folder = Path(data_dir).resolve() / "ptb"
         if not (folder / "ptb.train.txt").is_file():
-            raise FileNotFoundError(f"--data_dir {data_dir}: no ptb/ptb.train.txt there (or pass --train_file/"
-                                    f"--validation_file/--test_file or --dataset_name; --smoke runs on the embedded "
-                                    f"corpus)")
+            raise MissingInput(f"--data_dir {data_dir}: no ptb/ptb.train.txt there (or pass --train_file/"
+                               f"--validation_file/--test_file or --dataset_name; --smoke runs on the embedded "
+                               f"corpus)")
         return {split: str(folder / f"ptb.{name}.txt") for split, name in PTB_SPLITS}
     return _write_split_files(synthetic_lm_corpus({"train": 200, "validation": 30, "test": 30}, seed=3),
                               Path(output_dir), "smoke")
@@ -152,9 +153,9 @@ def add_lm_size_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def lm_size(args: argparse.Namespace) -> dict[str, Any]:
     """The studies' LM at `args.hidden_size` and `args.layers` (checked here, at the boundary)."""
     if args.hidden_size < 32 or args.hidden_size % 32:
-        raise ValueError(f"--hidden_size must be a positive multiple of 32; got {args.hidden_size}")
+        raise BadInput(f"--hidden_size must be a positive multiple of 32; got {args.hidden_size}")
     if args.layers < 1:
-        raise ValueError(f"--layers must be at least 1; got {args.layers}")
+        raise BadInput(f"--layers must be at least 1; got {args.layers}")
     return {**STUDY_LM, "hidden_size": args.hidden_size, "intermediate_size": 4 * args.hidden_size,
             "num_attention_heads": args.hidden_size // 32, "decoder_layers": args.layers}
 

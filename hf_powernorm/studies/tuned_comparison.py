@@ -47,6 +47,7 @@ from ..training.atomic_files import remove_path, write_json_atomically
 from ..training.evaluation import references_file
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import RESULT_NAME, Cell, cell_result, finished_results, reset_accelerate, run_grid
+from ..training.options import BadInput, MissingInput
 from ..training.reports import (
     MIN_PAIRS,
     SIGNIFICANCE,
@@ -155,17 +156,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "into an output folder resumes the study there")
     args = p.parse_args(argv)
     if args.export_dir and Path(args.export_dir).resolve() == Path(args.output_dir).resolve():
-        raise ValueError(f"--export_dir must differ from --output_dir; both are {args.export_dir}")
+        raise BadInput(f"--export_dir must differ from --output_dir; both are {args.export_dir}")
     for name in ("seeds", "long_seeds"):
         if not getattr(args, name):
-            raise ValueError(f"--{name} needs at least one seed")
+            raise BadInput(f"--{name} needs at least one seed")
     if 1 not in args.seeds:
-        raise ValueError(f"--seeds must include 1, the tuning seed; got {args.seeds}")
+        raise BadInput(f"--seeds must include 1, the tuning seed; got {args.seeds}")
     if args.data_dir is None and not args.smoke:
-        raise ValueError("pass --data_dir (a folder with ptb/ and multi30k/raw/), or --smoke for the embedded corpora")
+        raise BadInput("pass --data_dir (a folder with ptb/ and multi30k/raw/), or --smoke for the embedded corpora")
     for task in args.tasks:
         if task in TRANSFER_FROM and TRANSFER_FROM[task] not in args.tasks:
-            raise ValueError(f"--tasks {task} runs {TRANSFER_FROM[task]}'s picks: add {TRANSFER_FROM[task]} to --tasks")
+            raise BadInput(f"--tasks {task} runs {TRANSFER_FROM[task]}'s picks: add {TRANSFER_FROM[task]} to --tasks")
     if "tinyshakespeare" in args.tasks and not args.smoke:
         transfer_files(args.transfer_data_dir)  # fails now, not after hours of other runs
     args.sizes = SIZES["smoke" if args.smoke else "real"]
@@ -1128,14 +1129,14 @@ def export_runs(results: list[dict[str, Any]], output_dir: Path, export_dir: Pat
 def transfer_files(data_dir: str | None) -> dict[str, str]:
     """The transfer corpus's splits: `train.txt`, `valid.txt` and `test.txt` in `data_dir`."""
     if data_dir is None:
-        raise ValueError("--tasks tinyshakespeare needs --transfer_data_dir (a folder holding train.txt, valid.txt "
-                         "and test.txt), or --smoke for the embedded corpus")
+        raise BadInput("--tasks tinyshakespeare needs --transfer_data_dir (a folder holding train.txt, valid.txt "
+                       "and test.txt), or --smoke for the embedded corpus")
     folder = Path(data_dir).resolve()
     files = {split: folder / f"{name}.txt" for split, name in (("train", "train"), ("validation", "valid"),
                                                                 ("test", "test"))}
     missing = [str(path) for path in files.values() if not path.is_file()]
     if missing:
-        raise FileNotFoundError(f"--transfer_data_dir {data_dir}: no {missing}")
+        raise MissingInput(f"--transfer_data_dir {data_dir}: no {missing}")
     return {split: str(path) for split, path in files.items()}
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .options import BadInput
+
 # What a full disk or quota looks like: an OSError's errno, or the text of PyTorch's writer, which
 # turns the stream's failure into a RuntimeError without one.
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -113,7 +115,7 @@ def _create_new(path: Path) -> int:
     except FileExistsError:
         if path.is_symlink() or not path.is_file():
             kind = "a symbolic link" if path.is_symlink() else "not a regular file"
-            raise ValueError(f"{path} is {kind} where a temporary file is written: remove it") from None
+            raise BadInput(f"{path} is {kind} where a temporary file is written: remove it") from None
     path.unlink()
     return os.open(path, flags, 0o666)
 

@@ -29,6 +29,7 @@ from .checkpoints import (
     read_manifest,
 )
 from .export import complete_average_export
+from .options import BadInput, MissingInput
 
 # What an export copies from a checkpoint besides the weights: config, code, tokenizer.
 _EXPORT_SUFFIXES = (".json", ".py", ".txt", ".model")
@@ -37,13 +38,13 @@ _EXPORT_SUFFIXES = (".json", ".py", ".txt", ".model")
 def select_checkpoints(checkpoint_dir: str | Path, num_checkpoints: int, prefix: str | None = None) -> list[Path]:
     """The newest `num_checkpoints` complete checkpoints in `checkpoint_dir`, oldest first."""
     if num_checkpoints < 1:
-        raise ValueError(f"num_checkpoints must be at least 1; got {num_checkpoints}")
+        raise BadInput(f"num_checkpoints must be at least 1; got {num_checkpoints}")
     found = list_checkpoints(checkpoint_dir, prefix)
     if len(found) < num_checkpoints:
         incomplete = [p.name for p, _ in incomplete_checkpoints(checkpoint_dir, prefix or "step")]
-        raise ValueError(f"asked to average the last {num_checkpoints} checkpoints but {checkpoint_dir} "
-                         f"holds {len(found)} complete ones: {[p.name for p in found]}"
-                         + (f" (incomplete: {incomplete})" if incomplete else ""))
+        raise BadInput(f"asked to average the last {num_checkpoints} checkpoints but {checkpoint_dir} "
+                       f"holds {len(found)} complete ones: {[p.name for p in found]}"
+                       + (f" (incomplete: {incomplete})" if incomplete else ""))
     return found[-num_checkpoints:]
 
 
@@ -51,17 +52,17 @@ def check_average_inputs(folders: list[Path]) -> list[int]:
     """Before averaging: every folder a complete checkpoint (each file against its SHA-256), given
     oldest first without repeats; return their steps."""
     if not folders:
-        raise ValueError("no checkpoint to average")
+        raise BadInput("no checkpoint to average")
     steps = []
     for folder in folders:
         try:
             steps.append(read_manifest(folder)["step"])
         except IncompleteCheckpointError as error:
-            raise ValueError(f"{folder} is not a complete checkpoint: {error}") from None
+            raise BadInput(f"{folder} is not a complete checkpoint: {error}") from None
     for (earlier, a), (later, b) in zip(zip(folders, steps), zip(folders[1:], steps[1:])):
         if b <= a:
-            raise ValueError(f"checkpoints must be given oldest first, each once: {later} (update {b}) comes "
-                             f"after {earlier} (update {a})")
+            raise BadInput(f"checkpoints must be given oldest first, each once: {later} (update {b}) comes "
+                           f"after {earlier} (update {a})")
     return steps
 
 
@@ -69,7 +70,7 @@ def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     path = folder / WEIGHTS_NAME
     if not path.is_file():
         contents = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
-        raise FileNotFoundError(f"{path} not found (contents: {contents})")
+        raise MissingInput(f"{path} not found (contents: {contents})")
     with safe_open(str(path), framework="pt") as handle:
         return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
 
@@ -78,17 +79,17 @@ def _check_same_tensors(folder: Path, shapes: dict[str, tuple[int, ...]], newest
                         reference: dict[str, tuple[int, ...]]) -> None:
     if shapes.keys() != reference.keys():
         diff = sorted(shapes.keys() ^ reference.keys())
-        raise ValueError(f"{folder} and {newest} hold different tensors: {diff[:10]}")
+        raise BadInput(f"{folder} and {newest} hold different tensors: {diff[:10]}")
     for key, shape in shapes.items():
         if shape != reference[key]:
-            raise ValueError(f"tensor {key!r} has shape {shape} in {folder} but {reference[key]} in {newest}")
+            raise BadInput(f"tensor {key!r} has shape {shape} in {folder} but {reference[key]} in {newest}")
 
 
 def average_state_dicts(folders: list[Path]) -> dict[str, torch.Tensor]:
     """The averaged state dict of `folders`, ordered oldest to newest; tensors of other names or
     shapes are refused (from the files' headers) before any is read."""
     if not folders:
-        raise ValueError("no checkpoint to average")
+        raise BadInput("no checkpoint to average")
     reference = _tensor_shapes(folders[-1])
     for folder in folders[:-1]:
         _check_same_tensors(folder, _tensor_shapes(folder), folders[-1], reference)
@@ -110,9 +111,9 @@ def write_average(folders: list[Path], output_dir: str | Path, *, overwrite: boo
     An existing `output_dir` is replaced only with `overwrite`."""
     output_dir = Path(output_dir)
     if output_dir.absolute() in {f.absolute() for f in folders}:
-        raise ValueError(f"output_dir {output_dir} is one of the averaged checkpoints")
+        raise BadInput(f"output_dir {output_dir} is one of the averaged checkpoints")
     if output_dir.exists() and not overwrite:
-        raise ValueError(f"output_dir {output_dir} already exists; pass --overwrite to replace it")
+        raise BadInput(f"output_dir {output_dir} already exists; pass --overwrite to replace it")
     steps = check_average_inputs(folders)
     averaged = average_state_dicts(folders)
     output_dir.parent.mkdir(parents=True, exist_ok=True)

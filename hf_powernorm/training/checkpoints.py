@@ -40,6 +40,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from .arguments import PN_OPTIONS
 from .locking import LOCK_NAME
+from .options import BadInput, MissingInput
 from .run_log import LOG_NAME
 from .atomic_files import fsync, remove_path, removed_on_failure, replace_folder, write_json_atomically
 
@@ -126,7 +127,7 @@ def config_hash(identity: dict[str, Any]) -> str:
 
 def resume_options(args: argparse.Namespace) -> dict[str, Any]:
     """The command-line options of `RESUME_OPTIONS` and `--vocab_size` as given, for the manifest."""
-    return {name: getattr(args, name, None) for name in (*RESUME_OPTIONS, "vocab_size")}
+    return {name: vars(args)[name] for name in (*RESUME_OPTIONS, "vocab_size")}
 
 
 def _sha256(path: Path) -> str:
@@ -205,7 +206,7 @@ def checkpoint_step(folder: str | Path) -> int:
     """N of a `step_<N>` folder name."""
     name = Path(folder).name
     if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
-        raise ValueError(f"{folder}: expected a step_<N> checkpoint folder written by a recipe")
+        raise BadInput(f"{folder}: expected a step_<N> checkpoint folder written by a recipe")
     return int(name.removeprefix("step_"))
 
 
@@ -222,7 +223,7 @@ def _numbered_folders(directory: Path, prefix: str | None) -> list[Path]:
     if prefix is not None:
         found = {prefix: found.get(prefix, [])}
     elif len(found) > 1:
-        raise ValueError(f"checkpoints in {directory} have several prefixes {sorted(found)}; choose one")
+        raise BadInput(f"checkpoints in {directory} have several prefixes {sorted(found)}; choose one")
     return [path for _, path in sorted(next(iter(found.values()), []))]
 
 
@@ -235,7 +236,7 @@ def list_checkpoints(directory: str | Path, prefix: str | None = None) -> list[P
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+        raise MissingInput(f"checkpoint directory not found: {directory}")
     return [path for path in _numbered_folders(directory, prefix) if _is_complete(path)]
 
 
@@ -344,7 +345,7 @@ def prune_checkpoints(output_dir: str | Path, keep: int, protect: Iterable[str |
     of `protect` (the checkpoint a run resumed from); return the deleted folders. The best model
     is a folder of its own and is not touched."""
     if keep < 1:
-        raise ValueError(f"keep must be at least 1; got {keep}")
+        raise BadInput(f"keep must be at least 1; got {keep}")
     protected = {Path(p).absolute() for p in protect}
     old = list_checkpoints(output_dir, prefix="step")[:-keep]
     deleted = [path for path in old if path.absolute() not in protected]
@@ -410,20 +411,20 @@ def check_clearable(folder: str | Path, records: Iterable[str], inputs: Iterable
     run (`inputs`). Otherwise a ValueError names what clearing it would delete (all but `keep`)."""
     folder = Path(folder)
     if _inside(Path.cwd(), folder):
-        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds the current directory")
+        raise BadInput(f"--overwrite_output_dir: --output_dir {folder} holds the current directory")
     if _inside(Path.home(), folder):
-        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds the home folder {Path.home()}")
+        raise BadInput(f"--overwrite_output_dir: --output_dir {folder} holds the home folder {Path.home()}")
     for path in inputs:
         if path and _inside(path, folder):
-            raise ValueError(f"--overwrite_output_dir would delete {path}, an input of this run inside "
-                             f"--output_dir {folder}")
+            raise BadInput(f"--overwrite_output_dir would delete {path}, an input of this run inside "
+                           f"--output_dir {folder}")
     if not any((folder / name).is_file() and not (folder / name).is_symlink() for name in records):
         kept = set(keep)
         contents = sorted(p.name for p in folder.iterdir() if p.name not in kept)
         shown = ", ".join(contents[:6]) + (", ..." if len(contents) > 6 else "")
-        raise ValueError(f"--overwrite_output_dir clears only a folder this tool wrote: --output_dir {folder} holds "
-                         f"no {' or '.join(records)}, and clearing it would delete {shown}; remove those yourself "
-                         f"or choose another --output_dir")
+        raise BadInput(f"--overwrite_output_dir clears only a folder this tool wrote: --output_dir {folder} holds "
+                       f"no {' or '.join(records)}, and clearing it would delete {shown}; remove those yourself "
+                       f"or choose another --output_dir")
 
 
 def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | None,
@@ -433,19 +434,19 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool, resume: str | N
     never in another run's files."""
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--output_dir {folder} is a file, not a folder")
+        raise BadInput(f"--output_dir {folder} is a file, not a folder")
     if overwrite and resume is not None and (resume == "latest" or _inside(resume, folder)):
-        raise ValueError(f"--overwrite_output_dir would delete the checkpoint of --resume_from_checkpoint "
-                         f"{resume}: give one of the two")
+        raise BadInput(f"--overwrite_output_dir would delete the checkpoint of --resume_from_checkpoint "
+                       f"{resume}: give one of the two")
     # The lock of the run starting here (`locking.py`) is not another run's file.
     contents = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME) if folder.is_dir() else []
     if not contents or resume is not None:
         return
     if not overwrite:
         shown = ", ".join(contents[:6]) + (", ..." if len(contents) > 6 else "")
-        raise ValueError(f"--output_dir {folder} already holds another run's files ({shown}): pass "
-                         f"--overwrite_output_dir to clear it, --resume_from_checkpoint latest to continue "
-                         f"the run it holds, or choose another --output_dir")
+        raise BadInput(f"--output_dir {folder} already holds another run's files ({shown}): pass "
+                       f"--overwrite_output_dir to clear it, --resume_from_checkpoint latest to continue "
+                       f"the run it holds, or choose another --output_dir")
     check_clearable(folder, RUN_RECORDS, inputs)
 
 
@@ -488,7 +489,7 @@ def load_best_model(accelerator: Accelerator, model: torch.nn.Module, output_dir
     loaded = {current[k].data_ptr() for k in state if k in current}
     missing = [k for k in result.missing_keys if current[k].data_ptr() not in loaded]
     if missing or result.unexpected_keys:
-        raise ValueError(f"{output_dir}/{BEST_MODEL_DIR} does not match the model: missing {missing}, "
-                         f"unexpected {result.unexpected_keys}")
+        raise BadInput(f"{output_dir}/{BEST_MODEL_DIR} does not match the model: missing {missing}, "
+                       f"unexpected {result.unexpected_keys}")
 
 

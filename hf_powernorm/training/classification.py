@@ -17,6 +17,7 @@ from ..modeling_powernorm import PowerNormTransformerForSequenceClassification
 from .arguments import DATA_FILE_OPTIONS, RecipeParser, add_recipe_args, check_args
 from .corpora import SENTIMENT_LABELS
 from .evaluation import evaluate_accuracy
+from .options import BadInput
 from .readers import (
     data_files_from_args,
     label_names_of,
@@ -53,7 +54,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     """The recipes' checks, then that the training data comes from one option."""
     check_args(args, path_options=Classification.input_path_options)
     if args.phrasebank_file and args.train_file:
-        raise ValueError("give either --phrasebank_file or --train_file, not both")
+        raise BadInput("give either --phrasebank_file or --train_file, not both")
     return args
 
 
@@ -81,7 +82,7 @@ class Classification(Task):
         args = self.args
         raw = self.read_splits(args.seed)
         if "train" not in raw and args.do_train:
-            raise ValueError(f"no train split; got {list(raw)} (pass --train_file or --phrasebank_file)")
+            raise BadInput(f"no train split; got {list(raw)} (pass --train_file or --phrasebank_file)")
         raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
         self.prepare_tokenizer(accelerator, lambda: column_texts(raw["train"]))
         self.labels = label_names_of(raw)
@@ -92,17 +93,16 @@ class Classification(Task):
         """Sentences and labels (`--text_column`/`--label_column` name other columns); the labels
         encoded as ids of `--label_names`, missing splits carved out of train with `seed`."""
         args = self.args
-        path = getattr(args, "phrasebank_file", None)
-        files = data_files_from_args(args.train_file or path, args.validation_file, args.test_file)
+        files = data_files_from_args(args.train_file or args.phrasebank_file, args.validation_file, args.test_file)
         names = args.label_names.split(",") if isinstance(args.label_names, str) else args.label_names
-        columns = {"text": getattr(args, "text_column", None), "label": getattr(args, "label_column", None)}
+        columns = {"text": args.text_column, "label": args.label_column}
         raw = load_classification_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
                                           data_files=files, label_names=names, seed=seed, columns=columns)
         for split, part in raw.items():
             if "label" not in part.column_names:
-                raise ValueError(f"no label was found: --task {self.name} needs {self.needed_columns} columns; split "
-                                 f"{split!r} has {part.column_names} (name yours with --text_column and "
-                                 f"--label_column)")
+                raise BadInput(f"no label was found: --task {self.name} needs {self.needed_columns} columns; split "
+                               f"{split!r} has {part.column_names} (name yours with --text_column and "
+                               f"--label_column)")
         return raw
 
     def tokenize(self, raw, tokenizer):
@@ -121,7 +121,7 @@ class Classification(Task):
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(args.model_name_or_path,
-                                                trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
+                                                trust_remote_code=bool(args.trust_remote_code))
             args.label_names = names_for_labels(self.data_labels(),
                                                 [str(config.id2label[i]) for i in range(config.num_labels)])
         self.labels = list(args.label_names)
@@ -132,7 +132,7 @@ class Classification(Task):
         from datasets import ClassLabel
 
         args = self.args
-        columns = {"label": getattr(args, "label_column", None)}
+        columns = {"label": args.label_column}
         if args.dataset_name:
             part = rename_columns(next(iter(load_hub_dataset(args.dataset_name, args.dataset_config).values())),
                                   columns, args.dataset_name)
@@ -141,12 +141,12 @@ class Classification(Task):
         else:  # Financial PhraseBank 'sentence@label' lines
             labels = sorted({line.rsplit("@", 1)[-1].strip() for line in read_lines(args.train_file) if "@" in line})
             if not labels:
-                raise ValueError(f"{args.train_file}: no label was found: expected 'sentence@label' lines, or a CSV "
-                                 f"or JSON lines file with a label column")
+                raise BadInput(f"{args.train_file}: no label was found: expected 'sentence@label' lines, or a CSV "
+                               f"or JSON lines file with a label column")
             return labels
         if "label" not in part.column_names:
-            raise ValueError(f"no label was found: --task {self.name} needs {self.needed_columns} columns; the data has "
-                             f"{part.column_names} (name yours with --text_column and --label_column)")
+            raise BadInput(f"no label was found: --task {self.name} needs {self.needed_columns} columns; the data has "
+                           f"{part.column_names} (name yours with --text_column and --label_column)")
         feature = part.features["label"]
         return tuple(feature.names) if isinstance(feature, ClassLabel) else sorted(set(part["label"]), key=str)
 
@@ -189,7 +189,7 @@ def names_for_labels(labels: list[Any] | tuple[str, ...], model_names: list[str]
         return list(labels)
     if all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
         if min(labels) < 0:
-            raise ValueError(f"class labels must be names or indices from 0; the data has {min(labels)}")
+            raise BadInput(f"class labels must be names or indices from 0; the data has {min(labels)}")
         count = max(labels) + 1
         return model_names if len(model_names) == count else [str(i) for i in range(count)]
     names = sorted({str(v).strip() for v in labels})

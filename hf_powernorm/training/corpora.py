@@ -18,6 +18,8 @@ from typing import Any
 import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
 
+from .options import BadInput
+
 SENTIMENT_LABELS = ("negative", "neutral", "positive")
 
 
@@ -190,7 +192,7 @@ def _generated_rows(kind: str, sizes: dict[str, int], seed: int, split: str) -> 
 def _generated_corpus(kind: str, sizes: dict[str, int], seed: int, features: datasets.Features) -> DatasetDict:
     for split, size in sizes.items():
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"split {split!r} of the embedded corpus needs a positive size; got {size!r}")
+            raise BadInput(f"split {split!r} of the embedded corpus needs a positive size; got {size!r}")
     return DatasetDict({
         split: Dataset.from_generator(_generated_rows, features=features,
                                       gen_kwargs={"kind": kind, "sizes": sizes, "seed": seed, "split": split})
@@ -208,8 +210,8 @@ def synthetic_translation_corpus(source_lang: str = "de", target_lang: str = "en
     """
     pair = {source_lang, target_lang}
     if pair != {"de", "en"}:
-        raise ValueError(f"the embedded translation corpus is German/English (de, en); got the pair "
-                         f"{source_lang}-{target_lang}. Pass --train_file etc. for other languages.")
+        raise BadInput(f"the embedded translation corpus is German/English (de, en); got the pair "
+                       f"{source_lang}-{target_lang}. Pass --train_file etc. for other languages.")
     sizes = sizes or {"train": 4000, "validation": 300, "test": 300}
     features = datasets.Features({"translation": {"de": datasets.Value("string"), "en": datasets.Value("string")}})
     return _generated_corpus("translation", sizes, seed, features)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .options import BadInput
+
 EXECUTORS = ("local", "submitit", "ray")
 # The optional dependency each executor needs: its module, and the extra of setup.cfg that installs it.
 EXECUTOR_EXTRAS = {"submitit": "submitit", "ray": "ray"}
@@ -75,20 +77,20 @@ class ExecutorSettings:
         """The executor's package installed (else one line naming the extra), each option for an
         executor that takes it, the counts in range, `slurm_extra` as KEY=VALUE (ValueError)."""
         if self.executor not in EXECUTORS:
-            raise ValueError(f"--executor {self.executor!r}: expected one of {list(EXECUTORS)}")
+            raise BadInput(f"--executor {self.executor!r}: expected one of {list(EXECUTORS)}")
         if self.executor in EXECUTOR_EXTRAS:
             check_installed(self.executor)
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                raise ValueError(f"--executor {self.executor} starts each run in its own job (through Accelerate "
-                                 f"where --gpus_per_run is over 1): run the command itself without `accelerate "
-                                 f"launch`")
+                raise BadInput(f"--executor {self.executor} starts each run in its own job (through Accelerate "
+                               f"where --gpus_per_run is over 1): run the command itself without `accelerate "
+                               f"launch`")
         defaults = ExecutorSettings()
         for name, executors in EXECUTOR_OPTIONS.items():
             if getattr(self, name) != getattr(defaults, name) and self.executor not in executors:
-                raise ValueError(f"--{name} is for --executor {' or '.join(executors)}, not {self.executor}")
+                raise BadInput(f"--{name} is for --executor {' or '.join(executors)}, not {self.executor}")
         for name, least in (("gpus_per_run", 0), ("cpus_per_run", 1), ("timeout_min", 1)):
             if getattr(self, name) < least:
-                raise ValueError(f"--{name} {getattr(self, name)}: expected an integer of at least {least}")
+                raise BadInput(f"--{name} {getattr(self, name)}: expected an integer of at least {least}")
         slurm_settings(self.slurm_extra)
 
 
@@ -98,8 +100,8 @@ def check_installed(executor: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        raise ValueError(f"--executor {executor} needs the {module} package: pip install "
-                         f"hf_powernorm[{module}]") from None
+        raise BadInput(f"--executor {executor} needs the {module} package: pip install "
+                       f"hf_powernorm[{module}]") from None
 
 
 def slurm_settings(pairs: Sequence[str]) -> dict[str, str]:
@@ -108,7 +110,7 @@ def slurm_settings(pairs: Sequence[str]) -> dict[str, str]:
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals or not key.strip():
-            raise ValueError(f"--slurm_extra {pair!r}: expected KEY=VALUE, e.g. account=my_lab")
+            raise BadInput(f"--slurm_extra {pair!r}: expected KEY=VALUE, e.g. account=my_lab")
         settings[key.strip()] = value
     return settings
 
@@ -197,9 +199,9 @@ def check_private_output(output_dir: str | Path) -> None:
             continue  # to be created by the command, private
         if mode & (stat.S_IWGRP | stat.S_IWOTH) and (above == folder or not mode & stat.S_ISVTX):
             where = "the output folder" if above == folder else f"{above}, a folder above it,"
-            raise ValueError(f"--output_dir {output_dir}: {where} can be written by other users (mode "
-                             f"{stat.S_IMODE(mode):o}); the jobs' files there are unpickled and run, so --executor "
-                             f"submitit and ray need a folder only you can write")
+            raise BadInput(f"--output_dir {output_dir}: {where} can be written by other users (mode "
+                           f"{stat.S_IMODE(mode):o}); the jobs' files there are unpickled and run, so --executor "
+                           f"submitit and ray need a folder only you can write")
 
 
 def submit_jobs(todo: Sequence[Any], job: Job, output_dir: str | Path, settings: ExecutorSettings, *,

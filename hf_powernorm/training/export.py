@@ -28,6 +28,7 @@ from ..converted_norms import CONVERSION_CONFIG_KEY
 from ..hub import render_conversion_card, render_model_card, upload_saved_model
 from .atomic_files import full_disk_error, remove_path
 from .checkpoints import RESULTS_NAME, latest_checkpoint
+from .options import BadInput
 
 logger = get_logger(__name__)
 _TRAIN_KEYS = ("train_steps", "best_step", "best_validation")
@@ -138,7 +139,7 @@ def complete_average_export(folder: str | Path, repo_id: str, steps: list[int], 
     config = PowerNormTransformerConfig.from_pretrained(folder)
     head = (config.architectures or ["PowerNormTransformerModel"])[0]
     if not hasattr(modeling_powernorm, head):
-        raise ValueError(f"{folder}/config.json names the architecture {head!r}, not a PowerNorm Transformer head")
+        raise BadInput(f"{folder}/config.json names the architecture {head!r}, not a PowerNorm Transformer head")
     with torch.device("meta"):
         model = getattr(modeling_powernorm, head)(config)
     custom_object_save(model, folder)

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from .checkpoints import write_json_atomically
 from .executors import ExecutorSettings, RunsFailed, output_to, submit_jobs
+from .options import BadInput, MissingInput
 
 RESULT_NAME = "result.json"
 JOB_NAME = "hf-powernorm-grid"  # the Slurm jobs' name (`scancel --name hf-powernorm-grid`)
@@ -68,14 +69,14 @@ def cell_result(output_dir: str | Path, cell: Cell) -> dict[str, Any] | None:
         return None
     result = json.loads(path.read_text(encoding="utf-8"))
     if result.get("cell") != cell.name:
-        raise ValueError(f"{path} names the cell {result.get('cell')!r}, not its folder's {cell.name!r}: it is no "
-                         f"result of this grid; remove it, or give another output folder")
+        raise BadInput(f"{path} names the cell {result.get('cell')!r}, not its folder's {cell.name!r}: it is no "
+                       f"result of this grid; remove it, or give another output folder")
     asked = json.loads(json.dumps(cell.options))  # as saved: tuples become lists
     differ = [key for key, value in asked.items() if key not in cell.paths and key in result and result[key] != value]
     if differ:
         shown = "; ".join(f"{key}: ran with {result[key]!r}, asked {asked[key]!r}" for key in differ)
-        raise ValueError(f"{path.parent} finished with other options than this grid asks ({shown}); give another "
-                         f"output folder, or the options it ran with")
+        raise BadInput(f"{path.parent} finished with other options than this grid asks ({shown}); give another "
+                       f"output folder, or the options it ran with")
     return result
 
 
@@ -152,13 +153,13 @@ def run_grid(cells: Sequence[Cell], run_cell: Callable[[Cell, Path], dict], outp
     if not root.is_dir():
         misplaced = [name for name in names if (Path(output_dir) / name / RESULT_NAME).is_file()]
         if misplaced:  # a record copied in without its `cells/` folder would silently run again
-            raise ValueError(f"{output_dir} holds {len(misplaced)} finished run(s) of this grid at its top level "
-                             f"(e.g. {Path(output_dir) / misplaced[0]}); a grid keeps them in {root}: move them "
-                             f"there to resume")
+            raise BadInput(f"{output_dir} holds {len(misplaced)} finished run(s) of this grid at its top level "
+                           f"(e.g. {Path(output_dir) / misplaced[0]}); a grid keeps them in {root}: move them "
+                           f"there to resume")
     if report_only:
         results = finished_results(cells, output_dir)
         if not results:
-            raise FileNotFoundError(f"--report_only: no finished run under {root}")
+            raise MissingInput(f"--report_only: no finished run under {root}")
         return results
     root.mkdir(parents=True, exist_ok=True)
     todo = [cell for cell in cells if cell_result(output_dir, cell) is None]

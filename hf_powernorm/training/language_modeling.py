@@ -21,6 +21,7 @@ from .arguments import RecipeParser, add_recipe_args, check_args
 from .evaluation import evaluate_perplexity
 from .losses import causal_lm_loss
 from .metrics import count_words
+from .options import BadInput
 from .readers import data_files_from_args, limit_splits, lm_document_splits, load_lm_dataset, split_train
 from .tasks import Task, register_task, run_task
 from .tokenization import column_texts, lm_blocks, tokenize_lines
@@ -55,7 +56,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     """The recipes' checks, then the block size's."""
     check_args(args, path_options=LanguageModelling.input_path_options)
     if args.block_size < 2 or args.block_size > args.max_tokens:
-        raise ValueError(f"--block_size must be in [2, --max_tokens={args.max_tokens}]; got {args.block_size}")
+        raise BadInput(f"--block_size must be in [2, --max_tokens={args.max_tokens}]; got {args.block_size}")
     return args
 
 
@@ -85,7 +86,7 @@ class LanguageModelling(Task):
         args = self.args
         raw = self.read_splits(args.seed)
         if "train" not in raw and args.do_train:
-            raise ValueError(f"no train split; got {list(raw)} (pass --train_file)")
+            raise BadInput(f"no train split; got {list(raw)} (pass --train_file)")
         raw = limit_splits(split_train(raw, seed=args.seed), args.max_train_samples, args.max_eval_samples)
         self.prepare_tokenizer(accelerator, lambda: column_texts(raw["train"]))
         with accelerator.main_process_first():
@@ -98,7 +99,7 @@ class LanguageModelling(Task):
         args = self.args
         files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
         return load_lm_dataset(dataset_name=args.dataset_name, dataset_config=args.dataset_config, data_files=files,
-                               columns={"text": getattr(args, "text_column", None)})
+                               columns={"text": args.text_column})
 
     def tokenize(self, raw, tokenizer):
         """Cached token ids per line or document (`tokenize_lines`), then cached blocks of
@@ -107,7 +108,7 @@ class LanguageModelling(Task):
         files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
         documents = lm_document_splits(raw, dataset_name=args.dataset_name, data_files=files)
         lines = tokenize_lines(raw, tokenizer, documents=documents,
-                               keep_linebreaks=getattr(args, "keep_linebreaks", True), **options)
+                               keep_linebreaks=args.keep_linebreaks, **options)
         return lm_blocks(lines, args.block_size, **options)
 
     def keep_split_facts(self, raw) -> None:
@@ -118,9 +119,9 @@ class LanguageModelling(Task):
         from ..converter import is_causal
 
         if not is_causal(model, config):
-            raise ValueError(f"--task {self.name} needs a causal language model; --model_name_or_path "
-                             f"{self.args.model_name_or_path} ({config.model_type}) attends both ways and would see "
-                             f"the tokens it is scored on; use --task classification, or a decoder model")
+            raise BadInput(f"--task {self.name} needs a causal language model; --model_name_or_path "
+                           f"{self.args.model_name_or_path} ({config.model_type}) attends both ways and would see "
+                           f"the tokens it is scored on; use --task classification, or a decoder model")
 
     def loss(self, accelerator: Accelerator):
         return causal_lm_loss(getattr(self.args, "label_smoothing", 0.0))

@@ -104,9 +104,13 @@ def _open_lock(path: Path) -> tuple[int, bool]:
     raise _not_a_lock(path, f"belongs to another user (uid {status.st_uid})")
 
 
-def _not_a_lock(path: Path, why: str) -> ValueError:
-    return ValueError(f"{path} {why}; an output folder's lock must be a regular file of this user's: remove it, "
-                      f"or choose another output folder")
+class NotALock(ValueError):
+    """The output folder's lock is not a regular file of this user's: the folder is refused."""
+
+
+def _not_a_lock(path: Path, why: str) -> NotALock:
+    return NotALock(f"{path} {why}; an output folder's lock must be a regular file of this user's: remove it, "
+                    f"or choose another output folder")
 
 
 def _same_file(descriptor: int, path: Path) -> bool:

@@ -54,6 +54,7 @@ from .batching import PaddingCollator, eval_loader, train_loader
 from .locking import LOCK_NAME
 from .models import norm_types
 from .optimization import build_optimizer, build_scheduler
+from .options import BadInput
 from .resuming import check_resume_model, check_resume_options, resolve_resume_path, resume
 from .run_log import RunLog, drop_records_after
 
@@ -110,12 +111,12 @@ def prepare_output_dir(accelerator: Accelerator, args: argparse.Namespace,
     """`check_run_start`, then the output folder: cleared first with `--overwrite_output_dir`, or
     when it was to be resumed but every checkpoint failed its hash (but for those set aside); created.
     Returns whether the run starts it empty (not resuming the run it holds)."""
-    asked_to_resume = bool(getattr(args, "resume_from_checkpoint", None))
+    asked_to_resume = bool(args.resume_from_checkpoint)
     check_run_start(accelerator, args, input_options)
     output_dir = Path(args.output_dir)
-    fresh = not getattr(args, "resume_from_checkpoint", None)
+    fresh = not args.resume_from_checkpoint
     if accelerator.is_main_process:
-        if getattr(args, "overwrite_output_dir", False) and output_dir.is_dir():
+        if args.overwrite_output_dir and output_dir.is_dir():
             clear_folder(output_dir, keep=(LOCK_NAME,))  # the lock of this run, held by `hold_output_folder`
         elif asked_to_resume and fresh:  # every checkpoint set aside: start over, keeping them to look into
             clear_folder(output_dir, keep=(LOCK_NAME, *(path.name for path in corrupt_checkpoints(output_dir))))
@@ -132,12 +133,11 @@ def check_run_start(accelerator: Accelerator, args: argparse.Namespace,
     `args.resume_from_checkpoint` becomes the checkpoint's path (`latest` resolved), or None where
     every checkpoint was set aside (`resolve_resume_path`): the run starts over."""
     check_batch_budget(args)
-    resume_from = getattr(args, "resume_from_checkpoint", None)
-    if resume_from and not getattr(args, "do_train", True):
-        raise ValueError("--resume_from_checkpoint continues training; it does not go with --no-do_train")
-    check_output_dir(args.output_dir, overwrite=getattr(args, "overwrite_output_dir", False), resume=resume_from,
-                     inputs=[getattr(args, name, None) for name in
-                             (*input_options, *MODEL_PATH_OPTIONS, "model_name_or_path")])
+    resume_from = args.resume_from_checkpoint
+    if resume_from and not args.do_train:
+        raise BadInput("--resume_from_checkpoint continues training; it does not go with --no-do_train")
+    check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=resume_from,
+                     inputs=[vars(args)[name] for name in (*input_options, *MODEL_PATH_OPTIONS, "model_name_or_path")])
     if resume_from:
         with accelerator.main_process_first():  # the main process sets aside what fails its hash
             path = resolve_resume_path(resume_from, args.output_dir, report=accelerator.print,
@@ -400,7 +400,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator, model: torch.nn.Mo
     epochs = math.ceil(max_steps / max(updates_per_epoch, 1))
     losses: list[torch.Tensor] = []
     model.train()  # `from_pretrained` returns a model in eval mode: no dropout, no statistics updates
-    every = getattr(args, "record_norm_stats", 0) if accelerator.is_main_process else 0
+    every = args.record_norm_stats if accelerator.is_main_process else 0
     recorder = NormStatisticsRecorder(accelerator.unwrap_model(model), every_n_steps=every,
                                       output_file=Path(args.output_dir) / NORM_STATS_NAME)
     # A run resumed from its last checkpoint has nothing left to do.

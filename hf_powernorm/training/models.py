@@ -18,13 +18,14 @@ from accelerate.logging import get_logger
 from ..configuration_powernorm import PowerNormTransformerConfig
 from ..normalization import NORM_CLASSES, normalize_norm_name
 from .arguments import PN_OPTIONS, PN_UPDATE_COUNTS
+from .options import BadInput
 
 logger = get_logger(__name__)
 
 
 def powernorm_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Config fields from the PN options and `--dropout` that were given (the preset's otherwise)."""
-    overrides = {name: getattr(args, name) for name in PN_OPTIONS if getattr(args, name) is not None}
+    overrides = {name: vars(args)[name] for name in PN_OPTIONS if vars(args)[name] is not None}
     if overrides.get("powernorm_group_num") == "none":
         overrides["powernorm_group_num"] = None
     for name in PN_UPDATE_COUNTS:  # updates on the command line, forward passes in the config
@@ -64,13 +65,13 @@ def check_config_options(args: argparse.Namespace, default_size: dict[str, Any],
         source = (f"--config_name {args.config_name}" if args.config_name else
                   f"--preset {args.preset}" if args.preset else "the script's default size")
         message = " ".join(str(error).split())
-        raise ValueError(f"the model config ({source} with the command line's options): {message}") from None
+        raise BadInput(f"the model config ({source} with the command line's options): {message}") from None
 
 
 def _config_of(args: argparse.Namespace, token_ids: dict[str, Any], num_processes: int,
                default_size: dict[str, Any], max_length: int, **fields: Any) -> PowerNormTransformerConfig:
     """`build_config` with the vocabulary's size and special ids given as `token_ids`."""
-    norms = {k: getattr(args, k) for k in ("encoder_norm_type", "decoder_norm_type") if getattr(args, k)}
+    norms = {k: vars(args)[k] for k in ("encoder_norm_type", "decoder_norm_type") if vars(args)[k]}
     overrides = {**fields, **powernorm_overrides(args), **norms, **token_ids}
     if args.config_name:
         config = PowerNormTransformerConfig.from_pretrained(args.config_name, **overrides)
@@ -95,17 +96,17 @@ def load_pretrained_model(args: argparse.Namespace, model_class: type, tokenizer
     path = args.model_name_or_path
     config = PowerNormTransformerConfig.from_pretrained(path)
     if len(tokenizer) > config.vocab_size or tokenizer.pad_token_id != config.pad_token_id:
-        raise ValueError(f"--model_name_or_path {path} has vocab_size {config.vocab_size} and pad id "
-                         f"{config.pad_token_id}; the tokenizer has {len(tokenizer)} tokens and pad id "
-                         f"{tokenizer.pad_token_id}: pass the model's tokenizer (--tokenizer_name)")
+        raise BadInput(f"--model_name_or_path {path} has vocab_size {config.vocab_size} and pad id "
+                       f"{config.pad_token_id}; the tokenizer has {len(tokenizer)} tokens and pad id "
+                       f"{tokenizer.pad_token_id}: pass the model's tokenizer (--tokenizer_name)")
     differing = {k: (getattr(config, k, None), v) for k, v in fields.items() if getattr(config, k, None) != v}
     if differing:
-        raise ValueError(f"--model_name_or_path {path} does not fit this task's data: "
-                         + "; ".join(f"{k} is {saved!r} in the model, {wanted!r} here"
+        raise BadInput(f"--model_name_or_path {path} does not fit this task's data: "
+                       + "; ".join(f"{k} is {saved!r} in the model, {wanted!r} here"
                                      for k, (saved, wanted) in differing.items()))
     if config.max_position_embeddings < max_length + 2:
-        raise ValueError(f"--model_name_or_path {path} has max_position_embeddings "
-                         f"{config.max_position_embeddings}; sequences of {max_length} tokens need {max_length + 2}")
+        raise BadInput(f"--model_name_or_path {path} has max_position_embeddings "
+                       f"{config.max_position_embeddings}; sequences of {max_length} tokens need {max_length + 2}")
     overrides = powernorm_overrides(args)
     overrides["powernorm_sync_stats"] = _sync_stats(args, config, num_processes)
     return model_class.from_pretrained(path, **overrides)
@@ -121,7 +122,7 @@ def converter_options(args: argparse.Namespace, num_processes: int) -> dict[str,
     overrides = powernorm_overrides(args)
     fields = NORM_CLASSES["powernorm"].config_options
     options = {option: overrides[field] for option, field in fields.items() if field in overrides}
-    if not getattr(args, "preserve_function", False):
+    if not args.preserve_function:
         options["warmup_steps"] = overrides.get("powernorm_warmup_steps",
                                                 args.num_warmup_steps * args.gradient_accumulation_steps)
     options["sync_stats"] = num_processes > 1 if args.sync_stats is None else args.sync_stats
@@ -133,7 +134,7 @@ def calibration_batches(args: argparse.Namespace, calibration: tuple[Any, Any] |
     """The first `--calibration_batches` training batches for `--preserve_function` (with `always`,
     without it too), collated as in training (`--per_device_train_batch_size` examples, 8 under a
     token budget); None where there are none to take."""
-    wanted = always or getattr(args, "preserve_function", False)
+    wanted = always or args.preserve_function
     if not wanted or calibration is None or not args.calibration_batches:
         return None
     dataset, collate = calibration
@@ -154,13 +155,13 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
 
     path = args.model_name_or_path
     # Never None: Transformers would ask on the terminal whether to run a folder's own code.
-    trust_remote_code = bool(getattr(args, "trust_remote_code", False))
+    trust_remote_code = bool(args.trust_remote_code)
     config = load_converted_config(path, trust_remote_code=trust_remote_code)
     conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
     if conversion:
         if conversion["norm_type"] != args.convert_norms:
-            raise ValueError(f"--model_name_or_path {path} was converted to {conversion['norm_type']!r}, "
-                             f"not --convert_norms {args.convert_norms!r}")
+            raise BadInput(f"--model_name_or_path {path} was converted to {conversion['norm_type']!r}, "
+                           f"not --convert_norms {args.convert_norms!r}")
         model = load_converted(path, auto_class)
     else:
         model = load_pretrained(args, auto_class, **fields)
@@ -174,7 +175,7 @@ def load_pretrained(args: argparse.Namespace, auto_class: type, **fields: Any) -
     classification head of another size than the data's classes is rebuilt)."""
     task = {k: v for k, v in fields.items() if k in ("num_labels", "id2label", "label2id", "ignore_mismatched_sizes")}
     return auto_class.from_pretrained(args.model_name_or_path,
-                                      trust_remote_code=bool(getattr(args, "trust_remote_code", False)), **task)
+                                      trust_remote_code=bool(args.trust_remote_code), **task)
 
 
 def convert_loaded(model: torch.nn.Module, args: argparse.Namespace, num_processes: int,
@@ -184,8 +185,8 @@ def convert_loaded(model: torch.nn.Module, args: argparse.Namespace, num_process
     report. `centre_stream=False` where the stream was centred before (`converter.centre_stream`)."""
     from ..converter import convert_norms
 
-    report = convert_norms(model, args.convert_norms, modules=getattr(args, "convert_modules", None),
-                           preserve_function=getattr(args, "preserve_function", False),
+    report = convert_norms(model, args.convert_norms, modules=args.convert_modules,
+                           preserve_function=args.preserve_function,
                            calibration_batches=calibration_batches(args, calibration), centre_stream=centre_stream,
                            **converter_options(args, num_processes))
     logger.info(f"converted the norms of {args.model_name_or_path}: {report}")
@@ -196,7 +197,7 @@ def check_embeddings(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
     """A ValueError where the tokenizer has more tokens than the model embeds."""
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
-        raise ValueError(f"--model_name_or_path {path} embeds {embeddings} tokens; the tokenizer has {len(tokenizer)}")
+        raise BadInput(f"--model_name_or_path {path} embeds {embeddings} tokens; the tokenizer has {len(tokenizer)}")
 
 
 def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num_processes: int,
@@ -204,9 +205,9 @@ def build_model(args: argparse.Namespace, model_class: type, tokenizer: Any, num
                 calibration: tuple[Any, Any] | None = None, **fields: Any) -> torch.nn.Module:
     """`--model_name_or_path` converted (`--convert_norms`, with `auto_class`) or loaded, else a
     new `model_class` from `build_config`."""
-    if getattr(args, "convert_norms", None):
+    if args.convert_norms:
         if auto_class is None:
-            raise ValueError("--convert_norms is not offered by this script")
+            raise BadInput("--convert_norms is not offered by this script")
         return load_and_convert(args, auto_class, tokenizer, num_processes, calibration, **fields)
     if args.model_name_or_path:
         return load_pretrained_model(args, model_class, tokenizer, num_processes, max_length, **fields)
@@ -250,8 +251,8 @@ def resolve_model_path(name_or_path: str) -> str:
     try:
         folder = snapshot_download(name_or_path)
     except Exception as error:
-        raise ValueError(f"--model_name_or_path {name_or_path!r} is neither a folder nor a Hub repository that "
-                         f"can be reached or is in the cache ({type(error).__name__}: {error})") from error
+        raise BadInput(f"--model_name_or_path {name_or_path!r} is neither a folder nor a Hub repository that "
+                       f"can be reached or is in the cache ({type(error).__name__}: {error})") from error
     return check_model_folder(folder, name_or_path)
 
 
@@ -260,8 +261,8 @@ def check_model_folder(folder: str, name: str | None = None) -> str:
     `config.json`; a ValueError saying that it does not otherwise."""
     if not (Path(folder) / "config.json").is_file():
         shown = folder if name is None or name == folder else f"{name!r} ({folder})"
-        raise ValueError(f"--model_name_or_path {shown} holds no config.json: expected a model folder written "
-                         f"by save_pretrained (an export or a step_<N> checkpoint of a recipe)")
+        raise BadInput(f"--model_name_or_path {shown} holds no config.json: expected a model folder written "
+                       f"by save_pretrained (an export or a step_<N> checkpoint of a recipe)")
     return folder
 
 
@@ -272,8 +273,8 @@ def model_tokenizer_path(args: argparse.Namespace) -> str | None:
         return args.tokenizer_name
     if args.model_name_or_path:
         if not (Path(args.model_name_or_path) / "tokenizer.json").is_file():
-            raise ValueError(f"--model_name_or_path {args.model_name_or_path} holds no tokenizer.json; "
-                             f"pass the tokenizer it was trained with as --tokenizer_name")
+            raise BadInput(f"--model_name_or_path {args.model_name_or_path} holds no tokenizer.json; "
+                           f"pass the tokenizer it was trained with as --tokenizer_name")
         return args.model_name_or_path
     return None
 

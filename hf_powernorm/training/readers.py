@@ -26,6 +26,7 @@ from .corpora import (
     synthetic_lm_corpus,
     synthetic_translation_corpus,
 )
+from .options import BadInput, MissingInput
 
 SPLITS = ("train", "validation", "test")
 _JSON_SUFFIXES = (".json", ".jsonl")
@@ -86,16 +87,16 @@ def rename_columns(part: Dataset, columns: dict[str, str] | None, origin: str) -
 def _check_file(path: str | Path, what: str = "data file") -> Path:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
+        raise MissingInput(f"{what} not found: {path}")
     return path
 
 
 def _check_splits(dataset: DatasetDict, origin: str) -> DatasetDict:
     if "train" not in dataset and "validation" not in dataset and "test" not in dataset:
-        raise ValueError(f"{origin} has none of the splits {SPLITS}; found {list(dataset)}")
+        raise BadInput(f"{origin} has none of the splits {SPLITS}; found {list(dataset)}")
     for split, part in dataset.items():
         if len(part) == 0:
-            raise ValueError(f"split {split!r} of {origin} is empty")
+            raise BadInput(f"split {split!r} of {origin} is empty")
     return dataset
 
 
@@ -139,15 +140,15 @@ def _translation_from_prefix(prefix: str, source_lang: str, target_lang: str, sp
     missing = [p for p in paths if not p.is_file()]
     if missing:
         found = sorted(p.suffix[1:] for p in Path(prefix).parent.glob(Path(prefix).name + ".*"))
-        raise FileNotFoundError(
+        raise MissingInput(
             f"language pair {source_lang}-{target_lang}: {', '.join(map(str, missing))} not found; "
             f"languages found for prefix {prefix!r}: {found or 'none'}")
     line_counts = [sum(1 for _ in read_lines(p)) for p in paths]
     if line_counts[0] != line_counts[1]:
-        raise ValueError(f"{paths[0]} has {line_counts[0]} lines but {paths[1]} has {line_counts[1]}: "
-                         f"parallel files must be aligned line by line")
+        raise BadInput(f"{paths[0]} has {line_counts[0]} lines but {paths[1]} has {line_counts[1]}: "
+                       f"parallel files must be aligned line by line")
     if line_counts[0] == 0:
-        raise ValueError(f"split {split!r} is empty: {paths[0]} and {paths[1]} hold no line")
+        raise BadInput(f"split {split!r} is empty: {paths[0]} and {paths[1]} hold no line")
     columns = {lang: datasets.Value("string") for lang in (source_lang, target_lang)}
     features = datasets.Features({"translation": columns})
     # Tuples, not lists: `from_generator` would shard list arguments over several generator calls.
@@ -159,7 +160,7 @@ def _translation_from_prefix(prefix: str, source_lang: str, target_lang: str, sp
 def _translation_languages(dataset: Dataset) -> list[str]:
     feature = dataset.features.get("translation")
     if feature is None:
-        raise ValueError(f"translation data needs a 'translation' column; found {dataset.column_names}")
+        raise BadInput(f"translation data needs a 'translation' column; found {dataset.column_names}")
     languages = getattr(feature, "languages", None)
     return sorted(languages) if languages is not None else sorted(feature)
 
@@ -194,8 +195,8 @@ def load_translation_dataset(source_lang: str, target_lang: str, *, dataset_name
     for split, part in dataset.items():
         languages = _translation_languages(part)
         if source_lang not in languages or target_lang not in languages:
-            raise ValueError(f"language pair {source_lang}-{target_lang} not in split {split!r} of "
-                             f"{origin}; languages found: {languages}")
+            raise BadInput(f"language pair {source_lang}-{target_lang} not in split {split!r} of "
+                           f"{origin}; languages found: {languages}")
     return dataset
 
 
@@ -260,7 +261,7 @@ def _rename_text_column(dataset: Dataset, origin: str) -> Dataset:
         return dataset
     if "sentence" in dataset.column_names:
         return dataset.rename_column("sentence", "text")
-    raise ValueError(f"{origin} needs a 'text' or 'sentence' column; found {dataset.column_names}")
+    raise BadInput(f"{origin} needs a 'text' or 'sentence' column; found {dataset.column_names}")
 
 
 def label_to_id(label: Any, label_names: Sequence[str], where: str) -> int:
@@ -269,8 +270,8 @@ def label_to_id(label: Any, label_names: Sequence[str], where: str) -> int:
         return list(label_names).index(label.strip())
     if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(label_names):
         return label
-    raise ValueError(f"unknown label {label!r} in {where}; expected one of {list(label_names)} "
-                     f"or an index below {len(label_names)}")
+    raise BadInput(f"unknown label {label!r} in {where}; expected one of {list(label_names)} "
+                   f"or an index below {len(label_names)}")
 
 
 def _labelled_features(label_names: Sequence[str]) -> datasets.Features:
@@ -282,8 +283,8 @@ def _phrasebank_rows(path: str, label_names: tuple[str, ...], signature: Any) ->
         if not line.strip():
             continue
         if "@" not in line:
-            raise ValueError(f"{path}:{number}: no label was found: expected 'sentence@label' (or a CSV or JSON "
-                             f"lines file with a label column), got {line[:80]!r}")
+            raise BadInput(f"{path}:{number}: no label was found: expected 'sentence@label' (or a CSV or JSON "
+                           f"lines file with a label column), got {line[:80]!r}")
         text, label = line.rsplit("@", 1)
         yield {"text": text.strip(), "label": label_to_id(label, label_names, f"{path}:{number}")}
 
@@ -295,7 +296,7 @@ def read_phrasebank(path: str | Path, label_names: Sequence[str] = SENTIMENT_LAB
     # Checked here, where a bad line's error reaches the caller as it is (inside the generator,
     # `datasets` would wrap it in a generic generation error).
     if not sum(1 for _ in _phrasebank_rows(**kwargs)):
-        raise ValueError(f"{path} holds no sentence")
+        raise BadInput(f"{path} holds no sentence")
     return Dataset.from_generator(_phrasebank_rows, features=_labelled_features(label_names), gen_kwargs=kwargs)
 
 
@@ -307,11 +308,11 @@ def read_table(path: str) -> Dataset:
     except datasets.exceptions.DatasetGenerationError as error:
         line = _first_line_not_utf8(Path(path))
         if line is not None:
-            raise ValueError(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
+            raise BadInput(f"{path}:{line[0]}: not UTF-8 ({line[1]}); save the file as UTF-8") from error
         cause = error
         while cause.__cause__ is not None:  # the parser's own error, under the generation's
             cause = cause.__cause__
-        raise ValueError(f"{path} cannot be read as {builder.upper()} ({type(cause).__name__}: {cause})") from error
+        raise BadInput(f"{path} cannot be read as {builder.upper()} ({type(cause).__name__}: {cause})") from error
 
 
 def _first_line_not_utf8(path: Path) -> tuple[int, str] | None:
@@ -329,8 +330,8 @@ def _read_labelled_table(path: str, label_names: Sequence[str], columns: dict[st
     """CSV or JSON lines with a `text` (or `sentence`) column and a `label` column (or those of `columns`)."""
     table = _rename_text_column(rename_columns(read_table(path), columns, path), path)
     if "label" not in table.column_names:
-        raise ValueError(f"{path}: no label was found: expected a 'label' column (or name yours with "
-                         f"--label_column); its columns are {table.column_names}")
+        raise BadInput(f"{path}: no label was found: expected a 'label' column (or name yours with "
+                       f"--label_column); its columns are {table.column_names}")
     return _labels_to_ids(table.select_columns(["text", "label"]), label_names, path)
 
 
@@ -394,7 +395,7 @@ def label_names_of(dataset: DatasetDict) -> list[str]:
     """The class names of a classification `DatasetDict` (for `id2label` in the model config)."""
     feature = next(iter(dataset.values())).features["label"]
     if not isinstance(feature, ClassLabel):
-        raise ValueError(f"the 'label' column must be a ClassLabel with names; got {feature}")
+        raise BadInput(f"the 'label' column must be a ClassLabel with names; got {feature}")
     return list(feature.names)
 
 

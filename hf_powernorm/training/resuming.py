@@ -30,6 +30,7 @@ from .checkpoints import (
     set_aside,
     tokenizer_hash,
 )
+from .options import BadInput
 from .tokenization import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
         try:
             read_manifest(path)
         except IncompleteCheckpointError as error:
-            raise ValueError(f"--resume_from_checkpoint {path} is not a complete checkpoint: {error}") from None
+            raise BadInput(f"--resume_from_checkpoint {path} is not a complete checkpoint: {error}") from None
         return path
     output_dir = Path(output_dir)
     skipped = incomplete_checkpoints(output_dir) if output_dir.is_dir() else []
@@ -72,9 +73,9 @@ def resolve_resume_path(resume_from_checkpoint: str, output_dir: str | Path,
         logger.warning(f"no valid checkpoint left in {output_dir}: the run starts over")
         return None
     if chosen is None:
-        raise ValueError(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
-                         + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: run the "
-                         "command without --resume_from_checkpoint in a new --output_dir")
+        raise BadInput(f"--resume_from_checkpoint latest: no complete step_* checkpoint in {output_dir}"
+                       + (f"; incomplete: {reasons}" if skipped else "") + ". Nothing to resume: run the "
+                       "command without --resume_from_checkpoint in a new --output_dir")
     return chosen
 
 
@@ -85,8 +86,9 @@ def check_resume_options(path: str | Path, args: argparse.Namespace) -> None:
     difference."""
     manifest = read_manifest(path, verify_hashes=False)
     saved, identity = manifest["options"], manifest["identity"]
-    differences = [f"--{name} is {getattr(args, name, None)!r} here, {saved[name]!r} there"
-                   for name in RESUME_OPTIONS if name in saved and getattr(args, name, None) != saved[name]]
+    given = vars(args)  # the options by name
+    differences = [f"--{name} is {given[name]!r} here, {saved[name]!r} there"
+                   for name in RESUME_OPTIONS if name in saved and given[name] != saved[name]]
     source = args.tokenizer_name or (args.model_name_or_path if has_tokenizer(args.model_name_or_path) else None)
     if source is not None:
         tokenizer = load_tokenizer(source)
@@ -98,9 +100,9 @@ def check_resume_options(path: str | Path, args: argparse.Namespace) -> None:
             differences.append(f"--vocab_size is {args.vocab_size} here, {saved['vocab_size']} there")
         args.tokenizer_name = str(path)
     if differences:
-        raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another "
-                         f"configuration: {'; '.join(differences)}. Resume with that run's options, or start "
-                         f"a new run in another --output_dir")
+        raise BadInput(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another "
+                       f"configuration: {'; '.join(differences)}. Resume with that run's options, or start "
+                       f"a new run in another --output_dir")
 
 
 def check_resume_model(path: str | Path, model: torch.nn.Module, tokenizer: Any) -> None:
@@ -120,8 +122,8 @@ def check_resume_model(path: str | Path, model: torch.nn.Module, tokenizer: Any)
     if identity["tokenizer"] != saved["tokenizer"]:
         differences.append(f"the tokenizer differs ({identity['vocabulary_size']} tokens here, "
                            f"{saved['vocabulary_size']} there)")
-    raise ValueError(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another configuration: "
-                     f"{'; '.join(differences)}")
+    raise BadInput(f"--resume_from_checkpoint {path}: the checkpoint belongs to a run of another configuration: "
+                   f"{'; '.join(differences)}")
 
 
 def resume(accelerator: Accelerator, path: Path, gradient_accumulation_steps: int, batches_per_epoch: int,

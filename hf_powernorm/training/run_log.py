@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic_files import write_text_atomically
+from .options import MissingInput
 
 LOG_NAME = "training_log.jsonl"
 
@@ -36,7 +37,7 @@ def read_run_log(output_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's `training_log.jsonl`, oldest first."""
     path = Path(output_dir) / LOG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: no run has logged to {output_dir}")
+        raise MissingInput(f"{path} not found: no run has logged to {output_dir}")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 

@@ -95,10 +95,10 @@ class Task:
         line is: a call of the task from code instead of a command line built for it."""
         parser = cls.build_parser()
         args = parser.parse_args([])
-        unknown = sorted(set(options) - set(vars(args)))
+        actions = {action.dest: action for action in parser._actions if action.dest != "help"}
+        unknown = sorted(set(options) - set(actions))
         if unknown:
-            raise TypeError(f"{cls.__name__}.from_options: unknown options {unknown}; valid: {sorted(vars(args))}")
-        actions = {action.dest: action for action in parser._actions}
+            raise TypeError(f"{cls.__name__}.from_options: unknown options {unknown}; valid: {sorted(actions)}")
         for name, value in options.items():
             setattr(args, name, _parsed(actions[name], value))
         task = cls(cls.check_options(args))

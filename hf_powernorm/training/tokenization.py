@@ -28,6 +28,8 @@ from typing import Any
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
+from .options import BadInput, MissingInput
+
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's dictionary order: ids 0-3
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens; got {vocab_size}")
+        raise BadInput(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens; got {vocab_size}")
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -89,9 +91,9 @@ def load_tokenizer(path: str | Path, model_max_length: int | None = None):
     from transformers import PreTrainedTokenizerFast
 
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        raise MissingInput(f"tokenizer directory not found: {path}")
     if not (Path(path) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{path} holds no tokenizer.json (a fast tokenizer saved with save_pretrained)")
+        raise MissingInput(f"{path} holds no tokenizer.json (a fast tokenizer saved with save_pretrained)")
     # The fast-tokenizer class reads tokenizer.json itself: no model config, so no remote-code question.
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
     # Where it was loaded from, not what it is: kept, they would travel into every export (and to the Hub).
@@ -99,7 +101,7 @@ def load_tokenizer(path: str | Path, model_max_length: int | None = None):
         tokenizer.init_kwargs.pop(name, None)
     pad_with_eos(tokenizer, str(path))
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {path} has no eos_token; the recipes need one")
+        raise BadInput(f"tokenizer {path} has no eos_token; the recipes need one")
     if model_max_length:
         tokenizer.model_max_length = model_max_length
         tokenizer.init_kwargs["model_max_length"] = model_max_length
@@ -114,8 +116,8 @@ def pad_with_eos(tokenizer: PreTrainedTokenizerBase, source: str) -> PreTrainedT
     if tokenizer.pad_token is not None:
         return tokenizer
     if tokenizer.eos_token is None:
-        raise ValueError(f"the tokenizer of {source} has no padding token and no end-of-sequence token to pad "
-                         f"with: set one of its tokens as tokenizer.pad_token and save it with save_pretrained")
+        raise BadInput(f"the tokenizer of {source} has no padding token and no end-of-sequence token to pad "
+                       f"with: set one of its tokens as tokenizer.pad_token and save it with save_pretrained")
     tokenizer.pad_token = tokenizer.eos_token
     if source in _PADDED_WITH_EOS:
         return tokenizer
@@ -166,8 +168,8 @@ def special_tokens_added(tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int,
     for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
             return tuple(full[:start]), tuple(full[start + len(plain):])
-    raise ValueError(f"{type(tokenizer).__name__} encodes 'a' as {full} with its special tokens and as {plain} "
-                     f"without: expected the second inside the first")
+    raise BadInput(f"{type(tokenizer).__name__} encodes 'a' as {full} with its special tokens and as {plain} "
+                   f"without: expected the second inside the first")
 
 
 def sequence_ends(tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -190,8 +192,8 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str],
     else:
         room = max_length - len(prefix) - len(suffix)
         if room < 1:
-            raise ValueError(f"max_length {max_length} leaves no room for a token between the "
-                             f"{len(prefix) + len(suffix)} tokens that enclose a sequence")
+            raise BadInput(f"max_length {max_length} leaves no room for a token between the "
+                           f"{len(prefix) + len(suffix)} tokens that enclose a sequence")
         rows = tokenizer(texts, add_special_tokens=False, max_length=room, truncation=True)["input_ids"]
     return [[*prefix, *row, *suffix] for row in rows]
 
@@ -306,7 +308,7 @@ def tokenize_lines(dataset: DatasetDict, tokenizer, *, documents: Collection[str
 
     unknown = sorted(set(documents) - set(dataset))
     if unknown:
-        raise ValueError(f"documents names splits {unknown} that are not among {list(dataset)}")
+        raise BadInput(f"documents names splits {unknown} that are not among {list(dataset)}")
     out = DatasetDict()
     for split, part in dataset.items():
         function, ends = (encode_documents, document_ends) if split in documents else (encode_lines, line_end)
@@ -340,7 +342,7 @@ def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None =
     block of a batch may be shorter (the collator pads it and masks its labels).
     """
     if block_size < 2:
-        raise ValueError(f"block_size must be at least 2; got {block_size}")
+        raise BadInput(f"block_size must be at least 2; got {block_size}")
     stride = block_size - 1
 
     def blocks_of(part: Dataset) -> Callable:
@@ -356,7 +358,7 @@ def lm_blocks(tokenized: DatasetDict, block_size: int, *, num_proc: int | None =
     for split, part in tokenized.items():
         cut = blocks_of(part)
         if _count_tokens(part, at_most=2) < 2:
-            raise ValueError(f"the token stream of split {split!r} has fewer than 2 tokens")
+            raise BadInput(f"the token stream of split {split!r} has fewer than 2 tokens")
         out[split] = part.map(cut, batched=True, batch_size=lines_per_batch, with_indices=True,
                               num_proc=num_proc, remove_columns=part.column_names,
                               load_from_cache_file=not overwrite_cache,
@@ -392,6 +394,6 @@ def sequence_lengths(dataset: Dataset, columns: Sequence[str] = ("input_ids", "l
         return list(dataset["length"])
     present = [c for c in columns if c in dataset.column_names]
     if not present:
-        raise ValueError(f"none of the columns {list(columns)} in {dataset.column_names}")
+        raise BadInput(f"none of the columns {list(columns)} in {dataset.column_names}")
     columns_lengths = [map(len, dataset[c]) for c in present]
     return [max(lens) for lens in zip(*columns_lengths)]

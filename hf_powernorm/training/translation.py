@@ -20,6 +20,7 @@ from .batching import PaddingCollator
 from .evaluation import evaluate_bleu
 from .losses import check_label_smoothing, translation_loss
 from .metrics import OncePerMessage
+from .options import BadInput
 from .readers import data_files_from_args, limit_splits, load_translation_dataset
 from .tasks import Task, register_task, run_task
 from .tokenization import tokenize_translation, translation_texts
@@ -55,13 +56,13 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     """The recipes' checks, then the translation options' (the two maximum lengths filled in)."""
     check_args(args, path_options=Translation.input_path_options)
     if args.source_lang == args.target_lang:
-        raise ValueError(f"--source_lang and --target_lang are both {args.source_lang!r}")
+        raise BadInput(f"--source_lang and --target_lang are both {args.source_lang!r}")
     check_label_smoothing(args.label_smoothing, "--label_smoothing")
     args.max_source_length = args.max_source_length or args.max_length
     args.max_target_length = args.max_target_length or args.max_length
     for option in ("num_beams", "max_new_tokens", "max_source_length", "max_target_length"):
-        if getattr(args, option) < 1:
-            raise ValueError(f"--{option} must be at least 1; got {getattr(args, option)}")
+        if vars(args)[option] < 1:
+            raise BadInput(f"--{option} must be at least 1; got {vars(args)[option]}")
     return args
 
 
@@ -88,7 +89,7 @@ class Translation(Task):
         args = self.args
         raw = self.read_splits(args.seed)
         if "train" not in raw and args.do_train:
-            raise ValueError(f"no train split; got {list(raw)} (pass --train_file)")
+            raise BadInput(f"no train split; got {list(raw)} (pass --train_file)")
         raw = limit_splits(raw, args.max_train_samples, args.max_eval_samples)
         languages = (args.source_lang, args.target_lang)
         self.prepare_tokenizer(accelerator, lambda: translation_texts(raw["train"], languages))
@@ -100,16 +101,15 @@ class Translation(Task):
         `--target_column`, e.g. a document and its summary)."""
         args = self.args
         files = data_files_from_args(args.train_file, args.validation_file, args.test_file)
-        source = getattr(args, "source_column", None)
-        columns = {"source": source, "target": args.target_column} if source else None
+        columns = {"source": args.source_column, "target": args.target_column} if args.source_column else None
         return load_translation_dataset(args.source_lang, args.target_lang, dataset_name=args.dataset_name,
                                         dataset_config=args.dataset_config, data_files=files, columns=columns)
 
     def tokenize(self, raw, tokenizer):
         args = self.args
         return tokenize_translation(raw, tokenizer, args.source_lang, args.target_lang,
-                                    getattr(args, "max_source_length", None) or args.max_length,
-                                    getattr(args, "max_target_length", None) or args.max_length,
+                                    args.max_source_length or args.max_length,
+                                    args.max_target_length or args.max_length,
                                     **self.tokenize_options())
 
     def describe(self, data: dict) -> str:
@@ -135,8 +135,8 @@ class Translation(Task):
 
     def generate_options(self) -> dict:
         args = self.args
-        options = {"num_beams": args.num_beams, "length_penalty": getattr(args, "length_penalty", None),
-                   "max_new_tokens": getattr(args, "max_new_tokens", None) or args.max_length}
+        options = {"num_beams": args.num_beams, "length_penalty": args.length_penalty,
+                   "max_new_tokens": args.max_new_tokens or args.max_length}
         return {k: v for k, v in options.items() if v is not None}
 
     def samples(self, accelerator: Accelerator, model, raw, data, collate) -> list[dict[str, str]]:

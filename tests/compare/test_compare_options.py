@@ -59,7 +59,8 @@ def test_help_by_python_m_imports_no_torch(module):
                           text=True, env=_env(), timeout=120)
     assert done.returncode == 0 and "--trust_remote_code" in done.stdout
     imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "hf_powernorm.compare.options" in imported and not {"torch", "transformers"} & imported
+    assert {"hf_powernorm.compare.options", "hf_powernorm.training.options"} <= imported
+    assert not {"torch", "transformers"} & imported
 
 
 def test_the_help_of_norms_names_every_norm_of_the_registry():
@@ -110,8 +111,7 @@ def test_the_options_shared_with_the_recipes_parse_as_theirs():
     assert len(shared) > 30 and not set(recipe) - set(ours) - set(compare.NOT_TAKEN) - {"help"}
     for name in shared:
         assert ours[name].option_strings == recipe[name].option_strings, name
-        assert (ours[name].type, ours[name].nargs) == (recipe[name].type, recipe[name].nargs) or \
-            name == "powernorm_group_num", name
+        assert (ours[name].type, ours[name].nargs) == (recipe[name].type, recipe[name].nargs), name
     assert list(ours["lr_scheduler_type"].choices) == list(SCHEDULER_TYPES)
 
 

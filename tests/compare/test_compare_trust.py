@@ -621,8 +621,10 @@ def test_a_run_in_a_fresh_process_of_jobs_has_the_library_bars_off(monkeypatch, 
 
 
 def test_a_message_over_several_lines_is_printed_as_one(capsys):
+    from hf_powernorm.training.options import BadInput
+
     def entry(argv):
-        raise ValueError("the data cannot be read:\n  line 2 of the library's message\n")
+        raise BadInput("the data cannot be read:\n  line 2 of the library's message\n")
 
     with pytest.raises(SystemExit) as stopped:
         cli.run_command("compare", entry, [])
