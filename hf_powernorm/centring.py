@@ -19,7 +19,8 @@ head untied).
   where that changes the output, one by one (a convolution before a GELU, a pooler, a layer scale
   stay as they are);
 then a head whose weight is a centred embedding's is untied (`tie_word_embeddings=False` in the
-config: the head keeps the uncentred table, which the final norm's output meets), and the writers
+config: the head keeps the uncentred table, which the final norm's output meets; the config marked
+so that the model's other ties reload, `kept_ties`), and the writers
 are centred in float64. Whether each norm's input is centred is measured by the caller, on the
 calibration batches.
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .converted_norms import text_config
+from .converted_norms import UNTIED_HEAD_CONFIG_KEY, kept_ties, text_config
 
 
 @dataclass(eq=False)  # compared by identity: its tensors have no truth value
@@ -213,7 +214,9 @@ def _centre_output(dim: int):
 
 def _untie_head(model: nn.Module, writers: list[Writer]) -> str | None:
     """Give the output embeddings a copy of their weight where it is a writer's (a tied head), and
-    record `tie_word_embeddings=False` so that saving and loading keep them apart; their path or None."""
+    record `tie_word_embeddings=False` so that saving and loading keep them apart; their path or None.
+    Transformers reads every tie of the model off that flag, so the config is also marked
+    (`UNTIED_HEAD_CONFIG_KEY`): a converted model reloads with its other ties (`kept_ties`)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     weight = getattr(head, "weight", None)
@@ -222,7 +225,11 @@ def _untie_head(model: nn.Module, writers: list[Writer]) -> str | None:
     head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     config = getattr(model, "config", None)
     for part in {id(c): c for c in (config, text_config(config)) if c is not None}.values():
+        if getattr(part, "tie_word_embeddings", False):
+            setattr(part, UNTIED_HEAD_CONFIG_KEY, True)  # the model's other ties hold: `kept_ties`
         part.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):
+        model.all_tied_weights_keys = kept_ties(model)  # `tie_weights` must not tie the head again
     return next(name for name, module in model.named_modules() if module is head)
 
 

@@ -11,7 +11,9 @@ model from `config.powernorm_conversion` alone:
   converted norms and for `convert_norms`' calibration of their sources alike;
 - `replay_conversion(model, record)`: build the recorded norms in place of the model's own, on the
   `meta` device too, in the module paths of `model`, which may be another head of the model that was
-  converted (`LlamaModel` for a converted `LlamaForCausalLM`).
+  converted (`LlamaModel` for a converted `LlamaForCausalLM`);
+- `kept_ties(model)`: the weight ties that hold in a model whose head centring untied, which
+  `tie_word_embeddings=False` alone would drop on reload (BART's shared embeddings, BERT's decoder bias).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from .normalization import build_norm, normalize_norm_name
 
 CONVERSION_CONFIG_KEY = "powernorm_conversion"
+UNTIED_HEAD_CONFIG_KEY = "powernorm_untied_head"  # true where centring set `tie_word_embeddings` false
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
 ENCODER, DECODER, MAIN = "encoder", "decoder", "main"
 UNMASKED = "unmasked"  # a norm outside a composite model's language model: the mask is not of its positions
@@ -327,6 +330,35 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def kept_ties(model: nn.Module) -> dict[str, str]:
+    """The `{target: source}` weight ties of `model` that hold after centring untied its head: its
+    `_tied_weights_keys` (expanded, over every submodel) as Transformers reads them with each config
+    that `UNTIED_HEAD_CONFIG_KEY` marks tied again, less those of the output embeddings' weight.
+
+    Untying the head sets `tie_word_embeddings=False` (`centring.py`), and Transformers 5 reads a
+    model's every tie off that flag, not its head's alone: BART's encoder and decoder embeddings
+    stay its shared table and BERT's decoder bias its prediction bias in memory, `save_pretrained`
+    writes each shared tensor once, and a load that knew only the flag would miss the others.
+    Works on the `meta` device (names only)."""
+    marked = {id(c): c for m in model.modules() if isinstance(m, transformers.PreTrainedModel)
+              for c in (m.config, text_config(m.config)) if getattr(c, UNTIED_HEAD_CONFIG_KEY, False)}
+    if not marked:
+        return model.get_expanded_tied_weights_keys(all_submodels=True)
+    flags = {key: config.tie_word_embeddings for key, config in marked.items()}
+    try:
+        for config in marked.values():
+            config.tie_word_embeddings = True
+        ties = model.get_expanded_tied_weights_keys(all_submodels=True)
+    finally:
+        for key, config in marked.items():
+            config.tie_word_embeddings = flags[key]
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    untied = {name for name, parameter in model.named_parameters(remove_duplicate=False) if parameter is weight}
+    return {target: source for target, source in ties.items() if target not in untied and source not in untied}
+
+
 def language_model_prefixes(model: nn.Module) -> tuple[str, ...] | None:
     """The module paths of a composite model's language model: the outermost sub-models built from
     its text config (`text_config`, a config of another class than the model's), such as Gemma 3's
@@ -372,5 +404,5 @@ def _role(name: str, encoder_prefix: str | None, encoder_decoder: bool,
     return ENCODER if is_under(name, (encoder_prefix,)) else DECODER
 
 
-__all__ = ["CONVERSION_CONFIG_KEY", "MaskAwareNorm", "MaskRoles", "NormMaskContext", "check_unpatched", "is_under",
-           "language_model_prefixes", "mask_roles", "norm_epsilon", "norm_size", "replay_conversion", "text_config"]
+__all__ = ["CONVERSION_CONFIG_KEY", "UNTIED_HEAD_CONFIG_KEY", "MaskAwareNorm", "MaskRoles", "NormMaskContext",
+           "check_unpatched", "is_under", "kept_ties", "language_model_prefixes", "mask_roles", "norm_epsilon", "norm_size", "replay_conversion", "text_config"]

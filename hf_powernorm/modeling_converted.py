@@ -40,7 +40,7 @@ import torch
 import transformers
 from torch import nn
 
-from .converted_norms import CONVERSION_CONFIG_KEY, replay_conversion
+from .converted_norms import CONVERSION_CONFIG_KEY, UNTIED_HEAD_CONFIG_KEY, kept_ties, replay_conversion, text_config
 from .integrations import PeftStatisticsCheck
 
 MODEL_TYPE_PREFIX = "powernorm_converted_"
@@ -125,6 +125,11 @@ def _model_class(base: type) -> type:
             raise ValueError(f"{base.__name__} (converted) needs config.{CONVERSION_CONFIG_KEY}, the record that "
                              f"convert_norms writes; got {conversion!r}")
         replay_conversion(self, conversion)
+        if any(getattr(c, UNTIED_HEAD_CONFIG_KEY, False) for c in (self.config, text_config(self.config))):
+            # A head that centring untied: `tie_word_embeddings` is false, but the model's other ties
+            # hold (`kept_ties`); `save_pretrained` wrote each of their tensors once.
+            self.all_tied_weights_keys = kept_ties(self)
+            self.tie_weights(recompute_mapping=False)
 
     def is_custom_code(cls) -> bool:
         """The base class's answer: a converted class runs Transformers' own modeling code, its norms
