@@ -411,8 +411,8 @@ def pn_backward(dy: torch.Tensor, x: torch.Tensor, token_weights: torch.Tensor |
     dx = torch.empty_like(x) if input_gradient else None
     sums = torch.empty(3, channels, dtype=torch.float64)
     vectors = [_float_vector(t) for t in (weight, nu, inv_s, inv_s_b)]  # kept alive across the call
-    _library.pn_backward(_ptr(dy), _ptr(x), *_mask_args(token_weights), tokens, channels, group_num or 0, eps,
-                         torch.get_num_threads(), *map(_ptr, vectors), _ptr(dx), _ptr(sums[0]), _ptr(sums[1]),
+    _library.pn_backward(_ptr(dy), _ptr(x), *_mask_args(token_weights, tokens), tokens, channels, group_num or 0,
+                         eps, torch.get_num_threads(), *map(_ptr, vectors), _ptr(dx), _ptr(sums[0]), _ptr(sums[1]),
                          _ptr(sums[2]))
     return dx, sums
 
@@ -458,11 +458,10 @@ def pn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int |
     tokens, channels = x.shape
     y, stats, count = torch.empty_like(x), torch.empty(3, channels), ctypes.c_float()
     status = _library.pn_step_forward(
-        x.data_ptr(), None if mask is None else mask.data_ptr(), 0 if mask is None else MASK_KINDS[mask.dtype],
-        tokens, channels, group_num or 0, group_eps, torch.get_num_threads(), weight.data_ptr(),
-        bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, warmup_steps, ramp_steps, ema_rate,
-        reference, batch_backward, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), stats.data_ptr(),
-        ctypes.byref(count))
+        x.data_ptr(), *_mask_args(mask, tokens), tokens, channels, group_num or 0, group_eps,
+        torch.get_num_threads(), weight.data_ptr(), bias.data_ptr(), running_phi.data_ptr(), _counter_ptr(counter),
+        eps, warmup_steps, ramp_steps, ema_rate, reference, batch_backward, tokens * channels * 4 >= STREAM_BYTES,
+        y.data_ptr(), stats.data_ptr(), ctypes.byref(count))
     return status, y, stats, count.value
 
 
@@ -474,15 +473,36 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
     tokens, channels = x.shape
     dx, grads = torch.empty_like(x), torch.empty(2, channels)
     status = _library.pn_step_backward(
-        dy.data_ptr(), x.data_ptr(), None if mask is None else mask.data_ptr(),
-        0 if mask is None else MASK_KINDS[mask.dtype], tokens, channels, group_num or 0, group_eps,
+        dy.data_ptr(), x.data_ptr(), *_mask_args(mask, tokens), tokens, channels, group_num or 0, group_eps,
         torch.get_num_threads(), weight.data_ptr(), running_nu.data_ptr(), stats.data_ptr(), count, usable, rate,
         tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
     return status, dx, grads
 
 
-def _mask_args(mask: torch.Tensor | None) -> tuple:
-    return (None, 0) if mask is None else (mask.data_ptr(), MASK_KINDS[mask.dtype])
+def _counter_ptr(counter: torch.Tensor) -> int:
+    """The data pointer of a step counter, which the C kernels read and write as one `long long`:
+    anything but a contiguous one-element int64 CPU tensor is refused (a TypeError naming it), as an
+    int32 counter would be read and written past its end."""
+    if (counter.dtype != torch.int64 or not counter.is_contiguous() or counter.numel() != 1
+            or counter.device.type != "cpu"):
+        raise TypeError(f"counter must be a contiguous one-element torch.int64 CPU tensor (the C kernels read and "
+                        f"write it as a long long), got dtype {counter.dtype}, shape {tuple(counter.shape)}, "
+                        f"contiguous {counter.is_contiguous()}, device {counter.device}")
+    return counter.data_ptr()
+
+
+def _mask_args(mask: torch.Tensor | None, tokens: int) -> tuple:
+    """`(pointer, kind)` of a `(tokens,)` mask as the C kernels read it (NULL, 0 without one): a
+    contiguous CPU tensor of a `MASK_KINDS` dtype with one element per token, else a TypeError naming
+    it (an int64 mask is read as `long long`, a strided or short one past its end)."""
+    if mask is None:
+        return None, 0
+    if (mask.dtype not in MASK_KINDS or not mask.is_contiguous() or mask.numel() != tokens
+            or mask.device.type != "cpu"):
+        raise TypeError(f"mask must be a contiguous CPU tensor of {tokens} elements of a dtype of "
+                        f"{sorted(map(str, MASK_KINDS))}, got dtype {mask.dtype}, shape {tuple(mask.shape)}, "
+                        f"contiguous {mask.is_contiguous()}, device {mask.device}")
+    return mask.data_ptr(), MASK_KINDS[mask.dtype]
 
 
 def bn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
@@ -495,9 +515,9 @@ def bn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.Te
     y, count = torch.empty_like(x), ctypes.c_float(0.0)
     out = torch.empty(4, channels) if reused is None else reused
     status = _library.bn_step_forward(
-        x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
-        bias.data_ptr(), running_mean.data_ptr(), running_var.data_ptr(), counter.data_ptr(), eps, momentum, renorm,
-        rmax, dmax, reused is not None, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), out.data_ptr(),
+        x.data_ptr(), *_mask_args(mask, tokens), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
+        bias.data_ptr(), running_mean.data_ptr(), running_var.data_ptr(), _counter_ptr(counter), eps, momentum,
+        renorm, rmax, dmax, reused is not None, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), out.data_ptr(),
         ctypes.byref(count))
     return status, y, out, count.value
 
@@ -510,9 +530,10 @@ def pnv_step_forward(x: torch.Tensor, mask: torch.Tensor | None, group_num: int 
     tokens, channels = x.shape
     y, inv_s, count = torch.empty_like(x), torch.empty(channels), ctypes.c_float(0.0)
     status = _library.pnv_step_forward(
-        x.data_ptr(), *_mask_args(mask), tokens, channels, group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(),
-        weight.data_ptr(), bias.data_ptr(), running_phi.data_ptr(), counter.data_ptr(), eps, ema_rate, update,
-        tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), inv_s.data_ptr(), ctypes.byref(count))
+        x.data_ptr(), *_mask_args(mask, tokens), tokens, channels, group_num or 0, GROUP_SCALE_EPS,
+        torch.get_num_threads(), weight.data_ptr(), bias.data_ptr(), running_phi.data_ptr(), _counter_ptr(counter),
+        eps, ema_rate, update, tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), inv_s.data_ptr(),
+        ctypes.byref(count))
     return status, y, inv_s, count.value
 
 
@@ -523,9 +544,10 @@ def pnv_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | No
     tokens, channels = x.shape
     dx, grads = torch.empty_like(x), torch.empty(2, channels)
     weight = _float_vector(weight)
-    _library.pnv_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, group_num or 0,
-                               GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(), inv_s.data_ptr(), count,
-                               usable, tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
+    _library.pnv_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask, tokens), tokens, channels,
+                               group_num or 0, GROUP_SCALE_EPS, torch.get_num_threads(), weight.data_ptr(),
+                               inv_s.data_ptr(), count, usable, tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(),
+                               grads.data_ptr())
     return dx, grads
 
 
@@ -540,10 +562,10 @@ def mabn_step_forward(x: torch.Tensor, mask: torch.Tensor | None, weight: torch.
     y, count = torch.empty_like(x), ctypes.c_float(0.0)
     out = torch.empty(2, channels) if reused is None else reused
     status = _library.mabn_step_forward(
-        x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
-        bias.data_ptr(), running_phi.data_ptr(), window_phi.data_ptr(), window_phi.shape[0], counter.data_ptr(), eps,
-        momentum, warmup_steps, rmax, renorm_warmup_steps, reused is not None, tokens * channels * 4 >= STREAM_BYTES,
-        y.data_ptr(), out.data_ptr(), ctypes.byref(count))
+        x.data_ptr(), *_mask_args(mask, tokens), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
+        bias.data_ptr(), running_phi.data_ptr(), window_phi.data_ptr(), window_phi.shape[0], _counter_ptr(counter),
+        eps, momentum, warmup_steps, rmax, renorm_warmup_steps, reused is not None,
+        tokens * channels * 4 >= STREAM_BYTES, y.data_ptr(), out.data_ptr(), ctypes.byref(count))
     return status, y, out, count.value
 
 
@@ -556,8 +578,8 @@ def mabn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | N
     dx, grads = torch.empty_like(x), torch.empty(2, channels)
     weight = _float_vector(weight)
     status = _library.mabn_step_backward(
-        dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(), weight.data_ptr(),
-        out.data_ptr(), window_gz.data_ptr(), window_gz.shape[0], step, warmup_steps, count, usable,
+        dy.data_ptr(), x.data_ptr(), *_mask_args(mask, tokens), tokens, channels, torch.get_num_threads(),
+        weight.data_ptr(), out.data_ptr(), window_gz.data_ptr(), window_gz.shape[0], step, warmup_steps, count, usable,
         tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
     return status, dx, grads
 
@@ -567,9 +589,9 @@ def bn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
     """The backward of `bn_step_forward` in one C call: `(dx, grads)`, `grads` (2, C) = `(dweight, dbias)`."""
     tokens, channels = x.shape
     dx, grads = torch.empty_like(x), torch.empty(2, channels)
-    _library.bn_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask), tokens, channels, torch.get_num_threads(),
-                              weight.data_ptr(), out.data_ptr(), count, usable, tokens * channels * 4 >= STREAM_BYTES,
-                              dx.data_ptr(), grads.data_ptr())
+    _library.bn_step_backward(dy.data_ptr(), x.data_ptr(), *_mask_args(mask, tokens), tokens, channels,
+                              torch.get_num_threads(), weight.data_ptr(), out.data_ptr(), count, usable,
+                              tokens * channels * 4 >= STREAM_BYTES, dx.data_ptr(), grads.data_ptr())
     return dx, grads
 
 
@@ -582,7 +604,7 @@ def pn_statistics(sum_sq: torch.Tensor, count: float, running_phi: torch.Tensor,
     channels = sum_sq.shape[0]
     sum_sq = _float_vector(sum_sq)
     v, inv_s, inv_s_b = torch.empty(3, channels).unbind(0)
-    status = _library.pn_statistics(_ptr(sum_sq), count, channels, _ptr(running_phi), _ptr(counter), eps,
+    status = _library.pn_statistics(_ptr(sum_sq), count, channels, _ptr(running_phi), _counter_ptr(counter), eps,
                                     warmup_steps, ramp_steps, ema_rate, int(reference), int(batch_backward),
                                     _ptr(v), _ptr(inv_s), _ptr(inv_s_b))
     return status, v, inv_s, inv_s_b

@@ -399,9 +399,9 @@ def _recorded_path(norm) -> str | None:
     return None if last is None else last.path
 
 
-def _step_in_c(norm, x, names: tuple[str, ...], counter: bool = True, refuse: bool = False) -> bool:
+def _step_in_c(norm, x, names: tuple[str, ...], refuse: bool = False) -> bool:
     """Whether a running-statistics norm's training step runs in the direct C calls: `_c_step_usable`
-    for `x`, the norm's tensors called `names` and (with `counter`) its step counter, unless `refuse`;
+    for `x`, the norm's tensors called `names` and its step counter, unless `refuse`;
     a checkpointing recomputation only where its step ran there (it reuses that step's statistics)."""
     if not isinstance(x, torch.Tensor):
         return False
@@ -410,7 +410,7 @@ def _step_in_c(norm, x, names: tuple[str, ...], counter: bool = True, refuse: bo
     if refuse:
         return False
     *vectors, steps = norm.tensors(*names, "num_batches_tracked")
-    return _c_step_usable(x, vectors, steps if counter else None)
+    return _c_step_usable(x, vectors, steps)
 
 
 def _in_operators(norm, x, names: tuple[str, ...], refuse: bool = False) -> bool:
@@ -506,10 +506,16 @@ def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backw
             "batch" if batch_backward else "running")
 
 
+def _c_counter(counter: torch.Tensor) -> bool:
+    """Whether the C kernels may take `counter`: int64 and contiguous, as they read and write it as one
+    `long long` (`kernels_cpu` refuses any other; a counter cast or assigned as int32 takes the torch ops)."""
+    return counter.dtype == torch.int64 and counter.is_contiguous()
+
+
 def _c_step_usable(x: torch.Tensor, vectors: tuple[torch.Tensor, ...], counter: torch.Tensor | None = None) -> bool:
     """The C step: CPU float32 `x` with the kernels, contiguous float32 vectors, an int64 counter."""
     return (_fused_kernels_usable(x) and all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors)
-            and (counter is None or counter.dtype == torch.int64))
+            and (counter is None or _c_counter(counter)))
 
 
 def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
@@ -832,12 +838,14 @@ def _pn_in_operators(norm, x: torch.Tensor) -> bool:
 
 def _pn_statistics_on_host(norm, sum_sq: torch.Tensor) -> bool:
     """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
-    sums and buffers, no process group to sum over. A few dozen torch ops on C-vectors cost more
-    there than the passes over the batch; the C function does the same arithmetic in one call."""
+    sums and buffers, an int64 counter (`_c_counter`), no process group to sum over. A few dozen torch
+    ops on C-vectors cost more there than the passes over the batch; the C function does the same
+    arithmetic in one call."""
     return (host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
             and not sync_enabled(norm.sync_stats, norm.process_group)
             and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
-                    for buffer in (norm.running_phi, norm.running_nu)))
+                    for buffer in (norm.running_phi, norm.running_nu))
+            and _c_counter(norm.num_batches_tracked))
 
 
 def _pn_host_denominators(norm, sum_sq: torch.Tensor, count: float):
@@ -930,9 +938,10 @@ class _PowerNormVFunction(torch.autograd.Function):
 
 
 def _pnv_step_in_c(norm, x: torch.Tensor) -> bool:
-    """PN-V's step in the C kernels: CPU float32 input, contiguous float32 parameters and statistic
-    (a recomputation takes the step again: the kernel then updates nothing)."""
-    return isinstance(x, torch.Tensor) and _c_step_usable(x, norm.tensors("weight", "bias", "running_phi"))
+    """PN-V's step in the C kernels: CPU float32 input, contiguous float32 parameters and statistic,
+    an int64 counter (a recomputation takes the step again: the kernel then updates nothing)."""
+    *vectors, counter = norm.tensors("weight", "bias", "running_phi", "num_batches_tracked")
+    return isinstance(x, torch.Tensor) and _c_step_usable(x, vectors, counter)
 
 
 def _pnv_torch_ops(norm, flat: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
@@ -1150,8 +1159,8 @@ def _bn_output_pass(norm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def _bn_step_in_c(norm, x: torch.Tensor) -> bool:
     """Whether BN's (BRN's) training step runs in `_BatchNormFunction` (`_step_in_c`): float32
-    contiguous parameters and running statistics."""
-    return _step_in_c(norm, x, ("weight", "bias", "running_mean", "running_var"), counter=False)
+    contiguous parameters and running statistics, an int64 counter."""
+    return _step_in_c(norm, x, ("weight", "bias", "running_mean", "running_var"))
 
 
 def _bn_in_operators(norm, x: torch.Tensor) -> bool:

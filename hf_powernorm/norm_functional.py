@@ -88,9 +88,10 @@ def select_row(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def write_row_(table: torch.Tensor, index: torch.Tensor, row: torch.Tensor, keep: torch.Tensor) -> None:
-    """`table[index] = row` where `keep` holds, on the device (row left as it was otherwise)."""
+    """`table[index] = row` where `keep` holds, on the device (row left as it was otherwise); `index`
+    of any integer dtype (a step counter assigned as int32: `index_copy_` takes int64 indices only)."""
     current = select_row(table, index)
-    table.index_copy_(0, index.view(1), torch.where(keep, row.to(table.dtype), current).unsqueeze(0))
+    table.index_copy_(0, index.view(1).long(), torch.where(keep, row.to(table.dtype), current).unsqueeze(0))
 
 
 

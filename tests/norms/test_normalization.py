@@ -1061,6 +1061,58 @@ def test_powernorm_step_in_c_reads_every_mask_dtype_alike():
                 assert torch.equal(u, v)
 
 
+def _int32_counter_trace(name: str, dtype, backend: str, junk: int = 0) -> list[tuple]:
+    """`name` in `dtype` with its step counter assigned as int32 (a view of the first of two int32s,
+    the second a sentinel that a read or write past the counter would take in or change), trained on
+    `backend` through warmup, an all-padding batch and a non-finite one, then evaluated: per step the
+    output, input and parameter gradients, buffers (the counter with its dtype) and the sentinel.
+    `junk` allocations before it vary what lies around the buffers."""
+    keep = [torch.full((1000 + 77 * junk,), 123456789 + junk, dtype=torch.int32) for _ in range(20)]
+    with kernel_backend(backend):
+        norm = build_norm(name, HIDDEN, **(dict(warmup_steps=2) if name == "powernorm" else _options(name)))
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        norm = norm.to(dtype)
+        storage = torch.tensor([0, -1], dtype=torch.int32)
+        norm.num_batches_tracked = storage[0]
+        trace = []
+        for step in range(5):
+            x, mask, dy = _batch(140 + step, dtype=dtype)
+            mask = torch.zeros_like(mask) if step == 2 else mask
+            if step == 3:
+                x[0, 0, 1] = float("nan")
+            y = _training_step(norm, x, mask, dy)
+            trace.append((y.detach(), x.grad, *(p.grad.clone() for p in norm.parameters()),
+                          *(b.clone() for b in norm.buffers()), norm.num_batches_tracked.clone(), storage.clone()))
+        norm.eval()
+        with torch.no_grad():
+            trace.append((norm(x.detach().nan_to_num(), mask),))
+    del keep
+    return trace
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", BATCH_NORMS)
+def test_int32_step_counter_trains_as_the_torch_ops(name, dtype):
+    """A step counter assigned as int32 (a state dict loaded by assignment) is never handed to the C
+    kernels, which read and write it as int64: the step runs in the torch ops, the same outputs,
+    gradients and buffers (the counter int32, counting the usable batches) as the torch ops, the
+    same bits on every run whatever lies around it."""
+    runs = [_int32_counter_trace(name, dtype, "auto", junk) for junk in range(2)]
+    eager = _int32_counter_trace(name, dtype, "torch")
+    for step, (first, second, torch_ops) in enumerate(zip(*runs, eager)):
+        for a, b, c in zip(first, second, torch_ops):
+            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+            if step == 3:  # the NaN input: the torch ops' gradient is NaN in more places, never in fewer
+                assert (torch.isfinite(c) <= torch.isfinite(a)).all()
+                a, c = a[torch.isfinite(c)], c[torch.isfinite(c)]
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, equal_nan=True)
+    counter, sentinel = runs[0][-2][-2], runs[0][-2][-1]
+    assert counter.dtype == torch.int32 and int(counter) == 3  # steps 2 (no real token) and 3 (NaN) not counted
+    assert sentinel.tolist() == [3, -1]
+
+
 @pytest.mark.parametrize("name", ["batchnorm", "batchrenorm"])
 def test_batch_norm_in_c_kernels_is_differentiable_twice_like_the_torch_ops(name, use_torch_ops):
     """create_graph=True through BN's and BRN's C step takes the torch ops' gradient: the same
