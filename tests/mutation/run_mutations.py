@@ -271,7 +271,7 @@ TRAINING_MUTATIONS: list[Mutation] = [
         "a resumed run starts its epoch from the first batch again instead of where it stopped"),
     Mutation(
         "task-ignores-no-keep-linebreaks", LANGUAGE_MODELING,
-        '                               keep_linebreaks=getattr(args, "keep_linebreaks", True), **options)\n',
+        "                               keep_linebreaks=args.keep_linebreaks, **options)\n",
         "                               keep_linebreaks=True, **options)\n",
         (f"{LM_DATA_TESTS}::test_no_keep_linebreaks_joins_the_lines_across_blank_lines",),
         "the language-modelling task's tokenize keeps line breaks under --no_keep_linebreaks"),

@@ -43,7 +43,7 @@ def test_each_task_declares_its_own_input_paths_and_auto_class():
     assert [get_task(n).auto_model_class().__name__ for n in task_names()] == [
         "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModelForSeq2SeqLM"]
     # The recipes check only their task's files: a phrasebank path is not looked at for a language model.
-    args = argparse.Namespace(**vars(LanguageModelling.build_parser().parse_args([])), phrasebank_file="/nowhere")
+    args = argparse.Namespace(**{**vars(LanguageModelling.build_parser().parse_args([])), "phrasebank_file": "/nowhere"})
     assert LanguageModelling.check_options(args) is args
     with pytest.raises(FileNotFoundError, match="--phrasebank_file /nowhere: not found"):
         Classification.from_options(phrasebank_file="/nowhere")
