@@ -203,16 +203,17 @@ def _build(name: str, hidden: int, options: dict, device: str):
     return build_norm(name, hidden, **options).to(device)
 
 
-def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled: bool = False,
-                norms: list[str] | None = None, cpu_time: bool = False) -> tuple[list[str], list[list[str]]]:
-    """The layer rows against `F.layer_norm`; with `norms`, only the rows of those registry names (and
-    of their C calls alone); with `cpu_time`, timed by this thread's CPU time (one thread)."""
+def layer_results(shapes, threads, repeats, warmup, device, train: bool, compiled: bool = False,
+                  norms: list[str] | None = None, cpu_time: bool = False) -> tuple[list[str], dict[str, list]]:
+    """The layer rows against `F.layer_norm`, each cell an `interleaved` result (None where the device has
+    no such kernels); with `norms`, only the rows of those registry names (and of their C calls alone);
+    with `cpu_time`, timed by this thread's CPU time (one thread)."""
     cases = {label: case for label, case in (LAYER_CASES if train else EVAL_CASES).items()
              if norms is None or case[0] in norms or case[0].removesuffix("_calls") in norms}
     if train and compiled:  # PN's compiled pure functions on this device (CUDA's path); minutes to build on a CPU
         cases["powernorm G=4, torch.compile"] = ("powernorm", {"group_num": GROUP_NUM}, "compile")
     header = ["norm"] + [f"{t} thr, ({n}, {c})" for t in threads for n, c in shapes]
-    rows = {label: [label] for label in cases}
+    results = {label: [] for label in cases}
     for count in threads:
         with num_threads(count):
             for tokens, hidden in shapes:
@@ -230,7 +231,7 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled:
                 for label, (name, options, kernels) in cases.items():
                     norm = _build(name, hidden, options, device)
                     if norm is None:  # the C calls on a device without them
-                        rows[label].append("n/a")
+                        results[label].append(None)
                         continue
                     norm.train(train)
                     xn = x.clone().requires_grad_(train)
@@ -248,8 +249,20 @@ def layer_table(shapes, threads, repeats, warmup, device, train: bool, compiled:
                                 norm(x)
 
                     with torch.set_grad_enabled(train):
-                        rows[label].append(cell(interleaved(step, baseline, repeats, warmup, device, cpu_time)))
-    return header, list(rows.values())
+                        results[label].append(interleaved(step, baseline, repeats, warmup, device, cpu_time))
+    return header, results
+
+
+def layer_rows(results: dict[str, list]) -> list[list[str]]:
+    """`layer_results`' cells as table text."""
+    return [[label, *("n/a" if result is None else cell(result) for result in cells)]
+            for label, cells in results.items()]
+
+
+def layer_table(*args, **kwargs) -> tuple[list[str], list[list[str]]]:
+    """`layer_results` as a table: header and text rows."""
+    header, results = layer_results(*args, **kwargs)
+    return header, layer_rows(results)
 
 
 def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
@@ -566,19 +579,18 @@ def allocator_table(shapes, repeats, warmup, device) -> tuple[list[str], list[li
 # Report
 
 
-def answer_table(train: tuple[list[str], list[list[str]]],
-                 evaluation: tuple[list[str], list[list[str]]]) -> tuple[list[str], list[list[str]]]:
-    """The two layer tables' median ratios side by side, `train / eval`, for the rows of `ANSWER_ROWS`."""
-    header, train_rows = train
-    if evaluation[0] != header:
-        raise ValueError(f"the layer tables' columns differ: {header} and {evaluation[0]}")
-    medians = {}
-    for rows in (train_rows, evaluation[1]):
-        for label, *cells in rows:
-            medians.setdefault(label, []).append([cell.split(" ", 1)[0] for cell in cells])
-    rows = [[label, *(f"{t} / {e}" for t, e in zip(*medians[label]))] for label in ANSWER_ROWS
-            if len(medians.get(label, [])) == 2]
-    return header, rows
+def answer_table(header: list[str], train: dict[str, list], evaluation: dict[str, list]) -> list[list[str]]:
+    """The two layer tables' median ratios side by side, `train / eval`, for the rows of `ANSWER_ROWS`
+    (`train` and `evaluation` as `layer_results` gives them, over the columns of `header`)."""
+    def median(result) -> str:
+        return "n/a" if result is None else f"{result['ratio']:.2f}"
+
+    for results in (train, evaluation):
+        widths = {len(cells) for cells in results.values()}
+        if widths - {len(header) - 1}:
+            raise ValueError(f"the layer results have {sorted(widths)} cells a row; the header {len(header) - 1}")
+    return [[label, *(f"{median(t)} / {median(e)}" for t, e in zip(train[label], evaluation[label]))]
+            for label in ANSWER_ROWS if label in train and label in evaluation]
 
 
 def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -594,12 +606,14 @@ def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]
     tables = [("Allocator effect: F.layer_norm forward + backward, 1 thread, median ms",
                *allocator_table(shapes, repeats, warmup, args.device))]
     control_allocator()
-    train = layer_table(shapes, args.threads, repeats, warmup, args.device, train=True,
-                        compiled=args.compile and not args.quick)
-    evaluation = layer_table(shapes, args.threads, repeats, warmup, args.device, train=False)
-    tables.insert(0, (ANSWER_TITLE, *answer_table(train, evaluation)))
-    tables.append(("Layer training step (forward + backward) / F.layer_norm's: median (25-75%), candidate ms", *train))
-    tables.append(("Layer eval forward (no_grad) / F.layer_norm's: median (25-75%), candidate ms", *evaluation))
+    header, train = layer_results(shapes, args.threads, repeats, warmup, args.device, train=True,
+                                  compiled=args.compile and not args.quick)
+    _, evaluation = layer_results(shapes, args.threads, repeats, warmup, args.device, train=False)
+    tables.insert(0, (ANSWER_TITLE, header, answer_table(header, train, evaluation)))
+    tables.append(("Layer training step (forward + backward) / F.layer_norm's: median (25-75%), candidate ms",
+                   header, layer_rows(train)))
+    tables.append(("Layer eval forward (no_grad) / F.layer_norm's: median (25-75%), candidate ms",
+                   header, layer_rows(evaluation)))
     tables.append(("Memory: saved for backward, and the peak of a training step, / F.layer_norm's",
                    *memory_table(shapes[-1], args.device)))
     tables.append(("Models: time ratios (median, 25-75%), candidate ms; generate: BART's time / ours "

@@ -55,6 +55,19 @@ def test_norms_narrows_the_suite_to_those_rows_of_the_layer_tables():
         assert all(len(row) == len(header) and row[1].endswith(" ms") for row in rows)
 
 
+def test_the_answer_table_reads_the_measured_medians_not_their_text():
+    from hf_powernorm.benchmarks import suite
+
+    header = ["norm", "1 thr, (8, 16)", "1 thr, (8, 32)"]
+    result = {"ratio": 1.234, "low": 1.0, "high": 2.0, "ms": 0.5}
+    train = {"dyt": [result, None], "derf": [{**result, "ratio": 0.5}, result], "not a row": [result, result]}
+    evaluation = {"dyt": [{**result, "ratio": 2.0}, result], "derf": [result, result]}
+    assert suite.answer_table(header, train, evaluation) == [["dyt", "1.23 / 2.00", "n/a / 1.23"],
+                                                             ["derf", "0.50 / 1.23", "1.23 / 1.23"]]
+    with pytest.raises(ValueError, match=r"have \[1\] cells a row; the header 2"):
+        suite.answer_table(header, {"dyt": [result]}, evaluation)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--norms", "dyt", "tanh"], "--norms tanh: not a norm of the layer tables; expected some of"),
     (["--norms", "dyt", "--write", "BENCHMARKS.md"], "--norms with --write"),
