@@ -479,12 +479,17 @@ def pn_step_backward(dy: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | Non
     return status, dx, grads
 
 
+def counter_usable(counter: torch.Tensor) -> bool:
+    """Whether the C kernels may take `counter` as a step counter, which they read and write as one
+    `long long`: a contiguous one-element int64 CPU tensor (an int32 one would be read and written
+    past its end)."""
+    return (counter.dtype == torch.int64 and counter.is_contiguous() and counter.numel() == 1
+            and counter.device.type == "cpu")
+
+
 def _counter_ptr(counter: torch.Tensor) -> int:
-    """The data pointer of a step counter, which the C kernels read and write as one `long long`:
-    anything but a contiguous one-element int64 CPU tensor is refused (a TypeError naming it), as an
-    int32 counter would be read and written past its end."""
-    if (counter.dtype != torch.int64 or not counter.is_contiguous() or counter.numel() != 1
-            or counter.device.type != "cpu"):
+    """The data pointer of a step counter; one `counter_usable` refuses is a TypeError naming it."""
+    if not counter_usable(counter):
         raise TypeError(f"counter must be a contiguous one-element torch.int64 CPU tensor (the C kernels read and "
                         f"write it as a long long), got dtype {counter.dtype}, shape {tuple(counter.shape)}, "
                         f"contiguous {counter.is_contiguous()}, device {counter.device}")

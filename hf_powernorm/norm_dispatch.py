@@ -33,6 +33,7 @@ from .kernels_cpu import (
     SQUASH,
     bn_step_backward,
     bn_step_forward,
+    counter_usable,
     elementwise_backward,
     elementwise_forward,
     kernels_usable,
@@ -506,16 +507,10 @@ def _pn_options(eps, warmup_steps, ramp_steps, alpha_fwd, reference, batch_backw
             "batch" if batch_backward else "running")
 
 
-def _c_counter(counter: torch.Tensor) -> bool:
-    """Whether the C kernels may take `counter`: int64 and contiguous, as they read and write it as one
-    `long long` (`kernels_cpu` refuses any other; a counter cast or assigned as int32 takes the torch ops)."""
-    return counter.dtype == torch.int64 and counter.is_contiguous()
-
-
 def _c_step_usable(x: torch.Tensor, vectors: tuple[torch.Tensor, ...], counter: torch.Tensor | None = None) -> bool:
     """The C step: CPU float32 `x` with the kernels, contiguous float32 vectors, an int64 counter."""
     return (_fused_kernels_usable(x) and all(t.dtype == torch.float32 and t.is_contiguous() for t in vectors)
-            and (counter is None or _c_counter(counter)))
+            and (counter is None or counter_usable(counter)))
 
 
 def _pn_step_forward_torch(x, mask, weight, bias, running_phi, counter, group_num, eps, warmup_steps, ramp_steps,
@@ -838,14 +833,14 @@ def _pn_in_operators(norm, x: torch.Tensor) -> bool:
 
 def _pn_statistics_on_host(norm, sum_sq: torch.Tensor) -> bool:
     """Whether the step's statistics go through `kernels_cpu.pn_statistics`: eager, CPU, float32
-    sums and buffers, an int64 counter (`_c_counter`), no process group to sum over. A few dozen torch
+    sums and buffers, a counter the C kernels take (`counter_usable`), no process group to sum over. A few dozen torch
     ops on C-vectors cost more there than the passes over the batch; the C function does the same
     arithmetic in one call."""
     return (host_readable(sum_sq) and sum_sq.dtype == torch.float32 and _fused_kernels_usable(sum_sq)
             and not sync_enabled(norm.sync_stats, norm.process_group)
             and all(buffer.dtype == torch.float32 and buffer.is_contiguous()
                     for buffer in (norm.running_phi, norm.running_nu))
-            and _c_counter(norm.num_batches_tracked))
+            and counter_usable(norm.num_batches_tracked))
 
 
 def _pn_host_denominators(norm, sum_sq: torch.Tensor, count: float):
