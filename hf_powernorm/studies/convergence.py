@@ -57,6 +57,8 @@ SIZES = {
 COLUMNS = ("arm", "seed", "stopped_at", "stopped_by", "best_update", "best_validation_perplexity",
            "test_perplexity", "test_word_perplexity", "cpu_hours")
 CURVE_COLUMNS = ("arm", "seed", "update", "validation_perplexity")
+TUNED_BUDGET = 4500  # the tuned comparison's budget whose picks the arms take, marked on the figure
+ZOOM_FROM = 4000  # the figure's right panel starts here
 RESULTS_CSV, CURVES_CSV, SUMMARY_MD, FIGURE = "results.csv", "curves.csv", "summary.md", "curves.png"
 
 
@@ -165,29 +167,39 @@ def summary(table: list[dict[str, Any]], planned: int) -> list[str]:
 
 def plot(curves: list[dict[str, Any]], path: Path) -> None:
     """Validation perplexity over updates: each run thin, each arm's mean over the seeds it has at an
-    update thick."""
+    update thick; the whole run on the left, from `ZOOM_FROM` updates on the right (where the arms part by
+    about one perplexity), the tuned comparison's budget of 4,500 updates marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for index, arm in enumerate(ARMS):
-        color = f"C{index}"
-        points = [c for c in curves if c["arm"] == arm]
-        for seed in sorted({c["seed"] for c in points}):
-            run = [c for c in points if c["seed"] == seed]
-            axis.plot([c["update"] for c in run], [c["validation_perplexity"] for c in run], color=color,
-                      alpha=0.3, linewidth=0.8)
-        updates = sorted({c["update"] for c in points})
-        means = [statistics.mean(c["validation_perplexity"] for c in points if c["update"] == u) for u in updates]
-        if updates:
-            axis.plot(updates, means, color=color, linewidth=2, label=ARM_NAMES[arm])
-    axis.set_xlabel("update")
-    axis.set_ylabel("validation perplexity (per BPE token)")
-    axis.set_yscale("log")
-    axis.set_title("PTB until validation stops improving: each seed (thin), mean over seeds (thick)")
-    axis.legend()
+    figure, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for axis, start in zip(axes, (0, ZOOM_FROM)):
+        for index, arm in enumerate(ARMS):
+            color = f"C{index}"
+            points = [c for c in curves if c["arm"] == arm and c["update"] >= start]
+            for seed in sorted({c["seed"] for c in points}):
+                run = [c for c in points if c["seed"] == seed]
+                axis.plot([c["update"] for c in run], [c["validation_perplexity"] for c in run], color=color,
+                          alpha=0.3, linewidth=0.8)
+            updates = sorted({c["update"] for c in points})
+            means = [statistics.mean(c["validation_perplexity"] for c in points if c["update"] == u)
+                     for u in updates]
+            if updates:
+                axis.plot(updates, means, color=color, linewidth=2, label=ARM_NAMES[arm])
+        axis.axvline(TUNED_BUDGET, color="grey", linestyle=":", linewidth=1)
+        axis.set_xlabel("update (dotted: the tuned comparison's budget, 4,500)")
+        if not start:  # the whole run's fall spans a decade; the right panel's a few perplexities
+            axis.set_yscale("log")
+            axis.yaxis.set_major_formatter(ScalarFormatter())
+            axis.yaxis.set_minor_formatter(ScalarFormatter())
+    axes[0].set_ylabel("validation perplexity (per BPE token)")
+    axes[0].set_title("the whole run")
+    axes[1].set_title(f"from update {ZOOM_FROM:,} (linear scale)")
+    axes[0].legend()
+    figure.suptitle("PTB until validation stops improving: each seed (thin), mean over seeds (thick)")
     save_figure(figure, path)
 
 
