@@ -9,7 +9,8 @@ of `TABLES`, computed here from the tuned comparison's `results.csv`: the answer
 the README and docs/studies.md open with the same text), PN's rows against LayerNorm, the verdicts over
 the binding family of 45 comparisons (with what each could detect), over protocol 2's 29, the
 descriptive comparisons between PN's variants, and the paper's claims beside ours; or
-`COST_TABLE`, the CPU-hours per run that the tuned comparison's exported cells record.
+`COST_TABLE`, the CPU-hours per run that the tuned comparison's exported cells record; or
+`CONVERGENCE_TABLE`, protocol 3's paired differences beside protocol 2's at 4,500 updates.
 
     python -m hf_powernorm.studies docs            # rewrite every generated section
     python -m hf_powernorm.studies docs --check    # exit 1 naming the documents that differ
@@ -353,6 +354,41 @@ def cost_table(root: Path) -> list[str]:
     return lines
 
 
+CONVERGENCE_TABLE = "convergence: beside 4,500 updates"  # protocol 3's pairs beside protocol 2's PTB finals
+CONVERGENCE_ARMS = {"powernorm": "PN (its picks)", "powernorm-authors": "PN, authors' alphas 0.9/0.9"}
+
+
+def convergence_table(root: Path) -> list[str]:
+    """Each PN arm minus LayerNorm in test perplexity on PTB, paired by seed: at protocol 2's 4,500
+    updates (its finals, `tuned_comparison/results.csv`) and trained until validation stops improving
+    (protocol 3, `convergence/results.csv`), each over the seeds it has; descriptive (the verdicts over
+    protocol 3's family are its summary's first table)."""
+    finals = read_finals(root / "results" / "tuned_comparison" / "results.csv")
+    converged: dict[str, dict[int, float]] = defaultdict(dict)
+    with (root / "results" / "convergence" / "results.csv").open(newline="", encoding="utf-8") as handle:
+        for row in csv.DictReader(handle):
+            converged[row["arm"]][int(row["seed"])] = float(row["test_perplexity"])
+    lines = ["| arm | trained | seeds | arm minus LayerNorm, each seed | mean [95% CI] | behind LayerNorm on |",
+             "|---|---|---|---|---|---:|"]
+    for arm, arm_name in CONVERGENCE_ARMS.items():
+        for trained, scores in (("4,500 updates (protocol 2's finals)",
+                                 {norm: finals.get(("ptb", norm, 4500, "perplexity"), {}) for norm in ("layernorm", arm)}),
+                                ("until validation stops improving (protocol 3)",
+                                 {norm: converged.get(norm, {}) for norm in ("layernorm", arm)})):
+            seeds = sorted(set(scores["layernorm"]) & set(scores[arm]))
+            differences = [scores[arm][seed] - scores["layernorm"][seed] for seed in seeds]
+            if not differences:
+                lines.append(f"| {arm_name} | {trained} | none yet | - | - | - |")
+                continue
+            interval = paired_t_interval(differences) if len(differences) >= 2 else None
+            mean = "- (one seed)" if interval is None else \
+                f"{interval.mean:+.2f} [{interval.low:+.2f}, {interval.high:+.2f}]"
+            lines.append(f"| {arm_name} | {trained} | {', '.join(map(str, seeds))} | "
+                         f"{', '.join(f'{d:+.2f}' for d in differences)} | {mean} | "
+                         f"{sum(d > 0 for d in differences)} of {len(differences)} |")
+    return lines
+
+
 def summary_table(root: Path, name: str) -> list[str]:
     """`STUDY/summary.md#N`: the N-th table of that summary, its lines as written (`docs/...md#N`:
     of that report under docs/, such as `compare`'s example)."""
@@ -374,6 +410,8 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
     """The text of the generated section `name` (the lines between its markers)."""
     if name == COST_TABLE:
         return "\n".join(cost_table(root)) + "\n"
+    if name == CONVERGENCE_TABLE:
+        return "\n".join(convergence_table(root)) + "\n"
     if name in TABLES:
         cache = {} if cache is None else cache
         if "finals" not in cache:
@@ -382,7 +420,7 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
     if "/summary.md#" in name or name.startswith("docs/") and ".md#" in name:
         return "\n".join(summary_table(root, name)) + "\n"
     raise ValueError(f"unknown generated section {name!r}: expected STUDY/summary.md#N or one of "
-                     f"{sorted([*TABLES, COST_TABLE])}")
+                     f"{sorted([*TABLES, COST_TABLE, CONVERGENCE_TABLE])}")
 
 
 def render(text: str, root: Path = ROOT) -> str:

@@ -68,6 +68,7 @@ def _copy_data(tmp_path: Path) -> Path:
         (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
     shutil.copyfile(TUNED / "results.csv", tmp_path / "results" / "tuned_comparison" / "results.csv")
+    shutil.copyfile(ROOT / "results" / "convergence" / "results.csv", tmp_path / "results" / "convergence" / "results.csv")
     for path in (TUNED / "cells").glob("*/result.json"):  # the CPU-hours per run
         (tmp_path / path.relative_to(ROOT)).parent.mkdir(parents=True)
         shutil.copyfile(path, tmp_path / path.relative_to(ROOT))
@@ -105,6 +106,33 @@ def test_an_unknown_section_name_is_refused():
         documents.render("<!-- generated: nothing -->\n<!-- end generated -->", ROOT)
     with pytest.raises(ValueError, match="has 1 tables; expected #1 to #1"):
         documents.section("pn_ablation/summary.md#2", ROOT)
+
+
+def test_the_convergence_table_pairs_each_seed_of_both_protocols(tmp_path):
+    """Protocol 3's pairs beside protocol 2's at 4,500 updates, from the two results files: seeds both arms
+    have, each seed's difference, the interval from two seeds on, and how many seeds PN is behind on."""
+    tuned, converged = tmp_path / "results" / "tuned_comparison", tmp_path / "results" / "convergence"
+    tuned.mkdir(parents=True)
+    converged.mkdir(parents=True)
+    header = ("task,norm,stage,updates,learning_rate,warmup,dropout,label_smoothing,alpha_fwd,alpha_bkw,denominator,"
+              "alpha_init_attention,alpha_init_other,seed,split,metric,examples,value")
+    finals = [("layernorm", 1, 60.0), ("layernorm", 2, 61.0), ("layernorm", 3, 62.0), ("powernorm", 1, 60.5),
+              ("powernorm", 2, 62.0), ("powernorm", 3, 61.5), ("powernorm-authors", 1, 63.0)]
+    tuned.joinpath("results.csv").write_text("\n".join(
+        [header, *(f"ptb,{norm},final,4500,0.008,150,0.3,0.1,,,,,,{seed},test,perplexity,100,{value}"
+                   for norm, seed, value in finals),
+         "ptb,powernorm,tune,4500,0.008,150,0.3,0.1,,,,,,4,validation,perplexity,100,1.0"]) + "\n")
+    converged.joinpath("results.csv").write_text(
+        "arm,seed,stopped_at,stopped_by,best_update,best_validation_perplexity,test_perplexity,test_word_perplexity,"
+        "cpu_hours\nlayernorm,1,12000,cap,12000,58,57.0,200,1.5\npowernorm,1,9000,rule,7000,59,57.25,201,1.2\n"
+        "powernorm-authors,2,12000,cap,12000,60,59.0,210,1.4\n")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in documents.convergence_table(tmp_path)[2:]]
+    assert rows == [
+        ["PN (its picks)", "4,500 updates (protocol 2's finals)", "1, 2, 3", "+0.50, +1.00, -0.50",
+         "+0.33 [-1.56, +2.23]", "2 of 3"],
+        ["PN (its picks)", "until validation stops improving (protocol 3)", "1", "+0.25", "- (one seed)", "1 of 1"],
+        ["PN, authors' alphas 0.9/0.9", "4,500 updates (protocol 2's finals)", "1", "+3.00", "- (one seed)", "1 of 1"],
+        ["PN, authors' alphas 0.9/0.9", "until validation stops improving (protocol 3)", "none yet", "-", "-", "-"]]
 
 
 def _summary_rows() -> list[list[str]]:
