@@ -356,8 +356,10 @@ def prune_checkpoints(output_dir: str | Path, keep: int, protect: Iterable[str |
 
 def remove_checkpoints(output_dir: str | Path) -> list[Path]:
     """Delete every `step_<N>` checkpoint of a finished run in `output_dir`, complete or not;
-    return the deleted folders. The best model and the export are not touched."""
-    checkpoints = sorted(Path(output_dir).glob("step_*"))
+    return the deleted folders. The best model, the export and a checkpoint set aside as corrupt
+    (`set_aside`, kept for whoever looks into it) are not touched."""
+    checkpoints = sorted(path for path in Path(output_dir).glob("step_*")
+                         if path.name.removeprefix("step_").isdigit())
     for path in checkpoints:
         remove_path(path)
     return checkpoints

@@ -194,6 +194,9 @@ def test_checkpoint_runs_a_checkpoint_failing_its_hash_is_set_aside_and_the_reru
     assert f"{run / 'step_2'}: model.safetensors does not match its SHA-256" in warned
     assert f"set aside as {run / 'step_2.corrupt'}" in warned and "starts over" in warned
     _assert_unbroken_scores(tmp_path / "unbroken", tmp_path / "out")
+    # the finished run's checkpoints are gone, the one set aside is kept with its flipped byte
+    assert not list(run.glob("step_[0-9]*[0-9]"))
+    assert (run / "step_2.corrupt" / "model.safetensors").read_bytes() == bytes(weights)
 
 
 # --------------------------------------------------------------------------------------------
