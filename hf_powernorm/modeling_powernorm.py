@@ -186,6 +186,14 @@ def apply_dropout(hidden_states: torch.Tensor, p: float, training: bool) -> torc
     return hidden_states * keep
 
 
+def embedding_padding_idx(config: PowerNormTransformerConfig) -> int | None:
+    """The token embedding's `padding_idx` (a row kept at zero that its lookups do not train): the pad
+    id, unless the pad is a real token's too (a tokenizer without a pad token padding with its end or
+    start token, as Transformers' `run_clm.py` does), whose row must learn from its use as an input."""
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    return None if config.pad_token_id in {config.bos_token_id, *eos} else config.pad_token_id
+
+
 class PowerNormTransformerEmbeddings(nn.Module):
     """Token embedding (scaled by sqrt(hidden) when `scale_embedding`) plus positions, then dropout.
 
@@ -197,7 +205,7 @@ class PowerNormTransformerEmbeddings(nn.Module):
 
     def __init__(self, config: PowerNormTransformerConfig, norm_type: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, embedding_padding_idx(config))
         self.embed_scale_init = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
         learnable = config.embed_scale_learnable
         if learnable is None:

@@ -196,6 +196,22 @@ def test_tied_embeddings_and_untied_option():
     assert untied.lm_head.weight is not untied.model.encoder.embeddings.embed_tokens.weight
 
 
+@pytest.mark.parametrize("borrowed", [False, True])
+def test_only_a_pad_of_its_own_is_an_untrained_zero_row(borrowed):
+    """A pad id of its own is the embedding's padding row (zero, untrained by its lookups); a pad
+    borrowed from the end token (a tokenizer without a pad, as run_clm pads) is not: that token's row
+    learns from its use as an input, even with an untied head."""
+    pad, eos = (2, 2) if borrowed else (1, 2)
+    model = make_model("causal", "layernorm", pad_token_id=pad, eos_token_id=eos, tie_word_embeddings=False)
+    embedding = model.get_input_embeddings()
+    assert embedding.padding_idx == (None if borrowed else pad)
+    assert (embedding.weight[eos].abs().sum() > 0) and (embedding.weight[pad].abs().sum() > 0) == borrowed
+    tokens = ids()
+    tokens[:, 3] = eos
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    assert embedding.weight.grad[eos].abs().sum() > 0  # the end token's row learns from its use as an input
+
+
 def test_learned_positions_reject_too_long_inputs():
     model = make_model("causal", position_embedding_type="learned", max_position_embeddings=8).eval()
     assert model(input_ids=ids(seq=8)).logits.shape == (BATCH, 8, VOCAB)
