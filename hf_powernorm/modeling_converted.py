@@ -125,7 +125,7 @@ def _model_class(base: type) -> type:
             raise ValueError(f"{base.__name__} (converted) needs config.{CONVERSION_CONFIG_KEY}, the record that "
                              f"convert_norms writes; got {conversion!r}")
         replay_conversion(self, conversion)
-        if any(getattr(c, UNTIED_HEAD_CONFIG_KEY, False) for c in (self.config, text_config(self.config))):
+        if _head_untied_by_centring(self.config):
             # A head that centring untied: `tie_word_embeddings` is false, but the model's other ties
             # hold (`kept_ties`); `save_pretrained` wrote each of their tensors once.
             self.all_tied_weights_keys = kept_ties(self)
@@ -245,28 +245,76 @@ def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | No
     as `config.powernorm_conversion` records (its converted class, `modeling_converted.py`) and loaded
     by Transformers' own `from_pretrained`, so checkpoint key renamings (GPT-NeoX's `embed_out`),
     shards and tied weights are handled as for the original model; a key the converted model lacks
-    or does not fill raises. Folders saved before converted models had a class of their own load too.
+    or does not fill raises (with another head than the saved one, as `from_pretrained` does, the
+    saved head's weights are left out and the new head's start fresh, with a warning; a norm's never).
+    Folders saved before converted models had a class of their own load too, and so does a model
+    centred but not converted (`converter.centre_stream`: a comparison's baseline whose head it
+    untied), as its Transformers class with the ties it kept, which that class alone would leave
+    unfilled (BART's embeddings, BERT's decoder bias). Any other folder without a conversion raises.
     `AutoModel...from_pretrained(path, trust_remote_code=True)` loads the same model without this
     package; without `trust_remote_code` it raises rather than load the unconverted model.
     """
     folder = _local_folder(path)
     config = load_converted_config(folder, **config_kwargs)
     conversion = getattr(config, CONVERSION_CONFIG_KEY, None)
-    if not isinstance(conversion, dict) or "norm_type" not in conversion:
+    centred_only = not isinstance(conversion, dict) or "norm_type" not in conversion
+    if centred_only and not _head_untied_by_centring(config):  # a plain model is not taken for a converted one
         raise ValueError(
             f"{path}: config.json has no {CONVERSION_CONFIG_KEY}; load it with {model_class.__name__}.from_pretrained"
         )
     base = _model_class_for(original_class(model_class), config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the causal warning was given at conversion time
-        model, info = converted_class(base).from_pretrained(folder, config=config, output_loading_info=True)
+        model, info = (_centred_class(base) if centred_only else converted_class(base)).from_pretrained(
+            folder, config=config, output_loading_info=True)
+    if centred_only:
+        model.__class__ = base
     missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
-    if missing or unexpected:
+    saved = (getattr(config, "architectures", None) or [base.__name__])[0]
+    if saved != base.__name__ and not any(_under_a_norm(model, key) for key in missing):
+        # Another head than the saved one (`AutoModel` on a causal LM's folder): as `from_pretrained`
+        # does, the saved head's weights are left out and the new head's start fresh; every norm loaded.
+        if missing or unexpected:
+            warnings.warn(f"{path}: {base.__name__} from a {saved} checkpoint: left out {sorted(unexpected)}, "
+                          f"newly initialised {sorted(missing)}", UserWarning, stacklevel=2)
+    elif missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the converted model: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
     if dtype is not None:
         model.to(dtype)
     return model.eval()
+
+
+def _under_a_norm(model: nn.Module, key: str) -> bool:
+    """Whether the tensor `key` of `model` belongs to a norm (a module whose class name holds "Norm":
+    the source's LayerNorms and RMSNorms, a converted norm and its wrapper)."""
+    module, names = model, key.split(".")[:-1]
+    for name in names:
+        module = getattr(module, name, None)
+        if module is None:
+            return False
+        if "Norm" in type(module).__name__:
+            return True
+    return False
+
+
+def _head_untied_by_centring(config) -> bool:
+    """Whether centring untied the head of a model of `config` (`UNTIED_HEAD_CONFIG_KEY`)."""
+    return any(getattr(c, UNTIED_HEAD_CONFIG_KEY, False) for c in (config, text_config(config)))
+
+
+def _centred_class(base: type) -> type:
+    """`base` that keeps, while it loads, the ties of a model whose head centring untied (`kept_ties`):
+    a model centred but not converted (a comparison's baseline) saved each shared tensor once, and
+    `base` alone, reading its ties off `tie_word_embeddings`, would leave the others' names unfilled."""
+    def __init__(self, config, *args, **kwargs) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        self.all_tied_weights_keys = kept_ties(self)
+        self.tie_weights(recompute_mapping=False)
+
+    return type(base.__name__, (base,), {
+        "__module__": base.__module__, "__qualname__": base.__qualname__, "__init__": __init__,
+        "_can_set_attn_implementation_cached_value": base._can_set_attn_implementation()})
 
 
 def load_converted_config(path: str | os.PathLike, **config_kwargs):

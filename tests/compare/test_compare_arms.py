@@ -149,9 +149,21 @@ def test_the_aa_run_of_a_seq2seq_model(bart_case, tmp_path):
     model, task, data = bart_case
     output = tmp_path / "aa"
     compare.main(["--model_name_or_path", model, "--task", task, *data, "--norms", "layernorm", "layernorm",
-                  "--seeds", "1", *TINY, "--output_dir", str(output)])
+                  "--seeds", "1", *TINY, "--save_models", "--output_dir", str(output)])
     results = _results(output)
     assert results["layernorm"][0]["scores"] == results["layernorm-again"][0]["scores"]
+    # The kept baselines, centred with their head untied, load with their shared table and equal weights.
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_powernorm import load_converted
+
+    kept = [load_converted(output / "models" / norm, AutoModelForSeq2SeqLM) for norm in ("layernorm", "layernorm-again")]
+    for loaded in kept:
+        shared = loaded.model.shared.weight
+        assert loaded.model.encoder.embed_tokens.weight is shared and loaded.model.decoder.embed_tokens.weight is shared
+        assert loaded.lm_head.weight is not shared
+    first, again = (loaded.state_dict() for loaded in kept)
+    assert [key for key in first if not torch.equal(first[key], again[key])] == []
     assert results["layernorm"][0]["invariants"] == results["layernorm-again"][0]["invariants"]
     assert results["layernorm"][0]["conversion"]["head"] == "untied"  # BART's shared table, centred
     report = (output / "report.md").read_text(encoding="utf-8")

@@ -100,3 +100,63 @@ def test_a_centred_conversion_saves_and_reloads_as_it_was(name, tmp_path):
     assert [key for key in state if not torch.equal(reloaded[key], state[key])] == []
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, expected)
+
+
+@pytest.mark.parametrize("name", list(UNTIED))
+def test_a_centred_model_not_converted_reloads_with_load_converted(name, tmp_path):
+    """A comparison's baseline: its stream centred and its head untied (`centre_stream`), its norms kept.
+    Its Transformers class alone would leave the kept ties' names unfilled (BART's embeddings, BERT's
+    decoder bias); `load_converted` gives it back with every tensor, tie and logit."""
+    from hf_powernorm.converter import centre_stream
+
+    model = build(name)
+    centre_stream(model, [batch(2), batch(3)])
+    model.eval()
+    inputs = batch(1)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    model.save_pretrained(tmp_path)
+    loaded = hf_powernorm.load_converted(tmp_path, type(model))
+    assert type(loaded) is type(model) and ties(loaded) == ties(model)
+    state, reloaded = model.state_dict(), loaded.state_dict()
+    assert [key for key in state if not torch.equal(reloaded[key], state[key])] == []
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, expected)
+
+
+@pytest.mark.parametrize("name", ["bart", "gpt2"])
+def test_the_base_model_of_a_converted_folder_loads_without_the_head(name, tmp_path):
+    """`load_converted(folder, AutoModel)` on a converted LM, as `from_pretrained` loads a base model
+    from a head's checkpoint: the head's weights left out with a warning naming them, every norm loaded,
+    the base model's outputs those of the saved model's."""
+    model = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        hf_powernorm.convert_norms(model, "powernorm", preserve_function=True, calibration_batches=[batch(2)])
+    model.eval()
+    inputs = batch(1)
+    with torch.no_grad():
+        expected = model.base_model(**inputs).last_hidden_state
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"left out \[.*'lm_head.weight'"):
+        loaded = hf_powernorm.load_converted(tmp_path, tf.AutoModel)
+    assert type(loaded).__name__ == type(model.base_model).__name__
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).last_hidden_state, expected)
+
+
+def test_a_norms_missing_tensor_raises_whatever_the_head(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        hf_powernorm.convert_norms(model, "powernorm", preserve_function=True, calibration_batches=[batch(2)])
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = next(key for key in weights if key.startswith("transformer.h.0.ln_1") and "running" in key)
+    save_file({k: v for k, v in weights.items() if k != dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    for model_class in (tf.GPT2LMHeadModel, tf.AutoModel):
+        with pytest.raises(ValueError, match="does not match the converted model"):
+            hf_powernorm.load_converted(tmp_path, model_class)
