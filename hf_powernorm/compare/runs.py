@@ -554,6 +554,7 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
 
     if options.model_name_or_path is not None:
         options.model_name_or_path = resolve_model_path(options.model_name_or_path)
+        check_not_converted(options)
         check_own_code(options)
         facts = model_facts(options)
         options.not_preserved = check_preserving(options)
@@ -572,6 +573,21 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
     if not options.report_only:
         save_comparison(options, facts)
     return facts
+
+
+def check_not_converted(options: CompareOptions) -> None:
+    """A model whose norms `convert_norms` already replaced (a kept `models/<norm>`): one line naming
+    its norm, as a comparison converts a model's own LayerNorms or RMSNorms (it would find none)."""
+    from ..converted_norms import CONVERSION_CONFIG_KEY
+
+    path = Path(options.model_name_or_path) / "config.json"
+    if not path.is_file():
+        return
+    conversion = json.loads(path.read_text(encoding="utf-8")).get(CONVERSION_CONFIG_KEY)
+    if isinstance(conversion, dict) and "norm_type" in conversion:
+        raise BadInput(f"--model_name_or_path {options.model_name_or_path}: its norms were converted to "
+                       f"{conversion['norm_type']} ({CONVERSION_CONFIG_KEY} in its config.json); a comparison "
+                       f"converts a model's own LayerNorm or RMSNorm layers: give the model it was converted from")
 
 
 def check_own_code(options: CompareOptions) -> None:

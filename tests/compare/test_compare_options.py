@@ -282,7 +282,27 @@ def test_a_local_dataset_folder_edited_in_place_redoes_the_runs(gpt2_case, capsy
 # A model that brings its own code
 # --------------------------------------------------------------------------------------------
 
-def test_a_converted_folder_without_trust_remote_code_is_one_line_and_no_prompt(gpt2_case, capsys, tmp_path):
+def test_a_folder_with_its_own_code_without_trust_remote_code_is_one_line_and_no_prompt(gpt2_case, capsys,
+                                                                                        tmp_path):
+    import shutil
+
+    model, task, data = gpt2_case
+    own = tmp_path / "own"
+    shutil.copytree(model, own)
+    config = json.loads((own / "config.json").read_text())
+    config.update(model_type="my_gpt2", auto_map={"AutoConfig": "configuration_my_gpt2.MyGPT2Config"})
+    (own / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(own), "--task", task, *data, "--output_dir", str(out)]
+    capsys.readouterr()
+    _one_line_error(argv, capsys, "brings its own code (an auto_map in its config.json): pass --trust_remote_code")
+    assert not out.exists()
+    assert compare.parse_args([*argv, "--trust_remote_code"]).trust_remote_code is True
+    assert "trust_remote_code" not in compare.parse_args(argv).settings()  # where the code runs, not what is measured
+
+
+@pytest.mark.parametrize("trusted", [[], ["--trust_remote_code"]])
+def test_a_converted_folder_is_one_line_naming_its_norm(trusted, gpt2_case, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from hf_powernorm import convert_norms
@@ -291,14 +311,14 @@ def test_a_converted_folder_without_trust_remote_code_is_one_line_and_no_prompt(
     converted = AutoModelForCausalLM.from_pretrained(model)
     convert_norms(converted, "powernorm")
     converted.save_pretrained(tmp_path / "converted")
-    assert "auto_map" in json.loads((tmp_path / "converted" / "config.json").read_text())
     out = tmp_path / "out"
-    argv = ["--model_name_or_path", str(tmp_path / "converted"), "--task", task, *data, "--output_dir", str(out)]
+    argv = ["--model_name_or_path", str(tmp_path / "converted"), "--task", task, *data, "--output_dir", str(out),
+            *trusted]
     capsys.readouterr()
-    _one_line_error(argv, capsys, "brings its own code (an auto_map in its config.json): pass --trust_remote_code")
+    _one_line_error(argv, capsys, "its norms were converted to powernorm (powernorm_conversion in its config.json); "
+                                  "a comparison converts a model's own LayerNorm or RMSNorm layers: give the model "
+                                  "it was converted from")
     assert not out.exists()
-    assert compare.parse_args([*argv, "--trust_remote_code"]).trust_remote_code is True
-    assert "trust_remote_code" not in compare.parse_args(argv).settings()  # where the code runs, not what is measured
 
 
 # --------------------------------------------------------------------------------------------
