@@ -225,12 +225,14 @@ def _arm_lines(results, chosen, options: CompareOptions, baseline: str) -> list[
     recorded = {norm: run for norm, run in firsts.items() if "conversion" in run and "invariants" in run}
     if not recorded:
         return []
+    shown = ", ".join(f"seed {seed}" for seed in sorted({run["seed"] for run in recorded.values()}))
     lines = ["", "## The arms", "",
              "Every arm goes through the same steps: the model loaded, its residual stream centred where "
              "preserve_function needs it (in every arm, the baseline's too; a head tied to a centred embedding is "
              "untied in each), then its norms converted or kept. The arms of one seed must hold the same "
              "parameters outside their norms, the same head, updates, tokens, data order and schedule; a "
-             "difference withholds the verdict (see Checks).", "",
+             "difference withholds the verdict (see Checks). Every seed is checked; the table shows each arm's run "
+             f"at its first seed ({shown}).", "",
              "| arm | writers centred | head | norms converted | conversion | calibration batches | trainable "
              "parameters outside the norms | norm parameters | updates | training tokens | evaluation tokens | "
              "schedule | first batches (SHA-256) |", "|---|---:|---|---:|---|---:|---:|---:|---|---:|---|---|---|"]

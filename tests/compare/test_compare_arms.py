@@ -112,6 +112,7 @@ def test_every_arm_of_a_tied_gpt2_holds_the_baselines_parameters_and_head(tied_g
     assert done["powernorm"]["exact"] and done["rmsnorm"]["exact"] and done["layernorm"]["to"] is None
     report = (output / "report.md").read_text(encoding="utf-8")
     assert "## The arms" in report and "differs from the baseline's" not in report
+    assert "Every seed is checked; the table shows each arm's run at its first seed (seed 1)." in report
     assert f"| {held['layernorm']['trainable_outside_norms']:,} |" in report
     # The kept models: the baseline's trainable parameters outside the norms, and the same untied head.
     def outside_norms(kept) -> int:
