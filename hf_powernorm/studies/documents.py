@@ -10,7 +10,8 @@ the README and docs/studies.md open with the same text), PN's rows against Layer
 the binding family of 45 comparisons (with what each could detect), over protocol 2's 29, the
 descriptive comparisons between PN's variants, and the paper's claims beside ours; or
 `COST_TABLE`, the CPU-hours per run that the tuned comparison's exported cells record; or
-`CONVERGENCE_TABLE`, protocol 3's paired differences beside protocol 2's at 4,500 updates.
+`CONVERGENCE_TABLE`, protocol 3's paired differences beside protocol 2's at 4,500 updates, and
+`CONVERGENCE_TEXT`, where protocol 3 stands in words.
 
     python -m hf_powernorm.studies docs            # rewrite every generated section
     python -m hf_powernorm.studies docs --check    # exit 1 naming the documents that differ
@@ -358,6 +359,49 @@ CONVERGENCE_TABLE = "convergence: beside 4,500 updates"  # protocol 3's pairs be
 CONVERGENCE_ARMS = {"powernorm": "PN (its picks)", "powernorm-authors": "PN, authors' alphas 0.9/0.9"}
 
 
+CONVERGENCE_TEXT = "convergence: where it stands"  # protocol 3's runs, stops and verdicts, in words
+CONVERGENCE_PLANNED, CONVERGENCE_CAP = 15, 12000  # protocol 3: 3 arms x seeds 1-5; its cap in updates
+
+
+def _convergence_runs(root: Path) -> list[dict]:
+    with (root / "results" / "convergence" / "results.csv").open(newline="", encoding="utf-8") as handle:
+        return [{**row, "seed": int(row["seed"]), "stopped_at": int(row["stopped_at"]),
+                 "best_update": int(row["best_update"]), "test_perplexity": float(row["test_perplexity"])}
+                for row in csv.DictReader(handle)]
+
+
+def convergence_text(root: Path) -> list[str]:
+    """Protocol 3 in words, from `convergence/results.csv`: the runs finished, what stopped them, and
+    the verdicts over its family of 2 (at least 3 paired seeds each, Holm over the 2)."""
+    runs = _convergence_runs(root)
+    seeds = {arm: sorted(r["seed"] for r in runs if r["arm"] == arm) for arm in ("layernorm", *CONVERGENCE_ARMS)}
+    names = {"layernorm": "LayerNorm", **CONVERGENCE_ARMS}
+    text = (f"{len(runs)} of {CONVERGENCE_PLANNED} runs finished ("
+            + "; ".join(f"{names[arm]}: seed{'s' if len(found) != 1 else ''} {', '.join(map(str, found))}"
+                        for arm, found in seeds.items() if found) + "). ")
+    capped = [r for r in runs if r["stopped_by"] == "cap"]
+    improving = [r for r in capped if r["best_update"] == r["stopped_at"]]
+    if runs and len(improving) == len(runs):
+        text += (f"Every one reached the {CONVERGENCE_CAP:,}-update cap with its best validation at its last: these "
+                 "runs, too, end short of convergence. ")
+    elif runs:
+        text += (f"{len(runs) - len(capped)} stopped by the rule (no better validation for 2,000 updates), "
+                 f"{len(capped)} by the {CONVERGENCE_CAP:,}-update cap, {len(improving)} of those with its best "
+                 "validation at its last. ")
+    scores = {arm: {r["seed"]: r["test_perplexity"] for r in runs if r["arm"] == arm} for arm in names}
+    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3)
+    judged = [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, family) if v.interval is not None]
+    if not judged:
+        return _wrap(text + "No verdict before 3 paired seeds of an arm and LayerNorm.")
+    words = {"neither": "no difference shown", "other": "PN better", "baseline": "LayerNorm better"}
+    family_words = "the 2" if len(judged) == 2 else "the 1 with 3 paired seeds so far"
+    text += f"Test perplexity per BPE token, arm minus LayerNorm, paired by seed, Holm over {family_words}: " + "; ".join(
+        f"{names[arm]} {paired_cell(v)} over {len(v.differences)} seeds, behind on "
+        f"{sum(d > 0 for d in v.differences.values())}, Holm p {v.adjusted_p:.3f}: {words[v.better]}"
+        for arm, v in judged) + "."
+    return _wrap(text)
+
+
 def convergence_table(root: Path) -> list[str]:
     """Each PN arm minus LayerNorm in test perplexity on PTB, paired by seed: at protocol 2's 4,500
     updates (its finals, `tuned_comparison/results.csv`) and trained until validation stops improving
@@ -412,6 +456,8 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
         return "\n".join(cost_table(root)) + "\n"
     if name == CONVERGENCE_TABLE:
         return "\n".join(convergence_table(root)) + "\n"
+    if name == CONVERGENCE_TEXT:
+        return "\n".join(convergence_text(root)) + "\n"
     if name in TABLES:
         cache = {} if cache is None else cache
         if "finals" not in cache:
@@ -420,7 +466,7 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
     if "/summary.md#" in name or name.startswith("docs/") and ".md#" in name:
         return "\n".join(summary_table(root, name)) + "\n"
     raise ValueError(f"unknown generated section {name!r}: expected STUDY/summary.md#N or one of "
-                     f"{sorted([*TABLES, COST_TABLE, CONVERGENCE_TABLE])}")
+                     f"{sorted([*TABLES, COST_TABLE, CONVERGENCE_TABLE, CONVERGENCE_TEXT])}")
 
 
 def render(text: str, root: Path = ROOT) -> str:

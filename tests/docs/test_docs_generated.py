@@ -135,6 +135,44 @@ def test_the_convergence_table_pairs_each_seed_of_both_protocols(tmp_path):
         ["PN, authors' alphas 0.9/0.9", "until validation stops improving (protocol 3)", "none yet", "-", "-", "-"]]
 
 
+def _write_convergence(root: Path, rows: list[tuple]) -> None:
+    folder = root / "results" / "convergence"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.joinpath("results.csv").write_text(
+        "arm,seed,stopped_at,stopped_by,best_update,best_validation_perplexity,test_perplexity,test_word_perplexity,"
+        "cpu_hours\n" + "".join(f"{arm},{seed},{stop},{by},{best},60,{test},200,1.0\n"
+                                 for arm, seed, stop, by, best, test in rows))
+
+
+def test_where_protocol_three_stands_is_written_from_its_results(tmp_path):
+    """The runs finished, what stopped them and the verdicts, in words, from `convergence/results.csv`;
+    no verdict under 3 paired seeds, and one per arm from 3 on, with Holm over the 2."""
+    _write_convergence(tmp_path, [("layernorm", 1, 12000, "cap", 12000, 57.0), ("powernorm", 1, 12000, "cap", 12000, 57.5)])
+    text = " ".join(documents.convergence_text(tmp_path))
+    assert text.startswith("2 of 15 runs finished (LayerNorm: seed 1; PN (its picks): seed 1). Every one reached the "
+                           "12,000-update cap with its best validation at its last")
+    assert text.endswith("No verdict before 3 paired seeds of an arm and LayerNorm.")
+    rows = [("layernorm", 1, 9000, "rule", 7000, 57.0), ("layernorm", 2, 12000, "cap", 12000, 58.0),
+            ("layernorm", 3, 12000, "cap", 11000, 59.0), ("powernorm", 1, 12000, "cap", 12000, 58.0),
+            ("powernorm", 2, 10500, "rule", 8500, 59.1), ("powernorm", 3, 12000, "cap", 12000, 59.9),
+            ("powernorm-authors", 1, 12000, "cap", 12000, 60.0)]
+    _write_convergence(tmp_path, rows)
+    text = " ".join(documents.convergence_text(tmp_path))
+    assert "7 of 15 runs finished (LayerNorm: seeds 1, 2, 3; PN (its picks): seeds 1, 2, 3; PN, authors' alphas " \
+           "0.9/0.9: seed 1). 2 stopped by the rule (no better validation for 2,000 updates), 5 by the 12,000-update " \
+           "cap, 4 of those with its best validation at its last." in text
+    # PN minus LayerNorm: +1.0, +1.1, +0.9; the authors' arm has one pair, so the family is PN's row alone
+    assert ("paired by seed, Holm over the 1 with 3 paired seeds so far: PN (its picks) +1.00 [+0.75, +1.25] over 3 "
+            "seeds, behind on 3, Holm p 0.003: LayerNorm better.") in text
+    assert "authors' alphas 0.9/0.9 +" not in text
+    rows += [("powernorm-authors", 2, 12000, "cap", 12000, 58.5), ("powernorm-authors", 3, 12000, "cap", 12000, 59.5)]
+    _write_convergence(tmp_path, rows)
+    text = " ".join(documents.convergence_text(tmp_path))  # authors minus LayerNorm: +3.0, +0.5, +0.5
+    assert "Holm over the 2: PN (its picks) +1.00 [+0.75, +1.25] over 3 seeds, behind on 3, Holm p 0.007: LayerNorm " \
+           "better; PN, authors' alphas 0.9/0.9 +1.33 [-2.25, +4.92] over 3 seeds, behind on 3, Holm p 0.251: no " \
+           "difference shown." in text
+
+
 def _summary_rows() -> list[list[str]]:
     table = documents.summary_table(ROOT, "tuned_comparison/summary.md#1")
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
