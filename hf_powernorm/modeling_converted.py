@@ -269,20 +269,27 @@ def load_converted(path: str | os.PathLike, model_class, dtype: torch.dtype | No
             folder, config=config, output_loading_info=True)
     if centred_only:
         model.__class__ = base
-    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
-    saved = (getattr(config, "architectures", None) or [base.__name__])[0]
-    if saved != base.__name__ and not any(_under_a_norm(model, key) for key in missing):
-        # Another head than the saved one (`AutoModel` on a causal LM's folder): as `from_pretrained`
-        # does, the saved head's weights are left out and the new head's start fresh; every norm loaded.
-        if missing or unexpected:
-            warnings.warn(f"{path}: {base.__name__} from a {saved} checkpoint: left out {sorted(unexpected)}, "
-                          f"newly initialised {sorted(missing)}", UserWarning, stacklevel=2)
-    elif missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the converted model: missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}")
+    _check_loaded_keys(model, config, info, path)
     if dtype is not None:
         model.to(dtype)
     return model.eval()
+
+
+def _check_loaded_keys(model: nn.Module, config, info: dict, path) -> None:
+    """`load_converted`'s check of what `from_pretrained` loaded: a key missing or unexpected raises,
+    but for another head than the saved one (`AutoModel` on a causal LM's folder), where, as
+    `from_pretrained` does, the saved head's weights are left out and the new head's start fresh, with a
+    warning naming them; a norm's tensor missing raises whatever the head."""
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    loaded = original_class(type(model)).__name__
+    saved = (getattr(config, "architectures", None) or [loaded])[0]
+    if saved != loaded and not any(_under_a_norm(model, key) for key in missing):
+        if missing or unexpected:
+            warnings.warn(f"{path}: {loaded} from a {saved} checkpoint: left out {sorted(unexpected)}, "
+                          f"newly initialised {sorted(missing)}", UserWarning, stacklevel=3)
+    elif missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the converted model: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
 
 
 def _under_a_norm(model: nn.Module, key: str) -> bool:
