@@ -502,9 +502,11 @@ def fold_row(sizes, batch, repeats, warmup, device, threads) -> list[str]:
 
 
 def first_call_table(device: str, quick: bool, compiled: bool) -> tuple[list[str], list[list[str]]]:
+    """What a first call costs: the C kernels' build (seconds), the C++ operator's (about a minute of
+    c++, left out under `--quick`), and with `compiled` PN's torch.compile."""
+    operator = "not measured (--quick)" if quick else _kernel_build_seconds("load_operator")
     rows = [["build the C kernels (cc, empty cache)", _kernel_build_seconds("load")],
-            ["build the C kernels and DyT's and Derf's C++ operator (cc, c++, empty cache)",
-             _kernel_build_seconds("load_operator")]]
+            ["build the C kernels and DyT's and Derf's C++ operator (cc, c++, empty cache)", operator]]
     if quick or not compiled:
         why = "--quick" if quick else "without --compile"
         rows.append(["torch.compile of PN's training step (first forward + backward)", f"not measured ({why})"])

@@ -35,6 +35,11 @@ def test_quick_suite_prints_every_table_and_rewrites_only_its_section(tmp_path, 
     memory = {row[0]: row for row in tables[3][2]}
     assert set(memory) == {"F.layer_norm", *benchmarks.MEMORY_CASES}
     assert all(row[3].endswith(" MiB") for row in memory.values())  # the peak, measured
+    first_calls = {row[0]: row[1] for row in tables[5][2]}
+    built = first_calls["build the C kernels (cc, empty cache)"]
+    assert built == "no compiler" or float(built) > 0  # seconds; the C++ operator's minute is left out at --quick
+    assert first_calls["build the C kernels and DyT's and Derf's C++ operator (cc, c++, empty cache)"] == \
+        "not measured (--quick)"
     written = target.read_text()
     assert written.startswith("# Benchmarks\n\nkept above\n") and written.rstrip().endswith("kept below")
     assert "old figures" not in written and written.count(benchmarks.MARK_BEGIN) == 1

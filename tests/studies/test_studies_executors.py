@@ -63,6 +63,7 @@ def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(local_outp
     assert _results(tmp_path) == _results(local_outputs)
 
 
+@pytest.mark.slow  # two minutes on 2 cores; the same Ray executor (`training.executors`) runs in compare's test
 def test_ray_tasks_match_local(local_outputs, job_environment, tmp_path):
     warmup_switch.main([*ARGV, "--executor", "ray", "--output_dir", str(tmp_path)])
     assert _results(tmp_path) == _results(local_outputs)
