@@ -554,8 +554,9 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
 
     if options.model_name_or_path is not None:
         options.model_name_or_path = resolve_model_path(options.model_name_or_path)
-        check_not_converted(options)
-        check_own_code(options)
+        saved = _saved_config(options.model_name_or_path)
+        check_not_converted(options, saved)
+        check_own_code(options, saved)
         facts = model_facts(options)
         options.not_preserved = check_preserving(options)
         fit_lengths(options, load_model_tokenizer(options.model_name_or_path, options.trust_remote_code))
@@ -575,31 +576,33 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
     return facts
 
 
-def check_not_converted(options: CompareOptions) -> None:
-    """A model whose norms `convert_norms` already replaced (a kept `models/<norm>`): one line naming
-    its norm, as a comparison converts a model's own LayerNorms or RMSNorms (it would find none)."""
+def _saved_config(path: str) -> dict[str, Any]:
+    """The `config.json` of a model folder as saved ({} where the folder has none)."""
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+
+
+def check_not_converted(options: CompareOptions, saved: dict[str, Any]) -> None:
+    """A model whose norms `convert_norms` already replaced (a kept `models/<norm>`; `saved`: its
+    `config.json`): one line naming its norm, as a comparison converts a model's own LayerNorms or
+    RMSNorms (it would find none)."""
     from ..converted_norms import CONVERSION_CONFIG_KEY
 
-    path = Path(options.model_name_or_path) / "config.json"
-    if not path.is_file():
-        return
-    conversion = json.loads(path.read_text(encoding="utf-8")).get(CONVERSION_CONFIG_KEY)
+    conversion = saved.get(CONVERSION_CONFIG_KEY)
     if isinstance(conversion, dict) and "norm_type" in conversion:
         raise BadInput(f"--model_name_or_path {options.model_name_or_path}: its norms were converted to "
                        f"{conversion['norm_type']} ({CONVERSION_CONFIG_KEY} in its config.json); a comparison "
                        f"converts a model's own LayerNorm or RMSNorm layers: give the model it was converted from")
 
 
-def check_own_code(options: CompareOptions) -> None:
+def check_own_code(options: CompareOptions, saved: dict[str, Any]) -> None:
     """A model that brings its own code, without `--trust_remote_code`: one line that says to pass it,
     where Transformers (told `trust_remote_code=False`) would refuse it, by its rule: the config's
-    `auto_map` names an `AutoConfig` class and its `model_type` is not one Transformers knows."""
+    (`saved`) `auto_map` names an `AutoConfig` class and its `model_type` is not one Transformers knows."""
     from transformers import CONFIG_MAPPING
 
-    path = Path(options.model_name_or_path) / "config.json"
-    if options.trust_remote_code or not path.is_file():
+    if options.trust_remote_code:
         return
-    saved = json.loads(path.read_text(encoding="utf-8"))
     if "AutoConfig" in saved.get("auto_map", {}) and saved.get("model_type") not in CONFIG_MAPPING:
         raise BadInput(f"--model_name_or_path {options.model_name_or_path} brings its own code (an auto_map in "
                        f"its config.json): pass --trust_remote_code to run it")

@@ -356,11 +356,11 @@ def cost_table(root: Path) -> list[str]:
 
 
 CONVERGENCE_TABLE = "convergence: beside 4,500 updates"  # protocol 3's pairs beside protocol 2's PTB finals
-CONVERGENCE_ARMS = {"powernorm": "PN (its picks)", "powernorm-authors": "PN, authors' alphas 0.9/0.9"}
-
-
 CONVERGENCE_TEXT = "convergence: where it stands"  # protocol 3's runs, stops and verdicts, in words
-CONVERGENCE_PLANNED, CONVERGENCE_CAP = 15, 12000  # protocol 3: 3 arms x seeds 1-5; its cap in updates
+# Protocol 3's PN arms, runs (3 arms x seeds 1-5) and cap, as `studies.convergence` has them (repeated
+# here so that documents are written without its training imports; a test holds them equal).
+CONVERGENCE_ARMS = {"powernorm": "PN (its picks)", "powernorm-authors": "PN, authors' alphas 0.9/0.9"}
+CONVERGENCE_PLANNED, CONVERGENCE_CAP = 15, 12000
 
 
 def _convergence_runs(root: Path) -> list[dict]:
@@ -409,9 +409,8 @@ def convergence_table(root: Path) -> list[str]:
     protocol 3's family are its summary's first table)."""
     finals = read_finals(root / "results" / "tuned_comparison" / "results.csv")
     converged: dict[str, dict[int, float]] = defaultdict(dict)
-    with (root / "results" / "convergence" / "results.csv").open(newline="", encoding="utf-8") as handle:
-        for row in csv.DictReader(handle):
-            converged[row["arm"]][int(row["seed"])] = float(row["test_perplexity"])
+    for run in _convergence_runs(root):
+        converged[run["arm"]][run["seed"]] = run["test_perplexity"]
     lines = ["| arm | trained | seeds | arm minus LayerNorm, each seed | mean [95% CI] | behind LayerNorm on |",
              "|---|---|---|---|---|---:|"]
     for arm, arm_name in CONVERGENCE_ARMS.items():

@@ -202,10 +202,15 @@ def corrupt_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(path for path in Path(directory).glob(f"*{CORRUPT_SUFFIX}") if path.is_dir())
 
 
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a checkpoint's, `step_<N>` (not a `step_<N>.corrupt` set aside)."""
+    return name.startswith("step_") and name.removeprefix("step_").isdigit()
+
+
 def checkpoint_step(folder: str | Path) -> int:
     """N of a `step_<N>` folder name."""
     name = Path(folder).name
-    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
+    if not is_step_name(name):
         raise BadInput(f"{folder}: expected a step_<N> checkpoint folder written by a recipe")
     return int(name.removeprefix("step_"))
 
@@ -358,8 +363,7 @@ def remove_checkpoints(output_dir: str | Path) -> list[Path]:
     """Delete every `step_<N>` checkpoint of a finished run in `output_dir`, complete or not;
     return the deleted folders. The best model, the export and a checkpoint set aside as corrupt
     (`set_aside`, kept for whoever looks into it) are not touched."""
-    checkpoints = sorted(path for path in Path(output_dir).glob("step_*")
-                         if path.name.removeprefix("step_").isdigit())
+    checkpoints = sorted(path for path in Path(output_dir).glob("step_*") if is_step_name(path.name))
     for path in checkpoints:
         remove_path(path)
     return checkpoints

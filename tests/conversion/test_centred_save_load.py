@@ -87,19 +87,25 @@ def test_a_centred_conversion_saves_and_reloads_as_it_was(name, tmp_path):
         report = hf_powernorm.convert_norms(model, "powernorm", preserve_function=True,
                                             calibration_batches=[batch(2), batch(3)])
     assert (report.centring.untied if report.centring else None) == UNTIED.get(name)
+    _assert_reloads_as_it_was(model, tmp_path)
+
+
+def _assert_reloads_as_it_was(model, folder):
+    """`model` saved to `folder` and loaded with `load_converted`: the same ties, every tensor (by name
+    and order) equal, the same logits. Returns the loaded model."""
     model.eval()
     inputs = batch(1)
     with torch.no_grad():
         expected = model(**inputs).logits
-    model.save_pretrained(tmp_path)
-    loaded = hf_powernorm.load_converted(tmp_path, type(model))
-
+    model.save_pretrained(folder)
+    loaded = hf_powernorm.load_converted(folder, type(model))
     assert ties(loaded) == ties(model)
     state, reloaded = model.state_dict(), loaded.state_dict()
     assert list(reloaded) == list(state)
     assert [key for key in state if not torch.equal(reloaded[key], state[key])] == []
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, expected)
+    return loaded
 
 
 @pytest.mark.parametrize("name", list(UNTIED))
@@ -111,17 +117,7 @@ def test_a_centred_model_not_converted_reloads_with_load_converted(name, tmp_pat
 
     model = build(name)
     centre_stream(model, [batch(2), batch(3)])
-    model.eval()
-    inputs = batch(1)
-    with torch.no_grad():
-        expected = model(**inputs).logits
-    model.save_pretrained(tmp_path)
-    loaded = hf_powernorm.load_converted(tmp_path, type(model))
-    assert type(loaded) is type(model) and ties(loaded) == ties(model)
-    state, reloaded = model.state_dict(), loaded.state_dict()
-    assert [key for key in state if not torch.equal(reloaded[key], state[key])] == []
-    with torch.no_grad():
-        assert torch.equal(loaded(**inputs).logits, expected)
+    assert type(_assert_reloads_as_it_was(model, tmp_path)) is type(model)
 
 
 @pytest.mark.parametrize("name", ["bart", "gpt2"])

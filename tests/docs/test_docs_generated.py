@@ -135,6 +135,14 @@ def test_the_convergence_table_pairs_each_seed_of_both_protocols(tmp_path):
         ["PN, authors' alphas 0.9/0.9", "until validation stops improving (protocol 3)", "none yet", "-", "-", "-"]]
 
 
+def test_the_documents_name_protocol_threes_arms_runs_and_cap_as_the_study_does():
+    from hf_powernorm.studies import convergence
+
+    assert documents.CONVERGENCE_ARMS == {arm: name for arm, name in convergence.ARM_NAMES.items() if arm != "layernorm"}
+    assert documents.CONVERGENCE_PLANNED == len(convergence.ARMS) * len(convergence.SEEDS)
+    assert documents.CONVERGENCE_CAP == convergence.SIZES["real"]["cap"]
+
+
 def _write_convergence(root: Path, rows: list[tuple]) -> None:
     folder = root / "results" / "convergence"
     folder.mkdir(parents=True, exist_ok=True)
