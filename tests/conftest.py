@@ -1,4 +1,4 @@
-"""Keep every cache and temporary file inside the working tree, offline, before any HF import.
+"""Keep every cache and temporary file inside the working tree, offline, one thread, before any HF import.
 
 Remote-code modules are written to a dynamic-module cache private to this test session
 (`HF_MODULES_CACHE`), so that no `transformers_modules` package left by an earlier run is on any
@@ -19,6 +19,10 @@ for _name, _sub in (("HF_HOME", ".cache/hf"), ("TMPDIR", ".cache/tmp"), ("HF_POW
     os.environ.setdefault(_name, str(_path))
 for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_name, "1")
+# One intra-op thread, here and in every process a test starts: the suite runs a process per core, and torch's
+# threads spin-wait for a core the other process holds, which made tiny models' steps several times slower.
+# A test of threading sets its own count (torch.set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import tempfile  # noqa: E402
 
@@ -32,6 +36,8 @@ from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # where a plugin imported torch first
 
 
 @pytest.fixture(scope="module")
