@@ -309,9 +309,12 @@ def test_the_operators_library_is_trusted_only_with_its_own_record():
     assert kernels_cpu._trusted(library, kernels_cpu._operator_digest())
     assert not kernels_cpu._trusted(library)  # the C library's digest
 
+@pytest.mark.slow
 def test_two_processes_build_the_operator_once(tmp_path):
     """Two processes that start on an empty cache together: one builds, the other waits for it and
-    loads its library (one record, one library, both processes on the operator)."""
+    loads its library (one record, one library, both processes on the operator). Slow: a second minute
+    of C++ build; the lock and the wait are the C library's, raced in
+    `test_normalization.py::test_two_processes_on_an_empty_cache_build_the_library_once`."""
     import os
     import shutil
     import subprocess

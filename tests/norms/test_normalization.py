@@ -1455,6 +1455,22 @@ def test_the_build_lock_is_never_opened_through_a_link(monkeypatch, tmp_path, ca
     assert f"{lock} is a symbolic link" in caplog.text
 
 
+def test_two_processes_on_an_empty_cache_build_the_library_once(tmp_path):
+    """Two processes that start together on an empty cache: one compiles, the other waits on the build
+    lock and loads what the first built (one library, both processes on the kernels). The lock and the
+    wait are `_built`'s, which the C++ operator's build shares."""
+    code = ("import hf_powernorm.kernels_cpu as k; compile_library = k._compile; "
+            "k._compile = lambda target: (print('compiling', flush=True), compile_library(target))[1]; "
+            "print('library', k.load() is not None)")
+    environment = {**os.environ, "HF_POWERNORM_CACHE": str(tmp_path / "cache")}
+    processes = [subprocess.Popen([sys.executable, "-c", code], env=environment, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    assert all("library True" in output for output in outputs), outputs
+    assert sum(output.count("compiling") for output in outputs) == 1, outputs
+    assert len(list((tmp_path / "cache").glob("powernorm_cpu_*.so"))) == 1
+
+
 @pytest.mark.parametrize("mode, usable", [(0o777, False), (0o775, False), (0o1777, True), (0o755, True)])
 def test_a_cache_under_a_folder_others_can_write_is_refused(monkeypatch, tmp_path, caplog, mode, usable):
     """Another user could rename the cache away from under a parent they can write (unless it is sticky,
