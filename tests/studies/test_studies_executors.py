@@ -48,6 +48,10 @@ def _results(folder: Path) -> str:
 
 
 
+# A minute of fresh processes on 2 cores: the grid's resume under submitit (`training.grid`,
+# `training.executors`, both shared) runs in compare's killed-driver test, and a study's jobs go through
+# submitit in the failed-job test below.
+@pytest.mark.slow
 def test_submitit_driver_killed_after_a_run_resumes_and_matches_local(local_outputs, job_environment, tmp_path,
                                                                      capsys):
     argv = [*ARGV, "--executor", "submitit", "--jobs", "1", "--output_dir", str(tmp_path)]
@@ -130,6 +134,7 @@ def test_every_study_lists_the_executor_options(study, capsys):
     assert "with no sbatch on PATH, submitit's local executor runs the jobs as subprocesses" in text
 
 
+@pytest.mark.slow  # a fresh process; `python -m hf_powernorm.studies` runs fresh in tests/docs, the help here in-process
 def test_help_by_python_m_lists_the_executor_options():
     done = subprocess.run([sys.executable, "-m", "hf_powernorm.studies", "tuned_comparison", "--help"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
