@@ -31,6 +31,7 @@ folder's copy (no `trust_remote_code`); `converter.py` re-exports it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -310,10 +311,12 @@ def _head_untied_by_centring(config) -> bool:
     return any(getattr(c, UNTIED_HEAD_CONFIG_KEY, False) for c in (config, text_config(config)))
 
 
+@functools.cache
 def _centred_class(base: type) -> type:
     """`base` that keeps, while it loads, the ties of a model whose head centring untied (`kept_ties`):
     a model centred but not converted (a comparison's baseline) saved each shared tensor once, and
-    `base` alone, reading its ties off `tie_word_embeddings`, would leave the others' names unfilled."""
+    `base` alone, reading its ties off `tie_word_embeddings`, would leave the others' names unfilled.
+    Made once per `base`, as `converted_class` makes its classes."""
     def __init__(self, config, *args, **kwargs) -> None:
         base.__init__(self, config, *args, **kwargs)
         self.all_tied_weights_keys = kept_ties(self)

@@ -231,13 +231,13 @@ def load_model(args: argparse.Namespace, tokenizer, fields: dict[str, Any], num_
     from ..training.models import calibration_batches, check_embeddings, convert_loaded, load_pretrained
 
     model = load_pretrained(args, task_of(args).auto_model_class(), **fields)
-    batches = calibration_batches(args, calibration, always=True) if args.centre_arms else None
-    centring = centre_stream(model, batches, modules=args.convert_modules) if batches else None
+    batches = calibration_batches(args, calibration, always=args.centre_arms)  # collated once, for both steps
+    centring = centre_stream(model, batches, modules=args.convert_modules) if args.centre_arms and batches else None
     report = None
     if args.convert_norms is not None:
-        report = convert_loaded(model, args, num_processes, calibration, centre_stream=False)
+        report = convert_loaded(model, args, num_processes, batches, centre_stream=False)
     check_embeddings(model, tokenizer, args.model_name_or_path)
-    return model.train(), conversion_facts(model, centring, report, len(batches or ()))
+    return model.train(), conversion_facts(model, centring, report, len(batches) if centring is not None else 0)
 
 
 def conversion_facts(model, centring, report, batches: int) -> dict[str, Any]:

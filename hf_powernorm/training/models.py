@@ -165,7 +165,7 @@ def load_and_convert(args: argparse.Namespace, auto_class: type, tokenizer: Any,
         model = load_converted(path, auto_class)
     else:
         model = load_pretrained(args, auto_class, **fields)
-        convert_loaded(model, args, num_processes, calibration)
+        convert_loaded(model, args, num_processes, calibration_batches(args, calibration))
     check_embeddings(model, tokenizer, path)
     return model.train()
 
@@ -179,16 +179,16 @@ def load_pretrained(args: argparse.Namespace, auto_class: type, **fields: Any) -
 
 
 def convert_loaded(model: torch.nn.Module, args: argparse.Namespace, num_processes: int,
-                   calibration: tuple[Any, Any] | None = None, *, centre_stream: bool = True):
+                   batches: list[dict] | None = None, *, centre_stream: bool = True):
     """`model`'s norms converted to `--convert_norms` (`--convert_modules`, `--preserve_function`
-    calibrated on `calibration`, the `--powernorm_*` options), in place; returns the conversion's
-    report. `centre_stream=False` where the stream was centred before (`converter.centre_stream`)."""
+    calibrated on `batches`, collated by `calibration_batches`, the `--powernorm_*` options), in place;
+    returns the conversion's report. `centre_stream=False` where the stream was centred before
+    (`converter.centre_stream`)."""
     from ..converter import convert_norms
 
     report = convert_norms(model, args.convert_norms, modules=args.convert_modules,
-                           preserve_function=args.preserve_function,
-                           calibration_batches=calibration_batches(args, calibration), centre_stream=centre_stream,
-                           **converter_options(args, num_processes))
+                           preserve_function=args.preserve_function, calibration_batches=batches,
+                           centre_stream=centre_stream, **converter_options(args, num_processes))
     logger.info(f"converted the norms of {args.model_name_or_path}: {report}")
     return report
 
