@@ -205,22 +205,22 @@ class CompareOptions:
                                               "1, 3", type=float, nargs="+")
     jobs: int = option(1, "runs at once on CPU, each in its own process", runtime=True, type=int)
     report_only: bool = flag("write the outputs from the runs finished so far, and run nothing", runtime=True)
-    block_size: int | None = option(help="causal-lm: tokens per block; default: what the model's positions and "
-                                         "tokenizer allow, at most 1024 and --max_tokens", type=int)
-    keep_linebreaks: bool | None = option(True, "causal-lm: a text file's lines keep their line breaks in the token "
-                                                "stream, as Transformers' run_clm reads them; --no_keep_linebreaks "
-                                                "joins the lines without them",
-                                          action=argparse.BooleanOptionalAction, negative="--no_keep_linebreaks")
-    max_length: int | None = option(help="classification and seq2seq: truncate sequences to this many tokens; "
-                                         "default: 128, or fewer if the model's positions or --max_tokens allow "
-                                         "fewer", type=int)
-    source_lang: str = option("de", "seq2seq: the source language of 'translation'")
-    target_lang: str = option("en", "seq2seq: the target language of 'translation'")
-    label_names: str | list[str] | None = option(
+    block_size: int | None = shared("block_size", default=None, group="comparison",
+        help="causal-lm: tokens per block; default: what the model's positions and tokenizer allow, at most 1024 and "
+             "--max_tokens")
+    keep_linebreaks: bool | None = shared("keep_linebreaks", group="comparison",
+        help="causal-lm: a text file's lines keep their line breaks in the token stream, as Transformers' run_clm "
+             "reads them; --no_keep_linebreaks joins the lines without them")
+    max_length: int | None = shared("max_length", default=None, group="comparison",
+        help="classification and seq2seq: truncate sequences to this many tokens; default: 128, or fewer if the "
+             "model's positions or --max_tokens allow fewer")
+    source_lang: str = shared("source_lang", help="seq2seq: the source language of 'translation'", group="comparison")
+    target_lang: str = shared("target_lang", help="seq2seq: the target language of 'translation'", group="comparison")
+    label_names: str | list[str] | None = shared("label_names", group="comparison",
         help="classification: comma-separated class names, in the order of the model's label ids; default: the "
              "model's id2label when the data's labels are among its names, else the data's labels (sorted); the "
              "embedded corpus: its three classes")
-    num_beams: int = option(1, "seq2seq: beams when scoring BLEU", type=int)
+    num_beams: int = shared("num_beams", default=1, help="seq2seq: beams when scoring BLEU", group="comparison")
     convert_modules: str | None = shared("convert_modules", help="convert only the norms whose module name matches this"
                                                                  " regular expression (re.search), e.g. 'encoder' or "
                                                                  "'layers\\.([4-9]|1[0-9])\\.'; default: every norm "

@@ -17,7 +17,7 @@ from ..modeling_powernorm import PowerNormTransformerForSequenceClassification
 from .arguments import DATA_FILE_OPTIONS, RecipeParser, add_recipe_args, check_args
 from .corpora import SENTIMENT_LABELS
 from .evaluation import evaluate_accuracy
-from .options import BadInput
+from .options import BadInput, add_task_option
 from .readers import (
     data_files_from_args,
     label_names_of,
@@ -44,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_args(p, vocab_size=1000, learning_rate=1e-3, num_warmup_steps=100, num_train_epochs=5,
                     output_dir="outputs/classification")
     p.add_argument("--phrasebank_file", help="a Financial PhraseBank file (sentence@label per line)")
-    p.add_argument("--label_names", default=",".join(SENTIMENT_LABELS),
-                   help="comma-separated class names of local files (Hub datasets bring their own)")
-    p.add_argument("--max_length", type=int, default=128, help="truncate sentences to this many tokens")
+    add_task_option(p, "label_names", default=",".join(SENTIMENT_LABELS))
+    add_task_option(p, "max_length", help="truncate sentences to this many tokens")
     return p
 
 

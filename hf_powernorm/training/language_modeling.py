@@ -21,7 +21,7 @@ from .arguments import RecipeParser, add_recipe_args, check_args
 from .evaluation import evaluate_perplexity
 from .losses import causal_lm_loss
 from .metrics import count_words
-from .options import BadInput
+from .options import BadInput, add_task_option
 from .readers import data_files_from_args, limit_splits, lm_document_splits, load_lm_dataset, split_train
 from .tasks import Task, register_task, run_task
 from .tokenization import column_texts, lm_blocks, tokenize_lines
@@ -38,18 +38,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     p = RecipeParser(description="Train a PowerNorm Transformer language model.")
     add_recipe_args(p, learning_rate=2e-3, num_warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
-    p.add_argument("--block_size", type=int, default=64, help="tokens per training/evaluation block")
+    add_task_option(p, "block_size")
     add_data_args(p)
     return p
 
 
 def add_data_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """How the text becomes a token stream (`keep_linebreaks`, as in Transformers' `run_clm.py`)."""
-    parser.add_argument("--keep_linebreaks", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep the line breaks of text files in the token stream: the text '\\n' where the "
-                             "tokenizer writes it, else its end-of-sequence token; --no_keep_linebreaks (or "
-                             "--no-keep_linebreaks) joins the lines without them")
-    parser.add_argument("--no_keep_linebreaks", dest="keep_linebreaks", action="store_false", help=argparse.SUPPRESS)
+    add_task_option(parser, "keep_linebreaks")
 
 
 def check_options(args: argparse.Namespace) -> argparse.Namespace:

@@ -16,7 +16,7 @@ from typing import Any
 
 from .checks import BadInput, MissingInput
 
-__all__ = ["BadInput", "MissingInput", "RecipeOptions", "add_options", "flag", "group_num", "is_main_process",
+__all__ = ["BadInput", "MissingInput", "RecipeOptions", "TaskOptions", "add_options", "add_task_option", "flag", "group_num", "is_main_process",
            "option", "shared", "world_size"]
 
 
@@ -210,6 +210,31 @@ class RecipeOptions:
     hub_private_repo: bool = flag("create the repository private", "hub")
 
 
+@dataclass
+class TaskOptions:
+    """The options that one task reads (`Task.own_options`), declared once: a task's recipe adds its own
+    (`add_task_option`), `compare` takes them with its own defaults and help (`shared`)."""
+
+    block_size: int | None = option(64, "tokens per training/evaluation block", "data", type=int)
+    keep_linebreaks: bool = option(True, "keep the line breaks of text files in the token stream: the text '\\n' "
+                                         "where the tokenizer writes it, else its end-of-sequence token; "
+                                         "--no_keep_linebreaks (or --no-keep_linebreaks) joins the lines without "
+                                         "them", "data", action=argparse.BooleanOptionalAction,
+                                   negative="--no_keep_linebreaks")
+    max_length: int | None = option(128, "truncate sequences to this many tokens", "data", type=int)
+    source_lang: str = option("de", group="data")
+    target_lang: str = option("en", group="data")
+    label_names: str | None = option(help="comma-separated class names of local files (Hub datasets bring their own)",
+                                     group="data")
+    num_beams: int = option(5, group="evaluation", type=int)
+
+
+def add_task_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **changes: Any) -> None:
+    """`TaskOptions.<name>` on a task recipe's parser, with `changes` (its `default`, `help`) over the declaration."""
+    spec = _field(TaskOptions, name)
+    _add_field(parser, spec, changes.get("default", spec.default), changes.get("help", spec.metadata["help"]) or None)
+
+
 RECIPE_GROUPS = {"data": "data", "model": "tokenizer and model",
                  "powernorm": "power normalization (default: the preset's values)",
                  "elementwise": "DyT and Derf (default: the preset's values)", "training": "training",
@@ -224,9 +249,9 @@ NOT_GIVEN = {"text_column": None, "label_column": None, "source_column": None, "
 
 def shared(name: str, *, default: Any = dataclasses.MISSING, help: str | None = None, group: str | None = None,
            runtime: bool = False, **argparse_changes: Any) -> Any:
-    """The declaration of `RecipeOptions.<name>` for another command: its flags and type, with the
-    command's own `default`, `help`, `group`, `runtime` and argparse settings where given."""
-    spec = next(spec for spec in dataclasses.fields(RecipeOptions) if spec.name == name)
+    """The declaration of `RecipeOptions.<name>` (or `TaskOptions.<name>`) for another command: its flags
+    and type, with the command's own `default`, `help`, `group`, `runtime` and argparse settings where given."""
+    spec = _field(RecipeOptions if name in RecipeOptions.__dataclass_fields__ else TaskOptions, name)
     metadata = spec.metadata
     if default is dataclasses.MISSING:
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
@@ -243,15 +268,24 @@ def add_options(parser: argparse.ArgumentParser, options: type, titles: dict[str
     for spec in dataclasses.fields(options):
         if "help" not in spec.metadata:
             continue  # a field settled by the command, not an option
-        settings = dict(spec.metadata["argparse"])
-        flags, negative = settings.pop("flags", (f"--{spec.name}",)), settings.pop("negative", None)
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
         help = _with_default(spec.metadata["help"], default) if say_defaults else spec.metadata["help"] or None
-        group = groups[spec.metadata["group"]]
-        group.add_argument(*flags, dest=spec.name, default=default, help=help, **settings)
-        if negative:  # the spelling of Transformers' examples beside argparse's --no-<name>
-            group.add_argument(negative, dest=spec.name, action="store_false", help=argparse.SUPPRESS)
+        _add_field(groups[spec.metadata["group"]], spec, default, help)
     return parser
+
+
+def _field(options: type, name: str) -> dataclasses.Field:
+    return options.__dataclass_fields__[name]
+
+
+def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spec: dataclasses.Field, default: Any,
+               help: str | None) -> None:
+    """The flags of the option field `spec` (its spellings, and a hidden `negative` one)."""
+    settings = dict(spec.metadata["argparse"])
+    flags, negative = settings.pop("flags", (f"--{spec.name}",)), settings.pop("negative", None)
+    parser.add_argument(*flags, dest=spec.name, default=default, help=help, **settings)
+    if negative:  # the spelling of Transformers' examples beside argparse's --no-<name>
+        parser.add_argument(negative, dest=spec.name, action="store_false", help=argparse.SUPPRESS)
 
 
 def _with_default(help: str, default: Any) -> str:

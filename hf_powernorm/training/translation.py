@@ -20,7 +20,7 @@ from .batching import PaddingCollator
 from .evaluation import evaluate_bleu
 from .losses import check_label_smoothing, translation_loss
 from .metrics import OncePerMessage
-from .options import BadInput
+from .options import BadInput, add_task_option
 from .readers import data_files_from_args, limit_splits, load_translation_dataset
 from .tasks import Task, register_task, run_task
 from .tokenization import tokenize_translation, translation_texts
@@ -40,13 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     p = RecipeParser(description="Train a PowerNorm Transformer for translation.")
     add_recipe_args(p, eval_batch_size=64, output_dir="outputs/translation")
-    p.add_argument("--source_lang", default="de")
-    p.add_argument("--target_lang", default="en")
-    p.add_argument("--max_length", type=int, default=128, help="default of the two maximum lengths below")
+    add_task_option(p, "source_lang")
+    add_task_option(p, "target_lang")
+    add_task_option(p, "max_length", help="default of the two maximum lengths below")
     p.add_argument("--max_source_length", type=int, help="truncate sources to this many tokens")
     p.add_argument("--max_target_length", type=int, help="truncate targets to this many tokens")
     p.add_argument("--label_smoothing", type=float, default=0.1)
-    p.add_argument("--num_beams", type=int, default=5)
+    add_task_option(p, "num_beams")
     p.add_argument("--length_penalty", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int, default=128)
     return p

@@ -126,6 +126,22 @@ def test_every_task_option_is_a_comparison_option():
     assert compare.parse_args([]).keep_linebreaks is True
 
 
+def test_the_options_a_task_owns_parse_as_its_recipe_has_them():
+    """Each option a task owns (`Task.own_options`) is declared once (`training.options.TaskOptions`):
+    `compare` has the spellings, type and action of the task's recipe, its default its own (one beam)."""
+    from hf_powernorm.training.tasks import get_task, task_names
+
+    def flags(parser, name):
+        return [(a.option_strings, a.type, a.nargs, type(a).__name__) for a in parser._actions if a.dest == name]
+
+    ours = compare.build_parser()
+    for task in map(get_task, task_names()):
+        recipe = task.build_parser()
+        for name in task.own_options:
+            assert flags(ours, name) == flags(recipe, name) != [], (task.name, name)
+    assert (ours.parse_args([]).num_beams, get_task("seq2seq").build_parser().parse_args([]).num_beams) == (1, 5)
+
+
 def test_options_are_saved_and_read_back_field_by_field(gpt2_case, tmp_path):
     model, task, data = gpt2_case
     options = compare.parse_args(["--model_name_or_path", model, "--task", task, *data, "--output_dir",
