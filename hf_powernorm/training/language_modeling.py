@@ -39,13 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = RecipeParser(description="Train a PowerNorm Transformer language model.")
     add_recipe_args(p, learning_rate=2e-3, num_warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
     add_task_option(p, "block_size")
-    add_data_args(p)
+    add_task_option(p, "keep_linebreaks")  # how the text becomes a token stream, as in Transformers' run_clm.py
     return p
-
-
-def add_data_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """How the text becomes a token stream (`keep_linebreaks`, as in Transformers' `run_clm.py`)."""
-    add_task_option(parser, "keep_linebreaks")
 
 
 def check_options(args: argparse.Namespace) -> argparse.Namespace:
@@ -74,7 +69,6 @@ class LanguageModelling(Task):
     column_options = ("text_column",)
     length_option, length_cap = "block_size", 1024
     own_options = ("block_size", "keep_linebreaks")
-    add_data_args = staticmethod(add_data_args)  # the options `own_options` names besides the length
     words: dict[str, int] = {}  # words per split, set where the raw splits are tokenized
 
     def load_data(self, accelerator: Accelerator) -> dict:

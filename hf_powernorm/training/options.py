@@ -16,8 +16,8 @@ from typing import Any
 
 from .checks import BadInput, MissingInput
 
-__all__ = ["BadInput", "MissingInput", "RecipeOptions", "TaskOptions", "add_options", "add_task_option", "flag", "group_num", "is_main_process",
-           "option", "shared", "world_size"]
+__all__ = ["BadInput", "MissingInput", "RecipeOptions", "TaskOptions", "add_options", "add_task_option", "flag",
+           "group_num", "is_main_process", "option", "shared", "world_size"]
 
 
 def world_size() -> int:
@@ -232,7 +232,8 @@ class TaskOptions:
 def add_task_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **changes: Any) -> None:
     """`TaskOptions.<name>` on a task recipe's parser, with `changes` (its `default`, `help`) over the declaration."""
     spec = _field(TaskOptions, name)
-    _add_field(parser, spec, changes.get("default", spec.default), changes.get("help", spec.metadata["help"]) or None)
+    _add_field(parser, spec, changes.get("default", _field_default(spec)),
+               changes.get("help", spec.metadata["help"]) or None)
 
 
 RECIPE_GROUPS = {"data": "data", "model": "tokenizer and model",
@@ -254,7 +255,7 @@ def shared(name: str, *, default: Any = dataclasses.MISSING, help: str | None = 
     spec = _field(RecipeOptions if name in RecipeOptions.__dataclass_fields__ else TaskOptions, name)
     metadata = spec.metadata
     if default is dataclasses.MISSING:
-        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        default = _field_default(spec)
     settings = {k: v for k, v in {**metadata["argparse"], **argparse_changes}.items() if v is not None}
     return option(default, metadata["help"] if help is None else help,
                   metadata["group"] if group is None else group, runtime=runtime, **settings)
@@ -268,7 +269,7 @@ def add_options(parser: argparse.ArgumentParser, options: type, titles: dict[str
     for spec in dataclasses.fields(options):
         if "help" not in spec.metadata:
             continue  # a field settled by the command, not an option
-        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        default = _field_default(spec)
         help = _with_default(spec.metadata["help"], default) if say_defaults else spec.metadata["help"] or None
         _add_field(groups[spec.metadata["group"]], spec, default, help)
     return parser
@@ -276,6 +277,11 @@ def add_options(parser: argparse.ArgumentParser, options: type, titles: dict[str
 
 def _field(options: type, name: str) -> dataclasses.Field:
     return options.__dataclass_fields__[name]
+
+
+def _field_default(spec: dataclasses.Field) -> Any:
+    """An option field's default (a fresh list for a list's)."""
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
 def _add_field(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spec: dataclasses.Field, default: Any,
