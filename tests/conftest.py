@@ -21,7 +21,8 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_name, "1")
 # One intra-op thread, here and in every process a test starts: the suite runs a process per core, and torch's
 # threads spin-wait for a core the other process holds, which made tiny models' steps several times slower.
-# A test of threading sets its own count (torch.set_num_threads).
+# A test of threading sets its own count (torch.set_num_threads). A count the user set is left to OpenMP.
+_SET_HERE = "OMP_NUM_THREADS" not in os.environ
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import tempfile  # noqa: E402
@@ -37,7 +38,8 @@ from unittest import mock  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # where a plugin imported torch first
+if _SET_HERE:
+    torch.set_num_threads(1)  # where a plugin imported torch before the variable was set
 
 
 @pytest.fixture(scope="module")
