@@ -4,9 +4,10 @@ example report under docs/).
 
 A generated section of a document sits between `<!-- generated: NAME -->` and
 `<!-- end generated -->`. NAME is `STUDY/summary.md#N`, the N-th table (from 1) of a study's
-`summary.md` as the study wrote it; `docs/PATH.md#N`, a table of a report kept under docs/; or one
-of `TABLES`, computed here from the tuned comparison's `results.csv`: the answer in words (STUDIES.md,
-the README and docs/studies.md open with the same text), PN's rows against LayerNorm, the verdicts over
+`summary.md` as the study wrote it; `docs/PATH.md#N`, a table of a report kept under docs/; `ANSWER`,
+the answer in words (STUDIES.md, the README and docs/studies.md open with the same text): protocol 3's
+verdicts once it has them, then the tuned comparison's; or one of `TABLES`, computed here from the
+tuned comparison's `results.csv`: PN's rows against LayerNorm, the verdicts over
 the binding family of 45 comparisons (with what each could detect), over protocol 2's 29, the
 descriptive comparisons between PN's variants, and the paper's claims beside ours; or
 `COST_TABLE`, the CPU-hours per run that the tuned comparison's exported cells record; or
@@ -332,8 +333,9 @@ def _wrap(text: str, width: int = 118) -> list[str]:
     return [*lines, current]
 
 
+ANSWER = "the answer"  # protocol 3's verdicts once it has them, then the tuned comparison's answer
 TABLES: dict[str, Callable[[dict], list[str]]] = {
-    "tuned_comparison: the answer": answer_text, "tuned_comparison: PN against LayerNorm": answer_table,
+    "tuned_comparison: PN against LayerNorm": answer_table,
     "tuned_comparison: binding family": binding_table, "tuned_comparison: protocol 2": protocol_table,
     "tuned_comparison: PN's variants": variants_table, "tuned_comparison: the paper's claims": paper_table}
 COST_TABLE = "tuned_comparison: CPU-hours per run"  # from the exported cells, not from results.csv
@@ -388,17 +390,56 @@ def convergence_text(root: Path) -> list[str]:
         text += (f"{len(runs) - len(capped)} stopped by the rule (no better validation for 2,000 updates), "
                  f"{len(capped)} by the {CONVERGENCE_CAP:,}-update cap, {len(improving)} of those with its best "
                  "validation at its last. ")
-    scores = {arm: {r["seed"]: r["test_perplexity"] for r in runs if r["arm"] == arm} for arm in names}
-    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3)
-    judged = [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, family) if v.interval is not None]
+    judged = convergence_verdicts(runs)
     if not judged:
         return _wrap(text + "No verdict before 3 paired seeds of an arm and LayerNorm.")
-    words = {"neither": "no difference shown", "other": "PN better", "baseline": "LayerNorm better"}
-    family_words = "the 2" if len(judged) == 2 else "the 1 with 3 paired seeds so far"
-    text += f"Test perplexity per BPE token, arm minus LayerNorm, paired by seed, Holm over {family_words}: " + "; ".join(
-        f"{names[arm]} {paired_cell(v)} over {len(v.differences)} seeds, behind on "
-        f"{sum(d > 0 for d in v.differences.values())}, Holm p {v.adjusted_p:.3f}: {words[v.better]}"
-        for arm, v in judged) + "."
+    text += f"Test perplexity per BPE token, arm minus LayerNorm, paired by seed, Holm over {_family_words(judged)}: "
+    text += "; ".join(f"{names[arm]} {paired_cell(v)} over {len(v.differences)} seeds, behind on "
+                      f"{sum(d > 0 for d in v.differences.values())}, Holm p {v.adjusted_p:.3f}: "
+                      f"{CONVERGED_WORDS[v.better]}" for arm, v in judged) + "."
+    return _wrap(text)
+
+
+CONVERGED_WORDS = {"neither": "no difference shown", "other": "PN better", "baseline": "LayerNorm better"}
+
+
+def convergence_verdicts(runs: list[dict]) -> list[tuple[str, PairedVerdict]]:
+    """Protocol 3's verdicts: each PN arm with at least 3 seeds paired with LayerNorm's, test perplexity,
+    Holm over the arms judged (the family of 2 once both have 3)."""
+    scores = {arm: {r["seed"]: r["test_perplexity"] for r in runs if r["arm"] == arm}
+              for arm in ("layernorm", *CONVERGENCE_ARMS)}
+    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3)
+    return [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, family) if v.interval is not None]
+
+
+def _family_words(judged: list) -> str:
+    return "the 2" if len(judged) == 2 else "the 1 with 3 paired seeds so far"
+
+
+def convergence_answer(root: Path, finals: dict) -> list[str]:
+    """The answer where training ends, first in the answer once protocol 3 has a verdict (nothing before):
+    each judged PN arm against LayerNorm, beside its row at 4,500 updates, and whether the ordering of
+    the means held; an ordering that changed opens the paragraph."""
+    runs = _convergence_runs(root)
+    judged = convergence_verdicts(runs)
+    if not judged:
+        return []
+    rows = answer_rows(finals)
+    parts, changed = [], []
+    for arm, v in judged:
+        before = _row(rows, "ptb", 4500, "perplexity", arm)["verdict"]
+        held = (v.interval.mean > 0) == (before.interval.mean > 0)
+        changed += [] if held else [CONVERGENCE_ARMS[arm]]
+        parts.append(f"{CONVERGENCE_ARMS[arm]} {paired_cell(v)} over {len(v.differences)} seeds, Holm p "
+                     f"{v.adjusted_p:.3f}: {CONVERGED_WORDS[v.better]}, against {paired_cell(before)} at 4,500 updates "
+                     f"({CONVERGED_WORDS[before.better]}): the ordering of the means "
+                     + ("held" if held else f"reversed, PN now {'behind' if v.interval.mean > 0 else 'ahead'}"))
+    capped = sum(r["stopped_by"] == "cap" for r in runs)
+    opening = (f"The ordering changed where training ends, for {' and '.join(changed)}. " if changed else "")
+    text = (opening + f"Trained until validation stops improving (PTB, protocol 3, {len(runs)} of "
+            f"{CONVERGENCE_PLANNED} runs finished, {capped} of them stopped by the {CONVERGENCE_CAP:,}-update cap), "
+            f"PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over {_family_words(judged)}: "
+            + "; ".join(parts) + ".")
     return _wrap(text)
 
 
@@ -457,15 +498,18 @@ def section(name: str, root: Path = ROOT, cache: dict | None = None) -> str:
         return "\n".join(convergence_table(root)) + "\n"
     if name == CONVERGENCE_TEXT:
         return "\n".join(convergence_text(root)) + "\n"
-    if name in TABLES:
+    if name in TABLES or name == ANSWER:
         cache = {} if cache is None else cache
         if "finals" not in cache:
             cache["finals"] = read_finals(root / "results" / "tuned_comparison" / "results.csv")
+        if name == ANSWER:
+            converged = convergence_answer(root, cache["finals"])
+            return "\n".join([*converged, ""] * bool(converged) + answer_text(cache["finals"])) + "\n"
         return "\n".join(TABLES[name](cache["finals"])) + "\n"
     if "/summary.md#" in name or name.startswith("docs/") and ".md#" in name:
         return "\n".join(summary_table(root, name)) + "\n"
     raise ValueError(f"unknown generated section {name!r}: expected STUDY/summary.md#N or one of "
-                     f"{sorted([*TABLES, COST_TABLE, CONVERGENCE_TABLE, CONVERGENCE_TEXT])}")
+                     f"{sorted([ANSWER, *TABLES, COST_TABLE, CONVERGENCE_TABLE, CONVERGENCE_TEXT])}")
 
 
 def render(text: str, root: Path = ROOT) -> str:

@@ -41,7 +41,7 @@ def test_each_document_equals_its_data(name):
 
 def test_every_results_table_of_studies_md_that_has_a_summary_is_generated():
     names = documents.sections(STUDIES_MD.read_text(encoding="utf-8"))
-    assert names[:2] == ["tuned_comparison: the answer", "tuned_comparison: PN against LayerNorm"]
+    assert names[:2] == [documents.ANSWER, "tuned_comparison: PN against LayerNorm"]
     assert {"norm_comparison/summary.md#1", "pn_ablation/summary.md#1", "warmup_switch/summary.md#1"} <= set(names)
     page = documents.sections(TUNED_PAGE.read_text(encoding="utf-8"))
     assert page == ["tuned_comparison: binding family", "tuned_comparison: protocol 2"]
@@ -51,7 +51,7 @@ def test_studies_md_opens_with_the_answer_and_pns_table():
     lines = STUDIES_MD.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 900
     opening = "\n".join(lines[:40])
-    answer = documents.section("tuned_comparison: the answer", ROOT)
+    answer = documents.section(documents.ANSWER, ROOT)
     table = documents.section("tuned_comparison: PN against LayerNorm", ROOT)
     assert answer in opening and table in opening and len(answer.splitlines()) <= 10
     caveats = next(i for i, line in enumerate(lines) if line.startswith("Caveats."))
@@ -222,7 +222,7 @@ def test_the_detectable_difference_has_the_power_it_claims():
 def test_the_headline_quotes_only_intervals_that_its_tables_hold():
     text = STUDIES_MD.read_text(encoding="utf-8")
     headline = _headline(text)
-    generated = "".join(documents.section(name, ROOT) for name in documents.TABLES)
+    generated = "".join(documents.section(name, ROOT) for name in [documents.ANSWER, *documents.TABLES])
     interval = re.compile(r"[+-]\d+\.\d+ \[[+-]\d+\.\d+, [+-]\d+\.\d+\]")
     quoted = interval.findall(" ".join(_outside_generated(headline).split()))
     assert quoted and [q for q in quoted if q not in generated] == []
@@ -275,3 +275,34 @@ def test_the_initial_alphas_were_run_beyond_the_grids_edge_on_ptb_validation_onl
             and row["alpha_init_attention"] and float(row["alpha_init_attention"]) > 2]
     assert {row["norm"] for row in rows} == {"dyt", "derf"}
     assert {(row["stage"], row["split"]) for row in rows} == {("tune", "validation")}
+
+
+def test_the_answer_opens_with_protocol_threes_verdicts_once_it_has_them(tmp_path):
+    """Nothing before 3 paired seeds; then each judged arm beside its 4,500-update row, and an ordering
+    of the means that changed opens the answer, which the README and STUDIES.md share."""
+    (tmp_path / "results" / "tuned_comparison").mkdir(parents=True)
+    shutil.copyfile(TUNED / "results.csv", tmp_path / "results" / "tuned_comparison" / "results.csv")
+    finals = documents.read_finals(TUNED / "results.csv")
+    tuned = "\n".join(documents.answer_text(finals)) + "\n"
+    two = [("layernorm", seed, 12000, "cap", 12000, 60.0 + seed) for seed in (1, 2)]
+    _write_convergence(tmp_path, [*two, *(("powernorm", seed, 12000, "cap", 12000, 59.0 + seed) for seed in (1, 2))])
+    assert documents.section(documents.ANSWER, tmp_path) == tuned
+    layernorm = [*two, ("layernorm", 3, 10000, "rule", 8000, 63.0)]
+    behind = [("powernorm", seed, 12000, "cap", 12000, 60.0 + seed + d) for seed, d in ((1, 0.4), (2, 0.5), (3, 0.6))]
+    _write_convergence(tmp_path, [*layernorm, *behind])
+    converged, rest = documents.section(documents.ANSWER, tmp_path).split("\n\n")
+    assert rest == tuned
+    assert " ".join(converged.split()) == (
+        "Trained until validation stops improving (PTB, protocol 3, 6 of 15 runs finished, 5 of them stopped by the "
+        "12,000-update cap), PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over the 1 with "
+        "3 paired seeds so far: PN (its picks) +0.50 [+0.25, +0.75] over 3 seeds, Holm p 0.013: LayerNorm better, "
+        "against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown): the ordering of the means held.")
+    ahead = [("powernorm", seed, 12000, "cap", 12000, 60.0 + seed - d) for seed, d in ((1, 0.2), (2, 0.9), (3, 0.1))]
+    authors = [("powernorm-authors", seed, 12000, "cap", 12000, 61.0 + 1.1 * seed) for seed in (1, 2, 3)]
+    _write_convergence(tmp_path, [*layernorm, *ahead, *authors])
+    converged = " ".join(documents.section(documents.ANSWER, tmp_path).split("\n\n")[0].split())
+    assert converged.startswith("The ordering changed where training ends, for PN (its picks). Trained until "
+                                "validation stops improving (PTB, protocol 3, 9 of 15 runs finished")
+    assert "Holm over the 2: PN (its picks) -0.40 [" in converged
+    assert "the ordering of the means reversed, PN now ahead; PN, authors' alphas 0.9/0.9 +1.20 [+0.95, +1.45]" \
+        in converged and converged.endswith("(LayerNorm better): the ordering of the means held.")
