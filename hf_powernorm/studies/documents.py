@@ -432,7 +432,7 @@ def convergence_answer(root: Path, finals: dict) -> list[str]:
         changed += [] if held else [CONVERGENCE_ARMS[arm]]
         parts.append(f"{CONVERGENCE_ARMS[arm]} {paired_cell(v)} over {len(v.differences)} seeds, Holm p "
                      f"{v.adjusted_p:.3f}: {CONVERGED_WORDS[v.better]}, against {paired_cell(before)} at 4,500 updates "
-                     f"({CONVERGED_WORDS[before.better]}): the ordering of the means "
+                     f"({CONVERGED_WORDS[before.better]} over the {rows[0]['family']}): the ordering of the means "
                      + ("held" if held else f"reversed, PN now {'behind' if v.interval.mean > 0 else 'ahead'}"))
     capped = sum(r["stopped_by"] == "cap" for r in runs)
     opening = (f"The ordering changed where training ends, for {' and '.join(changed)}. " if changed else "")

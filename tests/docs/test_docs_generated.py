@@ -300,7 +300,8 @@ def test_the_answer_opens_with_protocol_threes_verdicts_once_it_has_them(tmp_pat
         "Trained until validation stops improving (PTB, protocol 3, 6 of 15 runs finished, 5 of them stopped by the "
         "12,000-update cap), PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over the 1 with "
         "3 paired seeds so far: PN (its picks) +0.50 [+0.25, +0.75] over 3 seeds, Holm p 0.013: LayerNorm better, "
-        "against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown): the ordering of the means held.")
+        "against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown over the 45): the ordering of the means "
+        "held.")
     ahead = [("powernorm", seed, 12000, "cap", 12000, 60.0 + seed - d) for seed, d in ((1, 0.2), (2, 0.9), (3, 0.1))]
     authors = [("powernorm-authors", seed, 12000, "cap", 12000, 61.0 + 1.1 * seed) for seed in (1, 2, 3)]
     _write_convergence(tmp_path, [*layernorm, *ahead, *authors])
@@ -309,4 +310,4 @@ def test_the_answer_opens_with_protocol_threes_verdicts_once_it_has_them(tmp_pat
                                 "validation stops improving (PTB, protocol 3, 9 of 15 runs finished")
     assert "Holm over the 2: PN (its picks) -0.40 [" in converged
     assert "the ordering of the means reversed, PN now ahead; PN, authors' alphas 0.9/0.9 +1.20 [+0.95, +1.45]" \
-        in converged and converged.endswith("(LayerNorm better): the ordering of the means held.")
+        in converged and converged.endswith("(LayerNorm better over the 45): the ordering of the means held.")
