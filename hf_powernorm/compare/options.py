@@ -364,6 +364,9 @@ def _check_runs(options: CompareOptions) -> None:
     if options.jobs > 1 and world_size() > 1:
         raise BadInput("--jobs runs several CPU processes; under `accelerate launch` each run already uses "
                        "every process: leave --jobs at 1")
+    if options.lr_grid is not None and not options.tune_lr:
+        raise BadInput(f"--lr_grid {' '.join(map(str, options.lr_grid))} is the grid that --tune_lr chooses from: "
+                       f"add --tune_lr (without it every norm trains at --learning_rate)")
     if options.push_to_hub and not options.save_models:
         raise BadInput("--push_to_hub uploads the models that --save_models keeps: add --save_models")
     if options.push_to_hub and not options.hub_model_id:

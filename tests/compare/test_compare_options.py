@@ -164,6 +164,8 @@ def test_bad_quantities_are_refused_before_anything_is_written_and_the_corrected
     for bad, said in ((["--learning_rate", "-0.001"], "--learning_rate -0.001: expected a learning rate"),
                       (["--learning_rate", "0"], "--learning_rate 0.0: expected a learning rate, a finite number > 0"),
                       (["--tune_lr", "--lr_grid", "0.001", "-0.001"], "--lr_grid -0.001: expected a learning rate"),
+                      (["--lr_grid", "0.001", "0.003"], "--lr_grid 0.001 0.003 is the grid that --tune_lr chooses "
+                                                        "from: add --tune_lr"),
                       (["--weight_decay", "-1"], "--weight_decay -1.0: expected a weight decay"),
                       (["--jobs", "0"], "--jobs 0: expected an integer > 0")):
         _one_line_error([*base, *bad], capsys, said)
