@@ -563,6 +563,8 @@ def prepare(options: CompareOptions) -> dict[str, Any]:
         check_batch_budget(library_args(options))
         resolve_label_names(options)
     check_output_folder(options)
+    if options.report_only and not any((Path(options.output_dir) / "cells").glob(f"*/{RESULT_NAME}")):
+        raise MissingInput(f"--report_only: no finished run under {options.output_dir}/cells")  # nothing written
     if options.model_name_or_path is None:
         options.model_name_or_path = embedded_model(Path(options.output_dir) / "model")
         facts = model_facts(options)
@@ -622,14 +624,14 @@ def run_comparison(options: CompareOptions) -> list[dict[str, Any]]:
     for this process (`FolderInUse`, a ValueError's one line, when another holds it); returns the
     rows of results.csv. Interrupted (Ctrl-C), it writes the report of the runs finished so far and
     raises KeyboardInterrupt with a line that says so; the same command resumes."""
-    from ..training.locking import FolderInUse, NotALock
+    from ..training.locking import FolderInUse, NotAFolder, NotALock
 
     try:
         with hold_output_folder(options.output_dir, enabled=is_main_process()), _quiet_libraries():
             return _main(options)
     except FolderInUse as error:  # raised on entry only: another process holds the folder
         raise BadInput(f"--output_dir {error}") from None
-    except NotALock as error:  # raised on entry only: the folder's lock is not one
+    except (NotALock, NotAFolder) as error:  # raised on entry only: the folder's lock is not one, or it is a file
         raise BadInput(str(error)) from None
 
 

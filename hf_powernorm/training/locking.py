@@ -43,6 +43,10 @@ class FolderInUse(RuntimeError):
     """Another live process holds the output folder."""
 
 
+class NotAFolder(ValueError):
+    """The output folder's path (`--output_dir`, as every caller names it) is a file."""
+
+
 def read_lock(folder: str | Path) -> dict[str, Any]:
     """What `folder`'s lock file says of its holder (`pid`, `host`, `started`); {} when none or unreadable."""
     try:
@@ -167,7 +171,7 @@ def hold_output_folder(folder: str | Path, enabled: bool = True) -> Iterator[Pat
         yield folder
         return
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"output folder {folder} is a file, not a folder")
+        raise NotAFolder(f"--output_dir {folder} is a file, not a folder")
     created_folder = not folder.exists()
     descriptor = _acquire(folder)
     try:

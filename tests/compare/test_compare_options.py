@@ -174,6 +174,19 @@ def test_bad_quantities_are_refused_before_anything_is_written_and_the_corrected
     assert {r["norm"] for r in _rows(out)} == {"layernorm"}
 
 
+def test_a_report_of_no_runs_and_a_file_for_the_folder_are_one_line_and_write_nothing(tmp_path, capsys):
+    """--report_only on a new folder built the embedded model in it before saying it held no run; a
+    file given as the folder stopped with a traceback."""
+    empty = tmp_path / "empty"
+    _one_line_error(["--report_only", "--output_dir", str(empty)], capsys,
+                    f"--report_only: no finished run under {empty}/cells")
+    assert not empty.exists()
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    _one_line_error(["--output_dir", str(mine)], capsys, f"--output_dir {mine} is a file, not a folder")
+    assert mine.read_text() == "mine"
+
+
 # --------------------------------------------------------------------------------------------
 # One process per output folder
 # --------------------------------------------------------------------------------------------

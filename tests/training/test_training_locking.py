@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_powernorm.training.locking import LOCK_NAME, FolderInUse, hold_output_folder, read_lock
+from hf_powernorm.training.locking import LOCK_NAME, FolderInUse, NotAFolder, hold_output_folder, read_lock
 
 # A second process that holds `folder` until its stdin closes, saying "held" once it does. It loads
 # `locking.py` alone (no torch import: it starts in a fraction of a second), as a run would hold it.
@@ -119,7 +119,7 @@ def test_released_on_exception_and_outputs_kept(tmp_path):
 
 def test_a_file_is_no_output_folder(tmp_path):
     (tmp_path / "run").write_text("")
-    with pytest.raises(ValueError, match=f"^output folder {tmp_path / 'run'} is a file, not a folder$"):
+    with pytest.raises(NotAFolder, match=f"^--output_dir {tmp_path / 'run'} is a file, not a folder$"):
         with hold_output_folder(tmp_path / "run"):
             pass
 
