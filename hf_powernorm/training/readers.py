@@ -30,6 +30,7 @@ from .options import BadInput, MissingInput
 
 SPLITS = ("train", "validation", "test")
 _JSON_SUFFIXES = (".json", ".jsonl")
+_TABLE_SUFFIXES = (*_JSON_SUFFIXES, ".csv")  # a row per example (a document, for a language model)
 _TRUTHY = {"1", "on", "yes", "true"}
 
 
@@ -214,8 +215,9 @@ def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | No
                     data_files: dict[str, str] | None = None, columns: dict[str, str] | None = None) -> DatasetDict:
     """Language-modelling text as a `DatasetDict` with one `text` column: a line per row (its line
     break left out) of a plain-text file (`.txt`, `.raw`, `.tokens`, ...) or of a local folder of
-    them, a document per row of JSON lines with a `text` field or of a dataset (`lm_document_splits`
-    tells which).
+    them, a document per row of JSON lines with a `text` field, of a CSV file with a `text` column (as
+    `run_clm.py` reads them) or of a dataset (`lm_document_splits` tells which); a missing text is an
+    empty document.
     Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`; `columns`
     (`{"text": name}`) names another column.
     """
@@ -224,13 +226,21 @@ def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | No
     elif data_files:
         dataset, origin = DatasetDict(), "the text files"
         for split, path in data_files.items():
-            builder = "json" if str(path).endswith(_JSON_SUFFIXES) else "text"
+            builder = "json" if str(path).endswith(_JSON_SUFFIXES) else "csv" if str(path).endswith(".csv") \
+                else "text"
             dataset[split] = datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
     else:
         dataset, origin = synthetic_lm_corpus(), "the embedded corpus"
-    dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin)
+    dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin).select_columns(["text"])
                            for s, d in dataset.items()})
-    return _check_splits(DatasetDict({s: d.select_columns(["text"]) for s, d in dataset.items()}), origin)
+    return _check_splits(DatasetDict({s: _no_missing_text(d) for s, d in dataset.items()}), origin)
+
+
+def _no_missing_text(dataset: Dataset) -> Dataset:
+    """A missing text (an empty CSV field, a JSON null) as an empty document."""
+    if None not in dataset.unique("text"):
+        return dataset
+    return dataset.map(lambda batch: {"text": [text or "" for text in batch["text"]]}, batched=True)
 
 
 def lm_document_splits(splits: Iterable[str], *, dataset_name: str | None = None,
@@ -245,7 +255,7 @@ def lm_document_splits(splits: Iterable[str], *, dataset_name: str | None = None
     if not data_files:
         return list(splits)
     return [split for split in splits
-            if str(data_files.get(split, data_files.get("train", ""))).endswith(_JSON_SUFFIXES)]
+            if str(data_files.get(split, data_files.get("train", ""))).endswith(_TABLE_SUFFIXES)]
 
 
 def is_text_folder(path: str | Path) -> bool:

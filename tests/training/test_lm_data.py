@@ -296,16 +296,22 @@ def test_a_tokenizer_without_an_end_token_puts_only_text_in_the_stream(tokenizer
 
 
 def test_dataset_rows_are_documents_separated_by_eos(tokenizers, tmp_path):
-    """Rows of a `datasets` dataset (a saved folder, JSON lines) are documents: each followed by EOS,
-    and preceded by what the tokenizer puts before a text (a BOS) where it puts one."""
+    """Rows of a `datasets` dataset (a saved folder, JSON lines, CSV with a text column, as
+    `run_clm.py` reads them) are documents: each followed by EOS, and preceded by what the tokenizer
+    puts before a text (a BOS) where it puts one. A CSV's header and other columns are no text."""
     rows = ["First Citizen:\nBefore we proceed.", "", "All:\nSpeak, speak."]
     DatasetDict({"train": Dataset.from_dict({"text": rows})}).save_to_disk(str(tmp_path / "saved"))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows), encoding="utf-8")
+    Dataset.from_dict({"id": [1, 2, 3], "text": rows}).to_csv(str(tmp_path / "rows.csv"), index=False)
+    csv_raw = language_modeling.LanguageModelling.from_options(
+        train_file=str(tmp_path / "rows.csv"), output_dir=str(tmp_path / "o")).read_splits(0)
+    assert list(csv_raw["train"]["text"]) == rows  # the header is no text, the empty field an empty document
     gpt2 = tokenizers["byte-level"]
     with_bos = byte_level_tokenizer(shakespeare_like(300).splitlines(), bos=True)
     assert tokenization.sequence_ends(gpt2) == ((), (gpt2.eos_token_id,))
     assert tokenization.sequence_ends(with_bos) == ((with_bos.bos_token_id,), (with_bos.eos_token_id,))
-    for options in ({"dataset_name": str(tmp_path / "saved")}, {"train_file": str(tmp_path / "rows.jsonl")}):
+    for options in ({"dataset_name": str(tmp_path / "saved")}, {"train_file": str(tmp_path / "rows.jsonl")},
+                    {"train_file": str(tmp_path / "rows.csv")}):
         task = language_modeling.LanguageModelling.from_options(block_size=4, output_dir=str(tmp_path / "o"),
                                                                 **options)
         raw = task.read_splits(0)
