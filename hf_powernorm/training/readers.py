@@ -221,18 +221,21 @@ def load_lm_dataset(*, dataset_name: str | None = None, dataset_config: str | No
     Hub datasets with a `sentence` column (e.g. `ptb_text_only`) are renamed to `text`; `columns`
     (`{"text": name}`) names another column.
     """
+    named: dict[str, str] = {}  # a data file's split, named by its option in errors
     if dataset_name:
         dataset, origin = load_hub_dataset(dataset_name, dataset_config), f"dataset {dataset_name!r}"
     elif data_files:
-        dataset, origin = DatasetDict(), "the text files"
+        dataset, origin = DatasetDict(), "the data files"
+        named = {split: f"--{split}_file {path}" for split, path in data_files.items()}
         for split, path in data_files.items():
             builder = "json" if str(path).endswith(_JSON_SUFFIXES) else "csv" if str(path).endswith(".csv") \
                 else "text"
             dataset[split] = datasets.load_dataset(builder, data_files=str(_check_file(path)), split="train")
     else:
         dataset, origin = synthetic_lm_corpus(), "the embedded corpus"
-    dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, origin), origin).select_columns(["text"])
-                           for s, d in dataset.items()})
+    named = {split: named.get(split, origin) for split in dataset}
+    dataset = DatasetDict({s: _rename_text_column(rename_columns(d, columns, named[s]), named[s])
+                           .select_columns(["text"]) for s, d in dataset.items()})
     return _check_splits(DatasetDict({s: _no_missing_text(d) for s, d in dataset.items()}), origin)
 
 
@@ -271,7 +274,8 @@ def _rename_text_column(dataset: Dataset, origin: str) -> Dataset:
         return dataset
     if "sentence" in dataset.column_names:
         return dataset.rename_column("sentence", "text")
-    raise BadInput(f"{origin} needs a 'text' or 'sentence' column; found {dataset.column_names}")
+    raise BadInput(f"{origin} needs a 'text' or 'sentence' column (or --text_column naming one); found "
+                   f"{dataset.column_names}")
 
 
 def label_to_id(label: Any, label_names: Sequence[str], where: str) -> int:
@@ -364,6 +368,11 @@ def split_train(dataset: DatasetDict, validation_fraction: float = 0.1, test_fra
         return dataset
     fractions = {"validation": validation_fraction, "test": test_fraction}
     train, out = dataset["train"], DatasetDict(dataset)
+    sizes = [max(1, round(fractions[split] * len(train))) for split in missing]
+    if len(train) <= sum(sizes):
+        raise BadInput(f"the training data has {len(train)} example(s): too few to carve {' and '.join(missing)} "
+                       f"out of it ({', '.join(f'{fractions[s]:.0%}' for s in missing)}, at least one example each, "
+                       f"and some left to train on); give {' and '.join(f'--{s}_file' for s in missing)}, or more data")
     for split in missing:
         size = max(1, round(fractions[split] * len(dataset["train"])))
         parts = train.train_test_split(test_size=size, seed=seed, shuffle=True)

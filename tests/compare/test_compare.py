@@ -258,7 +258,8 @@ def test_dataset_without_the_needed_column_names_the_columns_found(gpt2_case, be
     (tmp_path / "train.jsonl").write_text('{"body": "a line"}\n{"body": "another"}\n', encoding="utf-8")
     _refused(monkeypatch, ["--model_name_or_path", model, "--task", task, "--train_file", str(tmp_path / "train.jsonl"),
                            "--block_size", "16", "--output_dir", str(tmp_path / "a")],
-             r"'text' or 'sentence' column; found \['body'\]")
+             r"--train_file \S+train\.jsonl needs a 'text' or 'sentence' column \(or --text_column naming one\); "
+             r"found \['body'\]")
     model, task, _ = bert_case
     (tmp_path / "unlabelled").mkdir()
     (tmp_path / "unlabelled" / "train.csv").write_text("text,stars\n" + "good,5\nbad,1\n" * 10, encoding="utf-8")

@@ -198,6 +198,22 @@ def test_classification_reader_csv_json_and_split(tmp_path):
         training.load_classification_dataset(data_files={"train": str(tmp_path / "bad.jsonl")})
 
 
+
+def test_too_little_training_data_to_carve_the_evaluation_splits_out_of_says_so():
+    """Two examples and no validation or test: one line naming the count and the options that give
+    the splits (not `datasets`' message about test_size); three are enough, one example each."""
+    two = DatasetDict({"train": Dataset.from_dict({"text": ["a", "b"]})})
+    with pytest.raises(ValueError, match=r"^the training data has 2 example\(s\): too few to carve validation and "
+                                         r"test out of it \(10%, 10%, .*give --validation_file and --test_file, or "
+                                         r"more data$"):
+        readers.split_train(two)
+    three = readers.split_train(DatasetDict({"train": Dataset.from_dict({"text": ["a", "b", "c"]})}))
+    assert {split: len(part) for split, part in three.items()} == {"train": 1, "validation": 1, "test": 1}
+    with_test = DatasetDict({"train": Dataset.from_dict({"text": ["a", "b"]}),
+                             "test": Dataset.from_dict({"text": ["c"]})})
+    assert len(readers.split_train(with_test)["validation"]) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenization
 # ---------------------------------------------------------------------------------------------
