@@ -51,6 +51,9 @@ def load_hub_dataset(name: str, config: str | None = None) -> DatasetDict:
     """`datasets.load_dataset(name, config)`, failing clearly when the Hub cannot be reached. In
     offline mode a dataset that `datasets` has cached still loads. A folder written by
     `save_to_disk` loads with `load_from_disk` (a single `Dataset` as the train split)."""
+    if name.startswith(("/", "./", "../")) and not Path(name).exists():  # a path, not a Hub id
+        raise BadInput(f"--dataset_name {name}: no such folder (expected a local folder of data files, a saved "
+                       f"dataset's folder or a Hub id)")
     if is_saved_dataset(name):
         saved = datasets.load_from_disk(name)
         return saved if isinstance(saved, DatasetDict) else DatasetDict({"train": saved})

@@ -107,6 +107,12 @@ def test_lm_reader_text_files(tmp_path):
     assert training.load_lm_dataset()["validation"].column_names == ["text"]
 
 
+def test_a_dataset_folder_that_does_not_exist_is_named(tmp_path):
+    missing = tmp_path / "nofolder"
+    with pytest.raises(ValueError, match=f"^--dataset_name {missing}: no such folder \\(expected a local folder"):
+        training.load_lm_dataset(dataset_name=str(missing))
+
+
 def test_hub_dataset_offline_fails_clearly(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="'wmt14'.*offline"):
