@@ -234,12 +234,15 @@ class CompareOptions:
                                       "loaded from weights is converted keeping it, so that every norm starts "
                                       "fine-tuning where the pretrained model is")
     # data columns
-    text_column: str | None = option(help="causal-lm and classification: the text column; default: 'text', else "
-                                          "'sentence'", group="columns")
-    label_column: str | None = option(help="classification: the label column; default: 'label'", group="columns")
-    source_column: str | None = option(help="seq2seq: a column of source texts (e.g. 'document'), with "
-                                            "--target_column, instead of 'translation'", group="columns")
-    target_column: str | None = option(help="seq2seq: a column of target texts (e.g. 'summary')", group="columns")
+    text_column: str | None = shared("text_column", help="causal-lm and classification: the text column; default: "
+                                                         "'text', else 'sentence'", group="columns")
+    label_column: str | None = shared("label_column", help="classification: the label column; default: 'label'",
+                                      group="columns")
+    source_column: str | None = shared("source_column", help="seq2seq: a column of source texts (e.g. 'document'), "
+                                                             "with --target_column, instead of 'translation'",
+                                       group="columns")
+    target_column: str | None = shared("target_column", help="seq2seq: a column of target texts (e.g. 'summary')",
+                                       group="columns")
     # the models a comparison keeps
     checkpoint_runs: bool = flag("checkpoint each run at each validation (see --eval_steps): a comparison stopped "
                                  "mid-run then goes on from the run's last checkpoint, with the scores of an "
@@ -421,6 +424,7 @@ def _check_library_options(options: CompareOptions) -> None:
 def _check_columns(options: CompareOptions, task: type) -> None:
     """The column options fit the task: each for the tasks that read it, source and target together."""
     from ..training.tasks import get_task, task_names
+    from ..training.translation import check_column_pair
 
     fitting: dict[str, list[str]] = {}
     for name in task_names():
@@ -429,9 +433,7 @@ def _check_columns(options: CompareOptions, task: type) -> None:
     for name, tasks in fitting.items():
         if getattr(options, name) is not None and name not in task.column_options:
             raise BadInput(f"--{name} is for --task {' or '.join(tasks)}, not {task.name}")
-    if (options.source_column is None) != (options.target_column is None):
-        raise BadInput("--source_column and --target_column go together: give both, or neither to read the "
-                       "'translation' column")
+    check_column_pair(options.source_column, options.target_column)
     named = [getattr(options, name) for name in fitting if getattr(options, name) is not None]
     if named and options.embedded_default:
         raise BadInput("the column options name columns of your data: give it with --train_file or "

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phrasebank_file", help="a Financial PhraseBank file (sentence@label per line)")
     add_task_option(p, "label_names", default=",".join(SENTIMENT_LABELS))
     add_task_option(p, "max_length", help="truncate sentences to this many tokens")
+    for name in Classification.column_options:
+        add_task_option(p, name)
     return p
 
 

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_args(p, learning_rate=2e-3, num_warmup_steps=100, num_train_epochs=6, output_dir="outputs/lm")
     add_task_option(p, "block_size")
     add_task_option(p, "keep_linebreaks")  # how the text becomes a token stream, as in Transformers' run_clm.py
+    for name in LanguageModelling.column_options:
+        add_task_option(p, name)
     return p
 
 

@@ -227,6 +227,13 @@ class TaskOptions:
     label_names: str | None = option(help="comma-separated class names of local files (Hub datasets bring their own)",
                                      group="data")
     num_beams: int = option(5, group="evaluation", type=int)
+    # the columns of the user's table files or dataset (`Task.column_options`)
+    text_column: str | None = option(help="the text column of CSV / JSON lines files or a dataset; default: 'text', "
+                                          "else 'sentence'", group="data")
+    label_column: str | None = option(help="the label column; default: 'label'", group="data")
+    source_column: str | None = option(help="a column of source texts (e.g. 'document'), with --target_column, "
+                                            "instead of 'translation'", group="data")
+    target_column: str | None = option(help="a column of target texts (e.g. 'summary')", group="data")
 
 
 def add_task_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **changes: Any) -> None:
@@ -240,9 +247,9 @@ RECIPE_GROUPS = {"data": "data", "model": "tokenizer and model",
                  "powernorm": "power normalization (default: the preset's values)",
                  "elementwise": "DyT and Derf (default: the preset's values)", "training": "training",
                  "evaluation": "evaluation", "hub": "hub"}
-# What the training library reads for an option that a command does not take (a recipe has no
-# column options, `compare` no PhraseBank file or generation lengths): every parsed command line
-# holds each of them (`arguments.add_recipe_args`).
+# What the training library reads for an option that a command does not take (a recipe the column
+# options of other tasks, `compare` no PhraseBank file or generation lengths): every parsed command
+# line holds each of them (`arguments.add_recipe_args`).
 NOT_GIVEN = {"text_column": None, "label_column": None, "source_column": None, "target_column": None,
              "phrasebank_file": None, "keep_linebreaks": True, "block_size": None, "max_length": None,
              "max_source_length": None, "max_target_length": None, "length_penalty": None, "max_new_tokens": None}

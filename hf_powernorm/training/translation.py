@@ -49,7 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_task_option(p, "num_beams")
     p.add_argument("--length_penalty", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int, default=128)
+    for name in Translation.column_options:
+        add_task_option(p, name)
     return p
+
+
+def check_column_pair(source_column: str | None, target_column: str | None) -> None:
+    """Two text columns in place of 'translation': both named, or neither."""
+    if (source_column is None) != (target_column is None):
+        raise BadInput("--source_column and --target_column go together: give both, or neither to read the "
+                       "'translation' column")
 
 
 def check_options(args: argparse.Namespace) -> argparse.Namespace:
@@ -57,6 +66,7 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     check_args(args, path_options=Translation.input_path_options)
     if args.source_lang == args.target_lang:
         raise BadInput(f"--source_lang and --target_lang are both {args.source_lang!r}")
+    check_column_pair(args.source_column, args.target_column)
     check_label_smoothing(args.label_smoothing, "--label_smoothing")
     args.max_source_length = args.max_source_length or args.max_length
     args.max_target_length = args.max_target_length or args.max_length

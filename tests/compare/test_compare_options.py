@@ -127,8 +127,9 @@ def test_every_task_option_is_a_comparison_option():
 
 
 def test_the_options_a_task_owns_parse_as_its_recipe_has_them():
-    """Each option a task owns (`Task.own_options`) is declared once (`training.options.TaskOptions`):
-    `compare` has the spellings, type and action of the task's recipe, its default its own (one beam)."""
+    """Each option a task owns (`Task.own_options`) and each naming a column it reads
+    (`Task.column_options`) is declared once (`training.options.TaskOptions`): `compare` has the
+    spellings, type and action of the task's recipe, its default its own (one beam)."""
     from hf_powernorm.training.tasks import get_task, task_names
 
     def flags(parser, name):
@@ -137,7 +138,7 @@ def test_the_options_a_task_owns_parse_as_its_recipe_has_them():
     ours = compare.build_parser()
     for task in map(get_task, task_names()):
         recipe = task.build_parser()
-        for name in task.own_options:
+        for name in (*task.own_options, *task.column_options):
             assert flags(ours, name) == flags(recipe, name) != [], (task.name, name)
     assert (ours.parse_args([]).num_beams, get_task("seq2seq").build_parser().parse_args([]).num_beams) == (1, 5)
 

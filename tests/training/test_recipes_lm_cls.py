@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from hf_powernorm import NORM_CLASSES
 
 from launching import accelerate_launch
-from recipe_scripts import train_classification, train_lm
+from recipe_scripts import load_recipe, train_classification, train_lm
 
 from hf_powernorm import training
 from hf_powernorm.training import language_modeling
@@ -361,6 +361,30 @@ def test_empty_split_fails_before_training(text_files, classification_files, tmp
         train_classification.main(["--train_file", classification_files["train"], "--test_file", str(empty_csv),
                                    "--output_dir", str(tmp_path / "cls")])
     assert not list(tmp_path.glob("*/step_*")) and not list(tmp_path.glob("*/model.safetensors"))
+
+
+def test_the_column_options_read_a_tables_own_columns(classification_files, tmp_path):
+    """`--text_column` and `--label_column` (as `compare` has them) name a table's columns in the
+    recipes; without them such a table is refused, naming the option that reads it."""
+    tables = {}
+    for split in ("train", "validation", "test"):
+        with open(classification_files[split], newline="", encoding="utf-8") as handle:
+            rows = list(csv.reader(handle))[1:]
+        tables[split] = tmp_path / f"{split}.csv"
+        with open(tables[split], "w", newline="", encoding="utf-8") as handle:
+            csv.writer(handle).writerows([["review", "id", "stars"], *([t, i, l] for i, (t, l) in enumerate(rows))])
+    files = [f"--{split}_file={path}" for split, path in tables.items()]
+    with pytest.raises(ValueError, match=r"needs a 'text' or 'sentence' column \(or --text_column naming one\)"):
+        train_classification.main([*CLS_FAST, *files, "--output_dir", str(tmp_path / "refused")])
+    results = train_classification.main([*CLS_FAST, *files, "--text_column", "review", "--label_column", "stars",
+                                         "--max_train_steps", "2", "--output_dir", str(tmp_path / "cls")])
+    assert (results["train_steps"], results["validation_examples"], results["test_examples"]) == (2, 45, 30)
+    results = train_lm.main([*LM_FAST, *files, "--text_column", "review", "--max_train_steps", "2",
+                             "--output_dir", str(tmp_path / "lm")])
+    assert results["train_steps"] == 2 and math.isfinite(results["test_perplexity"])
+    with pytest.raises(ValueError, match="--source_column and --target_column go together"):
+        load_recipe("train_wmt").main(["--source_column", "review", "--output_dir", str(tmp_path / "wmt")])
+    assert not (tmp_path / "wmt").exists()
 
 
 # --------------------------------------------------------------------------------------------
