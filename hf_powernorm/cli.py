@@ -21,10 +21,11 @@ SUMMARIES = {"compare": "does Power Normalization help my model? Each norm fine-
              "studies": "run one of the studies of the paper's claims (`hf-powernorm studies --help` lists them)"}
 
 
-def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str]) -> None:
-    """`entry(argv)`, a bad input (`BadInput`) shown as one line and exit status 2, Ctrl-C as one line
-    (what the command saved, from the interrupt's message) and exit status 130; any other error is a
-    bug and keeps its traceback."""
+def run_command(name: str, entry: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> None:
+    """`entry(argv)` (default: this process's arguments), a bad input (`BadInput`) shown as one line and
+    exit status 2, Ctrl-C as one line (what the command saved, from the interrupt's message) and exit
+    status 130; any other error is a bug and keeps its traceback."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
         entry(argv)
     except BadInput as error:
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print("\n".join([usage, "", "commands:", *(f"  {name:<9} {line}" for name, line in SUMMARIES.items())]))
             raise SystemExit(0)
         print(usage, file=sys.stderr)
+        if argv:
+            print(f"hf-powernorm: error: unknown command {argv[0]!r}: expected one of {commands}", file=sys.stderr)
         raise SystemExit(2)
     if not asks_for_help(argv[1:]):
         load_library()  # the command runs: the family registered with the Auto classes, as on `import hf_powernorm`

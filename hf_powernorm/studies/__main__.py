@@ -45,4 +45,6 @@ def main(argv: list[str] | None = None) -> object:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import run_command
+
+    run_command("studies", main)

@@ -547,4 +547,6 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import run_command
+
+    run_command("studies", main)

@@ -284,4 +284,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import run_command
+
+    run_command("studies", main)

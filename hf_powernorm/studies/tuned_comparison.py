@@ -1221,4 +1221,6 @@ def main(argv: list[str] | None = None) -> list[Protocol]:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import run_command
+
+    run_command("studies", main)

@@ -339,7 +339,9 @@ def test_console_script_prints_bad_input_as_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("hf-powernorm compare: error: --norms: unknown norm 'powrnorm'")
     with pytest.raises(SystemExit) as stopped:
         cli.main(["comparre"])
-    assert stopped.value.code == 2 and "usage: hf-powernorm {compare, studies}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "usage: hf-powernorm {compare, studies}" in err
+    assert err.endswith("hf-powernorm: error: unknown command 'comparre': expected one of compare, studies\n")
 
 
 # --------------------------------------------------------------------------------------------

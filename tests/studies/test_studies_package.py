@@ -41,6 +41,18 @@ def test_a_study_runs_by_name_and_an_unknown_name_is_refused(capsys):
     assert "invalid choice: 'no_such_study'" in capsys.readouterr().err
 
 
+def test_a_bad_input_to_python_m_is_one_line_with_exit_status_2(tmp_path):
+    """`python -m hf_powernorm.studies <study>` and `python -m hf_powernorm.studies.<study>` stop on a
+    bad input as `hf-powernorm studies` does: one line, exit status 2 (a traceback before)."""
+    missing = tmp_path / "no_data"
+    for module in (["hf_powernorm.studies", "convergence"], ["hf_powernorm.studies.convergence"]):
+        done = subprocess.run([sys.executable, "-m", *module, "--data_dir", str(missing), "--output_dir",
+                               str(tmp_path / "out")], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr == (
+            f"hf-powernorm studies: error: --data_dir {missing}: no ptb/ptb.train.txt there (or pass --train_file/"
+            f"--validation_file/--test_file or --dataset_name; --smoke runs on the embedded corpus)\n"), done.stderr
+
+
 @pytest.mark.parametrize("folder", ["hf_powernorm", "recipes"])
 def test_no_module_edits_sys_path(folder):
     touching = [str(path.relative_to(ROOT)) for path in sorted((ROOT / folder).rglob("*.py"))
