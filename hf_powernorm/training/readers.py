@@ -376,8 +376,7 @@ def split_train(dataset: DatasetDict, validation_fraction: float = 0.1, test_fra
         raise BadInput(f"the training data has {len(train)} example(s): too few to carve {' and '.join(missing)} "
                        f"out of it ({', '.join(f'{fractions[s]:.0%}' for s in missing)}, at least one example each, "
                        f"and some left to train on); give {' and '.join(f'--{s}_file' for s in missing)}, or more data")
-    for split in missing:
-        size = max(1, round(fractions[split] * len(dataset["train"])))
+    for split, size in zip(missing, sizes):
         parts = train.train_test_split(test_size=size, seed=seed, shuffle=True)
         train, out[split] = parts["train"], parts["test"]
     out["train"] = train
