@@ -31,6 +31,7 @@ from ..training.reports import paired_cell, paired_verdicts, save_figure, write_
 from . import tuned_comparison as tuned
 from .documents import SIGNIFICANCE, detectable_difference
 from .norm_comparison import validation_curve
+from .runs import study_output_dir
 
 TASK = "ptb"
 ARMS = ("layernorm", "powernorm", tuned.AUTHORS)
@@ -225,9 +226,9 @@ run_cell = tuned.run_cell  # one run: the tuned comparison's, with the CPU secon
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = study_output_dir(args)
     inputs = tuned._inputs(TASK, args, output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
     grid = cells(args, inputs)
     if args.report_only:
         results = finished_results(grid, output_dir)

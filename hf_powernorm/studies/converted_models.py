@@ -29,6 +29,7 @@ from ..training import (
 )
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
+from .runs import study_output_dir
 
 TASKS = {"bert-classification": (classification, "test_accuracy"),
          "gpt2-lm": (language_modeling, "test_perplexity")}
@@ -112,7 +113,7 @@ def write_summary(results: list[dict[str, Any]], output_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     executor = executor_settings(args)  # checked before anything is written
-    output_dir = Path(args.output_dir)
+    output_dir = study_output_dir(args)
     sizes = SIZES["smoke" if args.smoke else "real"]
     cells = [Cell(f"{task}-{norm}-seed{seed}", {"task": task, "norm": norm, "seed": seed,
                                                  "model": str(_model_folder(output_dir, task, sizes["width"])),

@@ -50,6 +50,7 @@ from .runs import (
     lm_size,
     prepare_lm_data,
     study_data_files,
+    study_output_dir,
     train_study_lm,
 )
 
@@ -274,9 +275,10 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str],
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     executor = executor_settings(args)  # checked before anything is written
-    output_dir = Path(args.output_dir)
+    output_dir = study_output_dir(args)
+    inputs = _inputs(args, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = run_grid(cells(args, _inputs(args, output_dir)), run_cell, output_dir, desc="Norm comparison",
+    results = run_grid(cells(args, inputs), run_cell, output_dir, desc="Norm comparison",
                        report_only=args.report_only, executor=executor)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))

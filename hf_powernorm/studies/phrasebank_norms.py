@@ -48,6 +48,7 @@ from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, run_grid
 from ..training.options import BadInput, MissingInput
 from ..training.reports import seeds_of
+from .runs import study_output_dir
 
 DOCUMENT_NORMS = ("layernorm", "batchnorm", "none")
 NORMS = (*DOCUMENT_NORMS, "powernorm", "rmsnorm")
@@ -731,9 +732,9 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     executor = executor_settings(args)  # checked before anything is written
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = study_output_dir(args)
     data = _prepare(args, output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
     results = run_grid(cells(args, data), run_cell, output_dir, desc="PhraseBank norms",
                        report_only=args.report_only, executor=executor)
     write_results(results, args, output_dir)

@@ -33,6 +33,15 @@ DATA_OPTIONS = ("--data_dir (a folder holding ptb/ptb.{train,valid,test}.txt), -
                 "that datasets.load_dataset reads)")
 
 
+def study_output_dir(args: argparse.Namespace) -> Path:
+    """`--output_dir` as a Path, refused in one line where it is a file. Not created here: a study
+    creates it once its inputs are found, so that an input it refuses leaves no empty folder behind."""
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BadInput(f"--output_dir {output_dir} is a file, not a folder")
+    return output_dir
+
+
 def lm_split_files(data_dir: str | Path | None, output_dir: str | Path, smoke: bool, *,
                    data_files: dict[str, str] | None = None, dataset_name: str | None = None,
                    dataset_config: str | None = None) -> dict[str, str]:
@@ -209,9 +218,9 @@ def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_
     args, output_dir)`, and the summary printed. With `args.report_only` nothing runs and the results are
     those of the finished cells. Returns the results in cell order."""
     executor = executor_settings(args)  # checked before anything is written
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = study_output_dir(args)
     files = study_data_files(args, output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
     grid = make_cells(args, files, tokenizer)
     results = run_grid(grid, run_cell, output_dir, desc=desc, report_only=args.report_only, executor=executor)

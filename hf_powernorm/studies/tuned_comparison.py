@@ -62,7 +62,7 @@ from ..training.statistics import paired_bootstrap_bleu
 from ..training.run_log import LOG_NAME
 from ..training.tasks import get_task, option_words, run_task
 from .norm_comparison import log_folder, multi30k_files, validation_curve
-from .runs import STUDY_LM, lm_size, lm_split_files, prepare_lm_data, train_study_lm
+from .runs import STUDY_LM, lm_size, lm_split_files, prepare_lm_data, study_output_dir, train_study_lm
 
 TASKS = ("ptb", "multi30k", "tinyshakespeare")
 # The task whose picks the transfer task runs unchanged.
@@ -1195,11 +1195,11 @@ def _protocol(task: str, args: argparse.Namespace, output_dir: Path, made: dict[
 
 def main(argv: list[str] | None = None) -> list[Protocol]:
     args = parse_args(argv)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = study_output_dir(args)
     made: dict[str, Protocol] = {}
     for task in (task for task in TASKS if task in args.tasks):  # a transfer task after its source
         made[task] = _protocol(task, args, output_dir, made)
+    output_dir.mkdir(parents=True, exist_ok=True)
     protocols = list(made.values())
     # Every task's tuning before any final: the picks are fixed first, then test is scored; every
     # task's main finals before the rows the cut rule drops first.

@@ -53,6 +53,29 @@ def test_a_bad_input_to_python_m_is_one_line_with_exit_status_2(tmp_path):
             f"--validation_file/--test_file or --dataset_name; --smoke runs on the embedded corpus)\n"), done.stderr
 
 
+@pytest.mark.parametrize("name", sorted(STUDIES))
+def test_a_refused_input_leaves_no_output_folder_and_a_file_is_not_one(name, tmp_path, capsys):
+    """Every study checks its inputs before it creates --output_dir (a missing --data_dir left an
+    empty folder behind), and refuses a file as --output_dir in one line (a traceback before)."""
+    from hf_powernorm import cli
+
+    if name != "converted_models":  # it trains on no corpus of the user's
+        output_dir = tmp_path / "out"
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["studies", name, "--data_dir", str(tmp_path / "no_data"), "--output_dir", str(output_dir)])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hf-powernorm studies: error: ") and err.count("\n") == 1, err
+        assert not output_dir.exists()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["studies", name, "--smoke", "--output_dir", str(a_file)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"hf-powernorm studies: error: --output_dir {a_file} is a file, not a folder\n"
+    assert a_file.read_text() == "mine\n"
+
+
 @pytest.mark.parametrize("folder", ["hf_powernorm", "recipes"])
 def test_no_module_edits_sys_path(folder):
     touching = [str(path.relative_to(ROOT)) for path in sorted((ROOT / folder).rglob("*.py"))
