@@ -112,9 +112,10 @@ def rows(results: list[dict[str, Any]], sizes: dict[str, Any]) -> list[dict[str,
 def verdicts(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each PN arm against LayerNorm on test perplexity, paired by seed, Holm over the family of 2,
     with the detectable difference at its Holm step (protocol 3, "The verdict"); an arm with fewer
-    than 3 paired seeds has no verdict and no detectable difference."""
+    than 3 paired seeds has no verdict and no detectable difference. Before both arms have 3, the one
+    judged is adjusted over the family of 2 all the same, the other counted at p = 1."""
     by_arm = {arm: {row["seed"]: row["test_perplexity"] for row in table if row["arm"] == arm} for arm in ARMS}
-    found = paired_verdicts([(by_arm["layernorm"], by_arm[arm], True) for arm in ARMS[1:]])
+    found = paired_verdicts([(by_arm["layernorm"], by_arm[arm], True) for arm in ARMS[1:]], whole_family=True)
     tested = sorted((v.interval.p_value for v in found if v.interval is not None))
     out = []
     for arm, verdict in zip(ARMS[1:], found):
@@ -122,7 +123,7 @@ def verdicts(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if verdict.interval is not None:
             step = tested.index(verdict.interval.p_value) + 1
             detectable = detectable_difference(list(verdict.differences.values()),
-                                               SIGNIFICANCE / (len(tested) - step + 1))
+                                               SIGNIFICANCE / (len(found) - step + 1))
         out.append({"arm": arm, "verdict": verdict, "detectable": detectable,
                     "baseline": by_arm["layernorm"], "other": by_arm[arm]})
     return out

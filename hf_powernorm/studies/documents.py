@@ -405,15 +405,16 @@ CONVERGED_WORDS = {"neither": "no difference shown", "other": "PN better", "base
 
 def convergence_verdicts(runs: list[dict]) -> list[tuple[str, PairedVerdict]]:
     """Protocol 3's verdicts: each PN arm with at least 3 seeds paired with LayerNorm's, test perplexity,
-    Holm over the arms judged (the family of 2 once both have 3)."""
+    Holm over the family of 2 (an arm not judged yet counted at p = 1)."""
     scores = {arm: {r["seed"]: r["test_perplexity"] for r in runs if r["arm"] == arm}
               for arm in ("layernorm", *CONVERGENCE_ARMS)}
-    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3)
+    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3,
+                             whole_family=True)
     return [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, family) if v.interval is not None]
 
 
 def _family_words(judged: list) -> str:
-    return "the 2" if len(judged) == 2 else "the 1 with 3 paired seeds so far"
+    return "the 2" if len(judged) == 2 else "the 2 (the arm not judged yet counted at p = 1)"
 
 
 def convergence_answer(root: Path, finals: dict) -> list[str]:
@@ -435,6 +436,7 @@ def convergence_answer(root: Path, finals: dict) -> list[str]:
                      f"({CONVERGED_WORDS[before.better]} over the {rows[0]['family']}): the ordering of the means "
                      + ("held" if held else f"reversed, PN now {'behind' if v.interval.mean > 0 else 'ahead'}"))
     capped = sum(r["stopped_by"] == "cap" for r in runs)
+    capped = "all" if capped == len(runs) else capped
     opening = (f"The ordering changed where training ends, for {' and '.join(changed)}. " if changed else "")
     text = (opening + f"Trained until validation stops improving (PTB, protocol 3, {len(runs)} of "
             f"{CONVERGENCE_PLANNED} runs finished, {capped} of them stopped by the {CONVERGENCE_CAP:,}-update cap), "

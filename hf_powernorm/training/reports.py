@@ -62,18 +62,24 @@ class PairedVerdict:
 
 
 def paired_verdicts(comparisons: Sequence[tuple[Mapping[int, float], Mapping[int, float], bool]], *,
-                    min_pairs: int = MIN_PAIRS, confidence: float = 1 - SIGNIFICANCE) -> list[PairedVerdict]:
+                    min_pairs: int = MIN_PAIRS, confidence: float = 1 - SIGNIFICANCE,
+                    whole_family: bool = False) -> list[PairedVerdict]:
     """Each `(baseline by seed, other by seed, lower_is_better)`: the differences at the seeds both
     have; with at least `min_pairs`, their mean's t interval at `confidence`; Holm's adjustment over
-    every comparison that has one; a side is better when the adjusted p-value is below 1 - `confidence`
-    (so its interval excludes zero), else `"neither"`. The verdicts come back in the order given."""
+    every comparison that has one, or with `whole_family` over every comparison given, one without an
+    interval yet counted at p = 1 (a pre-registered family judged before all its runs are in: no
+    verdict is stronger than the whole family's could be); a side is better when the adjusted p-value
+    is below 1 - `confidence` (so its interval excludes zero), else `"neither"`. The verdicts come back
+    in the order given."""
     if min_pairs < 2:
         raise ValueError(f"min_pairs must be at least 2 (a t interval needs two pairs), got {min_pairs}")
     differences = [{seed: other[seed] - baseline[seed] for seed in sorted(baseline) if seed in other}
                    for baseline, other, _ in comparisons]
     intervals = [paired_t_interval(list(d.values()), confidence) if len(d) >= min_pairs else None
                  for d in differences]
-    adjusted = iter(holm([interval.p_value for interval in intervals if interval is not None]))
+    tested = [interval.p_value for interval in intervals if interval is not None]
+    untested = len(intervals) - len(tested) if whole_family else 0
+    adjusted = iter(holm([*tested, *[1.0] * untested])[:len(tested)])
     verdicts = []
     for (_, _, lower_is_better), diffs, interval in zip(comparisons, differences, intervals):
         if interval is None:

@@ -173,9 +173,10 @@ def test_where_protocol_three_stands_is_written_from_its_results(tmp_path):
     assert "7 of 15 runs finished (LayerNorm: seeds 1, 2, 3; PN (its picks): seeds 1, 2, 3; PN, authors' alphas " \
            "0.9/0.9: seed 1). 2 stopped by the rule (no better validation for 2,000 updates), 5 by the 12,000-update " \
            "cap, 4 of those with its best validation at its last." in text
-    # PN minus LayerNorm: +1.0, +1.1, +0.9; the authors' arm has one pair, so the family is PN's row alone
-    assert ("paired by seed, Holm over the 1 with 3 paired seeds so far: PN (its picks) +1.00 [+0.75, +1.25] over 3 "
-            "seeds, behind on 3, Holm p 0.003: LayerNorm better.") in text
+    # PN minus LayerNorm: +1.0, +1.1, +0.9 (t 17.3 on 2 df, p 0.0033); the authors' arm has one pair, not
+    # judged yet: the family is still 2, that arm at p = 1, so PN's p is doubled
+    assert ("paired by seed, Holm over the 2 (the arm not judged yet counted at p = 1): PN (its picks) +1.00 [+0.75, "
+            "+1.25] over 3 seeds, behind on 3, Holm p 0.007: LayerNorm better.") in text
     assert "authors' alphas 0.9/0.9 +" not in text
     rows += [("powernorm-authors", 2, 12000, "cap", 12000, 58.5), ("powernorm-authors", 3, 12000, "cap", 12000, 59.5)]
     _write_convergence(tmp_path, rows)
@@ -296,12 +297,16 @@ def test_the_answer_opens_with_protocol_threes_verdicts_once_it_has_them(tmp_pat
     _write_convergence(tmp_path, [*layernorm, *behind])
     converged, rest = documents.section(documents.ANSWER, tmp_path).split("\n\n")
     assert rest == tuned
+    # +0.4, +0.5, +0.6: t 8.66 on 2 df, p 0.0131, doubled over the family of 2 (the authors' arm at p = 1)
     assert " ".join(converged.split()) == (
         "Trained until validation stops improving (PTB, protocol 3, 6 of 15 runs finished, 5 of them stopped by the "
-        "12,000-update cap), PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over the 1 with "
-        "3 paired seeds so far: PN (its picks) +0.50 [+0.25, +0.75] over 3 seeds, Holm p 0.013: LayerNorm better, "
-        "against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown over the 45): the ordering of the means "
+        "12,000-update cap), PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over the 2 (the "
+        "arm not judged yet counted at p = 1): PN (its picks) +0.50 [+0.25, +0.75] over 3 seeds, Holm p 0.026: "
+        "LayerNorm better, against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown over the 45): the ordering of the means "
         "held.")
+    _write_convergence(tmp_path, [*two, ("layernorm", 3, 12000, "cap", 12000, 63.0), *behind])
+    assert "(PTB, protocol 3, 6 of 15 runs finished, all of them stopped by the 12,000-update cap)" in " ".join(
+        documents.section(documents.ANSWER, tmp_path).split())
     ahead = [("powernorm", seed, 12000, "cap", 12000, 60.0 + seed - d) for seed, d in ((1, 0.2), (2, 0.9), (3, 0.1))]
     authors = [("powernorm-authors", seed, 12000, "cap", 12000, 61.0 + 1.1 * seed) for seed in (1, 2, 3)]
     _write_convergence(tmp_path, [*layernorm, *ahead, *authors])

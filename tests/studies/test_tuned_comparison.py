@@ -391,6 +391,15 @@ def test_paired_verdicts_known_interval_and_holm():
     assert reports.paired_cell(one) == "+2.00 [-0.48, +4.48]" and reports.paired_cell(three) == "-"
     # Lower is better: the same differences make the other side the better one.
     assert reports.paired_verdicts([(ln, second, True)])[0].better == "other"
+    # The whole family: the third comparison (no interval yet) counts at p = 1, so the smaller p is
+    # times 3, the larger times 2 (kept at least the smaller's); without it, as above.
+    whole = reports.paired_verdicts([(ln, first, False), (ln, second, False), (ln, {1: 40.0, 2: 41.0}, False)],
+                                    whole_family=True)
+    assert whole[1].adjusted_p == pytest.approx(3 * p_two)
+    assert whole[0].adjusted_p == pytest.approx(min(1.0, max(2 * p_one, 3 * p_two)))
+    assert whole[2].adjusted_p is None
+    [alone] = reports.paired_verdicts([(ln, second, False)], whole_family=True)
+    assert alone.adjusted_p == pytest.approx(p_two)
 
 
 def test_better_of_needs_three_seeds_a_side():
