@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .options import BASELINE, BASELINE_AGAIN, BASELINES, CompareOptions, task_class
+from .options import BASELINE, BASELINE_AGAIN, CompareOptions, task_class
 
 SPLITS = ("validation", "test")
 SHORT_NAMES = {"powernorm": "PN", "rmsnorm": "RMSNorm", "batchnorm": "BN"}

@@ -135,7 +135,7 @@ def _median_range(values: list[int]) -> str:
 
 def summary(table: list[dict[str, Any]], planned: int) -> list[str]:
     """The verdicts over the family of 2, each arm's stops and cost, then every run."""
-    lines = [f"# PN against LayerNorm on PTB, trained until validation stops improving (protocol 3)", "",
+    lines = ["# PN against LayerNorm on PTB, trained until validation stops improving (protocol 3)", "",
              f"{len(table)} of {planned} runs finished. Test perplexity per BPE token of the best validated model; "
              "arm minus LayerNorm, paired by seed, 95% t interval, Holm over the 2 comparisons.", "",
              "| arm | LayerNorm | arm | paired seeds | arm minus LayerNorm, mean [95% CI] | Holm p "

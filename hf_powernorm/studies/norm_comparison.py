@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from ..training import read_run_log, translation
-from ..training.executors import add_executor_args, executor_settings
-from ..training.grid import Cell, run_grid
+from ..training.executors import add_executor_args
+from ..training.grid import Cell
 from ..training.options import BadInput, MissingInput
 from ..training.reports import mean_std, save_figure, seeds_of, write_rows
 from .runs import (
@@ -49,8 +49,8 @@ from .runs import (
     budget_argv,
     lm_size,
     prepare_lm_data,
+    run_study,
     study_data_files,
-    study_output_dir,
     train_study_lm,
 )
 
@@ -273,16 +273,7 @@ def _plot(results: list[dict[str, Any]], task: str, settings: list[str],
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    executor = executor_settings(args)  # checked before anything is written
-    output_dir = study_output_dir(args)
-    inputs = _inputs(args, output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    results = run_grid(cells(args, inputs), run_cell, output_dir, desc="Norm comparison",
-                       report_only=args.report_only, executor=executor)
-    write_results(results, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
-    return results
+    return run_study(parse_args(argv), _inputs, cells, run_cell, write_results, "Norm comparison")
 
 
 if __name__ == "__main__":

@@ -44,11 +44,11 @@ from ..training import (
     synthetic_classification_corpus,
     tokenize_classification,
 )
-from ..training.executors import add_executor_args, executor_settings
-from ..training.grid import Cell, run_grid
+from ..training.executors import add_executor_args
+from ..training.grid import Cell
 from ..training.options import BadInput, MissingInput
 from ..training.reports import seeds_of
-from .runs import study_output_dir
+from .runs import run_study
 
 DOCUMENT_NORMS = ("layernorm", "batchnorm", "none")
 NORMS = (*DOCUMENT_NORMS, "powernorm", "rmsnorm")
@@ -730,16 +730,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace, outpu
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = parse_args(argv)
-    executor = executor_settings(args)  # checked before anything is written
-    output_dir = study_output_dir(args)
-    data = _prepare(args, output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    results = run_grid(cells(args, data), run_cell, output_dir, desc="PhraseBank norms",
-                       report_only=args.report_only, executor=executor)
-    write_results(results, args, output_dir)
-    print((output_dir / "summary.md").read_text(encoding="utf-8"))
-    return results
+    return run_study(parse_args(argv), _prepare, cells, run_cell, write_results, "PhraseBank norms")
 
 
 if __name__ == "__main__":

@@ -211,22 +211,34 @@ def fill_sizes(args: argparse.Namespace, sizes: dict[str, dict[str, Any]]) -> ar
     return args
 
 
-def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_cell: Callable[..., dict],
-                 write_results: Callable[..., None], desc: str) -> list[dict[str, Any]]:
-    """A study's `main` after parsing: PTB's files (or the embedded corpus) and BPE prepared once,
-    `make_cells(args, files, tokenizer)` run by `run_grid` where `--executor` says, `write_results(results,
-    args, output_dir)`, and the summary printed. With `args.report_only` nothing runs and the results are
-    those of the finished cells. Returns the results in cell order."""
+def run_study(args: argparse.Namespace, prepare: Callable[[argparse.Namespace, Path], Any],
+              make_cells: Callable[[argparse.Namespace, Any], list], run_cell: Callable[..., dict],
+              write_results: Callable[..., None], desc: str) -> list[dict[str, Any]]:
+    """A study's `main` after parsing: its inputs found and prepared once (`prepare(args, output_dir)`,
+    before --output_dir is created, so that an input refused leaves nothing behind), `make_cells(args,
+    inputs)` run by `run_grid` where `--executor` says, `write_results(results, args, output_dir)`, and
+    the summary printed. With `args.report_only` nothing runs and the results are those of the
+    finished cells. Returns the results in cell order."""
     executor = executor_settings(args)  # checked before anything is written
     output_dir = study_output_dir(args)
-    files = study_data_files(args, output_dir)
+    inputs = prepare(args, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
-    grid = make_cells(args, files, tokenizer)
-    results = run_grid(grid, run_cell, output_dir, desc=desc, report_only=args.report_only, executor=executor)
+    results = run_grid(make_cells(args, inputs), run_cell, output_dir, desc=desc, report_only=args.report_only,
+                       executor=executor)
     write_results(results, args, output_dir)
     print((output_dir / "summary.md").read_text(encoding="utf-8"))
     return results
+
+
+def run_lm_study(args: argparse.Namespace, make_cells: Callable[..., list], run_cell: Callable[..., dict],
+                 write_results: Callable[..., None], desc: str) -> list[dict[str, Any]]:
+    """`run_study` on PTB's files (or the user's, or the embedded corpus) and their BPE, prepared once:
+    `make_cells(args, files, tokenizer)`."""
+    def prepare(args: argparse.Namespace, output_dir: Path) -> tuple[dict[str, str], str]:
+        files = study_data_files(args, output_dir)
+        return files, prepare_lm_data(files, output_dir, args.vocab_size, args.block_size)
+
+    return run_study(args, prepare, lambda args, inputs: make_cells(args, *inputs), run_cell, write_results, desc)
 
 
 # The studies of a few named settings, each run for every seed (`long_run`, `pn_ablation`,
