@@ -438,8 +438,8 @@ def convergence_answer(root: Path, finals: dict) -> list[str]:
     capped = sum(r["stopped_by"] == "cap" for r in runs)
     capped = "all" if capped == len(runs) else capped
     opening = (f"The ordering changed where training ends, for {' and '.join(changed)}. " if changed else "")
-    text = (opening + f"Trained until validation stops improving (PTB, protocol 3, {len(runs)} of "
-            f"{CONVERGENCE_PLANNED} runs finished, {capped} of them stopped by the {CONVERGENCE_CAP:,}-update cap), "
+    text = (opening + f"Protocol 3 (PTB trained until validation stops improving or for {CONVERGENCE_CAP:,} updates; "
+            f"{len(runs)} of {CONVERGENCE_PLANNED} runs finished, {capped} of them stopped by the cap), "
             f"PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over {_family_words(judged)}: "
             + "; ".join(parts) + ".")
     return _wrap(text)

@@ -299,20 +299,21 @@ def test_the_answer_opens_with_protocol_threes_verdicts_once_it_has_them(tmp_pat
     assert rest == tuned
     # +0.4, +0.5, +0.6: t 8.66 on 2 df, p 0.0131, doubled over the family of 2 (the authors' arm at p = 1)
     assert " ".join(converged.split()) == (
-        "Trained until validation stops improving (PTB, protocol 3, 6 of 15 runs finished, 5 of them stopped by the "
-        "12,000-update cap), PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over the 2 (the "
-        "arm not judged yet counted at p = 1): PN (its picks) +0.50 [+0.25, +0.75] over 3 seeds, Holm p 0.026: "
-        "LayerNorm better, against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown over the 45): the ordering of the means "
-        "held.")
+        "Protocol 3 (PTB trained until validation stops improving or for 12,000 updates; 6 of 15 runs finished, 5 of "
+        "them stopped by the cap), PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over the "
+        "2 (the arm not judged yet counted at p = 1): PN (its picks) +0.50 [+0.25, +0.75] over 3 seeds, Holm p 0.026: "
+        "LayerNorm better, against +0.53 [+0.34, +0.72] at 4,500 updates (no difference shown over the 45): the "
+        "ordering of the means held.")
     _write_convergence(tmp_path, [*two, ("layernorm", 3, 12000, "cap", 12000, 63.0), *behind])
-    assert "(PTB, protocol 3, 6 of 15 runs finished, all of them stopped by the 12,000-update cap)" in " ".join(
+    assert "or for 12,000 updates; 6 of 15 runs finished, all of them stopped by the cap)" in " ".join(
         documents.section(documents.ANSWER, tmp_path).split())
     ahead = [("powernorm", seed, 12000, "cap", 12000, 60.0 + seed - d) for seed, d in ((1, 0.2), (2, 0.9), (3, 0.1))]
     authors = [("powernorm-authors", seed, 12000, "cap", 12000, 61.0 + 1.1 * seed) for seed in (1, 2, 3)]
     _write_convergence(tmp_path, [*layernorm, *ahead, *authors])
     converged = " ".join(documents.section(documents.ANSWER, tmp_path).split("\n\n")[0].split())
-    assert converged.startswith("The ordering changed where training ends, for PN (its picks). Trained until "
-                                "validation stops improving (PTB, protocol 3, 9 of 15 runs finished")
+    assert converged.startswith("The ordering changed where training ends, for PN (its picks). Protocol 3 (PTB "
+                                "trained until validation stops improving or for 12,000 updates; 9 of 15 runs "
+                                "finished")
     assert "Holm over the 2: PN (its picks) -0.40 [" in converged
     assert "the ordering of the means reversed, PN now ahead; PN, authors' alphas 0.9/0.9 +1.20 [+0.95, +1.45]" \
         in converged and converged.endswith("(LayerNorm better over the 45): the ordering of the means held.")
