@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import STUDIES
@@ -16,12 +17,15 @@ from . import STUDIES
 def main(argv: list[str] | None = None) -> object:
     argv = sys.argv[1:] if argv is None else list(argv)
     listing = "\n".join(f"  {name:<18} {line}" for name, line in STUDIES.items())
+    # Named as the user typed it: the console script's `hf-powernorm studies`, else `python -m`.
+    console = os.path.basename(sys.argv[0]) == "hf-powernorm"
+    prog = "hf-powernorm studies" if console else "python -m hf_powernorm.studies"
     parser = argparse.ArgumentParser(
-        prog="python -m hf_powernorm.studies", usage="%(prog)s [-h] study [options]",
+        prog=prog, usage="%(prog)s [-h] study [options]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one study of PowerNorm; its outputs go to its --output_dir.",
-        epilog=f"studies:\n{listing}\n\n`python -m hf_powernorm.studies <study> --help` gives a study's options;\n"
-               f"`python -m hf_powernorm.studies docs [--check]` writes the documents' results tables from the data.")
+        epilog=f"studies:\n{listing}\n\n`{prog} <study> --help` gives a study's options;\n"
+               f"`{prog} docs [--check]` writes the documents' results tables from the data.")
     parser.add_argument("study", choices=list(STUDIES), metavar="study", help="one of the studies below")
     if argv[:1] == ["docs"]:
         from .documents import main as write_documents

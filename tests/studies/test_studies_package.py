@@ -104,6 +104,19 @@ def test_the_console_script_runs_the_studies_too(capsys):
     assert stopped.value.code == 0 and all(name in shown for name in STUDIES)
 
 
+def test_the_console_script_names_itself_in_a_studys_argparse_errors(monkeypatch, capsys):
+    """Run as `hf-powernorm studies`, a study's own parser says so (it said `python -m hf_powernorm.studies`)."""
+    from hf_powernorm import cli
+
+    monkeypatch.setattr(sys, "argv", ["/somewhere/bin/hf-powernorm", "studies", "batch_size", "--nope"])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main()
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("hf-powernorm studies batch_size: error: unrecognized "
+                                                        "arguments: --nope")
+    assert sys.argv[0] == "/somewhere/bin/hf-powernorm"  # given back
+
+
 def test_the_list_of_studies_answers_before_torch_is_imported():
     """`python -m hf_powernorm.studies --help` lists the studies without loading the library."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hf_powernorm.studies", "--help"],
