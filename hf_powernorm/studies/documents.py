@@ -404,11 +404,13 @@ CONVERGED_WORDS = {"neither": "no difference shown", "other": "PN better", "base
 
 
 def convergence_verdicts(runs: list[dict]) -> list[tuple[str, PairedVerdict]]:
-    """Protocol 3's verdicts as the study computes them (`convergence.verdicts`: each PN arm with at
-    least 3 seeds paired with LayerNorm's, test perplexity, Holm over the family of 2), those judged."""
-    from .convergence import verdicts  # the study imports this module
-
-    return [(row["arm"], row["verdict"]) for row in verdicts(runs) if row["verdict"].interval is not None]
+    """Protocol 3's verdicts: each PN arm with at least 3 seeds paired with LayerNorm's, test perplexity,
+    Holm over the family of 2 (an arm not judged yet counted at p = 1)."""
+    scores = {arm: {r["seed"]: r["test_perplexity"] for r in runs if r["arm"] == arm}
+              for arm in ("layernorm", *CONVERGENCE_ARMS)}
+    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3,
+                             whole_family=True)
+    return [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, family) if v.interval is not None]
 
 
 def _family_words(judged: list) -> str:
@@ -434,10 +436,10 @@ def convergence_answer(root: Path, finals: dict) -> list[str]:
                      f"({CONVERGED_WORDS[before.better]} over the {rows[0]['family']}): the ordering of the means "
                      + ("held" if held else f"reversed, PN now {'behind' if v.interval.mean > 0 else 'ahead'}"))
     capped = sum(r["stopped_by"] == "cap" for r in runs)
+    capped = "all" if capped == len(runs) else capped
     opening = (f"The ordering changed where training ends, for {' and '.join(changed)}. " if changed else "")
     text = (opening + f"Protocol 3 (PTB trained until validation stops improving or for {CONVERGENCE_CAP:,} updates; "
-            f"{len(runs)} of {CONVERGENCE_PLANNED} runs finished, {'all' if capped == len(runs) else capped} of them "
-            f"stopped by the cap), "
+            f"{len(runs)} of {CONVERGENCE_PLANNED} runs finished, {capped} of them stopped by the cap), "
             f"PN minus LayerNorm in test perplexity per BPE token, paired by seed, Holm over {_family_words(judged)}: "
             + "; ".join(parts) + ".")
     return _wrap(text)
