@@ -27,16 +27,15 @@ from typing import Any
 from ..training.executors import add_executor_args, executor_settings
 from ..training.grid import Cell, finished_results, run_grid
 from ..training.options import BadInput
-from ..training.reports import paired_cell, paired_verdicts, save_figure, write_rows
+from ..training.reports import paired_cell, save_figure, write_rows
 from . import tuned_comparison as tuned
-from .documents import SIGNIFICANCE, detectable_difference
+from .documents import CONVERGENCE_ARMS, SIGNIFICANCE, convergence_family, detectable_difference
 from .norm_comparison import validation_curve
 from .runs import study_output_dir
 
 TASK = "ptb"
-ARMS = ("layernorm", "powernorm", tuned.AUTHORS)
-ARM_NAMES = {"layernorm": "LayerNorm", "powernorm": "PN (its picks)",
-             tuned.AUTHORS: "PN, authors' alphas 0.9/0.9"}
+ARM_NAMES = {"layernorm": "LayerNorm", **CONVERGENCE_ARMS}
+ARMS = tuple(ARM_NAMES)
 # The tuned comparison's PTB picks at 4,500 updates (`results/tuned_comparison/picks.json`, "@4500"),
 # fixed here before any run of this study.
 PICKS = {
@@ -115,7 +114,7 @@ def verdicts(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     than 3 paired seeds has no verdict and no detectable difference. Before both arms have 3, the one
     judged is adjusted over the family of 2 all the same, the other counted at p = 1."""
     by_arm = {arm: {row["seed"]: row["test_perplexity"] for row in table if row["arm"] == arm} for arm in ARMS}
-    found = paired_verdicts([(by_arm["layernorm"], by_arm[arm], True) for arm in ARMS[1:]], whole_family=True)
+    found = convergence_family(by_arm)
     tested = sorted((v.interval.p_value for v in found if v.interval is not None))
     out = []
     for arm, verdict in zip(ARMS[1:], found):

@@ -35,7 +35,7 @@ import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -359,8 +359,8 @@ def cost_table(root: Path) -> list[str]:
 
 CONVERGENCE_TABLE = "convergence: beside 4,500 updates"  # protocol 3's pairs beside protocol 2's PTB finals
 CONVERGENCE_TEXT = "convergence: where it stands"  # protocol 3's runs, stops and verdicts, in words
-# Protocol 3's PN arms, runs (3 arms x seeds 1-5) and cap, as `studies.convergence` has them (repeated
-# here so that documents are written without its training imports; a test holds them equal).
+# Protocol 3's PN arms, runs (3 arms x seeds 1-5) and cap; `studies.convergence` takes its arms from here
+# (documents are written without the study's training imports; a test holds the runs and cap equal).
 CONVERGENCE_ARMS = {"powernorm": "PN (its picks)", "powernorm-authors": "PN, authors' alphas 0.9/0.9"}
 CONVERGENCE_PLANNED, CONVERGENCE_CAP = 15, 12000
 
@@ -403,14 +403,19 @@ def convergence_text(root: Path) -> list[str]:
 CONVERGED_WORDS = {"neither": "no difference shown", "other": "PN better", "baseline": "LayerNorm better"}
 
 
+def convergence_family(scores: Mapping[str, Mapping[int, float]]) -> list[PairedVerdict]:
+    """Protocol 3's family, in the order of `CONVERGENCE_ARMS`: each PN arm's test perplexity against
+    LayerNorm's, by seed (`scores[arm][seed]`), a verdict from 3 paired seeds on, Holm over the 2 (an arm
+    not judged yet counted at p = 1). The study's summary and these documents both judge through it."""
+    return paired_verdicts([(scores.get("layernorm", {}), scores.get(arm, {}), True) for arm in CONVERGENCE_ARMS],
+                           min_pairs=3, whole_family=True)
+
+
 def convergence_verdicts(runs: list[dict]) -> list[tuple[str, PairedVerdict]]:
-    """Protocol 3's verdicts: each PN arm with at least 3 seeds paired with LayerNorm's, test perplexity,
-    Holm over the family of 2 (an arm not judged yet counted at p = 1)."""
+    """The judged arms of protocol 3's family, from its runs' rows."""
     scores = {arm: {r["seed"]: r["test_perplexity"] for r in runs if r["arm"] == arm}
               for arm in ("layernorm", *CONVERGENCE_ARMS)}
-    family = paired_verdicts([(scores["layernorm"], scores[arm], True) for arm in CONVERGENCE_ARMS], min_pairs=3,
-                             whole_family=True)
-    return [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, family) if v.interval is not None]
+    return [(arm, v) for arm, v in zip(CONVERGENCE_ARMS, convergence_family(scores)) if v.interval is not None]
 
 
 def _family_words(judged: list) -> str:

@@ -142,7 +142,8 @@ def test_the_convergence_table_pairs_each_seed_of_both_protocols(tmp_path):
 def test_the_documents_name_protocol_threes_arms_runs_and_cap_as_the_study_does():
     from hf_powernorm.studies import convergence
 
-    assert documents.CONVERGENCE_ARMS == {arm: name for arm, name in convergence.ARM_NAMES.items() if arm != "layernorm"}
+    assert convergence.ARMS == ("layernorm", *documents.CONVERGENCE_ARMS)
+    assert set(convergence.PICKS) == set(convergence.ARMS)  # every arm the documents name is a run of the study
     assert documents.CONVERGENCE_PLANNED == len(convergence.ARMS) * len(convergence.SEEDS)
     assert documents.CONVERGENCE_CAP == convergence.SIZES["real"]["cap"]
 
